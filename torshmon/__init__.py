@@ -1,0 +1,25 @@
+"""torshmon: watch distributed PyTorch training while it runs.
+
+``torshmon.attach(ddp_model, job=...)`` starts the probe in a training process.
+The probe (and torch) load on first use, so the daemons that import other parts
+of the package do not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from torshmon.probe import Monitor, StepScope, attach
+
+__all__ = ["Monitor", "StepScope", "__version__", "attach"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Monitor", "StepScope", "attach"):
+        from torshmon import probe
+
+        return getattr(probe, name)
+    raise AttributeError(f"module 'torshmon' has no attribute {name!r}")

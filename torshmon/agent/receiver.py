@@ -1,0 +1,148 @@
+"""A minimal probe-facing server: validates frames, records them, acknowledges batches.
+
+It speaks the real wire protocol (``torshmon.wire``) and is what the full agent
+builds on; on its own it appends every accepted message to a JSON-lines file
+and/or hands it to a callback. Batches are de-duplicated by session and
+sequence number, so a probe resending after a reconnect stores nothing twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from torshmon.wire import (
+    FRAME_HEADER,
+    SCHEMA_VERSION,
+    Ack,
+    Batch,
+    ProbeMessage,
+    WireError,
+    decode_probe_message,
+    encode_frame,
+    frame_length,
+)
+
+log = logging.getLogger(__name__)
+
+_REJECT_LOG_INTERVAL_S = 10.0
+
+
+class ProbeReceiver:
+    """Unix-socket server for any number of probes. ``async with`` or start()/aclose()."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        *,
+        out_path: str | os.PathLike[str] | None = None,
+        on_message: Callable[[ProbeMessage], None] | None = None,
+    ) -> None:
+        self.socket_path = Path(socket_path)
+        self._out_path = Path(out_path) if out_path is not None else None
+        self._on_message = on_message
+        self._out: IO[bytes] | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._last_seq: dict[str, int] = {}
+        self._last_reject_log = 0.0
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self.frames_accepted = 0
+        self.frames_rejected = 0
+        self.duplicates = 0
+
+    async def start(self) -> None:
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        if self._out_path is not None:
+            self._out = self._out_path.open("ab")
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.socket_path))
+
+    async def aclose(self) -> None:
+        """Stop serving; safe to call twice."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+            # Closing the transports ends each handler's read; cancelling the
+            # handler tasks instead makes asyncio log spurious CancelledErrors.
+            for writer in list(self._connections.values()):
+                writer.close()
+            await asyncio.gather(*self._connections, return_exceptions=True)
+            await server.wait_closed()
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+        out, self._out = self._out, None
+        if out is not None:
+            out.close()
+
+    async def __aenter__(self) -> ProbeReceiver:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections[task] = writer
+        try:
+            while True:
+                header = await reader.readexactly(FRAME_HEADER.size)
+                try:
+                    length = frame_length(header)
+                except WireError as exc:
+                    # The stream cannot be re-synchronised after a bad length: drop it.
+                    self._reject(exc)
+                    return
+                payload = await reader.readexactly(length)
+                try:
+                    message = decode_probe_message(payload)
+                except WireError as exc:
+                    self._reject(exc)
+                    continue
+                self._accept(message, payload)
+                if isinstance(message, Batch):
+                    writer.write(encode_frame(Ack(v=SCHEMA_VERSION, seq=message.seq)))
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            if task is not None:
+                self._connections.pop(task, None)
+            writer.close()
+
+    def _accept(self, message: ProbeMessage, payload: bytes) -> None:
+        if isinstance(message, Batch):
+            if message.seq <= self._last_seq.get(message.session, 0):
+                self.duplicates += 1
+                return
+            self._last_seq[message.session] = message.seq
+        self.frames_accepted += 1
+        if self._out is not None:
+            self._out.write(payload + b"\n")
+            self._out.flush()
+        if self._on_message is not None:
+            self._on_message(message)
+
+    def _reject(self, exc: Exception) -> None:
+        self.frames_rejected += 1
+        now = time.monotonic()
+        if now - self._last_reject_log >= _REJECT_LOG_INTERVAL_S:
+            self._last_reject_log = now
+            log.warning("rejected a probe frame (%d so far): %s", self.frames_rejected, exc)
+
+
+def read_messages(path: str | os.PathLike[str]) -> list[ProbeMessage]:
+    """Every message of a receiver's JSON-lines file, validated."""
+    with open(path, "rb") as f:
+        return [decode_probe_message(line) for line in f if line.strip()]
+
+
+__all__ = ["ProbeReceiver", "read_messages"]

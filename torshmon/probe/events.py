@@ -1,0 +1,60 @@
+"""Raw events of one training step, appended from any thread.
+
+The hot path only appends tuples (atomic under the GIL); turning them into wire
+records happens on the shipper thread (see ``summary.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class CollectiveEvent(NamedTuple):
+    """One collective call. ``blocking`` is True when the caller waited for it."""
+
+    op: str
+    pg: str
+    group_size: int
+    dtype: str
+    size_bytes: int
+    start_ns: int
+    end_ns: int
+    blocking: bool
+
+
+class BucketEvent(NamedTuple):
+    """One DDP bucket reduced by the comm hook (launch and completion times)."""
+
+    bucket_index: int
+    size_bytes: int
+    parameters: int
+    launch_ns: int
+    done_ns: int
+    codec: str
+
+
+@dataclass(slots=True)
+class StepEvents:
+    """Everything recorded between two step boundaries (perf_counter_ns times)."""
+
+    collectives: list[CollectiveEvent] = field(default_factory=list)
+    buckets: list[BucketEvent] = field(default_factory=list)
+    forward_start_ns: int | None = None
+    forward_end_ns: int | None = None
+    backward_end_ns: int | None = None
+    backward_hooked: bool = False
+
+
+@dataclass(slots=True)
+class RawStep:
+    """A finished step as the training thread hands it to the shipper."""
+
+    step: int
+    start_ns: int
+    end_ns: int
+    end_unix_ns: int
+    batch_size: int | None
+    loss: object
+    events: StepEvents
+    ddp_logging: dict[str, object] | None

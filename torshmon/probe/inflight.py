@@ -1,0 +1,80 @@
+"""Collectives in flight on this rank, so a hang can be attributed to a rank.
+
+Thread safety: ``begin`` and ``end`` are called from the training thread, the
+autograd thread and communication threads; they only use operations that are
+atomic under the GIL (``next`` on a counter, dict item set and pop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from torshmon.wire import InflightOp
+
+
+class _Entry(NamedTuple):
+    pg: str
+    seq: int
+    op: str
+    size_bytes: int
+    peer: int | None
+    start_unix_ns: int
+    start_perf_ns: int
+
+
+class InflightTable:
+    """Sequence numbers per process group and the set of unfinished collectives.
+
+    Collectives are numbered per group; point-to-point ops per (group, peer), so
+    the same number on two ranks names the same operation.
+    """
+
+    def __init__(self) -> None:
+        self._tokens = itertools.count()
+        self._seqs: dict[tuple[str, int | None], Iterator[int]] = {}
+        self._open: dict[int, _Entry] = {}
+
+    def begin(self, pg: str, op: str, size_bytes: int, peer: int | None = None) -> int:
+        """Register an op as entered; returns the token to pass to ``end``."""
+        key = (pg, peer)
+        counter = self._seqs.get(key)
+        if counter is None:
+            counter = self._seqs.setdefault(key, itertools.count(1))
+        token = next(self._tokens)
+        self._open[token] = _Entry(
+            pg, next(counter), op, size_bytes, peer, time.time_ns(), time.perf_counter_ns()
+        )
+        return token
+
+    def end(self, token: int) -> None:
+        """Mark an op as finished (successfully or not); unknown tokens are ignored."""
+        self._open.pop(token, None)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def oldest(self, now_perf_ns: int | None = None) -> list[InflightOp]:
+        """The oldest unfinished op of each (group, peer), oldest first."""
+        now = time.perf_counter_ns() if now_perf_ns is None else now_perf_ns
+        oldest: dict[tuple[str, int | None], _Entry] = {}
+        for entry in self._open.copy().values():
+            key = (entry.pg, entry.peer)
+            current = oldest.get(key)
+            if current is None or entry.seq < current.seq:
+                oldest[key] = entry
+        ordered = sorted(oldest.values(), key=lambda e: e.start_perf_ns)
+        return [
+            InflightOp(
+                pg=e.pg,
+                seq=e.seq,
+                op=e.op,
+                size_bytes=e.size_bytes,
+                start_unix_ns=e.start_unix_ns,
+                age_s=max(0.0, (now - e.start_perf_ns) / 1e9),
+                peer=e.peer,
+            )
+            for e in ordered
+        ]

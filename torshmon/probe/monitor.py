@@ -1,0 +1,255 @@
+"""The in-process monitor: ``attach``, ``step``, ``close``.
+
+Telemetry never breaks training: configuration mistakes raise at ``attach``;
+anything that fails later is logged once and skipped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import time
+import uuid
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torshmon import __version__
+from torshmon.paths import default_agent_socket
+from torshmon.probe import _torch_compat
+from torshmon.probe.collectives import CollectiveTracer
+from torshmon.probe.commhook import DispatchingCommHook
+from torshmon.probe.events import RawStep, StepEvents
+from torshmon.probe.inflight import InflightTable
+from torshmon.probe.shipper import Outbox, Shipper
+from torshmon.wire import SCHEMA_VERSION, Hello
+
+log = logging.getLogger(__name__)
+
+
+class StepScope:
+    """Context manager around one training step; ``loss`` may be set inside it."""
+
+    __slots__ = ("_monitor", "batch_size", "loss")
+
+    def __init__(self, monitor: Monitor, batch_size: int | None, loss: object) -> None:
+        self._monitor = monitor
+        self.batch_size = batch_size
+        self.loss = loss
+
+    def __enter__(self) -> StepScope:
+        self._monitor._enter_step()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._monitor._exit_step(self, failed=exc_type is not None)
+
+
+class Monitor:
+    """Watches one rank of a distributed job: collectives, DDP buckets, steps.
+
+    Create with ``torshmon.attach``. Not thread-safe for ``step``: call it from
+    the training thread. ``close()`` is idempotent.
+    """
+
+    def __init__(
+        self,
+        module: Any = None,
+        *,
+        job: str | None = None,
+        agent_socket: str | None = None,
+        flush_interval_s: float = 0.5,
+        max_buffered_steps: int = 10_000,
+        ddp_stats_every: int = 50,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "torch.distributed is not initialized: call init_process_group() "
+                "before torshmon.attach()"
+            )
+        if module is not None and not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                "torshmon.attach() takes a DistributedDataParallel module or None, "
+                f"got {type(module).__name__}"
+            )
+        if ddp_stats_every < 1:
+            raise ValueError(f"ddp_stats_every must be >= 1, got {ddp_stats_every}")
+        self.job = job or os.environ.get("TORSHMON_JOB") or "default"
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.agent_socket = agent_socket or default_agent_socket()
+        self._module = module
+        self._ddp_stats_every = ddp_stats_every
+        self._events = StepEvents()
+        self._step = 0
+        self._step_start_ns = 0
+        self._in_step = False
+        self._closed = False
+        self._failures: set[str] = set()
+        self._inflight = InflightTable()
+        self._tracer = CollectiveTracer(self._inflight, self._current_events)
+        self._hook: DispatchingCommHook | None = None
+        self._handles: list[Any] = []
+        self._tracer.install()
+        if module is not None:
+            try:
+                self._instrument_ddp(module)
+            except BaseException:
+                self._tracer.uninstall()
+                raise
+        self._outbox: Outbox[RawStep] = Outbox(max_buffered_steps)
+        self._shipper = Shipper(
+            socket_path=self.agent_socket,
+            hello=self._hello(),
+            outbox=self._outbox,
+            inflight=self._inflight,
+            flush_interval_s=flush_interval_s,
+            max_buffered_steps=max_buffered_steps,
+        )
+        self._shipper.start()
+        atexit.register(self.close)
+
+    # -- public API -------------------------------------------------------------------
+    def step(self, batch_size: int | None = None, loss: object = None) -> StepScope:
+        """A scope around one step; ``batch_size`` gives throughput, ``loss`` may be set later."""
+        return StepScope(self, batch_size, loss)
+
+    @property
+    def steps(self) -> int:
+        """Steps completed so far."""
+        return self._step
+
+    @property
+    def dropped_records_total(self) -> int:
+        """Step records dropped because the agent was absent or slow."""
+        return self._shipper.dropped_records_total
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop monitoring, flush what the agent can take within ``timeout_s``.
+
+        Restores the original collectives; the comm hook stays registered (DDP
+        cannot unregister it) but becomes a plain all-reduce. Safe to call twice.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self._tracer.uninstall()
+        if self._hook is not None:
+            self._hook.enabled = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._shipper.close(timeout_s)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------
+    def _current_events(self) -> StepEvents:
+        return self._events
+
+    def _instrument_ddp(self, module: Any) -> None:
+        pg_label, _ = self._tracer.group_info(module.process_group)
+        hook = DispatchingCommHook(
+            module.process_group, pg_label, self._inflight, self._current_events
+        )
+        try:
+            hook.register(module)
+        except RuntimeError as exc:
+            # DDP takes one comm hook; the user's own stays, buckets go untimed.
+            log.warning("torshmon: cannot register the bucket hook (%s); buckets untimed", exc)
+        else:
+            self._hook = hook
+        self._handles.append(module.register_forward_pre_hook(self._on_forward_start))
+        self._handles.append(module.register_forward_hook(self._on_forward_end))
+
+    def _on_forward_start(self, _module: Any, _args: Any) -> None:
+        events = self._events
+        if events.forward_start_ns is None:
+            events.forward_start_ns = time.perf_counter_ns()
+
+    def _on_forward_end(self, _module: Any, _args: Any, _output: Any) -> None:
+        self._events.forward_end_ns = time.perf_counter_ns()
+
+    def _hello(self) -> Hello:
+        return Hello(
+            v=SCHEMA_VERSION,
+            session=uuid.uuid4().hex,
+            job=self.job,
+            rank=self.rank,
+            world_size=self.world_size,
+            local_rank=int(os.environ.get("LOCAL_RANK", self.rank)),
+            node=socket.gethostname(),
+            pid=os.getpid(),
+            backend=str(dist.get_backend()),
+            torch_version=str(torch.__version__),
+            probe_version=__version__,
+        )
+
+    def _enter_step(self) -> None:
+        if self._in_step:
+            raise RuntimeError("mon.step() scopes cannot be nested")
+        self._in_step = True
+        self._step_start_ns = time.perf_counter_ns()
+
+    def _exit_step(self, scope: StepScope, *, failed: bool) -> None:
+        end_ns = time.perf_counter_ns()
+        self._in_step = False
+        # Everything from here to the next step's end belongs to the next step.
+        events, self._events = self._events, StepEvents()
+        if failed or self._closed:
+            return
+        self._step += 1
+        try:
+            loss = scope.loss
+            detach = getattr(loss, "detach", None)
+            if detach is not None:
+                loss = detach()  # do not keep the autograd graph alive
+            ddp_logging = None
+            if self._module is not None and self._step % self._ddp_stats_every == 0:
+                ddp_logging = _torch_compat.ddp_logging_data(self._module)
+            self._outbox.put(
+                RawStep(
+                    step=self._step,
+                    start_ns=self._step_start_ns,
+                    end_ns=end_ns,
+                    end_unix_ns=time.time_ns(),
+                    batch_size=scope.batch_size,
+                    loss=loss,
+                    events=events,
+                    ddp_logging=ddp_logging,
+                )
+            )
+        except Exception:
+            self._note_failure("step")
+
+    def _note_failure(self, what: str) -> None:
+        if what not in self._failures:
+            self._failures.add(what)
+            log.warning("torshmon: recording %s failed; skipping", what, exc_info=True)
+
+
+def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Monitor:
+    """Start monitoring this rank.
+
+    ``module`` is the DistributedDataParallel module (or None to watch
+    collectives only); ``job`` names the job (default ``$TORSHMON_JOB``).
+    Options: ``agent_socket`` (default ``$TORSHMON_AGENT_SOCKET``),
+    ``flush_interval_s``, ``max_buffered_steps``, ``ddp_stats_every``.
+    Raises RuntimeError if torch.distributed is not initialized or a monitor is
+    already attached in this process, TypeError for a module that is not DDP.
+    """
+    return Monitor(module, job=job, **options)

@@ -1,0 +1,259 @@
+"""Ships a rank's step records to the local agent on a background thread.
+
+The training thread only hands raw steps to a bounded ``Outbox``; everything
+else (summarising, batching, socket I/O, reconnecting) happens on the shipper's
+daemon thread, so a missing or slow agent can never block training. While the
+agent is away, batches wait in a bounded buffer; past the bound the oldest are
+dropped and counted, and the count travels in every later batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from typing import Generic, TypeVar
+
+from torshmon.probe.events import RawStep
+from torshmon.probe.inflight import InflightTable
+from torshmon.probe.summary import summarize_step
+from torshmon.wire import (
+    FRAME_HEADER,
+    SCHEMA_VERSION,
+    Batch,
+    Hello,
+    StepRecord,
+    WireError,
+    decode_ack,
+    encode_frame,
+    frame_length,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Outbox(Generic[T]):
+    """Bounded single-producer hand-off; when full, the oldest item is dropped and counted.
+
+    ``put`` is called by the training thread, ``drain`` by the shipper; both use
+    deque operations that are atomic under the GIL.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._items: deque[T] = deque()
+        self._capacity = capacity
+        self.dropped = 0
+
+    def put(self, item: T) -> None:
+        if len(self._items) >= self._capacity:
+            try:
+                self._items.popleft()
+                self.dropped += 1
+            except IndexError:
+                pass
+        self._items.append(item)
+
+    def drain(self) -> list[T]:
+        out = []
+        try:
+            while True:
+                out.append(self._items.popleft())
+        except IndexError:
+            return out
+
+
+class Shipper:
+    """The background thread that batches step records and sends them to the agent.
+
+    Protocol: ``hello`` on every new connection, then each batch is sent and
+    answered by an ``ack``; unacknowledged batches are resent after a reconnect.
+    ``start()`` once, ``close()`` any number of times.
+    """
+
+    def __init__(
+        self,
+        *,
+        socket_path: str,
+        hello: Hello,
+        outbox: Outbox[RawStep],
+        inflight: InflightTable,
+        flush_interval_s: float = 0.5,
+        heartbeat_interval_s: float = 1.0,
+        max_buffered_steps: int = 10_000,
+        max_steps_per_batch: int = 256,
+        io_timeout_s: float = 2.0,
+        reconnect_max_s: float = 5.0,
+    ) -> None:
+        self._socket_path = socket_path
+        self._hello = hello
+        self._outbox = outbox
+        self._inflight = inflight
+        self._flush_interval_s = flush_interval_s
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._max_buffered_steps = max_buffered_steps
+        self._max_steps_per_batch = max_steps_per_batch
+        self._io_timeout_s = io_timeout_s
+        self._reconnect_max_s = reconnect_max_s
+        self._seq = itertools.count(1)
+        self._unacked: deque[Batch] = deque()
+        self._buffered_steps = 0
+        self._dropped_here = 0
+        self._sock: socket.socket | None = None
+        self._next_connect = 0.0
+        self._backoff_s = 0.1
+        self._last_batch = 0.0
+        self._was_connected = False
+        self._warned_down = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="torshmon-shipper", daemon=True)
+        self.batches_acked = 0
+
+    @property
+    def dropped_records_total(self) -> int:
+        """Step records lost so far (outbox overflow plus buffer overflow)."""
+        return self._outbox.dropped + self._dropped_here
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Flush what can be sent within ``timeout_s`` and stop the thread."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    # -- the thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        failures = 0
+        while True:
+            stopping = self._stop.wait(self._flush_interval_s)
+            try:
+                self._cycle(final=stopping)
+            except Exception:
+                failures += 1
+                if failures == 1:
+                    log.exception("torshmon: shipper cycle failed; records may be dropped")
+            if stopping:
+                break
+        self._disconnect()
+
+    def _cycle(self, *, final: bool) -> None:
+        steps = [summarize_step(raw) for raw in self._outbox.drain()]
+        for start in range(0, len(steps), self._max_steps_per_batch):
+            self._enqueue(steps[start : start + self._max_steps_per_batch])
+        now = time.monotonic()
+        if self._sock is None and (final or now >= self._next_connect):
+            self._connect()
+        if self._sock is None:
+            return
+        if not self._unacked and now - self._last_batch >= self._heartbeat_interval_s:
+            self._enqueue([])  # heartbeat: carries in-flight ops of a stuck rank
+        self._send_unacked()
+
+    def _enqueue(self, steps: list[StepRecord]) -> None:
+        # Make room first, so the count stamped on this batch includes what it evicts.
+        excess = self._buffered_steps + len(steps) - self._max_buffered_steps
+        while excess > 0 and self._unacked:
+            lost = self._unacked.popleft()
+            self._buffered_steps -= len(lost.steps)
+            self._dropped_here += len(lost.steps)
+            excess -= len(lost.steps)
+        if excess > 0:
+            self._dropped_here += excess
+            steps = steps[excess:]
+        self._last_batch = time.monotonic()
+        batch = Batch(
+            v=SCHEMA_VERSION,
+            session=self._hello.session,
+            seq=next(self._seq),
+            job=self._hello.job,
+            rank=self._hello.rank,
+            sent_unix_ns=time.time_ns(),
+            dropped_records_total=self.dropped_records_total,
+            steps=steps,
+            inflight=self._inflight.oldest(),
+        )
+        self._unacked.append(batch)
+        self._buffered_steps += len(steps)
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self._io_timeout_s)
+        try:
+            sock.connect(self._socket_path)
+            sock.sendall(encode_frame(self._hello))
+        except OSError as exc:
+            sock.close()
+            self._schedule_reconnect(exc)
+            return
+        self._sock = sock
+        self._backoff_s = 0.1
+        self._warned_down = False
+        if self._was_connected:
+            log.info(
+                "torshmon: reconnected to agent at %s; %d step records dropped so far",
+                self._socket_path,
+                self.dropped_records_total,
+            )
+        self._was_connected = True
+
+    def _send_unacked(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            while self._unacked:
+                batch = self._unacked[0]
+                sock.sendall(encode_frame(batch))
+                ack = decode_ack(_recv_frame(sock))
+                while self._unacked and self._unacked[0].seq <= ack.seq:
+                    done = self._unacked.popleft()
+                    self._buffered_steps -= len(done.steps)
+                    self.batches_acked += 1
+        except (OSError, WireError) as exc:
+            self._disconnect()
+            self._schedule_reconnect(exc)
+
+    def _schedule_reconnect(self, exc: Exception) -> None:
+        if not self._warned_down:
+            self._warned_down = True
+            log.warning(
+                "torshmon: agent at %s unavailable (%s); buffering up to %d step records",
+                self._socket_path,
+                exc,
+                self._max_buffered_steps,
+            )
+        self._next_connect = time.monotonic() + self._backoff_s
+        self._backoff_s = min(self._reconnect_max_s, self._backoff_s * 2)
+
+    def _disconnect(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < size:
+        chunk = sock.recv(size - len(chunks))
+        if not chunk:
+            raise ConnectionError("agent closed the connection")
+        chunks += chunk
+    return bytes(chunks)
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    return _recv_exact(sock, frame_length(_recv_exact(sock, FRAME_HEADER.size)))

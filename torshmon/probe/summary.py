@@ -1,0 +1,156 @@
+"""Turns a step's raw events into its wire record (runs on the shipper thread)."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from collections.abc import Mapping
+
+from torshmon.probe.bandwidth import bandwidths
+from torshmon.probe.events import CollectiveEvent, RawStep, StepEvents
+from torshmon.wire import DURATION_BUCKETS_S, BucketStat, CollectiveStat, DdpStats, StepRecord
+
+log = logging.getLogger(__name__)
+
+_NS = 1e-9
+
+
+def summarize_step(raw: RawStep) -> StepRecord:
+    """The wire record of one step: durations in seconds, collectives aggregated
+    per (op, group, dtype), buckets in index order."""
+    events = raw.events
+    duration_s = max(0.0, (raw.end_ns - raw.start_ns) * _NS)
+    comm_wait_s = min(duration_s, communication_wait_s(events, raw.start_ns))
+    forward_s, backward_s, optimizer_s = _phases(events, raw.end_ns)
+    samples_per_s = None
+    loss = _loss_value(raw.loss)
+    if raw.batch_size is not None and duration_s > 0.0:
+        samples_per_s = raw.batch_size / duration_s
+    return StepRecord(
+        step=raw.step,
+        end_unix_ns=raw.end_unix_ns,
+        duration_s=duration_s,
+        comm_wait_s=comm_wait_s,
+        compute_s=duration_s - comm_wait_s,
+        communication_time_ratio=comm_wait_s / duration_s if duration_s > 0.0 else 0.0,
+        comm_busy_s=sum(e.end_ns - e.start_ns for e in events.collectives) * _NS,
+        forward_s=forward_s,
+        backward_s=backward_s,
+        optimizer_s=optimizer_s,
+        batch_size=raw.batch_size,
+        samples_per_s=samples_per_s,
+        loss=loss if loss is None or math.isfinite(loss) else None,
+        loss_nonfinite=loss is not None and not math.isfinite(loss),
+        collectives=aggregate_collectives(events.collectives),
+        buckets=[
+            BucketStat(
+                index=b.bucket_index,
+                size_bytes=b.size_bytes,
+                parameters=b.parameters,
+                duration_s=(b.done_ns - b.launch_ns) * _NS,
+                codec=b.codec,
+            )
+            for b in sorted(events.buckets)
+        ],
+        ddp=ddp_stats(raw.ddp_logging) if raw.ddp_logging is not None else None,
+    )
+
+
+def communication_wait_s(events: StepEvents, step_start_ns: int) -> float:
+    """Seconds the step spent waiting for communication.
+
+    Blocking collectives count whole. DDP buckets overlap with backward compute:
+    only the tail after the last bucket was launched (when backward compute ended)
+    until the last bucket finished is waiting.
+    """
+    waited_ns = sum(
+        e.end_ns - e.start_ns
+        for e in events.collectives
+        if e.blocking and e.start_ns >= step_start_ns
+    )
+    if events.buckets:
+        last_launch = max(b.launch_ns for b in events.buckets)
+        last_done = max(b.done_ns for b in events.buckets)
+        waited_ns += max(0, last_done - last_launch)
+    return waited_ns * _NS
+
+
+def aggregate_collectives(collectives: list[CollectiveEvent]) -> list[CollectiveStat]:
+    """Per (op, group, dtype): count, summed size and time, max time, bandwidths,
+    and a duration histogram over DURATION_BUCKETS_S."""
+    groups: dict[tuple[str, str, str], list[CollectiveEvent]] = {}
+    for event in collectives:
+        groups.setdefault((event.op, event.pg, event.dtype), []).append(event)
+    stats = []
+    for (op, pg, dtype), calls in sorted(groups.items()):
+        durations = [(c.end_ns - c.start_ns) * _NS for c in calls]
+        size = sum(c.size_bytes for c in calls)
+        total_s = sum(durations)
+        algbw, busbw = bandwidths(op, size, total_s, calls[0].group_size)
+        hist = [0] * (len(DURATION_BUCKETS_S) + 1)
+        for d in durations:
+            hist[bisect.bisect_left(DURATION_BUCKETS_S, d)] += 1
+        stats.append(
+            CollectiveStat(
+                op=op,
+                pg=pg,
+                dtype=dtype,
+                count=len(calls),
+                size_bytes=size,
+                duration_s=total_s,
+                max_duration_s=max(durations),
+                algbw_bytes_per_s=algbw,
+                busbw_bytes_per_s=busbw,
+                duration_hist=hist,
+            )
+        )
+    return stats
+
+
+def ddp_stats(data: Mapping[str, object]) -> DdpStats | None:
+    """DDP's logging data in wire form; None if a field is missing or malformed."""
+    try:
+        sizes = str(data.get("rebuilt_bucket_sizes") or data["bucket_sizes"])
+        return DdpStats(
+            bucket_cap_bytes=int(str(data["bucket_cap_bytes"])),
+            bucket_sizes_bytes=[int(s) for s in sizes.split(",") if s.strip()],
+            num_buckets_reduced=int(str(data.get("num_buckets_reduced", 0))),
+            avg_forward_compute_s=_ns_field(data, "avg_forward_compute_time"),
+            avg_backward_compute_s=_ns_field(data, "avg_backward_compute_time"),
+            avg_backward_comm_s=_ns_field(data, "avg_backward_comm_time"),
+            avg_backward_compute_comm_overlap_s=_ns_field(
+                data, "avg_backward_compute_comm_overlap_time"
+            ),
+        )
+    except (KeyError, ValueError):
+        log.debug("torshmon: unexpected DDP logging data %r", data)
+        return None
+
+
+def _ns_field(data: Mapping[str, object], key: str) -> float:
+    return int(str(data.get(key, 0))) * _NS
+
+
+def _phases(events: StepEvents, end_ns: int) -> tuple[float | None, float | None, float | None]:
+    fwd_start, fwd_end, bwd_end = (
+        events.forward_start_ns,
+        events.forward_end_ns,
+        events.backward_end_ns,
+    )
+    forward = (fwd_end - fwd_start) * _NS if fwd_start is not None and fwd_end is not None else None
+    if fwd_end is None or bwd_end is None or bwd_end < fwd_end:
+        return forward, None, None
+    return forward, (bwd_end - fwd_end) * _NS, max(0, end_ns - bwd_end) * _NS
+
+
+def _loss_value(loss: object) -> float | None:
+    """A float from whatever the user reported (float, 0-d tensor); None if unusable."""
+    if loss is None:
+        return None
+    try:
+        item = getattr(loss, "item", None)
+        value = float(item() if callable(item) else loss)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return value

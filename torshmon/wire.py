@@ -1,0 +1,233 @@
+"""The versioned wire schema spoken between the probe and the agent.
+
+Every message is one frame on a Unix stream socket: a 4-byte big-endian length
+followed by that many bytes of JSON. The JSON object carries a ``kind`` tag and
+the schema version ``v``. The probe sends ``hello`` once per connection, then
+``batch`` messages; the agent answers each batch with an ``ack`` naming its
+sequence number once the batch is safely stored, and the probe resends every
+unacknowledged batch after a reconnect (the agent de-duplicates by
+``session`` + ``seq``).
+
+The records are msgspec Structs: frozen, slotted, validated on decode, with
+units in the field names. This module is the only place the schema is written.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final
+
+import msgspec
+
+SCHEMA_VERSION: Final = 1
+MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
+FRAME_HEADER: Final = struct.Struct("!I")
+
+#: Upper bounds (seconds) of the collective duration histogram buckets; the last
+#: count of ``CollectiveStat.duration_hist`` is the overflow (+Inf) bucket.
+DURATION_BUCKETS_S: Final[tuple[float, ...]] = (
+    1e-5,
+    5e-5,
+    1e-4,
+    5e-4,
+    1e-3,
+    5e-3,
+    1e-2,
+    5e-2,
+    0.1,
+    0.5,
+    1.0,
+    5.0,
+    10.0,
+    60.0,
+)
+
+
+class WireError(ValueError):
+    """A frame or message that does not follow the schema; the text names what is wrong."""
+
+
+class CollectiveStat(msgspec.Struct, frozen=True, kw_only=True):
+    """Collectives of one (op, process group, dtype) within one step.
+
+    ``size_bytes`` is the nccl-tests message size S summed over calls (for
+    all_gather the gathered output, for reduce_scatter and all_to_all the input);
+    bandwidths are the nccl-tests algorithm and bus bandwidths over the summed time.
+    """
+
+    op: str
+    pg: str
+    dtype: str
+    count: int
+    size_bytes: int
+    duration_s: float
+    max_duration_s: float
+    algbw_bytes_per_s: float
+    busbw_bytes_per_s: float
+    duration_hist: list[int]
+
+
+class BucketStat(msgspec.Struct, frozen=True, kw_only=True):
+    """One DDP gradient bucket reduced by the probe's comm hook in one step."""
+
+    index: int
+    size_bytes: int
+    parameters: int
+    duration_s: float
+    codec: str = "none"
+
+
+class DdpStats(msgspec.Struct, frozen=True, kw_only=True):
+    """DDP's own logging data (``_get_ddp_logging_data``), sampled every few steps."""
+
+    bucket_cap_bytes: int
+    bucket_sizes_bytes: list[int]
+    num_buckets_reduced: int
+    avg_forward_compute_s: float
+    avg_backward_compute_s: float
+    avg_backward_comm_s: float
+    avg_backward_compute_comm_overlap_s: float
+
+
+class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One training step of one rank.
+
+    ``comm_wait_s`` is communication the step waited for (blocking collectives
+    plus DDP bucket reduction not hidden behind backward compute);
+    ``compute_s`` is ``duration_s - comm_wait_s``. Phase splits are ``None``
+    where they cannot be measured (no DDP module attached). JSON has no NaN: a
+    NaN or infinite loss is sent as ``loss=None, loss_nonfinite=True``.
+    """
+
+    step: int
+    end_unix_ns: int
+    duration_s: float
+    comm_wait_s: float
+    compute_s: float
+    communication_time_ratio: float
+    comm_busy_s: float
+    forward_s: float | None = None
+    backward_s: float | None = None
+    optimizer_s: float | None = None
+    batch_size: int | None = None
+    samples_per_s: float | None = None
+    loss: float | None = None
+    loss_nonfinite: bool = False
+    collectives: list[CollectiveStat] = []
+    buckets: list[BucketStat] = []
+    ddp: DdpStats | None = None
+
+
+class InflightOp(msgspec.Struct, frozen=True, kw_only=True):
+    """A collective this rank entered and has not finished (the oldest per group).
+
+    ``seq`` counts collectives per process group (point-to-point ops per group and
+    peer), so the same number on different ranks is the same collective.
+    """
+
+    pg: str
+    seq: int
+    op: str
+    size_bytes: int
+    start_unix_ns: int
+    age_s: float
+    peer: int | None = None
+
+
+class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_field="kind"):
+    """First frame on every connection: who is speaking."""
+
+    v: int
+    session: str
+    job: str
+    rank: int
+    world_size: int
+    local_rank: int
+    node: str
+    pid: int
+    backend: str
+    torch_version: str
+    probe_version: str
+
+
+class Batch(msgspec.Struct, frozen=True, kw_only=True, tag="batch", tag_field="kind"):
+    """Step records of one rank since the previous batch, plus its in-flight ops.
+
+    ``dropped_records_total`` counts, since attach, step records the probe had to
+    drop (no agent, or a slow one); it is cumulative so a lost batch loses no count.
+    A batch with no steps is a heartbeat; it still carries ``inflight``, which is
+    how a rank stuck inside a collective is seen.
+    """
+
+    v: int
+    session: str
+    seq: int
+    job: str
+    rank: int
+    sent_unix_ns: int
+    dropped_records_total: int
+    steps: list[StepRecord] = []
+    inflight: list[InflightOp] = []
+
+
+class Ack(msgspec.Struct, frozen=True, kw_only=True, tag="ack", tag_field="kind"):
+    """The agent's answer to a batch: stored, up to and including ``seq``."""
+
+    v: int
+    seq: int
+
+
+ProbeMessage = Hello | Batch
+
+_encoder = msgspec.json.Encoder()
+_probe_decoder = msgspec.json.Decoder(ProbeMessage)
+_ack_decoder = msgspec.json.Decoder(Ack)
+
+
+def encode_frame(message: Hello | Batch | Ack) -> bytes:
+    """Serialise one message as a length-prefixed frame.
+
+    Raises WireError if the encoded message exceeds MAX_FRAME_BYTES.
+    """
+    payload = _encoder.encode(message)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise WireError(f"frame of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES} byte limit")
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def frame_length(header: bytes) -> int:
+    """Length announced by a frame header; WireError if it is over the limit."""
+    (length,) = FRAME_HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise WireError(f"frame announces {length} bytes, over the {MAX_FRAME_BYTES} byte limit")
+    return int(length)
+
+
+def decode_probe_message(payload: bytes) -> ProbeMessage:
+    """Decode and validate a probe frame's payload (``hello`` or ``batch``).
+
+    Raises WireError naming the offending field, or the unsupported version.
+    """
+    try:
+        message: ProbeMessage = _probe_decoder.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise WireError(f"invalid probe message: {exc}") from exc
+    _check_version(message.v)
+    return message
+
+
+def decode_ack(payload: bytes) -> Ack:
+    """Decode and validate the agent's ``ack``; WireError if it is not one."""
+    try:
+        ack: Ack = _ack_decoder.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise WireError(f"invalid ack: {exc}") from exc
+    _check_version(ack.v)
+    return ack
+
+
+def _check_version(version: int) -> None:
+    if version != SCHEMA_VERSION:
+        raise WireError(
+            f"unsupported schema version {version}; this side speaks version {SCHEMA_VERSION}"
+        )
