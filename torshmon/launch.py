@@ -14,7 +14,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -37,15 +37,20 @@ def run_ranks(
     env: Mapping[str, str] | None = None,
     rank_env: Callable[[int], Mapping[str, str]] | None = None,
     master_addr: str = "127.0.0.1",
+    netns: Sequence[str] | None = None,
 ) -> list[Any]:
     """Call ``target(rank, world_size, *args)`` in ``world_size`` processes.
 
     Each process has initialised a gloo process group before ``target`` runs and
-    destroys it afterwards. Returns the results ordered by rank. Raises
+    destroys it afterwards. With ``netns`` (one ``ip netns`` name per rank, e.g.
+    from ``torshmon.linkshape.LinkShaper``) each rank enters its network namespace
+    before opening any socket. Returns the results ordered by rank. Raises
     RankError if a rank raises, dies, or all have not finished in ``timeout_s``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if netns is not None and len(netns) != world_size:
+        raise ValueError(f"netns needs one name per rank ({world_size}), got {len(netns)}")
     ctx = mp.get_context("spawn")
     results: mp.Queue[tuple[int, bool, Any]] = ctx.Queue()
     port = free_port()
@@ -60,9 +65,10 @@ def run_ranks(
             WORLD_SIZE=str(world_size),
             LOCAL_RANK=str(rank),
         )
+        rank_netns = netns[rank] if netns is not None else None
         proc = ctx.Process(
             target=_rank_main,
-            args=(target, rank, world_size, args, environ, results, timeout_s),
+            args=(target, rank, world_size, args, environ, results, timeout_s, rank_netns),
             name=f"torshmon-rank-{rank}",
         )
         proc.start()
@@ -125,7 +131,17 @@ def _rank_main(
     environ: dict[str, str],
     results: Any,
     timeout_s: float,
+    netns: str | None = None,
 ) -> None:
+    if netns is not None:
+        # First thing: a socket stays in the namespace it was created in.
+        from torshmon.linkshape import enter_netns
+
+        try:
+            enter_netns(netns)
+        except OSError:
+            results.put((rank, False, f"rank {rank} failed:\n{traceback.format_exc()}"))
+            return
     os.environ.update(environ)
     import torch
     import torch.distributed as dist
