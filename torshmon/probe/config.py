@@ -1,0 +1,105 @@
+"""The communication configuration the probe applies to a running DDP job.
+
+A ``CommConfig`` is the DDP bucket cap and the gradient codec with its
+parameters, plus a version. Rank 0 validates a requested change before any
+rank sees it; ranks then agree on it by broadcast (see ``reconfig.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+MIB = 1024 * 1024
+#: Bucket caps are sized in MiB, as DDP's ``bucket_cap_mb`` is.
+MIN_BUCKET_CAP_MB = 0.001
+MAX_BUCKET_CAP_MB = 4096.0
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be applied; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommConfig:
+    """Bucket cap (MiB) and codec of a DDP job; ``version`` 0 is what the job started with."""
+
+    version: int
+    bucket_cap_mb: float
+    codec: str = "none"
+    codec_params: Mapping[str, float | int] = field(default_factory=dict)
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * MIB)
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "version": self.version,
+                "bucket_cap_mb": self.bucket_cap_mb,
+                "codec": self.codec,
+                "codec_params": dict(self.codec_params),
+            },
+            sort_keys=True,
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> CommConfig:
+        raw = json.loads(data)
+        return cls(
+            version=int(raw["version"]),
+            bucket_cap_mb=float(raw["bucket_cap_mb"]),
+            codec=str(raw["codec"]),
+            codec_params=dict(raw["codec_params"]),
+        )
+
+
+def validate_bucket_cap_mb(value: object) -> float:
+    """The cap as a float in MiB; ConfigError unless MIN_BUCKET_CAP_MB <= value <= MAX."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"bucket_cap_mb must be a number of MiB, got {value!r}")
+    cap = float(value)
+    if not math.isfinite(cap) or cap < MIN_BUCKET_CAP_MB or cap > MAX_BUCKET_CAP_MB:
+        raise ConfigError(
+            f"bucket_cap_mb must be between {MIN_BUCKET_CAP_MB} and {MAX_BUCKET_CAP_MB} MiB, "
+            f"got {value!r}"
+        )
+    return cap
+
+
+def next_config(
+    current: CommConfig,
+    *,
+    bucket_cap_mb: object = None,
+    codec: object = None,
+    codec_params: Mapping[str, object] | None = None,
+) -> CommConfig:
+    """The validated successor of ``current`` with the given fields changed.
+
+    A new codec without ``codec_params`` gets that codec's defaults; the same
+    codec with ``codec_params`` gets those params. Raises ConfigError naming the
+    offending field; nothing is changed then.
+    """
+    from torshmon.probe.codecs import validate_codec
+
+    cap = current.bucket_cap_mb if bucket_cap_mb is None else validate_bucket_cap_mb(bucket_cap_mb)
+    if codec is None:
+        name = current.codec
+        params: Mapping[str, object] = (
+            current.codec_params if codec_params is None else codec_params
+        )
+    elif not isinstance(codec, str):
+        raise ConfigError(f"codec must be a codec name, got {codec!r}")
+    else:
+        name, params = codec, codec_params or {}
+    normalised = validate_codec(name, params)
+    return replace(
+        current,
+        version=current.version + 1,
+        bucket_cap_mb=cap,
+        codec=name,
+        codec_params=normalised,
+    )
