@@ -33,8 +33,8 @@ def test_comm_wait_counts_blocking_calls_and_the_unhidden_bucket_tail() -> None:
             CollectiveEvent("barrier", "default", 2, "none", 0, -5 * MS, 1 * MS, True),
         ],
         buckets=[
-            BucketEvent(1, 100, 2, 50 * MS, 60 * MS, "none"),
-            BucketEvent(0, 100, 2, 70 * MS, 90 * MS, "none"),
+            BucketEvent(1, 100, 2, 50 * MS, 60 * MS, "none", 100),
+            BucketEvent(0, 100, 2, 70 * MS, 90 * MS, "fp16", 50),
         ],
         forward_start_ns=20 * MS,
         forward_end_ns=40 * MS,
@@ -50,6 +50,7 @@ def test_comm_wait_counts_blocking_calls_and_the_unhidden_bucket_tail() -> None:
     assert record.optimizer_s == pytest.approx(0.008)
     assert record.samples_per_s == pytest.approx(100.0)
     assert [b.index for b in record.buckets] == [0, 1]
+    assert [b.compression_ratio for b in record.buckets] == [0.5, 1.0]
 
 
 def test_aggregation_sums_per_op_and_fills_the_histogram() -> None:

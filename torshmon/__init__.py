@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from torshmon.probe import Monitor, StepScope, attach
+    from torshmon.probe import CommConfig, ConfigError, Monitor, StepScope, attach
 
-__all__ = ["Monitor", "StepScope", "__version__", "attach"]
+__all__ = ["CommConfig", "ConfigError", "Monitor", "StepScope", "__version__", "attach"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Monitor", "StepScope", "attach"):
+    if name in ("CommConfig", "ConfigError", "Monitor", "StepScope", "attach"):
         from torshmon import probe
 
         return getattr(probe, name)

@@ -68,13 +68,40 @@ class CollectiveStat(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class BucketStat(msgspec.Struct, frozen=True, kw_only=True):
-    """One DDP gradient bucket reduced by the probe's comm hook in one step."""
+    """One DDP gradient bucket reduced by the probe's comm hook in one step.
+
+    ``wire_bytes`` is what this rank sent for it; ``compression_ratio`` is
+    ``wire_bytes / size_bytes`` (1.0 uncompressed). ``relative_error`` is
+    ||g - decode(encode(g))|| / ||g|| of this rank's input, on sampled steps only.
+    """
 
     index: int
     size_bytes: int
     parameters: int
     duration_s: float
     codec: str = "none"
+    wire_bytes: int = 0
+    compression_ratio: float = 1.0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    relative_error: float | None = None
+
+
+class AppliedConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """A communication config all ranks applied, from ``effective_step`` on."""
+
+    version: int
+    bucket_cap_bytes: int
+    codec: str
+    codec_params: dict[str, float | int]
+    effective_step: int
+
+
+class ConfigRejection(msgspec.Struct, frozen=True, kw_only=True):
+    """A requested config that no rank applied, and why."""
+
+    version: int
+    reason: str
 
 
 class DdpStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -97,6 +124,8 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     ``compute_s`` is ``duration_s - comm_wait_s``. Phase splits are ``None``
     where they cannot be measured (no DDP module attached). JSON has no NaN: a
     NaN or infinite loss is sent as ``loss=None, loss_nonfinite=True``.
+    ``config_version`` is the communication config the step ran with;
+    ``applied_config`` is set on the step at whose end a new one was applied.
     """
 
     step: int
@@ -116,6 +145,9 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     collectives: list[CollectiveStat] = []
     buckets: list[BucketStat] = []
     ddp: DdpStats | None = None
+    config_version: int = 0
+    applied_config: AppliedConfig | None = None
+    config_rejections: list[ConfigRejection] = []
 
 
 class InflightOp(msgspec.Struct, frozen=True, kw_only=True):

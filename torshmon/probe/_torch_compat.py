@@ -52,3 +52,65 @@ def ddp_logging_data(module: Any) -> dict[str, object] | None:
     except Exception:
         log.debug("torshmon: DDP logging data unavailable", exc_info=True)
         return None
+
+
+#: torch versions whose DDP internals ``rebuild_reducer`` follows (DDP.__setstate__).
+_REBUILD_VERSIONS = ((2, 4), (2, 13))
+
+
+def reducer_rebuild_unavailable(module: Any) -> str | None:
+    """Why the Reducer of ``module`` cannot be rebuilt in place here, or None if it can."""
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    low, high = _REBUILD_VERSIONS
+    if not low <= version <= high:
+        return (
+            f"changing the bucket cap of a running job is checked on torch "
+            f"{low[0]}.{low[1]}-{high[0]}.{high[1]}, this is torch {torch.__version__}"
+        )
+    needed = ("_ddp_init_helper", "_build_params_for_reducer", "_build_debug_param_to_name_mapping")
+    missing = [name for name in needed if not hasattr(module, name)]
+    if missing:
+        return f"this DDP lacks {', '.join(missing)}"
+    if getattr(module, "_use_python_reducer", False):
+        return "DDP's Python reducer (compiled autograd) cannot be rebuilt in place"
+    if getattr(module, "bucket_bytes_cap_list", None):
+        return "the job set per-bucket caps (bucket_cap_mb_list)"
+    return None
+
+
+def rebuild_reducer(module: Any, bucket_cap_bytes: int, hook: Callable[..., Any]) -> None:
+    """Replace ``module``'s Reducer by one that buckets at ``bucket_cap_bytes``.
+
+    Follows what DDP itself does in ``__setstate__``: the parameters, the
+    optimizer and the module object stay the same. Like a new DDP, the new
+    Reducer reduces the first step in one bucket and then rebuilds its buckets
+    in the real gradient order at the new cap. ``hook`` is registered on the
+    new Reducer. Call between steps only (never inside backward).
+    Raises RuntimeError (with the reason) where ``reducer_rebuild_unavailable``.
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import distributed as ddp_module
+
+    reason = reducer_rebuild_unavailable(module)
+    if reason is not None:
+        raise RuntimeError(reason)
+    cap_mb = bucket_cap_bytes / (1024 * 1024)
+    config_cls = getattr(ddp_module, "_BucketCapacityConfig", None)
+    if config_cls is not None:
+        module._bucket_config = config_cls.create(
+            bucket_cap_mb=cap_mb,
+            bucket_cap_mb_list=None,
+            use_python_reducer=False,
+        )
+    module.bucket_bytes_cap = bucket_cap_bytes
+    module.bucket_bytes_cap_default = False
+    parameters, expect_sparse_gradient = module._build_params_for_reducer()
+    param_to_name_mapping = module._build_debug_param_to_name_mapping(parameters)
+    module._ddp_init_helper(
+        parameters, expect_sparse_gradient, param_to_name_mapping, module.static_graph
+    )
+    if module.static_graph:
+        module.reducer._set_static_graph()
+        module.logger._set_static_graph()
+    module.logger._set_comm_hook_name(getattr(hook, "__qualname__", "torshmon"))
+    dist._register_comm_hook(module.reducer, None, hook)

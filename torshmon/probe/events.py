@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from torshmon.wire import AppliedConfig, ConfigRejection
+
 
 class CollectiveEvent(NamedTuple):
     """One collective call. ``blocking`` is True when the caller waited for it."""
@@ -32,6 +34,10 @@ class BucketEvent(NamedTuple):
     launch_ns: int
     done_ns: int
     codec: str
+    wire_bytes: int
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    relative_error: float | None = None
 
 
 @dataclass(slots=True)
@@ -58,3 +64,6 @@ class RawStep:
     loss: object
     events: StepEvents
     ddp_logging: dict[str, object] | None
+    config_version: int = 0
+    applied_config: AppliedConfig | None = None
+    config_rejections: list[ConfigRejection] = field(default_factory=list)

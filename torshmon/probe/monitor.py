@@ -23,10 +23,12 @@ from torshmon.paths import default_agent_socket
 from torshmon.probe import _torch_compat
 from torshmon.probe.collectives import CollectiveTracer
 from torshmon.probe.commhook import DispatchingCommHook
+from torshmon.probe.config import CommConfig
 from torshmon.probe.events import RawStep, StepEvents
 from torshmon.probe.inflight import InflightTable
+from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
 from torshmon.probe.shipper import Outbox, Shipper
-from torshmon.wire import SCHEMA_VERSION, Hello
+from torshmon.wire import SCHEMA_VERSION, AppliedConfig, ConfigRejection, Hello
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ class Monitor:
         flush_interval_s: float = 0.5,
         max_buffered_steps: int = 10_000,
         ddp_stats_every: int = 50,
+        sync_every: int = 10,
+        error_sample_every: int = 50,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -81,14 +85,22 @@ class Monitor:
                 "torshmon.attach() takes a DistributedDataParallel module or None, "
                 f"got {type(module).__name__}"
             )
-        if ddp_stats_every < 1:
-            raise ValueError(f"ddp_stats_every must be >= 1, got {ddp_stats_every}")
+        for name, value in (
+            ("ddp_stats_every", ddp_stats_every),
+            ("sync_every", sync_every),
+            ("error_sample_every", error_sample_every),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.job = job or os.environ.get("TORSHMON_JOB") or "default"
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.agent_socket = agent_socket or default_agent_socket()
         self._module = module
         self._ddp_stats_every = ddp_stats_every
+        self._sync_every = sync_every
+        self._error_sample_every = error_sample_every
+        self._reconfig: Reconfigurator | None = None
         self._events = StepEvents()
         self._step = 0
         self._step_start_ns = 0
@@ -122,6 +134,34 @@ class Monitor:
     def step(self, batch_size: int | None = None, loss: object = None) -> StepScope:
         """A scope around one step; ``batch_size`` gives throughput, ``loss`` may be set later."""
         return StepScope(self, batch_size, loss)
+
+    def request_config(
+        self,
+        *,
+        bucket_cap_mb: float | None = None,
+        codec: str | None = None,
+        codec_params: dict[str, object] | None = None,
+    ) -> int:
+        """Ask for a new DDP bucket cap and/or gradient codec (rank 0 only).
+
+        Validated at once: ConfigError names the bad field and nothing changes.
+        All ranks apply it together at the next sync step (every ``sync_every``
+        steps); the step records report it. Returns the config's version.
+        Codecs: none, fp16, bf16, powersgd (rank), topk (ratio), int8.
+        """
+        if self._reconfig is None:
+            raise RuntimeError(
+                "live reconfiguration needs a DDP module whose process group spans the "
+                "whole job and carries torshmon's comm hook"
+            )
+        return self._reconfig.request(
+            bucket_cap_mb=bucket_cap_mb, codec=codec, codec_params=codec_params
+        ).version
+
+    @property
+    def config(self) -> CommConfig | None:
+        """The communication config in force (None without live reconfiguration)."""
+        return None if self._reconfig is None else self._reconfig.current
 
     @property
     def steps(self) -> int:
@@ -173,6 +213,12 @@ class Monitor:
             log.warning("torshmon: cannot register the bucket hook (%s); buckets untimed", exc)
         else:
             self._hook = hook
+            if dist.get_world_size(module.process_group) == self.world_size:
+                self._reconfig = Reconfigurator(module, hook, sync_every=self._sync_every)
+            else:
+                # new_group() is collective over the whole job; with DDP on a
+                # subgroup we cannot know every rank creates the same groups.
+                log.warning("torshmon: DDP on a subgroup: live reconfiguration is off")
         self._handles.append(module.register_forward_pre_hook(self._on_forward_start))
         self._handles.append(module.register_forward_hook(self._on_forward_end))
 
@@ -213,6 +259,10 @@ class Monitor:
         if failed or self._closed:
             return
         self._step += 1
+        config_version = 0 if self._reconfig is None else self._reconfig.current.version
+        applied, rejections = self._sync_config()
+        if self._hook is not None:
+            self._hook.measure_error = (self._step + 1) % self._error_sample_every == 0
         try:
             loss = scope.loss
             detach = getattr(loss, "detach", None)
@@ -231,10 +281,40 @@ class Monitor:
                     loss=loss,
                     events=events,
                     ddp_logging=ddp_logging,
+                    config_version=config_version,
+                    applied_config=applied,
+                    config_rejections=rejections,
                 )
             )
         except Exception:
             self._note_failure("step")
+
+    def _sync_config(self) -> tuple[AppliedConfig | None, list[ConfigRejection]]:
+        """Join the config consensus at this step boundary (collective on sync steps)."""
+        if self._reconfig is None:
+            return None, []
+        # Not guarded: a failure here is a broken process group, which the job
+        # will see in its own next collective; swallowing it could desync ranks.
+        outcome = self._reconfig.sync(self._step)
+        rejected = [
+            ConfigRejection(version=r.version, reason=r.reason)
+            for r in self._reconfig.take_rejections()
+        ]
+        if isinstance(outcome, Rejected):
+            rejected.append(ConfigRejection(version=outcome.version, reason=outcome.reason))
+        if not isinstance(outcome, Applied):
+            return None, rejected
+        config = outcome.config
+        return (
+            AppliedConfig(
+                version=config.version,
+                bucket_cap_bytes=config.bucket_cap_bytes,
+                codec=config.codec,
+                codec_params=dict(config.codec_params),
+                effective_step=outcome.effective_step,
+            ),
+            rejected,
+        )
 
     def _note_failure(self, what: str) -> None:
         if what not in self._failures:
@@ -248,7 +328,11 @@ def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Mon
     ``module`` is the DistributedDataParallel module (or None to watch
     collectives only); ``job`` names the job (default ``$TORSHMON_JOB``).
     Options: ``agent_socket`` (default ``$TORSHMON_AGENT_SOCKET``),
-    ``flush_interval_s``, ``max_buffered_steps``, ``ddp_stats_every``.
+    ``flush_interval_s``, ``max_buffered_steps``, ``ddp_stats_every``,
+    ``sync_every`` (steps between config consensus points, 10) and
+    ``error_sample_every`` (steps between codec error measurements, 50).
+    Every rank must call ``attach`` (it creates a gloo group for the consensus)
+    and ``step`` equally often.
     Raises RuntimeError if torch.distributed is not initialized or a monitor is
     already attached in this process, TypeError for a module that is not DDP.
     """

@@ -50,10 +50,18 @@ def summarize_step(raw: RawStep) -> StepRecord:
                 parameters=b.parameters,
                 duration_s=(b.done_ns - b.launch_ns) * _NS,
                 codec=b.codec,
+                wire_bytes=b.wire_bytes,
+                compression_ratio=b.wire_bytes / b.size_bytes if b.size_bytes else 1.0,
+                encode_s=b.encode_s,
+                decode_s=b.decode_s,
+                relative_error=b.relative_error,
             )
             for b in sorted(events.buckets)
         ],
         ddp=ddp_stats(raw.ddp_logging) if raw.ddp_logging is not None else None,
+        config_version=raw.config_version,
+        applied_config=raw.applied_config,
+        config_rejections=raw.config_rejections,
     )
 
 

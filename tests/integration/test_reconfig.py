@@ -1,0 +1,180 @@
+"""Live reconfiguration of real gloo DDP jobs: every rank switches at the same step."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import ReceiverThread
+from tests.integration.test_probe import _model, _param_bytes, _train
+from torshmon.launch import run_ranks
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT_S = 180
+
+CODEC_CHOICES: list[tuple[str, dict[str, object]]] = [
+    ("none", {}),
+    ("fp16", {}),
+    ("bf16", {}),
+    ("powersgd", {"rank": 1}),
+    ("powersgd", {"rank": 4}),
+    ("topk", {"ratio": 0.1}),
+    ("topk", {"ratio": 1.0}),
+    ("int8", {}),
+]
+CAPS_MB = [0.001, 0.004, 0.01, 0.05, 25.0]
+
+
+def _random_changes(rank: int, world: int, sock: str, changes: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    import torshmon
+
+    ddp = DistributedDataParallel(_model(), bucket_cap_mb=0.01)
+    monitor = torshmon.attach(
+        ddp,
+        job="reconfig",
+        agent_socket=sock,
+        flush_interval_s=0.05,
+        sync_every=2,
+        error_sample_every=3,
+    )
+    rng = random.Random(7)
+    requested = []
+    for _ in range(changes):
+        if rank == 0:
+            codec, params = rng.choice(CODEC_CHOICES)
+            version = monitor.request_config(
+                bucket_cap_mb=rng.choice(CAPS_MB), codec=codec, codec_params=params
+            )
+            requested.append(version)
+        _train(ddp, 2, rank, monitor)
+    _train(ddp, 4, rank, monitor)
+    final = monitor.config
+    monitor.close()
+    return {"params": _param_bytes(ddp), "final": final, "requested": requested}
+
+
+@pytest.mark.parametrize(("world", "changes"), [(2, 60), (4, 50)])
+def test_random_changes_never_hang_and_ranks_stay_identical(
+    receiver: ReceiverThread, world: int, changes: int
+) -> None:
+    results = run_ranks(
+        _random_changes, world, str(receiver.socket_path), changes, timeout_s=TIMEOUT_S
+    )
+    assert results[0]["requested"] == list(range(1, changes + 1))
+    for result in results:
+        assert result["params"] == results[0]["params"], "ranks disagree on parameters"
+        assert result["final"] == results[0]["final"]
+    assert results[0]["final"].version == changes
+    applied_by_rank = []
+    for rank in range(world):
+        steps = receiver.steps(rank)
+        applied = [(s.step, s.applied_config) for s in steps if s.applied_config is not None]
+        applied_by_rank.append(applied)
+        assert len(applied) == changes
+        assert all(c.effective_step == step + 1 for step, c in applied)
+        # every step ran with the version applied before it
+        version_at = {c.effective_step: c.version for _, c in applied}
+        current = 0
+        for step in steps:
+            current = version_at.get(step.step, current)
+            assert step.config_version == current
+        codecs = {b.codec for s in steps for b in s.buckets}
+        assert codecs == {name for name, _ in CODEC_CHOICES}
+        sampled = [b for s in steps for b in s.buckets if b.relative_error is not None]
+        assert sampled, "relative error is never measured"
+    assert all(a == applied_by_rank[0] for a in applied_by_rank), "ranks switched differently"
+
+
+def _cap_changes_only(rank: int, world: int, change: bool) -> bytes:
+    from torch.nn.parallel import DistributedDataParallel
+
+    import torshmon
+
+    ddp = DistributedDataParallel(_model(), bucket_cap_mb=0.01)
+    monitor = torshmon.attach(ddp, agent_socket="/nonexistent/agent.sock", sync_every=1)
+    for cap in (0.002, 0.05, 0.004, 25.0, 0.001):
+        if change and rank == 0:
+            monitor.request_config(bucket_cap_mb=cap)
+        _train(ddp, 3, rank, monitor)
+    assert monitor.config is not None
+    assert monitor.config.version == (5 if change else 0)
+    monitor.close()
+    return _param_bytes(ddp)
+
+
+def test_bucket_cap_changes_keep_results_bit_identical() -> None:
+    changed = run_ranks(_cap_changes_only, 2, True, timeout_s=TIMEOUT_S)
+    unchanged = run_ranks(_cap_changes_only, 2, False, timeout_s=TIMEOUT_S)
+    assert changed == unchanged
+
+
+def _invalid_requests(rank: int, world: int, sock: str) -> list[str]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    import torshmon
+    from torshmon.probe.config import ConfigError
+
+    ddp = DistributedDataParallel(_model())
+    monitor = torshmon.attach(
+        ddp, job="invalid", agent_socket=sock, flush_interval_s=0.05, sync_every=2
+    )
+    errors = []
+    bad: list[dict[str, Any]] = [
+        {"codec": "zstd"},
+        {"bucket_cap_mb": 0},
+        {"bucket_cap_mb": -3},
+        {"bucket_cap_mb": 1e9},
+        {"codec": "topk", "codec_params": {"ratio": 1.5}},
+        {"codec": "topk", "codec_params": {"ratio": 0}},
+        {"codec": "powersgd", "codec_params": {"rank": 0}},
+        {"codec": "int8", "codec_params": {"bits": 3}},
+    ]
+    if rank == 0:
+        for request in bad:
+            try:
+                monitor.request_config(**request)
+            except ConfigError as exc:
+                errors.append(str(exc))
+    _train(ddp, 6, rank, monitor)
+    if rank == 1:
+        try:
+            monitor.request_config(codec="fp16")
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    assert monitor.config is not None and monitor.config.version == 0
+    monitor.close()
+    return errors
+
+
+def test_invalid_configs_are_rejected_naming_the_field_and_training_goes_on(
+    receiver: ReceiverThread,
+) -> None:
+    errors = run_ranks(_invalid_requests, 2, str(receiver.socket_path), timeout_s=TIMEOUT_S)
+    assert len(errors[0]) == 8
+    for message, field in zip(
+        errors[0],
+        [
+            "codec",
+            "bucket_cap_mb",
+            "bucket_cap_mb",
+            "bucket_cap_mb",
+            "ratio",
+            "ratio",
+            "rank",
+            "bits",
+        ],
+        strict=True,
+    ):
+        assert field in message, message
+    assert "zstd" in errors[0][0] and "fp16" in errors[0][0]  # names what is allowed
+    assert errors[1] == ["only rank 0 takes configuration requests"]
+    for rank in range(2):
+        assert [s.step for s in receiver.steps(rank)] == list(range(1, 7))
+        assert all(s.config_version == 0 for s in receiver.steps(rank))
+    rejections = [r for s in receiver.steps(0) for r in s.config_rejections]
+    assert len(rejections) == 8

@@ -1,0 +1,171 @@
+"""Applying a new communication config on every rank at the same step.
+
+Only rank 0 takes requests. Every ``sync_every`` steps, at the end of the step,
+all ranks join one broadcast of a small fixed-size buffer from rank 0 on a
+separate gloo group (so it never touches NCCL streams): empty means "no
+change". A change is then applied in three phases, so that ranks can never end
+up on different configs (which would hang the job):
+
+1. prepare: each rank builds what it needs (codec object, checks) without
+   touching DDP;
+2. vote: one all-reduce (MIN) of "prepared"; any failure rejects on all ranks;
+3. commit: every rank swaps the codec and, if the cap changed, rebuilds the
+   Reducer, before the next step starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torshmon.probe import _torch_compat
+from torshmon.probe.codecs import Codec, make_codec
+from torshmon.probe.commhook import DispatchingCommHook
+from torshmon.probe.config import MIB, CommConfig, ConfigError, next_config
+
+log = logging.getLogger(__name__)
+
+#: Size of the broadcast buffer: a 4-byte length, then the config as JSON.
+PAYLOAD_BYTES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """A config every rank applied; it governs steps from ``effective_step`` on."""
+
+    config: CommConfig
+    effective_step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A config no rank applied, and why."""
+
+    version: int
+    reason: str
+
+
+class Reconfigurator:
+    """Owns the job's current CommConfig and the consensus that changes it.
+
+    ``request`` may be called from any thread of rank 0; ``sync`` must be
+    called by every rank at the end of every step (it is collective on sync steps).
+    """
+
+    def __init__(self, module: Any, hook: DispatchingCommHook, *, sync_every: int = 10) -> None:
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self._module = module
+        self._hook = hook
+        self._sync_every = sync_every
+        # Collective: every rank creates it at attach, in the same order.
+        self._group = dist.new_group(backend="gloo")
+        self._rank = self._group.rank()
+        self._rebuild_unavailable = _torch_compat.reducer_rebuild_unavailable(module)
+        self._lock = threading.Lock()
+        self._pending: CommConfig | None = None
+        self._rejections: list[Rejected] = []
+        self.current = CommConfig(version=0, bucket_cap_mb=module.bucket_bytes_cap / MIB)
+
+    def request(
+        self,
+        *,
+        bucket_cap_mb: float | None = None,
+        codec: str | None = None,
+        codec_params: Mapping[str, object] | None = None,
+    ) -> CommConfig:
+        """Validate a change and queue it for the next sync step (rank 0 only).
+
+        Raises ConfigError naming the bad field (the job keeps its config), or
+        RuntimeError on any rank but 0. A later request replaces a queued one.
+        """
+        if self._rank != 0:
+            raise RuntimeError("only rank 0 takes configuration requests")
+        with self._lock:
+            base = self._pending or self.current
+            try:
+                config = next_config(
+                    base, bucket_cap_mb=bucket_cap_mb, codec=codec, codec_params=codec_params
+                )
+                self._check_applicable(config)
+            except ConfigError as exc:
+                self._rejections.append(Rejected(base.version + 1, str(exc)))
+                raise
+            self._pending = config
+        return config
+
+    def take_rejections(self) -> list[Rejected]:
+        """Rejections of requests made on this rank since the last call."""
+        with self._lock:
+            out, self._rejections = self._rejections, []
+        return out
+
+    def sync(self, step: int) -> Applied | Rejected | None:
+        """End-of-step consensus; collective on every ``sync_every``-th step."""
+        if step % self._sync_every:
+            return None
+        config = self._exchange()
+        if config is None:
+            return None
+        prepared: Codec | None = None
+        reason = ""
+        try:
+            prepared = self._prepare(config)
+        except Exception as exc:
+            reason = f"rank {dist.get_rank()} could not prepare it: {exc}"
+            log.warning("torshmon: config version %d rejected: %s", config.version, reason)
+        if not self._all_agree(ok=not reason):
+            return Rejected(config.version, reason or "another rank could not prepare it")
+        self._commit(config, prepared)
+        return Applied(config, effective_step=step + 1)
+
+    # -- phases -----------------------------------------------------------------------
+    def _check_applicable(self, config: CommConfig) -> None:
+        if len(config.to_json()) > PAYLOAD_BYTES - 4:
+            raise ConfigError(f"codec_params too large to send (over {PAYLOAD_BYTES - 4} bytes)")
+        if config.bucket_cap_mb != self.current.bucket_cap_mb and self._rebuild_unavailable:
+            raise ConfigError(
+                f"bucket_cap_mb cannot change in this job: {self._rebuild_unavailable}"
+            )
+
+    def _exchange(self) -> CommConfig | None:
+        payload = torch.zeros(PAYLOAD_BYTES, dtype=torch.uint8)
+        if self._rank == 0:
+            with self._lock:
+                pending, self._pending = self._pending, None
+            if pending is not None:
+                data = len(pending.to_json()).to_bytes(4, "big") + pending.to_json()
+                payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._group.broadcast(payload, 0).wait()
+        raw = bytes(payload.tolist())
+        length = int.from_bytes(raw[:4], "big")
+        return CommConfig.from_json(raw[4 : 4 + length]) if length else None
+
+    def _prepare(self, config: CommConfig) -> Codec | None:
+        if config.bucket_cap_mb != self.current.bucket_cap_mb and self._rebuild_unavailable:
+            raise ConfigError(self._rebuild_unavailable)
+        if config.codec == "none":
+            return None
+        return make_codec(config.codec, self._hook.process_group, config.codec_params)
+
+    def _all_agree(self, *, ok: bool) -> bool:
+        vote = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self._group.allreduce([vote], options).wait()
+        return bool(vote.item())
+
+    def _commit(self, config: CommConfig, codec: Codec | None) -> None:
+        if config.bucket_cap_mb != self.current.bucket_cap_mb:
+            _torch_compat.rebuild_reducer(
+                self._module, config.bucket_cap_bytes, self._hook.__call__
+            )
+        self._hook.set_codec(codec)
+        self._hook.reset_buckets()
+        self.current = config
