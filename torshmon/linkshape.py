@@ -21,8 +21,7 @@ sees a full-duplex link of the given rate, like a NIC on a switch port.
 Usage::
 
     with LinkShaper(world_size=2, rate="1gbit") as shaper:
-        run_ranks(fn, 2, netns=shaper.netns_names, rank_env=shaper.rank_env,
-                  master_addr=shaper.master_addr)
+        shaper.run_ranks(fn, *args, timeout_s=60)   # launch.run_ranks in the namespaces
         shaper.set_rate("100mbit", rank=1)   # one slow link, while ranks run
         shaper.set_rate(None)                # unshaped
 
@@ -55,9 +54,10 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 __all__ = [
     "LinkShaper",
@@ -225,6 +225,20 @@ class LinkShaper:
     def rank_env(self, rank: int) -> dict[str, str]:
         """Environment for ``rank``: makes gloo use the rank's namespaced interface."""
         return {"GLOO_SOCKET_IFNAME": self.links[rank].ifname}
+
+    def run_ranks(self, target: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``launch.run_ranks`` with one rank in each of this shaper's namespaces."""
+        from torshmon.launch import run_ranks
+
+        return run_ranks(
+            target,
+            self.world_size,
+            *args,
+            netns=self.netns_names,
+            rank_env=self.rank_env,
+            master_addr=self.master_addr,
+            **kwargs,
+        )
 
     def start(self) -> LinkShaper:
         """Create the namespaces, links and qdiscs; undoes everything it made on failure."""

@@ -108,14 +108,7 @@ def _slowest_per_rep(results: list[list[float]]) -> list[float]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_all_reduce_inside_their_namespaces(shaping: None, world_size: int) -> None:
     with LinkShaper(world_size, rate="1gbit") as shaper:
-        results = run_ranks(
-            _sum_ranks,
-            world_size,
-            timeout_s=TIMEOUT_S,
-            netns=shaper.netns_names,
-            rank_env=shaper.rank_env,
-            master_addr=shaper.master_addr,
-        )
+        results = shaper.run_ranks(_sum_ranks, timeout_s=TIMEOUT_S)
         namespace_inodes = [
             os.stat(os.path.join(linkshape.NETNS_DIR, name)).st_ino for name in shaper.netns_names
         ]
@@ -131,16 +124,12 @@ def test_all_reduce_takes_as_long_as_the_rate_predicts(shaping: None) -> None:
     ready, shaped = ctx.Event(), ctx.Event()
     with LinkShaper(world_size, rate=None) as shaper, ThreadPoolExecutor(1) as pool:
         job = pool.submit(
-            run_ranks,
+            shaper.run_ranks,
             _unshaped_then_shaped,
-            world_size,
             ALL_REDUCE_BYTES,
             ready,
             shaped,
             timeout_s=TIMEOUT_S,
-            netns=shaper.netns_names,
-            rank_env=shaper.rank_env,
-            master_addr=shaper.master_addr,
         )
         if ready.wait(timeout=TIMEOUT_S):
             shaper.set_rate(SHAPED_RATE)  # while the ranks run, connections open
