@@ -92,6 +92,7 @@ class AppliedConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     version: int
     bucket_cap_bytes: int
+    first_bucket_cap_bytes: int
     codec: str
     codec_params: dict[str, float | int]
     effective_step: int

@@ -178,3 +178,46 @@ def test_invalid_configs_are_rejected_naming_the_field_and_training_goes_on(
         assert all(s.config_version == 0 for s in receiver.steps(rank))
     rejections = [r for s in receiver.steps(0) for r in s.config_rejections]
     assert len(rejections) == 8
+
+
+def _layouts(rank: int, world: int, sock: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    import torshmon
+
+    ddp = DistributedDataParallel(_model(), bucket_cap_mb=0.01)
+    monitor = torshmon.attach(ddp, job="layout", agent_socket=sock, sync_every=4)
+    requests: list[dict[str, float]] = [
+        {"bucket_cap_mb": 0.002},
+        {"bucket_cap_mb": 0.01},
+        {"bucket_cap_mb": 0.01, "first_bucket_cap_mb": 0.002},
+        {"bucket_cap_mb": 0.01, "first_bucket_cap_mb": 0.01},
+    ]
+    _train(ddp, 4, rank, monitor)
+    for request in requests:
+        if rank == 0:
+            monitor.request_config(**request)
+        _train(ddp, 4, rank, monitor)
+    _train(ddp, 4, rank, monitor)
+    monitor.close()
+
+
+def test_bucket_layout_follows_the_config_alone(receiver: ReceiverThread) -> None:
+    run_ranks(_layouts, 2, str(receiver.socket_path), timeout_s=TIMEOUT_S)
+    steps = receiver.steps(0)
+    # a request made in steps 4k+1..4k+4 is applied at the end of step 4k+4; the
+    # last step under each config (the first after a rebuild runs with one bucket)
+    layout = {s.step: [b.size_bytes for b in s.buckets] for s in steps}
+    initial, small, back, first_small, back_again = (layout[8 + 4 * i] for i in range(5))
+    assert small != initial and len(small) > len(initial)
+    assert back == initial
+    # DDP closes a bucket once it passes the cap: the first bucket shrinks to about
+    # the first cap (one parameter past it), the others keep the full cap
+    assert first_small[0] < initial[0] and first_small[0] < 2 * 0.002 * 1024 * 1024
+    assert first_small[1:] != initial[1:] and max(first_small) <= max(initial)
+    assert back_again == initial
+    applied = [s.applied_config for s in steps if s.applied_config is not None]
+    assert [a.first_bucket_cap_bytes for a in applied] == [
+        int(0.002 * 1024 * 1024), int(0.01 * 1024 * 1024), int(0.002 * 1024 * 1024),
+        int(0.01 * 1024 * 1024),
+    ]

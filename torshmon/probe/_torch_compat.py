@@ -54,8 +54,9 @@ def ddp_logging_data(module: Any) -> dict[str, object] | None:
         return None
 
 
-#: torch versions whose DDP internals ``rebuild_reducer`` follows (DDP.__setstate__).
-_REBUILD_VERSIONS = ((2, 4), (2, 13))
+#: torch versions whose DDP internals ``rebuild_reducer`` follows (DDP.__setstate__ and
+#: ``_BucketCapacityConfig``), checked by tests; elsewhere cap changes are refused.
+_REBUILD_VERSIONS = ((2, 13), (2, 13))
 
 
 def reducer_rebuild_unavailable(module: Any) -> str | None:
@@ -67,7 +68,12 @@ def reducer_rebuild_unavailable(module: Any) -> str | None:
             f"changing the bucket cap of a running job is checked on torch "
             f"{low[0]}.{low[1]}-{high[0]}.{high[1]}, this is torch {torch.__version__}"
         )
-    needed = ("_ddp_init_helper", "_build_params_for_reducer", "_build_debug_param_to_name_mapping")
+    needed = (
+        "_ddp_init_helper",
+        "_build_params_for_reducer",
+        "_build_debug_param_to_name_mapping",
+        "_bucket_config",
+    )
     missing = [name for name in needed if not hasattr(module, name)]
     if missing:
         return f"this DDP lacks {', '.join(missing)}"
@@ -78,8 +84,18 @@ def reducer_rebuild_unavailable(module: Any) -> str | None:
     return None
 
 
-def rebuild_reducer(module: Any, bucket_cap_bytes: int, hook: Callable[..., Any]) -> None:
-    """Replace ``module``'s Reducer by one that buckets at ``bucket_cap_bytes``.
+def first_bucket_cap_bytes(module: Any) -> int:
+    """DDP's cap for its first (last-computed) bucket; the bucket cap where unknown."""
+    config = getattr(module, "_bucket_config", None)
+    first = getattr(config, "first_bucket_bytes_cap", None)
+    return int(first) if first is not None else int(module.bucket_bytes_cap)
+
+
+def rebuild_reducer(
+    module: Any, bucket_cap_bytes: int, first_bucket_cap_bytes: int, hook: Callable[..., Any]
+) -> None:
+    """Replace ``module``'s Reducer by one that buckets at ``bucket_cap_bytes``
+    (``first_bucket_cap_bytes`` for the bucket of the last-computed gradients).
 
     Follows what DDP itself does in ``__setstate__``: the parameters, the
     optimizer and the module object stay the same. Like a new DDP, the new
@@ -88,22 +104,20 @@ def rebuild_reducer(module: Any, bucket_cap_bytes: int, hook: Callable[..., Any]
     new Reducer. Call between steps only (never inside backward).
     Raises RuntimeError (with the reason) where ``reducer_rebuild_unavailable``.
     """
+    import dataclasses
+
     import torch.distributed as dist
-    from torch.nn.parallel import distributed as ddp_module
 
     reason = reducer_rebuild_unavailable(module)
     if reason is not None:
         raise RuntimeError(reason)
-    cap_mb = bucket_cap_bytes / (1024 * 1024)
-    config_cls = getattr(ddp_module, "_BucketCapacityConfig", None)
-    if config_cls is not None:
-        module._bucket_config = config_cls.create(
-            bucket_cap_mb=cap_mb,
-            bucket_cap_mb_list=None,
-            use_python_reducer=False,
-        )
+    module._bucket_config = dataclasses.replace(
+        module._bucket_config,
+        bucket_bytes_cap=bucket_cap_bytes,
+        first_bucket_bytes_cap=first_bucket_cap_bytes,
+    )
     module.bucket_bytes_cap = bucket_cap_bytes
-    module.bucket_bytes_cap_default = False
+    module.bucket_bytes_cap_default = first_bucket_cap_bytes < bucket_cap_bytes
     parameters, expect_sparse_gradient = module._build_params_for_reducer()
     param_to_name_mapping = module._build_debug_param_to_name_mapping(parameters)
     module._ddp_init_helper(

@@ -24,10 +24,17 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class CommConfig:
-    """Bucket cap (MiB) and codec of a DDP job; ``version`` 0 is what the job started with."""
+    """Bucket caps (MiB) and codec of a DDP job; ``version`` 0 is what the job started with.
+
+    ``first_bucket_cap_mb`` is DDP's cap for the bucket of the last-computed
+    gradients: torch's default is 1 MiB under a 25 MiB cap, while
+    ``DDP(bucket_cap_mb=X)`` uses X for both. The bucket layout is a function of
+    the two caps alone, whatever configs came before.
+    """
 
     version: int
     bucket_cap_mb: float
+    first_bucket_cap_mb: float
     codec: str = "none"
     codec_params: Mapping[str, float | int] = field(default_factory=dict)
 
@@ -35,11 +42,22 @@ class CommConfig:
     def bucket_cap_bytes(self) -> int:
         return int(self.bucket_cap_mb * MIB)
 
+    @property
+    def first_bucket_cap_bytes(self) -> int:
+        return int(self.first_bucket_cap_mb * MIB)
+
+    def same_buckets(self, other: CommConfig) -> bool:
+        return (self.bucket_cap_mb, self.first_bucket_cap_mb) == (
+            other.bucket_cap_mb,
+            other.first_bucket_cap_mb,
+        )
+
     def to_json(self) -> bytes:
         return json.dumps(
             {
                 "version": self.version,
                 "bucket_cap_mb": self.bucket_cap_mb,
+                "first_bucket_cap_mb": self.first_bucket_cap_mb,
                 "codec": self.codec,
                 "codec_params": dict(self.codec_params),
             },
@@ -52,19 +70,20 @@ class CommConfig:
         return cls(
             version=int(raw["version"]),
             bucket_cap_mb=float(raw["bucket_cap_mb"]),
+            first_bucket_cap_mb=float(raw["first_bucket_cap_mb"]),
             codec=str(raw["codec"]),
             codec_params=dict(raw["codec_params"]),
         )
 
 
-def validate_bucket_cap_mb(value: object) -> float:
+def validate_bucket_cap_mb(value: object, field: str = "bucket_cap_mb") -> float:
     """The cap as a float in MiB; ConfigError unless MIN_BUCKET_CAP_MB <= value <= MAX."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"bucket_cap_mb must be a number of MiB, got {value!r}")
+        raise ConfigError(f"{field} must be a number of MiB, got {value!r}")
     cap = float(value)
     if not math.isfinite(cap) or cap < MIN_BUCKET_CAP_MB or cap > MAX_BUCKET_CAP_MB:
         raise ConfigError(
-            f"bucket_cap_mb must be between {MIN_BUCKET_CAP_MB} and {MAX_BUCKET_CAP_MB} MiB, "
+            f"{field} must be between {MIN_BUCKET_CAP_MB} and {MAX_BUCKET_CAP_MB} MiB, "
             f"got {value!r}"
         )
     return cap
@@ -74,18 +93,24 @@ def next_config(
     current: CommConfig,
     *,
     bucket_cap_mb: object = None,
+    first_bucket_cap_mb: object = None,
     codec: object = None,
     codec_params: Mapping[str, object] | None = None,
 ) -> CommConfig:
     """The validated successor of ``current`` with the given fields changed.
 
-    A new codec without ``codec_params`` gets that codec's defaults; the same
-    codec with ``codec_params`` gets those params. Raises ConfigError naming the
-    offending field; nothing is changed then.
+    A new ``bucket_cap_mb`` without ``first_bucket_cap_mb`` sets both, as
+    ``DDP(bucket_cap_mb=...)`` does. A new codec without ``codec_params`` gets
+    that codec's defaults; the same codec with ``codec_params`` gets those
+    params. Raises ConfigError naming the offending field; nothing changes then.
     """
     from torshmon.probe.codecs import validate_codec
 
     cap = current.bucket_cap_mb if bucket_cap_mb is None else validate_bucket_cap_mb(bucket_cap_mb)
+    if first_bucket_cap_mb is not None:
+        first = validate_bucket_cap_mb(first_bucket_cap_mb, "first_bucket_cap_mb")
+    else:
+        first = current.first_bucket_cap_mb if bucket_cap_mb is None else cap
     if codec is None:
         name = current.codec
         params: Mapping[str, object] = (
@@ -100,6 +125,7 @@ def next_config(
         current,
         version=current.version + 1,
         bucket_cap_mb=cap,
+        first_bucket_cap_mb=first,
         codec=name,
         codec_params=normalised,
     )

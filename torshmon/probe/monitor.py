@@ -12,6 +12,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
@@ -139,11 +140,14 @@ class Monitor:
         self,
         *,
         bucket_cap_mb: float | None = None,
+        first_bucket_cap_mb: float | None = None,
         codec: str | None = None,
-        codec_params: dict[str, object] | None = None,
+        codec_params: Mapping[str, object] | None = None,
     ) -> int:
         """Ask for a new DDP bucket cap and/or gradient codec (rank 0 only).
 
+        ``bucket_cap_mb`` alone sets both caps, as ``DDP(bucket_cap_mb=...)`` does;
+        torch's default layout is ``bucket_cap_mb=25, first_bucket_cap_mb=1``.
         Validated at once: ConfigError names the bad field and nothing changes.
         All ranks apply it together at the next sync step (every ``sync_every``
         steps); the step records report it. Returns the config's version.
@@ -155,7 +159,10 @@ class Monitor:
                 "whole job and carries torshmon's comm hook"
             )
         return self._reconfig.request(
-            bucket_cap_mb=bucket_cap_mb, codec=codec, codec_params=codec_params
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            codec=codec,
+            codec_params=codec_params,
         ).version
 
     @property
@@ -309,6 +316,7 @@ class Monitor:
             AppliedConfig(
                 version=config.version,
                 bucket_cap_bytes=config.bucket_cap_bytes,
+                first_bucket_cap_bytes=config.first_bucket_cap_bytes,
                 codec=config.codec,
                 codec_params=dict(config.codec_params),
                 effective_step=outcome.effective_step,

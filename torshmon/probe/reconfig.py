@@ -71,12 +71,17 @@ class Reconfigurator:
         self._lock = threading.Lock()
         self._pending: CommConfig | None = None
         self._rejections: list[Rejected] = []
-        self.current = CommConfig(version=0, bucket_cap_mb=module.bucket_bytes_cap / MIB)
+        self.current = CommConfig(
+            version=0,
+            bucket_cap_mb=module.bucket_bytes_cap / MIB,
+            first_bucket_cap_mb=_torch_compat.first_bucket_cap_bytes(module) / MIB,
+        )
 
     def request(
         self,
         *,
         bucket_cap_mb: float | None = None,
+        first_bucket_cap_mb: float | None = None,
         codec: str | None = None,
         codec_params: Mapping[str, object] | None = None,
     ) -> CommConfig:
@@ -91,7 +96,11 @@ class Reconfigurator:
             base = self._pending or self.current
             try:
                 config = next_config(
-                    base, bucket_cap_mb=bucket_cap_mb, codec=codec, codec_params=codec_params
+                    base,
+                    bucket_cap_mb=bucket_cap_mb,
+                    first_bucket_cap_mb=first_bucket_cap_mb,
+                    codec=codec,
+                    codec_params=codec_params,
                 )
                 self._check_applicable(config)
             except ConfigError as exc:
@@ -129,7 +138,7 @@ class Reconfigurator:
     def _check_applicable(self, config: CommConfig) -> None:
         if len(config.to_json()) > PAYLOAD_BYTES - 4:
             raise ConfigError(f"codec_params too large to send (over {PAYLOAD_BYTES - 4} bytes)")
-        if config.bucket_cap_mb != self.current.bucket_cap_mb and self._rebuild_unavailable:
+        if not config.same_buckets(self.current) and self._rebuild_unavailable:
             raise ConfigError(
                 f"bucket_cap_mb cannot change in this job: {self._rebuild_unavailable}"
             )
@@ -148,7 +157,7 @@ class Reconfigurator:
         return CommConfig.from_json(raw[4 : 4 + length]) if length else None
 
     def _prepare(self, config: CommConfig) -> Codec | None:
-        if config.bucket_cap_mb != self.current.bucket_cap_mb and self._rebuild_unavailable:
+        if not config.same_buckets(self.current) and self._rebuild_unavailable:
             raise ConfigError(self._rebuild_unavailable)
         if config.codec == "none":
             return None
@@ -162,9 +171,12 @@ class Reconfigurator:
         return bool(vote.item())
 
     def _commit(self, config: CommConfig, codec: Codec | None) -> None:
-        if config.bucket_cap_mb != self.current.bucket_cap_mb:
+        if not config.same_buckets(self.current):
             _torch_compat.rebuild_reducer(
-                self._module, config.bucket_cap_bytes, self._hook.__call__
+                self._module,
+                config.bucket_cap_bytes,
+                config.first_bucket_cap_bytes,
+                self._hook.__call__,
             )
         self._hook.set_codec(codec)
         self._hook.reset_buckets()
