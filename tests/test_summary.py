@@ -94,3 +94,16 @@ def test_ddp_logging_data_is_parsed_and_malformed_data_ignored() -> None:
     assert stats.bucket_sizes_bytes == [300, 400, 500]
     assert stats.avg_backward_comm_s == pytest.approx(0.004)
     assert ddp_stats({"bucket_sizes": "x"}) is None
+
+
+def test_comm_wait_after_the_last_gradient_when_ddp_reduces_in_cpp() -> None:
+    events = StepEvents(
+        forward_start_ns=0,
+        forward_end_ns=20 * MS,
+        last_grad_ns=60 * MS,
+        backward_end_ns=75 * MS,
+    )
+    record = summarize_step(_raw(events))
+    assert record.comm_wait_s == pytest.approx(0.015)
+    assert record.backward_s == pytest.approx(0.055)
+    assert record.buckets == []

@@ -172,11 +172,14 @@ def _comm_lines(progress: Progress) -> list[str]:
     records = progress.steps.get(0, [])
     if not records:
         return []
-    last = records[-1]
-    out = [
-        f"rank 0 buckets per step: {len(last.buckets)} "
-        f"({sum(b.size_bytes for b in last.buckets) / 1e6:.1f} MB of gradients)"
-    ]
+    ddp = next((r.ddp for r in reversed(records) if r.ddp is not None), None)
+    out = []
+    if ddp is not None:
+        out.append(
+            f"rank 0 DDP buckets: {len(ddp.bucket_sizes_bytes)} "
+            f"({sum(ddp.bucket_sizes_bytes) / 1e6:.1f} MB of gradients), "
+            f"backward comm {1e3 * ddp.avg_backward_comm_s:.1f} ms on average"
+        )
     totals: dict[str, list[float]] = {}
     for record in records:
         for stat in record.collectives:

@@ -53,8 +53,8 @@ class ReceiverThread:
         with self._lock:
             return [m for m in self.messages if isinstance(m, Hello)]
 
-    def steps(self, rank: int) -> list[StepRecord]:
-        return [s for b in self.batches(rank) for s in b.steps]
+    def steps(self, rank: int, job: str | None = None) -> list[StepRecord]:
+        return [s for b in self.batches(rank) if job is None or b.job == job for s in b.steps]
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ def test_demo_runs_a_real_job_and_summarises_it(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "job throughput:" in done.stdout
-    assert "all_reduce:" in done.stdout
+    assert "DDP buckets:" in done.stdout
     assert "dropped records: 0" in done.stdout
     batches = [m for m in read_messages(tmp_path / "torshmon-demo.jsonl") if isinstance(m, Batch)]
     for rank in range(3):

@@ -201,19 +201,23 @@ def _ddp_with_and_without_probe(rank: int, world: int, sock: str) -> dict[str, A
 
     bare = DistributedDataParallel(_model(), bucket_cap_mb=0.01)
     _train(bare, 12, rank)
-    probed = DistributedDataParallel(_model(), bucket_cap_mb=0.01)
-    monitor = torshmon.attach(
-        probed, job="ddp", agent_socket=sock, flush_interval_s=0.05, ddp_stats_every=5
-    )
-    _train(probed, 12, rank, monitor)
-    monitor.close()
-    grad_bytes = sum(p.numel() * p.element_size() for p in probed.parameters())
-    return {
-        "bare": _param_bytes(bare),
-        "probed": _param_bytes(probed),
-        "grad_bytes": grad_bytes,
-        "dropped": monitor.dropped_records_total,
-    }
+    result: dict[str, Any] = {"bare": _param_bytes(bare), "dropped": 0}
+    for job, bucket_timing in (("ddp", False), ("ddp-timed", True)):
+        probed = DistributedDataParallel(_model(), bucket_cap_mb=0.01)
+        monitor = torshmon.attach(
+            probed,
+            job=job,
+            agent_socket=sock,
+            flush_interval_s=0.05,
+            ddp_stats_every=5,
+            bucket_timing=bucket_timing,
+        )
+        _train(probed, 12, rank, monitor)
+        monitor.close()
+        result[job] = _param_bytes(probed)
+        result["dropped"] += monitor.dropped_records_total
+    result["grad_bytes"] = sum(p.numel() * p.element_size() for p in bare.parameters())
+    return result
 
 
 def test_ddp_buckets_phases_and_bit_identical_training(receiver: ReceiverThread) -> None:
@@ -221,27 +225,34 @@ def test_ddp_buckets_phases_and_bit_identical_training(receiver: ReceiverThread)
         _ddp_with_and_without_probe, 2, str(receiver.socket_path), timeout_s=TIMEOUT_S
     )
     for rank, result in enumerate(results):
-        assert result["probed"] == result["bare"], "the probe changed training results"
-        assert result["probed"] == results[0]["probed"], "ranks disagree"
+        assert result["ddp"] == result["bare"], "the probe changed training results"
+        assert result["ddp-timed"] == result["bare"], "the bucket hook changed results"
+        assert result["bare"] == results[0]["bare"], "ranks disagree"
         assert result["dropped"] == 0
-        steps = receiver.steps(rank)
-        assert [s.step for s in steps] == list(range(1, 13))
-        for step in steps:
-            assert len(step.buckets) >= 2 if step.step > 1 else len(step.buckets) >= 1
+        for job in ("ddp", "ddp-timed"):
+            steps = receiver.steps(rank, job)
+            assert [s.step for s in steps] == list(range(1, 13))
+            for step in steps:
+                assert step.forward_s and step.backward_s and step.optimizer_s is not None
+                assert step.forward_s + step.backward_s + step.optimizer_s <= step.duration_s
+                assert 0.0 < step.comm_wait_s <= step.backward_s
+                assert step.compute_s == pytest.approx(step.duration_s - step.comm_wait_s)
+                assert step.samples_per_s == pytest.approx(16 / step.duration_s)
+                assert step.loss is not None
+            sampled = [s for s in steps if s.ddp is not None]
+            assert [s.step for s in sampled] == [3, 5, 10]
+            ddp = sampled[-1].ddp
+            assert ddp is not None
+            assert sum(ddp.bucket_sizes_bytes) == result["grad_bytes"]
+            assert len(ddp.bucket_sizes_bytes) >= 2
+            assert ddp.avg_backward_compute_s > 0
+        # by default DDP reduces in C++: no per-bucket records, no Python hook
+        assert all(s.buckets == [] for s in receiver.steps(rank, "ddp"))
+        for step in receiver.steps(rank, "ddp-timed"):
+            assert len(step.buckets) >= (2 if step.step > 1 else 1)
             assert sum(b.size_bytes for b in step.buckets) == result["grad_bytes"]
             assert sum(b.parameters for b in step.buckets) == 8
-            assert step.forward_s and step.backward_s and step.optimizer_s is not None
-            assert step.forward_s + step.backward_s + step.optimizer_s <= step.duration_s
-            assert 0.0 <= step.comm_wait_s <= step.duration_s
-            assert step.compute_s == pytest.approx(step.duration_s - step.comm_wait_s)
-            assert step.samples_per_s == pytest.approx(16 / step.duration_s)
-            assert step.loss is not None
-        sampled = [s for s in steps if s.ddp is not None]
-        assert [s.step for s in sampled] == [5, 10]
-        ddp = sampled[-1].ddp
-        assert ddp is not None
-        assert sum(ddp.bucket_sizes_bytes) == result["grad_bytes"]
-        assert ddp.avg_backward_compute_s > 0
+            assert all(b.duration_s > 0 and b.compression_ratio == 1.0 for b in step.buckets)
 
 
 # -- no agent, then the agent returns -----------------------------------------------------

@@ -91,11 +91,20 @@ def first_bucket_cap_bytes(module: Any) -> int:
     return int(first) if first is not None else int(module.bucket_bytes_cap)
 
 
+def has_comm_hook(module: Any) -> bool:
+    """Whether the job registered a comm hook of its own on this DDP module."""
+    return bool(getattr(module, "_comm_hooks", None))
+
+
 def rebuild_reducer(
-    module: Any, bucket_cap_bytes: int, first_bucket_cap_bytes: int, hook: Callable[..., Any]
+    module: Any,
+    bucket_cap_bytes: int,
+    first_bucket_cap_bytes: int,
+    hook: Callable[..., Any] | None,
 ) -> None:
     """Replace ``module``'s Reducer by one that buckets at ``bucket_cap_bytes``
-    (``first_bucket_cap_bytes`` for the bucket of the last-computed gradients).
+    (``first_bucket_cap_bytes`` for the bucket of the last-computed gradients),
+    reducing through ``hook``, or through DDP's own C++ path when it is None.
 
     Follows what DDP itself does in ``__setstate__``: the parameters, the
     optimizer and the module object stay the same. Like a new DDP, the new
@@ -126,5 +135,6 @@ def rebuild_reducer(
     if module.static_graph:
         module.reducer._set_static_graph()
         module.logger._set_static_graph()
-    module.logger._set_comm_hook_name(getattr(hook, "__qualname__", "torshmon"))
-    dist._register_comm_hook(module.reducer, None, hook)
+    if hook is not None:
+        module.logger._set_comm_hook_name(getattr(hook, "__qualname__", "torshmon"))
+        dist._register_comm_hook(module.reducer, None, hook)

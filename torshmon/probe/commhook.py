@@ -4,7 +4,8 @@ DDP accepts one comm hook per module, so this one dispatches. With no codec
 (``none``) it is a plain all-reduce, bit-identical to DDP's built-in
 reduction; otherwise it hands the bucket to the codec object the
 reconfiguration swapped in (``set_codec``), whose per-bucket state is reset
-whenever DDP's bucket layout changes.
+whenever DDP's bucket layout changes. It is registered only while a codec runs
+or bucket timing was asked for (see ``reconfig.py`` for why).
 
 This module deliberately does not use ``from __future__ import annotations``:
 DDP's ``register_comm_hook`` inspects the hook's annotations as real objects.
@@ -18,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from torshmon.probe import _torch_compat
 from torshmon.probe.events import BucketEvent, CollectiveEvent, StepEvents
 from torshmon.probe.inflight import InflightTable
 
@@ -110,9 +110,6 @@ class DispatchingCommHook:
     ) -> Callable[[torch.futures.Future[Any]], torch.Tensor]:
         launch = time.perf_counter_ns()
         events = self._events()
-        if not events.backward_hooked:
-            events.backward_hooked = True
-            _torch_compat.queue_backward_end_callback(lambda: _mark_backward_end(events))
         index = bucket.index()
         size = buffer.numel() * buffer.element_size()
         known = self._layout.get(index)
@@ -180,7 +177,3 @@ def _codec_event(
 def _first_tensor(future: torch.futures.Future[Any]) -> torch.Tensor:
     result: torch.Tensor = future.value()[0]
     return result
-
-
-def _mark_backward_end(events: StepEvents) -> None:
-    events.backward_end_ns = time.perf_counter_ns()

@@ -48,6 +48,7 @@ class StepEvents:
     buckets: list[BucketEvent] = field(default_factory=list)
     forward_start_ns: int | None = None
     forward_end_ns: int | None = None
+    last_grad_ns: int | None = None
     backward_end_ns: int | None = None
     backward_hooked: bool = False
 

@@ -68,16 +68,19 @@ def summarize_step(raw: RawStep) -> StepRecord:
 def communication_wait_s(events: StepEvents, step_start_ns: int) -> float:
     """Seconds the step spent waiting for communication.
 
-    Blocking collectives count whole. DDP buckets overlap with backward compute:
-    only the tail after the last bucket was launched (when backward compute ended)
-    until the last bucket finished is waiting.
+    Blocking collectives count whole. DDP's reduction overlaps backward compute:
+    only what follows the last gradient (backward compute over) until backward
+    returns (DDP waited for every bucket) is waiting. Without those marks, the
+    tail from the last bucket's launch to the last bucket's end stands for it.
     """
     waited_ns = sum(
         e.end_ns - e.start_ns
         for e in events.collectives
         if e.blocking and e.start_ns >= step_start_ns
     )
-    if events.buckets:
+    if events.last_grad_ns is not None and events.backward_end_ns is not None:
+        waited_ns += max(0, events.backward_end_ns - events.last_grad_ns)
+    elif events.buckets:
         last_launch = max(b.launch_ns for b in events.buckets)
         last_done = max(b.done_ns for b in events.buckets)
         waited_ns += max(0, last_done - last_launch)

@@ -1,0 +1,566 @@
+"""Overhead of the torshmon probe on a real 2-rank gloo DDP job, next to torch.profiler.
+
+One run interleaves three configurations in every rank process:
+
+- ``bare``: plain DDP;
+- ``probe``: DDP with ``torshmon.attach`` and ``mon.step()`` around each step,
+  shipping its records to a real ``ProbeReceiver`` running in this process;
+- ``profiler``: DDP inside ``torch.profiler.profile(activities=[CPU])``.
+
+on two models: ``small`` (many small parameters, 40 DDP buckets per step, the
+worst case for per-collective cost) and ``mlp`` (~7.3 M float32 parameters,
+~29 MB, DDP's default bucket cap). Prints a table of step times and ratios to
+``bare``; the last line of stdout is one JSON object.
+
+Usage::
+
+    python benchmarks/overhead.py --quick   # under a minute
+    python benchmarks/overhead.py           # a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile
+
+import torshmon
+from torshmon.agent.receiver import ProbeReceiver
+from torshmon.launch import run_ranks
+from torshmon.wire import Batch, ProbeMessage
+
+CONFIGS: tuple[str, ...] = ("bare", "probe", "profiler")
+WORLD_SIZE = 2
+
+StepFn = Callable[[], torch.Tensor]
+ScopeFactory = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+# -- what is measured -----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A benchmark model: how to build it, its batch, and DDP's bucket cap (None: default)."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    in_features: int
+    out_features: int
+    batch_size: int
+    bucket_cap_mb: float | None
+
+
+def build_small(width: int = 64, depth: int = 40) -> nn.Module:
+    """``depth`` Linear(width, width) layers: many 16 KB parameters, cheap compute."""
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def build_mlp() -> nn.Module:
+    """1024 -> 2048 -> 2048 -> 512: about 7.3 M float32 parameters (29 MB)."""
+    return nn.Sequential(
+        nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 512)
+    )
+
+
+# A 0.015 MiB (15.4 KiB) cap closes a bucket at every 64x64 weight (16 KiB): one per layer.
+MODELS: dict[str, ModelSpec] = {
+    "small": ModelSpec("small", build_small, 64, 64, 32, bucket_cap_mb=0.015),
+    "mlp": ModelSpec("mlp", build_mlp, 1024, 512, 32, bucket_cap_mb=None),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPlan:
+    """How many rounds of each model; each round runs every config once."""
+
+    model: str
+    rounds: int
+    warmup_steps: int
+    measured_steps: int
+
+
+# Many short rounds beat a few long ones against bursts of load from elsewhere.
+# Warm-up covers DDP's bucket rebuild after the first step.
+QUICK_PLAN: tuple[ModelPlan, ...] = (ModelPlan("small", 4, 5, 30), ModelPlan("mlp", 3, 2, 8))
+FULL_PLAN: tuple[ModelPlan, ...] = (ModelPlan("small", 20, 10, 60), ModelPlan("mlp", 20, 3, 10))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything a rank needs; picklable, so it crosses the spawn boundary."""
+
+    models: tuple[ModelPlan, ...]
+    agent_socket: str
+    flush_interval_s: float
+    seed: int
+    pin: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Rounds:
+    """One model's measurements, per config and round.
+
+    ``step_s``: wall seconds of each measured step. ``cpu_s_per_step``: the
+    rank process's CPU seconds (all its threads: training, gloo, the probe's
+    shipper) over the measured steps, per step; far less sensitive than wall
+    time to other programs sharing the machine.
+    """
+
+    step_s: dict[str, list[list[float]]]
+    cpu_s_per_step: dict[str, list[float]]
+
+
+@dataclass(frozen=True, slots=True)
+class RankResult:
+    """One rank's measurements per model, plus what the probe reported."""
+
+    rounds: dict[str, Rounds]
+    buckets: dict[str, int]
+    probe_steps: int
+    probe_dropped: int
+    probe_scope_s: float = 0.0
+
+
+# -- the rank side --------------------------------------------------------------------
+def rank_main(rank: int, world_size: int, plan: Plan) -> RankResult:
+    """Run every model's rounds on this rank (every rank runs the same schedule)."""
+    if plan.pin:
+        # One core per rank: the ranks' compute and gloo threads stop trading
+        # places on the 2 cores, which cuts the round-to-round spread about 3x.
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    rounds: dict[str, Rounds] = {}
+    buckets: dict[str, int] = {}
+    probe_counts = [0, 0]
+    for model_plan in plan.models:
+        rounds[model_plan.model], buckets[model_plan.model] = _bench_model(
+            rank, model_plan, plan, probe_counts
+        )
+    return RankResult(
+        rounds, buckets, probe_counts[0], probe_counts[1], _probe_scope_s(plan.agent_socket)
+    )
+
+
+def _probe_scope_s(agent_socket: str, steps: int = 20_000) -> float:
+    """Seconds the probe adds to each step on the training thread, measured directly.
+
+    An empty ``with mon.step()`` on a DDP module: the step scope, the step
+    record and the config consensus (its broadcast every ``sync_every`` steps),
+    without any training to hide behind. Many iterations make this figure
+    precise where step-time ratios drown in the machine's noise.
+    """
+    ddp = DistributedDataParallel(nn.Linear(4, 4))
+    mon = torshmon.attach(ddp, job="scope", agent_socket=agent_socket)
+    start = time.perf_counter()
+    for _ in range(steps):
+        with mon.step(batch_size=1):
+            pass
+    elapsed = time.perf_counter() - start
+    mon.close()
+    return elapsed / steps
+
+
+def _bench_model(
+    rank: int, model_plan: ModelPlan, plan: Plan, probe_counts: list[int]
+) -> tuple[Rounds, int]:
+    spec = MODELS[model_plan.model]
+    x, y = _batch(spec, seed=plan.seed + 1 + rank)
+    result = Rounds({c: [] for c in CONFIGS}, {c: [] for c in CONFIGS})
+    buckets = 0
+    for round_index in range(model_plan.rounds):
+        for config in rotation(round_index):
+            # A fresh DDP module per config and round: the probe's comm hook can
+            # only be registered once per module, and the same fresh start for
+            # every config keeps the comparison fair (same seed, same weights).
+            ddp, optimizer = _build(spec, plan.seed)
+            dist.barrier()
+            with _session(config, ddp, spec, plan, probe_counts) as scope:
+                step = _train_step(ddp, optimizer, x, y)
+                step_s, cpu_s = _run_steps(
+                    step, scope, model_plan.warmup_steps, model_plan.measured_steps
+                )
+            result.step_s[config].append(step_s)
+            result.cpu_s_per_step[config].append(cpu_s)
+            buckets = buckets or _bucket_count(ddp)
+            del ddp, optimizer, step
+            gc.collect()
+    return result, buckets
+
+
+def rotation(round_index: int) -> tuple[str, ...]:
+    """The order of the configs in a round: rotated so none always goes first."""
+    shift = round_index % len(CONFIGS)
+    return CONFIGS[shift:] + CONFIGS[:shift]
+
+
+def _batch(spec: ModelSpec, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(spec.batch_size, spec.in_features, generator=generator)
+    y = torch.randn(spec.batch_size, spec.out_features, generator=generator)
+    return x, y
+
+
+def _build(spec: ModelSpec, seed: int) -> tuple[DistributedDataParallel, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    options: dict[str, Any] = {}
+    if spec.bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = spec.bucket_cap_mb
+    ddp = DistributedDataParallel(spec.build(), **options)
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3)
+
+
+def _train_step(
+    ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> StepFn:
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return step
+
+
+@contextlib.contextmanager
+def _session(
+    config: str,
+    ddp: DistributedDataParallel,
+    spec: ModelSpec,
+    plan: Plan,
+    probe_counts: list[int],
+) -> Iterator[ScopeFactory]:
+    """Set up one config for one round; yields the per-step scope factory."""
+    if config == "bare":
+        yield contextlib.nullcontext
+    elif config == "probe":
+        monitor = torshmon.attach(
+            ddp,
+            job="overhead-bench",
+            agent_socket=plan.agent_socket,
+            flush_interval_s=plan.flush_interval_s,
+        )
+        try:
+            yield lambda: monitor.step(batch_size=spec.batch_size)
+        finally:
+            monitor.close()
+            probe_counts[0] += monitor.steps
+            probe_counts[1] += monitor.dropped_records_total
+    elif config == "profiler":
+        # What a user typically does first: wrap the whole loop, CPU activities,
+        # default options, no schedule (every step is recorded). The trace is
+        # processed at exit, outside the timed steps, as it would be for a user.
+        with profile(activities=[ProfilerActivity.CPU]):
+            yield contextlib.nullcontext
+    else:
+        raise ValueError(f"unknown config {config!r}; expected one of {CONFIGS}")
+
+
+def _run_steps(
+    step: StepFn, scope: ScopeFactory, warmup: int, measured: int
+) -> tuple[list[float], float]:
+    """Wall seconds of each measured step, and the process's CPU seconds per measured step.
+
+    Every config is timed identically: around the whole per-step scope (the
+    probe's ``mon.step()`` enter and exit included).
+    """
+    times = []
+    cpu_start = 0.0
+    for index in range(warmup + measured):
+        if index == warmup:
+            cpu_start = time.process_time()
+        start = time.perf_counter()
+        with scope() as step_scope:
+            loss = step()
+            if step_scope is not None:
+                step_scope.loss = loss
+        elapsed = time.perf_counter() - start
+        if index >= warmup:
+            times.append(elapsed)
+    return times, (time.process_time() - cpu_start) / max(1, measured)
+
+
+def _bucket_count(ddp: DistributedDataParallel) -> int:
+    """Buckets per step after DDP rebuilt them (0 if DDP does not say)."""
+    try:
+        data = ddp._get_ddp_logging_data()
+        sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
+    except Exception:
+        return 0
+    return len([s for s in sizes.split(",") if s.strip()])
+
+
+# -- the agent's stand-in -------------------------------------------------------------
+class ReceiverThread:
+    """A ProbeReceiver on its own asyncio loop in a daemon thread; counts step records."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.step_records = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="overhead-receiver", daemon=True
+        )
+        self._receiver = ProbeReceiver(socket_path, on_message=self._count)
+
+    def __enter__(self) -> ReceiverThread:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._receiver.start(), self._loop).result(timeout=10)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(self._receiver.aclose(), self._loop).result(10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    def _count(self, message: ProbeMessage) -> None:
+        if isinstance(message, Batch):
+            self.step_records += len(message.steps)
+
+
+# -- analysis -------------------------------------------------------------------------
+def job_rounds(per_rank: Sequence[Rounds]) -> Rounds:
+    """The job's view: per step the slowest rank's time (a DDP job steps at its
+    slowest rank's pace), and the CPU time of all ranks together.
+
+    Every rank ran the same schedule, so step i of round r is the same step everywhere.
+    """
+    configs = per_rank[0].step_s
+    step_s = {
+        config: [
+            [max(s) for s in zip(*(r.step_s[config][i] for r in per_rank), strict=True)]
+            for i in range(len(configs[config]))
+        ]
+        for config in configs
+    }
+    cpu = {
+        config: [sum(c) for c in zip(*(r.cpu_s_per_step[config] for r in per_rank), strict=True)]
+        for config in configs
+    }
+    return Rounds(step_s, cpu)
+
+
+def typical_step_s(rounds: list[list[float]]) -> float:
+    """The median of per-round medians, in seconds.
+
+    A round's median ignores single hiccups (a GC pause, a rank preempted by the
+    other's gloo thread on 2 cores); the median across rounds ignores whole rounds
+    that ran while the machine was busier. The median of all steps would let a
+    few noisy rounds dominate. Medians also hide costs paid on a few steps only
+    (the probe's config broadcast every 10th step, DDP stats every 50th): the
+    mean ratio and the CPU time are there for those.
+    """
+    return statistics.median(statistics.median(r) for r in rounds)
+
+
+def paired_ratio(rounds: list[list[float]], bare: list[list[float]]) -> float:
+    """Median over rounds of (this config's median step / bare's median step, same round).
+
+    The headline ratio: configs of one round ran seconds apart, so load from
+    other programs, which comes and goes over tens of seconds on a shared
+    machine, mostly cancels; a ratio of overall medians does not pair them.
+    """
+    return statistics.median(
+        statistics.median(r) / statistics.median(b) for r, b in zip(rounds, bare, strict=True)
+    )
+
+
+def round_spread(rounds: list[list[float]]) -> float:
+    """Interquartile range of the per-round medians over their median (a noise gauge)."""
+    medians = [statistics.median(r) for r in rounds]
+    if len(medians) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(medians, n=4)
+    return (q3 - q1) / statistics.median(medians)
+
+
+def mean_step_s(rounds: list[list[float]]) -> float:
+    return statistics.fmean(t for r in rounds for t in r)
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigStats:
+    """One (model, config) cell of the result; ratios are to ``bare`` of the same model."""
+
+    model: str
+    config: str
+    median_step_s: float
+    round_iqr: float
+    ratio: float  # paired_ratio: the headline
+    unpaired_ratio: float  # typical_step_s over bare's
+    mean_ratio: float
+    cpu_s_per_step: float  # all ranks together, median over rounds
+    cpu_ratio: float  # paired, like ``ratio``
+    steps: int
+
+
+def config_stats(model: str, job: Rounds) -> list[ConfigStats]:
+    bare, bare_cpu = job.step_s["bare"], job.cpu_s_per_step["bare"]
+    return [
+        ConfigStats(
+            model=model,
+            config=config,
+            median_step_s=typical_step_s(rounds),
+            round_iqr=round_spread(rounds),
+            ratio=paired_ratio(rounds, bare),
+            unpaired_ratio=typical_step_s(rounds) / typical_step_s(bare),
+            mean_ratio=mean_step_s(rounds) / mean_step_s(bare),
+            cpu_s_per_step=statistics.median(job.cpu_s_per_step[config]),
+            cpu_ratio=statistics.median(
+                c / b for c, b in zip(job.cpu_s_per_step[config], bare_cpu, strict=True)
+            ),
+            steps=sum(len(r) for r in rounds),
+        )
+        for config, rounds in job.step_s.items()
+    ]
+
+
+# The table's columns: header and how each cell is written.
+COLUMNS: tuple[tuple[str, Callable[[ConfigStats], str]], ...] = (
+    ("model", lambda s: s.model),
+    ("config", lambda s: s.config),
+    ("median ms", lambda s: f"{s.median_step_s * 1e3:.3f}"),
+    ("round IQR", lambda s: f"{s.round_iqr:.1%}"),
+    ("ratio", lambda s: f"{s.ratio:.4f}"),
+    ("unpaired", lambda s: f"{s.unpaired_ratio:.4f}"),
+    ("mean ratio", lambda s: f"{s.mean_ratio:.4f}"),
+    ("cpu ms/step", lambda s: f"{s.cpu_s_per_step * 1e3:.3f}"),
+    ("cpu ratio", lambda s: f"{s.cpu_ratio:.4f}"),
+    ("steps", lambda s: str(s.steps)),
+)
+
+
+def format_table(stats: Sequence[ConfigStats]) -> str:
+    rows = [tuple(name for name, _ in COLUMNS)]
+    rows += [tuple(cell(s) for _, cell in COLUMNS) for s in stats]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def summary_json(stats: Sequence[ConfigStats]) -> dict[str, Any]:
+    """``<config>_ratio_<model>`` (the paired headline), its cross-checks, and per
+    (model, config) the median step, the CPU time per step and the step count."""
+    out: dict[str, Any] = {}
+    for s in stats:
+        out[f"median_step_s_{s.model}_{s.config}"] = s.median_step_s
+        out[f"cpu_s_per_step_{s.model}_{s.config}"] = s.cpu_s_per_step
+        out[f"steps_{s.model}_{s.config}"] = s.steps
+        if s.config != "bare":
+            out[f"{s.config}_ratio_{s.model}"] = s.ratio
+            out[f"{s.config}_unpaired_ratio_{s.model}"] = s.unpaired_ratio
+            out[f"{s.config}_mean_ratio_{s.model}"] = s.mean_ratio
+            out[f"{s.config}_cpu_ratio_{s.model}"] = s.cpu_ratio
+    return out
+
+
+# -- the command line -----------------------------------------------------------------
+def build_plan(args: argparse.Namespace, agent_socket: str) -> Plan:
+    models = QUICK_PLAN if args.quick else FULL_PLAN
+    if args.rounds is not None:
+        models = tuple(
+            ModelPlan(m.model, args.rounds, m.warmup_steps, m.measured_steps) for m in models
+        )
+    chosen = tuple(m for m in models if m.model in args.models)
+    return Plan(chosen, agent_socket, args.flush_interval_s, args.seed, args.pin)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (< 1 min)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per model (override)")
+    parser.add_argument(
+        "--models", nargs="+", choices=sorted(MODELS), default=list(MODELS), help="models to run"
+    )
+    parser.add_argument(
+        "--flush-interval-s", type=float, default=0.5, help="the probe's flush interval"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="do not pin each rank to one core"
+    )
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="limit for the whole job")
+    args = parser.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="torshmon-bench-") as tmp:
+        socket_path = str(Path(tmp) / "agent.sock")
+        plan = build_plan(args, socket_path)
+        with ReceiverThread(socket_path) as receiver:
+            results: list[RankResult] = run_ranks(
+                rank_main, WORLD_SIZE, plan, timeout_s=args.timeout_s
+            )
+    stats = [
+        cell
+        for m in plan.models
+        for cell in config_stats(m.model, job_rounds([r.rounds[m.model] for r in results]))
+    ]
+    buckets = results[0].buckets
+    probe_steps = sum(r.probe_steps for r in results) + 2 * 20_000
+    scope_s = max(r.probe_scope_s for r in results)
+    summary = summary_json(stats)
+    for cell in stats:
+        if cell.config == "bare":
+            summary[f"probe_intrinsic_fraction_{cell.model}"] = scope_s / cell.median_step_s
+    summary.update(
+        {f"buckets_{m.model}": buckets[m.model] for m in plan.models},
+        **{f"rounds_{m.model}": m.rounds for m in plan.models},
+        quick=bool(args.quick),
+        world_size=WORLD_SIZE,
+        cpus=os.cpu_count(),
+        probe_steps=probe_steps,
+        probe_dropped_records=sum(r.probe_dropped for r in results),
+        agent_step_records=receiver.step_records,
+        wall_s=round(time.perf_counter() - started, 1),
+        probe_scope_s_per_step=scope_s,
+        pinned=plan.pin,
+    )
+    print(format_table(stats))
+    print(
+        f"probe's own cost per step, measured directly: {scope_s * 1e6:.1f} us ("
+        + ", ".join(
+            f"{m.model}: {100 * summary[f'probe_intrinsic_fraction_{m.model}']:.2f}% of bare step"
+            for m in plan.models
+        )
+        + ")"
+    )
+    print(
+        "buckets/step: "
+        + ", ".join(f"{m.model}={buckets[m.model]}" for m in plan.models)
+        + f"; probe step records received by the agent: {receiver.step_records}/{probe_steps}"
+    )
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
