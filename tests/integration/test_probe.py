@@ -408,3 +408,33 @@ def test_attach_before_init_process_group_is_refused() -> None:
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         torshmon.attach(None)
+
+
+def _late_for_ddp(rank: int, world: int, sock: str) -> None:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import torshmon
+
+    ddp = DistributedDataParallel(_model())
+    monitor = torshmon.attach(ddp, job="ddp-hang", agent_socket=sock, flush_interval_s=0.05)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for step in range(6):
+        with monitor.step():
+            if step == 4 and rank == 1:
+                time.sleep(2.5)  # rank 0 finishes backward compute and waits in DDP
+            optimizer.zero_grad()
+            ddp(torch.randn(4, 32)).sum().backward()
+            optimizer.step()
+    monitor.close()
+
+
+def test_a_rank_waiting_inside_ddp_reduction_shows_it_in_flight(
+    receiver: ReceiverThread,
+) -> None:
+    run_ranks(_late_for_ddp, 2, str(receiver.socket_path), timeout_s=TIMEOUT_S)
+    waiting = [op for b in receiver.batches(0) for op in b.inflight if op.age_s >= 0.5]
+    assert waiting, "rank 0's heartbeats should show the DDP reduction it waits in"
+    assert {(op.op, op.seq, op.pg) for op in waiting} == {("ddp_reduce", 5, "default")}
+    assert [op for b in receiver.batches(1) for op in b.inflight if op.age_s >= 0.5] == []
+    assert receiver.batches(0)[-1].inflight == []

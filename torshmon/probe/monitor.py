@@ -120,6 +120,7 @@ class Monitor:
         self._handles: list[Any] = []
         self._grad_hooks: dict[int, Any] = {}
         self._last_grad_param: int | None = None
+        self._ddp_pg_label = "default"
         self._tracer.install()
         if module is not None:
             try:
@@ -220,6 +221,7 @@ class Monitor:
         return self._events
 
     def _instrument_ddp(self, module: Any) -> None:
+        self._ddp_pg_label, _ = self._tracer.group_info(module.process_group)
         self._handles.append(module.register_forward_pre_hook(self._on_forward_start))
         self._handles.append(module.register_forward_hook(self._on_forward_end))
         # Runs on the autograd thread: when the last gradient is ready, backward
@@ -235,9 +237,8 @@ class Monitor:
             # A hook of the job's own stays; rebuilding the Reducer would drop it.
             log.warning("torshmon: the job has its own comm hook: buckets untimed, no retuning")
             return
-        pg_label, _ = self._tracer.group_info(module.process_group)
         hook = DispatchingCommHook(
-            module.process_group, pg_label, self._inflight, self._current_events
+            module.process_group, self._ddp_pg_label, self._inflight, self._current_events
         )
         if self._bucket_timing:
             hook.register(module)
@@ -257,7 +258,19 @@ class Monitor:
         self._last_grad_param = id(param)
         if not events.backward_hooked:
             events.backward_hooked = True
-            _torch_compat.queue_backward_end_callback(lambda: _mark_backward_end(events))
+            # DDP reduces in C++, unseen by the collective wrappers: a rank stuck
+            # waiting for its peers' gradients shows this op in flight until
+            # backward returns, which is how a hang inside DDP is attributed.
+            token = self._inflight.begin(self._ddp_pg_label, "ddp_reduce", 0)
+            queued = _torch_compat.queue_backward_end_callback(
+                lambda: self._on_backward_end(events, token)
+            )
+            if not queued:
+                self._inflight.end(token)
+
+    def _on_backward_end(self, events: StepEvents, token: int) -> None:
+        events.backward_end_ns = time.perf_counter_ns()
+        self._inflight.end(token)
 
     def _on_forward_start(self, _module: Any, _args: Any) -> None:
         events = self._events
@@ -369,10 +382,6 @@ class Monitor:
         if what not in self._failures:
             self._failures.add(what)
             log.warning("torshmon: recording %s failed; skipping", what, exc_info=True)
-
-
-def _mark_backward_end(events: StepEvents) -> None:
-    events.backward_end_ns = time.perf_counter_ns()
 
 
 def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Monitor:
