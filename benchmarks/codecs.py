@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import _table  # benchmarks/ is the script's own folder, first on sys.path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -357,12 +358,7 @@ COLUMNS: tuple[tuple[str, Callable[[Row], str]], ...] = (
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    cells = [tuple(name for name, _ in COLUMNS)]
-    cells += [tuple(cell(r) for _, cell in COLUMNS) for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _table.format_table(COLUMNS, rows)
 
 
 TABLE_NOTE = (

@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import json
@@ -29,13 +28,13 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _table  # benchmarks/ is the script's own folder, first on sys.path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -44,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 import torshmon
-from torshmon.agent.receiver import ProbeReceiver
+from torshmon.agent.receiver import ThreadedReceiver
 from torshmon.launch import run_ranks
 from torshmon.wire import Batch, ProbeMessage
 
@@ -311,31 +310,13 @@ def _bucket_count(ddp: DistributedDataParallel) -> int:
 
 
 # -- the agent's stand-in -------------------------------------------------------------
-class ReceiverThread:
-    """A ProbeReceiver on its own asyncio loop in a daemon thread; counts step records."""
+class StepCounter:
+    """Counts the step records a receiver got (runs on the receiver's thread)."""
 
-    def __init__(self, socket_path: str) -> None:
+    def __init__(self) -> None:
         self.step_records = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="overhead-receiver", daemon=True
-        )
-        self._receiver = ProbeReceiver(socket_path, on_message=self._count)
 
-    def __enter__(self) -> ReceiverThread:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._receiver.start(), self._loop).result(timeout=10)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        try:
-            asyncio.run_coroutine_threadsafe(self._receiver.aclose(), self._loop).result(10)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            self._loop.close()
-
-    def _count(self, message: ProbeMessage) -> None:
+    def __call__(self, message: ProbeMessage) -> None:
         if isinstance(message, Batch):
             self.step_records += len(message.steps)
 
@@ -453,12 +434,7 @@ COLUMNS: tuple[tuple[str, Callable[[ConfigStats], str]], ...] = (
 
 
 def format_table(stats: Sequence[ConfigStats]) -> str:
-    rows = [tuple(name for name, _ in COLUMNS)]
-    rows += [tuple(cell(s) for _, cell in COLUMNS) for s in stats]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _table.format_table(COLUMNS, stats)
 
 
 def summary_json(stats: Sequence[ConfigStats]) -> dict[str, Any]:
@@ -515,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="torshmon-bench-") as tmp:
         socket_path = str(Path(tmp) / "agent.sock")
         plan = build_plan(args, socket_path)
-        with ReceiverThread(socket_path) as receiver:
+        receiver = StepCounter()
+        with ThreadedReceiver(socket_path, on_message=receiver):
             results: list[RankResult] = run_ranks(
                 rank_main, WORLD_SIZE, plan, timeout_s=args.timeout_s
             )

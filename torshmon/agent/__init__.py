@@ -1,5 +1,5 @@
 """The per-node agent side of the probe protocol."""
 
-from torshmon.agent.receiver import ProbeReceiver
+from torshmon.agent.receiver import ProbeReceiver, ThreadedReceiver, read_messages
 
-__all__ = ["ProbeReceiver"]
+__all__ = ["ProbeReceiver", "ThreadedReceiver", "read_messages"]

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -146,3 +147,48 @@ def read_messages(path: str | os.PathLike[str]) -> list[ProbeMessage]:
 
 
 __all__ = ["ProbeReceiver", "read_messages"]
+
+
+class ThreadedReceiver:
+    """A ProbeReceiver on its own event loop in a daemon thread, for synchronous code.
+
+    For tests, benchmarks and tools that run ranks from a plain thread.
+    ``on_message`` runs on the receiver's thread. ``with`` or start()/stop().
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        on_message: Callable[[ProbeMessage], None] | None = None,
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="torshmon-receiver", daemon=True
+        )
+        self.receiver = ProbeReceiver(socket_path, on_message=on_message)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.receiver.socket_path
+
+    def start(self) -> ThreadedReceiver:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.receiver.start(), self._loop).result(timeout=10)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and end the thread; safe to call twice."""
+        if not self._thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.receiver.aclose(), self._loop).result(10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    def __enter__(self) -> ThreadedReceiver:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
