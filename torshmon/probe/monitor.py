@@ -127,6 +127,7 @@ class Monitor:
                 self._instrument_ddp(module)
             except BaseException:
                 self._tracer.uninstall()
+                self._remove_hooks()
                 raise
         self._outbox: Outbox[RawStep] = Outbox(max_buffered_steps)
         self._shipper = Shipper(
@@ -204,11 +205,14 @@ class Monitor:
         self._tracer.uninstall()
         if self._hook is not None:
             self._hook.enabled = False
+        self._remove_hooks()
+        self._shipper.close(timeout_s)
+
+    def _remove_hooks(self) -> None:
         for handle in [*self._handles, *self._grad_hooks.values()]:
             handle.remove()
         self._handles.clear()
         self._grad_hooks.clear()
-        self._shipper.close(timeout_s)
 
     def __enter__(self) -> Monitor:
         return self
