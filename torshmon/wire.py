@@ -15,9 +15,11 @@ units in the field names. This module is the only place the schema is written.
 from __future__ import annotations
 
 import struct
-from typing import Final
+from typing import Any, Final, TypeVar
 
 import msgspec
+
+T = TypeVar("T")
 
 SCHEMA_VERSION: Final = 1
 MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
@@ -204,17 +206,144 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, tag="batch", tag_field="k
 
 
 class Ack(msgspec.Struct, frozen=True, kw_only=True, tag="ack", tag_field="kind"):
-    """The agent's answer to a batch: stored, up to and including ``seq``."""
+    """The agent's answer to a batch: stored, up to and including ``seq``; for a
+    job's rank 0 it also carries the commands relayed from the aggregator."""
 
     v: int
     seq: int
+    commands: list[Command] = []
 
 
 ProbeMessage = Hello | Batch
 
+
+# -- agent to aggregator ------------------------------------------------------------------
+#
+# The agent forwards over HTTP (POST /api/v1/ingest, gzip, bearer token). Each
+# spool record is one unit of idempotency: the aggregator stores a record once
+# per (agent_id, seq) and answers with the highest seq it has stored, plus any
+# commands for jobs this agent serves.
+
+
+class GpuSample(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU of the node, read through NVML."""
+
+    index: int
+    utilization_ratio: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+
+
+class RankProcess(msgspec.Struct, frozen=True, kw_only=True):
+    """A local training process the agent serves."""
+
+    job: str
+    rank: int
+    pid: int
+    rss_bytes: int
+
+
+class NodeSample(msgspec.Struct, frozen=True, kw_only=True):
+    """The node at one instant. Byte counters are cumulative since boot; ratios are
+    over the interval since the previous sample."""
+
+    ts_unix_ns: int
+    node: str
+    cpu_utilization_ratio: float
+    memory_utilization_ratio: float
+    memory_used_bytes: int
+    io_wait_ratio: float
+    net_rx_bytes_total: int
+    net_tx_bytes_total: int
+    disk_read_bytes_total: int
+    disk_write_bytes_total: int
+    gpus: list[GpuSample] = []
+    ranks: list[RankProcess] = []
+
+
+class SpoolRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """What the agent stores durably and forwards as one unit: probe messages and node
+    samples received since the previous record, and the agent's own drop count."""
+
+    messages: list[ProbeMessage] = []
+    node_samples: list[NodeSample] = []
+    command_acks: list[CommandAck] = []
+    dropped_records_total: int = 0
+
+
+class IngestRecord(msgspec.Struct, frozen=True, kw_only=True):
+    seq: int
+    record: SpoolRecord
+
+
+class IngestBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """The body of one POST: records in increasing ``seq`` order."""
+
+    v: int
+    agent_id: str
+    node: str
+    records: list[IngestRecord]
+
+
+class Command(msgspec.Struct, frozen=True, kw_only=True):
+    """A command for one job, relayed by the agent to that job's rank-0 probe.
+
+    ``kind`` "config": ``args`` are ``request_config`` keyword arguments.
+    """
+
+    id: str
+    job: str
+    kind: str
+    args: dict[str, object] = {}
+
+
+class CommandAck(msgspec.Struct, frozen=True, kw_only=True):
+    """What became of a command: ``applied`` (with the config version and the step
+    from which it applies), ``accepted`` (queued for the next sync step), or
+    ``rejected`` (with the reason)."""
+
+    id: str
+    job: str
+    status: str
+    reason: str = ""
+    version: int | None = None
+    effective_step: int | None = None
+
+
+class IngestReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The aggregator's answer: stored up to and including ``acked_seq``."""
+
+    v: int
+    acked_seq: int
+    commands: list[Command] = []
+
+
 _encoder = msgspec.json.Encoder()
 _probe_decoder = msgspec.json.Decoder(ProbeMessage)
 _ack_decoder = msgspec.json.Decoder(Ack)
+_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+
+
+def encode_json(message: msgspec.Struct) -> bytes:
+    """Any schema record as JSON bytes."""
+    return _encoder.encode(message)
+
+
+def decode_json(payload: bytes, kind: type[T]) -> T:
+    """Decode and validate one schema record of type ``kind`` (e.g. IngestBatch).
+
+    Raises WireError naming the offending field; checks ``v`` where the record has one.
+    """
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        value: T = decoder.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise WireError(f"invalid {kind.__name__}: {exc}") from exc
+    version = getattr(value, "v", SCHEMA_VERSION)
+    _check_version(version)
+    return value
 
 
 def encode_frame(message: Hello | Batch | Ack) -> bytes:
