@@ -41,7 +41,67 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("torshmon-demo.jsonl"),
         help="where the received records go (default ./torshmon-demo.jsonl)",
     )
+    agent = commands.add_parser(
+        "agent", help="the per-node daemon: serves the probes, spools, forwards, /metrics"
+    )
+    agent.add_argument("--socket", help="probe socket (default $TORSHMON_AGENT_SOCKET)")
+    agent.add_argument("--metrics-host", default=None, help="/metrics address (127.0.0.1)")
+    agent.add_argument("--metrics-port", type=_port, default=None, help="/metrics port (9465)")
+    agent.add_argument(
+        "--aggregator", help="aggregator base URL, e.g. http://host:9470 ($TORSHMON_AGGREGATOR_URL)"
+    )
+    agent.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    agent.add_argument("--spool", help="spool file ($TORSHMON_AGENT_SPOOL)")
+    agent.add_argument("--spool-max-mb", type=_positive_int, help="spool bound in MiB (256)")
+    agent.add_argument("--node", help="node name (the hostname)")
+    agent.add_argument("--agent-id", help="agent id (the node name)")
+    agent.add_argument("--sample-interval-s", type=float, help="node sampling interval (2)")
     return parser
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {value}")
+    return value
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from torshmon.agent.daemon import run_agent, settings_from_env
+
+    token = None
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as exc:
+            print(f"torshmon agent: cannot read --token-file: {exc}", file=sys.stderr)
+            return 2
+    try:
+        settings = settings_from_env(
+            socket_path=args.socket,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
+            aggregator_url=args.aggregator,
+            token=token,
+            spool_path=args.spool,
+            spool_max_bytes=args.spool_max_mb * 1024 * 1024 if args.spool_max_mb else None,
+            node=args.node,
+            agent_id=args.agent_id,
+            sample_interval_s=args.sample_interval_s,
+        )
+    except ValueError as exc:
+        print(f"torshmon agent: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(run_agent(settings))
+    except OSError as exc:
+        print(f"torshmon agent: cannot start: {exc}", file=sys.stderr)
+        return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             out=args.out,
         )
         return run_demo(config)
+    if args.command == "agent":
+        return _run_agent(args)
     raise AssertionError(f"unhandled command {args.command}")  # argparse enforces the choices
 
 

@@ -203,6 +203,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, tag="batch", tag_field="k
     dropped_records_total: int
     steps: list[StepRecord] = []
     inflight: list[InflightOp] = []
+    command_acks: list[CommandAck] = []
 
 
 class Ack(msgspec.Struct, frozen=True, kw_only=True, tag="ack", tag_field="kind"):

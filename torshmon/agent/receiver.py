@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO
 
@@ -23,6 +23,8 @@ from torshmon.wire import (
     SCHEMA_VERSION,
     Ack,
     Batch,
+    Command,
+    Hello,
     ProbeMessage,
     WireError,
     decode_probe_message,
@@ -36,7 +38,13 @@ _REJECT_LOG_INTERVAL_S = 10.0
 
 
 class ProbeReceiver:
-    """Unix-socket server for any number of probes. ``async with`` or start()/aclose()."""
+    """Unix-socket server for any number of probes of any number of jobs.
+
+    ``store`` (awaited) makes a new message durable before the probe gets its
+    ack; ``on_message`` sees every new message; ``commands_for`` names the
+    commands to hand to a probe with its next ack. ``async with`` or
+    start()/aclose().
+    """
 
     def __init__(
         self,
@@ -44,10 +52,15 @@ class ProbeReceiver:
         *,
         out_path: str | os.PathLike[str] | None = None,
         on_message: Callable[[ProbeMessage], None] | None = None,
+        store: Callable[[ProbeMessage], Awaitable[None]] | None = None,
+        commands_for: Callable[[Hello], list[Command]] | None = None,
     ) -> None:
         self.socket_path = Path(socket_path)
         self._out_path = Path(out_path) if out_path is not None else None
         self._on_message = on_message
+        self._store = store
+        self._commands_for = commands_for
+        self._hellos: dict[asyncio.Task[None], Hello] = {}
         self._out: IO[bytes] | None = None
         self._server: asyncio.base_events.Server | None = None
         self._last_seq: dict[str, int] = {}
@@ -56,6 +69,11 @@ class ProbeReceiver:
         self.frames_accepted = 0
         self.frames_rejected = 0
         self.duplicates = 0
+
+    @property
+    def probes(self) -> list[Hello]:
+        """The probes connected now (their hello messages)."""
+        return list(self._hellos.values())
 
     async def start(self) -> None:
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,22 +126,38 @@ class ProbeReceiver:
                 except WireError as exc:
                     self._reject(exc)
                     continue
-                self._accept(message, payload)
+                if isinstance(message, Hello) and task is not None:
+                    self._hellos[task] = message
+                if self._accept(message, payload) and self._store is not None:
+                    try:
+                        await self._store(message)
+                    except Exception:
+                        # Not acknowledged: the probe keeps the batch and resends it.
+                        log.exception("could not store a probe message; dropping the connection")
+                        return
                 if isinstance(message, Batch):
-                    writer.write(encode_frame(Ack(v=SCHEMA_VERSION, seq=message.seq)))
-                    await writer.drain()
+                    await self._ack(writer, message, self._hellos.get(task) if task else None)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             if task is not None:
                 self._connections.pop(task, None)
+                self._hellos.pop(task, None)
             writer.close()
 
-    def _accept(self, message: ProbeMessage, payload: bytes) -> None:
+    async def _ack(self, writer: asyncio.StreamWriter, batch: Batch, hello: Hello | None) -> None:
+        commands = []
+        if hello is not None and self._commands_for is not None:
+            commands = self._commands_for(hello)
+        writer.write(encode_frame(Ack(v=SCHEMA_VERSION, seq=batch.seq, commands=commands)))
+        await writer.drain()
+
+    def _accept(self, message: ProbeMessage, payload: bytes) -> bool:
+        """Count and record a message; False for a batch already received."""
         if isinstance(message, Batch):
             if message.seq <= self._last_seq.get(message.session, 0):
                 self.duplicates += 1
-                return
+                return False
             self._last_seq[message.session] = message.seq
         self.frames_accepted += 1
         if self._out is not None:
@@ -131,6 +165,7 @@ class ProbeReceiver:
             self._out.flush()
         if self._on_message is not None:
             self._on_message(message)
+        return True
 
     def _reject(self, exc: Exception) -> None:
         self.frames_rejected += 1

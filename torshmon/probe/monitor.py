@@ -24,14 +24,24 @@ from torshmon.paths import default_agent_socket
 from torshmon.probe import _torch_compat
 from torshmon.probe.collectives import CollectiveTracer
 from torshmon.probe.commhook import DispatchingCommHook
-from torshmon.probe.config import CommConfig
+from torshmon.probe.config import CommConfig, ConfigError
 from torshmon.probe.events import RawStep, StepEvents
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
 from torshmon.probe.shipper import Outbox, Shipper
-from torshmon.wire import SCHEMA_VERSION, AppliedConfig, ConfigRejection, Hello
+from torshmon.wire import (
+    SCHEMA_VERSION,
+    AppliedConfig,
+    Command,
+    CommandAck,
+    ConfigRejection,
+    Hello,
+)
 
 log = logging.getLogger(__name__)
+
+#: What a "config" command may set: ``request_config``'s arguments.
+_CONFIG_ARGS = frozenset({"bucket_cap_mb", "first_bucket_cap_mb", "codec", "codec_params"})
 
 #: Steps during which every parameter's gradient is watched to find the last one;
 #: DDP's statistics are sampled then too (it has rebuilt its buckets by then).
@@ -121,6 +131,7 @@ class Monitor:
         self._grad_hooks: dict[int, Any] = {}
         self._last_grad_param: int | None = None
         self._ddp_pg_label = "default"
+        self._commands_by_version: dict[int, Command] = {}
         self._tracer.install()
         if module is not None:
             try:
@@ -137,6 +148,7 @@ class Monitor:
             inflight=self._inflight,
             flush_interval_s=flush_interval_s,
             max_buffered_steps=max_buffered_steps,
+            on_commands=self._on_commands,
         )
         self._shipper.start()
         atexit.register(self.close)
@@ -347,6 +359,32 @@ class Monitor:
         except Exception:
             self._note_failure("step")
 
+    def _on_commands(self, commands: list[Command]) -> None:
+        """Commands relayed by the agent (shipper thread): validate and queue them."""
+        for command in commands:
+            try:
+                version = self._accept_command(command)
+            except (ConfigError, RuntimeError, TypeError) as exc:
+                self._ack_command(command, "rejected", reason=str(exc))
+            else:
+                self._commands_by_version[version] = command
+                self._ack_command(command, "accepted", version=version)
+
+    def _accept_command(self, command: Command) -> int:
+        if command.job != self.job:
+            raise ConfigError(f"command for job {command.job!r} reached job {self.job!r}")
+        if command.kind != "config":
+            raise ConfigError(f"unknown command kind {command.kind!r}; allowed: config")
+        unknown = sorted(set(command.args) - _CONFIG_ARGS)
+        if unknown:
+            allowed = ", ".join(sorted(_CONFIG_ARGS))
+            raise ConfigError(f"unknown config field {unknown[0]!r}; allowed: {allowed}")
+        return self.request_config(**command.args)  # type: ignore[arg-type]
+
+    def _ack_command(self, command: Command, status: str, **details: Any) -> None:
+        ack = CommandAck(id=command.id, job=command.job, status=status, **details)
+        self._shipper.command_acks.put(ack)
+
     def _keep_last_grad_hook(self) -> None:
         last = self._last_grad_param
         if last is None or last not in self._grad_hooks:
@@ -367,9 +405,17 @@ class Monitor:
         ]
         if isinstance(outcome, Rejected):
             rejected.append(ConfigRejection(version=outcome.version, reason=outcome.reason))
+            command = self._commands_by_version.pop(outcome.version, None)
+            if command is not None:
+                self._ack_command(command, "rejected", reason=outcome.reason)
         if not isinstance(outcome, Applied):
             return None, rejected
         config = outcome.config
+        command = self._commands_by_version.pop(config.version, None)
+        if command is not None:
+            self._ack_command(
+                command, "applied", version=config.version, effective_step=outcome.effective_step
+            )
         return (
             AppliedConfig(
                 version=config.version,

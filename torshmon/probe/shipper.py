@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from torshmon.probe.events import RawStep
@@ -24,6 +25,8 @@ from torshmon.wire import (
     FRAME_HEADER,
     SCHEMA_VERSION,
     Batch,
+    Command,
+    CommandAck,
     Hello,
     StepRecord,
     WireError,
@@ -60,6 +63,9 @@ class Outbox(Generic[T]):
                 pass
         self._items.append(item)
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def drain(self) -> list[T]:
         out = []
         try:
@@ -90,6 +96,7 @@ class Shipper:
         max_steps_per_batch: int = 256,
         io_timeout_s: float = 2.0,
         reconnect_max_s: float = 5.0,
+        on_commands: Callable[[list[Command]], None] | None = None,
     ) -> None:
         self._socket_path = socket_path
         self._hello = hello
@@ -101,6 +108,8 @@ class Shipper:
         self._max_steps_per_batch = max_steps_per_batch
         self._io_timeout_s = io_timeout_s
         self._reconnect_max_s = reconnect_max_s
+        self._on_commands = on_commands
+        self.command_acks: Outbox[CommandAck] = Outbox(1024)
         self._seq = itertools.count(1)
         self._unacked: deque[Batch] = deque()
         self._buffered_steps = 0
@@ -159,7 +168,8 @@ class Shipper:
             self._connect()
         if self._sock is None:
             return
-        if not self._unacked and now - self._last_batch >= self._heartbeat_interval_s:
+        idle = now - self._last_batch >= self._heartbeat_interval_s
+        if not self._unacked and (idle or self.command_acks):
             self._enqueue([])  # heartbeat: carries in-flight ops of a stuck rank
         self._send_unacked()
 
@@ -185,6 +195,7 @@ class Shipper:
             dropped_records_total=self.dropped_records_total,
             steps=steps,
             inflight=self._inflight.oldest(),
+            command_acks=self.command_acks.drain(),
         )
         self._unacked.append(batch)
         self._buffered_steps += len(steps)
@@ -219,6 +230,8 @@ class Shipper:
                 batch = self._unacked[0]
                 sock.sendall(encode_frame(batch))
                 ack = decode_ack(_recv_frame(sock))
+                if ack.commands and self._on_commands is not None:
+                    self._on_commands(ack.commands)
                 while self._unacked and self._unacked[0].seq <= ack.seq:
                     done = self._unacked.popleft()
                     self._buffered_steps -= len(done.steps)

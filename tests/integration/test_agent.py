@@ -1,0 +1,334 @@
+"""``torshmon agent`` as a real process between a real gloo job and a real HTTP receiver."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.ingest_stub import IngestStub
+from torshmon.launch import free_port, run_ranks
+from torshmon.wire import FRAME_HEADER, Batch, Command
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT_S = 240
+#: How long the aggregator stays away in the outage test (the issue asks for 30 s).
+OUTAGE_S = float(os.environ.get("TORSHMON_TEST_OUTAGE_S", "30"))
+
+
+class AgentProcess:
+    """``torshmon agent`` in a subprocess; restartable on the same socket and spool."""
+
+    def __init__(self, tmp: Path, aggregator: str | None, token: str | None) -> None:
+        self.socket = tmp / "agent.sock"
+        self.spool = tmp / "spool.db"
+        self.metrics_port = free_port()
+        self.log = tmp / "agent.log"
+        self._args = [
+            sys.executable, "-m", "torshmon.cli", "-v", "agent",
+            "--socket", str(self.socket),
+            "--metrics-port", str(self.metrics_port),
+            "--spool", str(self.spool),
+            "--sample-interval-s", "0.5",
+            "--node", "test-node",
+        ]  # fmt: skip
+        if aggregator is not None:
+            self._args += ["--aggregator", aggregator]
+        if token is not None:
+            token_file = tmp / "token"
+            token_file.write_text(token)
+            self._args += ["--token-file", str(token_file)]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> AgentProcess:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(self._args, stdout=log, stderr=log)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited: {self.log.read_text()}")
+            try:
+                self.get("/healthz")
+                if self.socket.exists():
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"agent did not come up: {self.log.read_text()}")
+
+    def get(self, path: str) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}{path}"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return str(response.read().decode())
+
+    def metric(self, name: str, **labels: str) -> float:
+        for family in text_string_to_metric_families(self.get("/metrics")):
+            for sample in family.samples:
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    return float(sample.value)
+        raise KeyError(name)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+@pytest.fixture
+def stub() -> Iterator[IngestStub]:
+    server = IngestStub(free_port()).start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _train(rank: int, world: int, sock: str, job: str, steps: int, pause_s: float) -> list[float]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import torshmon
+    from tests.integration.test_probe import _model
+
+    ddp = DistributedDataParallel(_model())
+    monitor = torshmon.attach(ddp, job=job, agent_socket=sock, flush_interval_s=0.1)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        with monitor.step(batch_size=4):
+            time.sleep(pause_s)
+            optimizer.zero_grad()
+            ddp(torch.randn(4, 32)).sum().backward()
+            optimizer.step()
+        times.append(time.perf_counter() - start)
+    monitor.close(timeout_s=10)
+    return times
+
+
+def _wait_for(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _exactly_once(stub: IngestStub, job: str, ranks: int, steps: int) -> bool:
+    got = stub.steps(job)
+    return all(got.get(rank) == list(range(1, steps + 1)) for rank in range(ranks))
+
+
+def test_aggregator_outage_loses_nothing_and_duplicates_nothing(
+    tmp_path: Path, stub: IngestStub
+) -> None:
+    agent = AgentProcess(tmp_path, stub.url, "secret").start()
+    steps = int((OUTAGE_S + 10) / 0.1)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            job = pool.submit(
+                run_ranks, _train, 2, str(agent.socket), "outage", steps, 0.1, timeout_s=TIMEOUT_S
+            )
+            _wait_for(lambda: stub.steps("outage"), 30, "the first records")
+            stub.stop()
+            time.sleep(OUTAGE_S)
+            spooled = agent.metric("torshmon_agent_spool_records")
+            stub.start()
+            job.result()
+        _wait_for(lambda: _exactly_once(stub, "outage", 2, steps), 60, "every step exactly once")
+        assert spooled > 0
+        assert agent.stop() == 0
+    finally:
+        agent.stop()
+
+
+def test_agent_killed_and_restarted_keeps_training_going_and_the_spool_intact(
+    tmp_path: Path, stub: IngestStub
+) -> None:
+    agent = AgentProcess(tmp_path, stub.url, "secret").start()
+    steps = 120
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            job = pool.submit(
+                run_ranks, _train, 2, str(agent.socket), "kill", steps, 0.05, timeout_s=TIMEOUT_S
+            )
+            _wait_for(lambda: stub.steps("kill"), 30, "the first records")
+            agent.kill()
+            time.sleep(1.5)
+            agent.start()
+            times = job.result()
+
+        # every step reached the aggregator; a batch the dead agent had stored but
+        # not acknowledged comes again from the probe, under the same (session, seq)
+        def complete() -> bool:
+            seen: dict[tuple[str, int], Batch] = {}
+            for batch in stub.batches():
+                seen[(batch.session, batch.seq)] = batch
+            got: dict[int, list[int]] = {}
+            for _, batch in sorted(seen.items(), key=lambda item: (item[1].rank, item[0][1])):
+                got.setdefault(batch.rank, []).extend(s.step for s in batch.steps)
+            return all(sorted(got.get(r, [])) == list(range(1, steps + 1)) for r in range(2))
+
+        _wait_for(complete, 60, "every step after the restart")
+        for rank_times in times:
+            # the probe never waits on the agent: no step stalls while it is down
+            assert max(rank_times) < 1.0, max(rank_times)
+    finally:
+        agent.stop()
+
+
+def _junk_client(path: Path, stop: threading.Event) -> int:
+    sent = 0
+    while not stop.is_set():
+        for junk in (
+            os.urandom(64),
+            FRAME_HEADER.pack(20) + b'{"kind":"batch","v":1',  # truncated JSON
+            FRAME_HEADER.pack(9) + b"not json!",
+            FRAME_HEADER.pack(0xFFFFFFF0),  # absurd length
+        ):
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(path))
+                    s.sendall(junk)
+                    sent += 1
+            except OSError:
+                pass
+        time.sleep(0.05)
+    return sent
+
+
+def test_garbage_on_the_socket_is_counted_and_the_job_still_served(
+    tmp_path: Path, stub: IngestStub
+) -> None:
+    agent = AgentProcess(tmp_path, stub.url, "secret").start()
+    stop = threading.Event()
+    steps = 60
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            junk = pool.submit(_junk_client, agent.socket, stop)
+            run_ranks(_train, 2, str(agent.socket), "junk", steps, 0.02, timeout_s=TIMEOUT_S)
+            stop.set()
+            assert junk.result() > 10
+        _wait_for(lambda: _exactly_once(stub, "junk", 2, steps), 30, "the real job's steps")
+        assert agent.metric("torshmon_agent_frames_rejected_total") > 10
+    finally:
+        stop.set()
+        agent.stop()
+
+
+def test_wrong_token_keeps_data_spooled_and_says_so(tmp_path: Path, stub: IngestStub) -> None:
+    agent = AgentProcess(tmp_path, stub.url, "not-the-token").start()
+    try:
+        run_ranks(_train, 2, str(agent.socket), "token", 20, 0.01, timeout_s=TIMEOUT_S)
+        _wait_for(lambda: stub.rejected_auth > 0, 30, "the aggregator to reject the token")
+        assert stub.records == {}
+        assert agent.metric("torshmon_agent_spool_records") > 0
+        assert agent.metric("torshmon_agent_forward_up") == 0
+        _wait_for(lambda: "token" in agent.log.read_text(), 10, "the auth failure in the log")
+        assert "not-the-token" not in agent.log.read_text()
+    finally:
+        agent.stop()
+
+
+def test_metrics_are_valid_exposition_with_node_and_rank_series(
+    tmp_path: Path, stub: IngestStub
+) -> None:
+    agent = AgentProcess(tmp_path, stub.url, "secret").start()
+    try:
+        run_ranks(_train, 2, str(agent.socket), "metrics", 15, 0.01, timeout_s=TIMEOUT_S)
+        text = agent.get("/metrics")
+        names = {f.name for f in text_string_to_metric_families(text)}
+        for name in (
+            "torshmon_memory_utilization_ratio",
+            "torshmon_io_wait_time_ratio",
+            "torshmon_communication_time_ratio",
+            "torshmon_training_efficiency_ratio",
+            "torshmon_throughput_samples_per_second",
+            "torshmon_step_duration_seconds",
+        ):
+            assert name in names, name
+        assert agent.metric("torshmon_memory_utilization_ratio", node="test-node") > 0
+        promtool = shutil.which("promtool")
+        if promtool is None:
+            pytest.skip("promtool not installed (the prometheus package); CI installs it")
+        checked = subprocess.run(
+            [promtool, "check", "metrics"], input=text, capture_output=True, text=True
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    finally:
+        agent.stop()
+
+
+def test_sigterm_flushes_and_exits_cleanly(tmp_path: Path, stub: IngestStub) -> None:
+    agent = AgentProcess(tmp_path, stub.url, "secret").start()
+    run_ranks(_train, 2, str(agent.socket), "term", 10, 0.01, timeout_s=TIMEOUT_S)
+    assert agent.stop() == 0
+    assert _exactly_once(stub, "term", 2, 10)
+    assert not agent.socket.exists()
+
+
+def test_bad_flags_and_unreachable_aggregator(tmp_path: Path) -> None:
+    bad = subprocess.run(
+        [sys.executable, "-m", "torshmon.cli", "agent", "--metrics-port", "99999"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--metrics-port" in bad.stderr
+    url = subprocess.run(
+        [sys.executable, "-m", "torshmon.cli", "agent", "--aggregator", "ftp://x"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert url.returncode == 2 and "aggregator_url" in url.stderr
+    # nothing listens there: the agent starts anyway, spools, and says why
+    agent = AgentProcess(tmp_path, f"http://127.0.0.1:{free_port()}", "secret").start()
+    try:
+        run_ranks(_train, 2, str(agent.socket), "unreachable", 10, 0.01, timeout_s=TIMEOUT_S)
+        _wait_for(lambda: agent.metric("torshmon_agent_spool_records") > 0, 10, "spooling")
+        assert agent.proc is not None and agent.proc.poll() is None
+    finally:
+        assert agent.stop() == 0
+
+
+def test_commands_reach_rank_0_and_their_acks_come_back(tmp_path: Path, stub: IngestStub) -> None:
+    stub.commands = [
+        Command(id="good", job="relay", kind="config", args={"codec": "fp16"}),
+        Command(id="bad", job="relay", kind="config", args={"codec": "zstd"}),
+        Command(id="odd", job="relay", kind="config", args={"bucket_mb": 4}),
+    ]
+    agent = AgentProcess(tmp_path, stub.url, "secret").start()
+    try:
+        run_ranks(_train, 2, str(agent.socket), "relay", 40, 0.05, timeout_s=TIMEOUT_S)
+        acks = {a.id: a for b in stub.batches() for a in b.command_acks if a.status != "accepted"}
+        assert acks["good"].status == "applied" and acks["good"].effective_step is not None
+        assert acks["bad"].status == "rejected" and "zstd" in acks["bad"].reason
+        assert acks["odd"].status == "rejected" and "bucket_mb" in acks["odd"].reason
+        effective = acks["good"].effective_step
+        for rank in range(2):
+            records = [s for b in stub.batches() if b.rank == rank for s in b.steps]
+            applied = [s.applied_config for s in records if s.applied_config is not None]
+            assert [a.codec for a in applied] == ["fp16"]
+            assert applied[0].effective_step == effective
+    finally:
+        agent.stop()

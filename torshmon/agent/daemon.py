@@ -1,0 +1,323 @@
+"""``torshmon agent``: the per-node daemon between the probes and the aggregator.
+
+It serves the probes of its node on a Unix socket, makes what they send durable
+in an on-disk spool before acknowledging it, samples the node, exposes
+``/metrics`` and ``/healthz``, forwards the spool to the aggregator and relays
+the aggregator's commands to each job's rank-0 probe. It keeps working when
+everything around it fails: with no aggregator it spools (bounded), a bad
+probe frame costs that frame, and SIGTERM flushes before exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from torshmon.agent.forwarder import Forwarder
+from torshmon.agent.metrics import AgentMetrics, AgentState, make_metrics_handler
+from torshmon.agent.receiver import ProbeReceiver
+from torshmon.agent.sampler import NodeSampler
+from torshmon.agent.spool import Spool
+from torshmon.paths import default_agent_socket, runtime_dir
+from torshmon.wire import (
+    Batch,
+    Command,
+    Hello,
+    IngestReply,
+    NodeSample,
+    ProbeMessage,
+    SpoolRecord,
+    encode_json,
+)
+
+log = logging.getLogger(__name__)
+
+#: How long probe messages wait to share one durable spool write.
+GROUP_COMMIT_S = 0.02
+#: Where the aggregator takes agent batches, under its base URL.
+INGEST_PATH = "/api/v1/ingest"
+#: Commands kept per job while no rank-0 probe of it is connected.
+MAX_QUEUED_COMMANDS = 64
+
+
+def _hostname() -> str:
+    return socket.gethostname()
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """Where the agent listens, stores and forwards.
+
+    ``aggregator_url`` is the aggregator's base URL (None: spool only); batches
+    go to ``<base>/api/v1/ingest``.
+    """
+
+    socket_path: str = field(default_factory=default_agent_socket)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9465
+    aggregator_url: str | None = None
+    token: str | None = None
+    node: str = field(default_factory=_hostname)
+    agent_id: str = ""
+    spool_path: str = field(default_factory=lambda: str(runtime_dir() / "agent-spool.db"))
+    spool_max_bytes: int = 256 * 1024 * 1024
+    sample_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if self.sample_interval_s <= 0:
+            raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
+        if self.spool_max_bytes < 1024 * 1024:
+            raise ValueError(f"spool_max_bytes must be >= 1 MiB, got {self.spool_max_bytes}")
+        if self.aggregator_url is not None and not self.aggregator_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(f"aggregator_url must be an http(s) URL, got {self.aggregator_url!r}")
+
+
+class Agent:
+    """The daemon's parts and their lifecycle: ``async with Agent(settings)``.
+
+    Everything runs on one event loop; ``aclose`` is safe to call twice.
+    """
+
+    def __init__(self, settings: AgentSettings, *, registry: CollectorRegistry | None = None):
+        self.settings = settings
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = AgentMetrics(self.registry, node=settings.node)
+        self.spool = Spool(settings.spool_path, max_bytes=settings.spool_max_bytes)
+        self.sampler = NodeSampler(settings.node)
+        self.server = ProbeReceiver(
+            settings.socket_path,
+            on_message=self._observe,
+            store=self._store,
+            commands_for=self._commands_for,
+        )
+        # The aggregator de-duplicates by (agent id, seq): a new spool restarts seq at
+        # 1, so its id is part of the agent's unless one was given.
+        self.agent_id = settings.agent_id or f"{settings.node}-{self.spool.instance_id[:8]}"
+        self.forwarder: Forwarder | None = None
+        if settings.aggregator_url is not None:
+            self.forwarder = Forwarder(
+                self.spool,
+                url=settings.aggregator_url.rstrip("/") + INGEST_PATH,
+                token=settings.token,
+                agent_id=self.agent_id,
+                node=settings.node,
+                on_reply=self._on_reply,
+            )
+        self._commands: dict[str, deque[Command]] = defaultdict(
+            lambda: deque(maxlen=MAX_QUEUED_COMMANDS)
+        )
+        self._pending: list[ProbeMessage] = []
+        self._pending_done: asyncio.Future[None] | None = None
+        self._commit_task: asyncio.Task[None] | None = None
+        self._sampler_task: asyncio.Task[None] | None = None
+        self._runner: web.AppRunner | None = None
+        self._closed = False
+        self.metrics_port: int | None = None
+
+    async def start(self) -> None:
+        """Serve probes and /metrics, start sampling and forwarding."""
+        app = web.Application()
+        app.router.add_get("/metrics", make_metrics_handler(self.registry))
+        app.router.add_get("/healthz", self._healthz)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.settings.metrics_host, self.settings.metrics_port)
+        await site.start()
+        self.metrics_port = int(self._runner.addresses[0][1])
+        await self.server.start()
+        if self.forwarder is not None:
+            await self.forwarder.start()
+        else:
+            log.warning("no aggregator configured: records stay in the spool %s", self.spool_path)
+        self._sampler_task = asyncio.create_task(self._sample_forever(), name="agent-sampler")
+        log.info(
+            "agent %s serving probes on %s, /metrics on %s:%s",
+            self.agent_id,
+            self.settings.socket_path,
+            self.settings.metrics_host,
+            self.metrics_port,
+        )
+
+    @property
+    def spool_path(self) -> str:
+        return self.settings.spool_path
+
+    async def aclose(self) -> None:
+        """Stop taking probe data, make what was taken durable, flush, stop."""
+        if self._closed:
+            return
+        self._closed = True
+        # The loop over parts is deliberate: one failing must not leave the rest running.
+        errors: list[BaseException] = []
+        for step in (
+            self.server.aclose,
+            self._flush_pending,
+            self._stop_sampler,
+            self._close_forwarder,
+            self._close_http,
+        ):
+            try:
+                await step()
+            except Exception as exc:  # report all together below
+                errors.append(exc)
+        self.spool.close()
+        self.sampler.close()
+        for error in errors:
+            log.error("agent shutdown step failed: %s", error)
+
+    async def __aenter__(self) -> Agent:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- probes -----------------------------------------------------------------------
+    def _observe(self, message: ProbeMessage) -> None:
+        if isinstance(message, Batch):
+            self.metrics.observe_batch(message)
+
+    async def _store(self, message: ProbeMessage) -> None:
+        """Durable before it returns: group-committed with what arrives meanwhile."""
+        self._pending.append(message)
+        if self._pending_done is None:
+            self._pending_done = asyncio.get_running_loop().create_future()
+            self._commit_task = asyncio.create_task(self._commit_soon())
+        await asyncio.shield(self._pending_done)
+
+    async def _commit_soon(self) -> None:
+        await asyncio.sleep(GROUP_COMMIT_S)
+        await self._flush_pending()
+
+    async def _flush_pending(self) -> None:
+        messages, self._pending = self._pending, []
+        done, self._pending_done = self._pending_done, None
+        if not messages:
+            if done is not None and not done.done():
+                done.set_result(None)
+            return
+        try:
+            self._append(SpoolRecord(messages=messages))
+        except Exception as exc:
+            if done is not None and not done.done():
+                done.set_exception(exc)
+            raise
+        if done is not None and not done.done():
+            done.set_result(None)
+
+    def _append(self, record: SpoolRecord) -> None:
+        self.spool.append(encode_json(record))
+        if self.forwarder is not None:
+            self.forwarder.notify()
+
+    def _commands_for(self, hello: Hello) -> list[Command]:
+        if hello.rank != 0 or hello.job not in self._commands:
+            return []
+        queued = self._commands.pop(hello.job)
+        return list(queued)
+
+    def _on_reply(self, reply: IngestReply) -> None:
+        for command in reply.commands:
+            self._commands[command.job].append(command)
+
+    # -- node -------------------------------------------------------------------------
+    async def _sample_forever(self) -> None:
+        while True:
+            try:
+                sample = self._sample()
+                self.metrics.observe_node(sample)
+                self._append(SpoolRecord(node_samples=[sample]))
+            except Exception:
+                log.exception("node sampling failed; trying again next interval")
+            self._publish_state()
+            await asyncio.sleep(self.settings.sample_interval_s)
+
+    def _publish_state(self) -> None:
+        forwarder = self.forwarder
+        self.metrics.set_agent_state(
+            AgentState(
+                frames_rejected_total=self.server.frames_rejected,
+                probe_connections=len(self.server.probes),
+                spool_records=self.spool.records,
+                spool_bytes=self.spool.bytes,
+                spool_dropped_records_total=self.spool.dropped_records,
+                forward_failures_total=forwarder.failures_total if forwarder else 0,
+                forward_up=bool(
+                    forwarder
+                    and forwarder.last_success_unix is not None
+                    and forwarder.consecutive_failures == 0
+                ),
+            )
+        )
+
+    def _sample(self) -> NodeSample:
+        ranks = [(h.job, h.rank, h.pid) for h in self.server.probes]
+        return self.sampler.sample(ranks)
+
+    # -- lifecycle helpers ------------------------------------------------------------
+    async def _stop_sampler(self) -> None:
+        task, self._sampler_task = self._sampler_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _close_forwarder(self) -> None:
+        if self.forwarder is not None:
+            await self.forwarder.aclose()
+
+    async def _close_http(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "status": "ok",
+                "agent_id": self.agent_id,
+                "probes": len(self.server.probes),
+                "spool_records": self.spool.records,
+            }
+        )
+
+
+async def run_agent(settings: AgentSettings) -> int:
+    """Run until SIGTERM or SIGINT; returns the exit code."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    async with Agent(settings):
+        await stop.wait()
+        log.info("agent stopping: flushing")
+    return 0
+
+
+def settings_from_env(**overrides: object) -> AgentSettings:
+    """Settings from flags (``overrides``, None means unset), then TORSHMON_* variables."""
+    env = os.environ
+    values: dict[str, object] = {
+        "aggregator_url": env.get("TORSHMON_AGGREGATOR_URL"),
+        "token": env.get("TORSHMON_TOKEN"),
+    }
+    if env.get("TORSHMON_AGENT_SPOOL"):
+        values["spool_path"] = env["TORSHMON_AGENT_SPOOL"]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if "spool_path" in values:
+        values["spool_path"] = str(Path(str(values["spool_path"])))
+    return AgentSettings(**values)  # type: ignore[arg-type]

@@ -1,0 +1,547 @@
+"""The agent's Prometheus metrics: the node, each local rank, and the agent itself.
+
+AgentMetrics keeps the latest state fed to it (node samples, probe batches, the
+daemon's own counters) and one custom collector turns that state into metric
+families at scrape time. Values the sources already count cumulatively (byte
+counters, the probe's drop count, collective histograms pre-bucketed by the
+probe) are exposed as they are, never re-counted with ``inc()``.
+
+How the daemon feeds it::
+
+    metrics = AgentMetrics(registry, node="n1")
+    metrics.observe_node(sampler.sample(ranks))       # every sampling tick
+    metrics.observe_batch(batch)                      # every accepted probe Batch
+    metrics.set_agent_state(AgentState(...))          # whenever its counters change
+    metrics.forget_rank(job, rank)                    # probe gone for good
+    app.router.add_get("/metrics", make_metrics_handler(registry))
+
+Thread safety: every method may be called from any thread; state is copied under
+a lock and families are built outside it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import math
+import re
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from aiohttp.typedefs import Handler
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from torshmon.wire import DURATION_BUCKETS_S, Batch, CollectiveStat, NodeSample, StepRecord
+
+log = logging.getLogger(__name__)
+
+__all__ = ["STEP_DURATION_BUCKETS_S", "AgentMetrics", "AgentState", "make_metrics_handler"]
+
+#: Upper bounds (seconds) of ``torshmon_step_duration_seconds``: 1 ms to 60 s.
+STEP_DURATION_BUCKETS_S: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+# prometheus-client leaves this helper unannotated; it formats `le` exactly as its own
+# histograms do.
+_go_float: Callable[[float], str] = floatToGoString
+_METRIC_NAME = re.compile(r"^torshmon_[a-z0-9_]+$")
+_RANK_LABELS = ("job", "rank")
+_COLLECTIVE_LABELS = ("job", "rank", "op", "pg")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentState:
+    """The agent daemon's own health, as the daemon counts it.
+
+    ``*_total`` fields are cumulative since the agent started (exposed as counters);
+    the rest are current levels. ``forward_up`` is whether the last forward to the
+    aggregator succeeded.
+    """
+
+    frames_rejected_total: int = 0
+    probe_connections: int = 0
+    spool_records: int = 0
+    spool_bytes: int = 0
+    spool_dropped_records_total: int = 0
+    forward_failures_total: int = 0
+    forward_up: bool = False
+
+
+class _Histogram:
+    """Bucket counts (not cumulative; the last is the +Inf overflow) and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: a value equal to a bound belongs to that bucket (le is inclusive).
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def merge(self, counts: Sequence[int], total: float) -> None:
+        for index, count in enumerate(counts):
+            self.counts[index] += count
+        self.sum += total
+
+    def copy(self) -> _Histogram:
+        clone = _Histogram(self.bounds)
+        clone.counts = list(self.counts)
+        clone.sum = self.sum
+        return clone
+
+    def cumulative_buckets(self) -> list[tuple[str, float]]:
+        buckets: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            running += count
+            buckets.append((_go_float(bound), running))
+        return buckets
+
+
+@dataclass(slots=True)
+class _CollectiveState:
+    histogram: _Histogram = field(default_factory=lambda: _Histogram(DURATION_BUCKETS_S))
+    bytes_total: int = 0
+    busbw_bytes_per_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _RankState:
+    session: str = ""
+    step_duration: _Histogram = field(default_factory=lambda: _Histogram(STEP_DURATION_BUCKETS_S))
+    steps_total: int = 0
+    communication_time_ratio: float | None = None
+    training_efficiency_ratio: float | None = None
+    throughput_samples_per_s: float | None = None
+    loss: float | None = None
+    config_version: int | None = None
+    bucket_cap_bytes: int | None = None
+    dropped_records_total: int = 0
+    inflight_oldest_age_s: float = 0.0
+    compression_ratio: dict[str, float] = field(default_factory=dict)
+    collectives: dict[tuple[str, str], _CollectiveState] = field(default_factory=dict)
+
+    def copy(self) -> _RankState:
+        return _RankState(
+            session=self.session,
+            step_duration=self.step_duration.copy(),
+            steps_total=self.steps_total,
+            communication_time_ratio=self.communication_time_ratio,
+            training_efficiency_ratio=self.training_efficiency_ratio,
+            throughput_samples_per_s=self.throughput_samples_per_s,
+            loss=self.loss,
+            config_version=self.config_version,
+            bucket_cap_bytes=self.bucket_cap_bytes,
+            dropped_records_total=self.dropped_records_total,
+            inflight_oldest_age_s=self.inflight_oldest_age_s,
+            compression_ratio=dict(self.compression_ratio),
+            collectives={
+                key: _CollectiveState(c.histogram.copy(), c.bytes_total, c.busbw_bytes_per_s)
+                for key, c in self.collectives.items()
+            },
+        )
+
+
+class AgentMetrics:
+    """The agent's metrics, registered on the given registry (never the global default).
+
+    Feed it with observe_node(), observe_batch() and set_agent_state(); serve the
+    registry with make_metrics_handler(). close() unregisters it. Thread-safe.
+    """
+
+    def __init__(self, registry: CollectorRegistry, *, node: str) -> None:
+        self.registry = registry
+        self.node = node
+        self._lock = threading.Lock()
+        self._sample: NodeSample | None = None
+        self._ranks: dict[tuple[str, int], _RankState] = {}
+        self._agent_state = AgentState()
+        self._gauge_functions: dict[str, tuple[str, Callable[[], float]]] = {}
+        self._bad_hist_logged = False
+        self._collector = _AgentCollector(self)
+        registry.register(self._collector)
+
+    def close(self) -> None:
+        """Unregister from the registry; safe to call twice."""
+        with contextlib.suppress(KeyError):
+            self.registry.unregister(self._collector)
+
+    def observe_node(self, sample: NodeSample) -> None:
+        """Replace the node's state with this sample (node, GPU and rank RSS metrics)."""
+        with self._lock:
+            self._sample = sample
+
+    def observe_batch(self, batch: Batch) -> None:
+        """Fold one probe batch into its rank's state (steps, collectives, in-flight ops)."""
+        with self._lock:
+            state = self._ranks.setdefault((batch.job, batch.rank), _RankState())
+            if state.session == batch.session:
+                # A resent batch can be older; the probe's count only grows in a session.
+                state.dropped_records_total = max(
+                    state.dropped_records_total, batch.dropped_records_total
+                )
+            else:
+                # A new session (probe restarted) counts from zero; Prometheus sees a reset.
+                state.session = batch.session
+                state.dropped_records_total = batch.dropped_records_total
+            for step in batch.steps:
+                self._observe_step(state, step)
+            state.inflight_oldest_age_s = max((op.age_s for op in batch.inflight), default=0.0)
+
+    def forget_rank(self, job: str, rank: int) -> None:
+        """Drop every series of one rank (its probe is gone for good)."""
+        with self._lock:
+            self._ranks.pop((job, rank), None)
+
+    def set_agent_state(self, state: AgentState) -> None:
+        """Replace the agent's own health figures; the daemon calls it when they change."""
+        with self._lock:
+            self._agent_state = state
+
+    def add_gauge_function(self, name: str, documentation: str, fn: Callable[[], float]) -> None:
+        """Expose ``fn()`` as gauge ``name`` (labelled with this node) at every scrape.
+
+        Raises ValueError for a name outside ``torshmon_[a-z0-9_]+`` or one already added.
+        A failing ``fn`` is logged and its gauge left out of that scrape.
+        """
+        if not _METRIC_NAME.match(name):
+            raise ValueError(f"gauge name {name!r} must match {_METRIC_NAME.pattern}")
+        with self._lock:
+            if name in self._gauge_functions:
+                raise ValueError(f"gauge {name!r} is already added")
+            self._gauge_functions[name] = (documentation, fn)
+
+    def _observe_step(self, state: _RankState, step: StepRecord) -> None:
+        state.steps_total += 1
+        state.step_duration.observe(step.duration_s)
+        state.communication_time_ratio = _unit(step.communication_time_ratio)
+        if step.duration_s > 0.0:
+            state.training_efficiency_ratio = _unit(step.compute_s / step.duration_s)
+        if step.samples_per_s is not None:
+            state.throughput_samples_per_s = step.samples_per_s
+        if step.loss is not None and math.isfinite(step.loss):
+            state.loss = step.loss
+        state.config_version = step.config_version
+        if step.ddp is not None:
+            state.bucket_cap_bytes = step.ddp.bucket_cap_bytes
+        if step.applied_config is not None:
+            # Applied at this step's end, so newer than the DDP stats read during it.
+            state.bucket_cap_bytes = step.applied_config.bucket_cap_bytes
+        if step.buckets:
+            ratios: dict[str, list[float]] = {}
+            for bucket in step.buckets:
+                ratios.setdefault(bucket.codec, []).append(bucket.compression_ratio)
+            # Replaced, not merged: a codec switched away from stops being reported.
+            state.compression_ratio = {c: sum(r) / len(r) for c, r in ratios.items()}
+        self._observe_collectives(state, step.collectives)
+
+    def _observe_collectives(self, state: _RankState, stats: Sequence[CollectiveStat]) -> None:
+        busy: dict[tuple[str, str], tuple[float, float]] = {}
+        for stat in stats:
+            key = (stat.op, stat.pg)
+            collective = state.collectives.setdefault(key, _CollectiveState())
+            collective.bytes_total += stat.size_bytes
+            if len(stat.duration_hist) == len(DURATION_BUCKETS_S) + 1:
+                collective.histogram.merge(stat.duration_hist, stat.duration_s)
+            elif not self._bad_hist_logged:
+                self._bad_hist_logged = True
+                log.warning(
+                    "skipping collective histograms with %d counts; expected %d",
+                    len(stat.duration_hist),
+                    len(DURATION_BUCKETS_S) + 1,
+                )
+            # Bus bandwidth is bytes over time, so dtypes of one (op, pg) combine
+            # weighted by their time.
+            weighted, seconds = busy.get(key, (0.0, 0.0))
+            busy[key] = (
+                weighted + stat.busbw_bytes_per_s * stat.duration_s,
+                seconds + stat.duration_s,
+            )
+        for key, (weighted, seconds) in busy.items():
+            if seconds > 0.0:
+                state.collectives[key].busbw_bytes_per_s = weighted / seconds
+
+    def _snapshot(
+        self,
+    ) -> tuple[
+        NodeSample | None,
+        dict[tuple[str, int], _RankState],
+        AgentState,
+        dict[str, tuple[str, Callable[[], float]]],
+    ]:
+        with self._lock:
+            ranks = {key: state.copy() for key, state in self._ranks.items()}
+            return self._sample, ranks, self._agent_state, dict(self._gauge_functions)
+
+
+class _AgentCollector(Collector):
+    """Builds every family from a snapshot of AgentMetrics' state at scrape time."""
+
+    def __init__(self, metrics: AgentMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        sample, ranks, agent, gauges = self._metrics._snapshot()
+        node = self._metrics.node
+        if sample is not None:
+            yield from _node_families(sample)
+        yield from _rank_families(ranks)
+        yield from _agent_families(agent, node)
+        yield from _function_families(gauges, node)
+
+
+def _node_families(sample: NodeSample) -> Iterator[Metric]:
+    node = [sample.node]
+    for name, doc, value in (
+        (
+            "cpu_utilization_ratio",
+            "CPU busy time over all cores, 0..1.",
+            sample.cpu_utilization_ratio,
+        ),
+        (
+            "memory_utilization_ratio",
+            "Used over total memory, 0..1.",
+            sample.memory_utilization_ratio,
+        ),
+        ("memory_used_bytes", "Memory in use.", sample.memory_used_bytes),
+        (
+            "io_wait_time_ratio",
+            "CPU time waiting for I/O, 0..1 (0 off Linux).",
+            sample.io_wait_ratio,
+        ),
+    ):
+        yield _gauge(name, doc, ["node"], [(node, value)])
+    for name, doc, value in (
+        (
+            "network_receive_bytes_total",
+            "Bytes received on all interfaces.",
+            sample.net_rx_bytes_total,
+        ),
+        (
+            "network_transmit_bytes_total",
+            "Bytes sent on all interfaces.",
+            sample.net_tx_bytes_total,
+        ),
+        ("disk_read_bytes_total", "Bytes read from all disks.", sample.disk_read_bytes_total),
+        ("disk_written_bytes_total", "Bytes written to all disks.", sample.disk_write_bytes_total),
+    ):
+        yield _counter(name, doc, ["node"], [(node, value)])
+    gpus = [([sample.node, str(g.index)], g) for g in sample.gpus]
+    gpu_labels = ["node", "gpu"]
+    yield _gauge(
+        "gpu_utilization_ratio",
+        "GPU busy time (NVML), 0..1.",
+        gpu_labels,
+        [(labels, g.utilization_ratio) for labels, g in gpus],
+    )
+    yield _gauge(
+        "gpu_memory_used_bytes",
+        "GPU memory in use (NVML).",
+        gpu_labels,
+        [(labels, g.memory_used_bytes) for labels, g in gpus],
+    )
+    yield _gauge(
+        "gpu_memory_total_bytes",
+        "GPU memory in total (NVML).",
+        gpu_labels,
+        [(labels, g.memory_total_bytes) for labels, g in gpus],
+    )
+    yield _gauge(
+        "process_resident_memory_bytes",
+        "Resident memory of a training process.",
+        ["job", "rank", "node"],
+        [([p.job, str(p.rank), sample.node], p.rss_bytes) for p in sample.ranks],
+    )
+
+
+def _rank_families(ranks: dict[tuple[str, int], _RankState]) -> Iterator[Metric]:
+    items = [([job, str(rank)], state) for (job, rank), state in sorted(ranks.items())]
+    steps = HistogramMetricFamily(
+        "torshmon_step_duration_seconds", "Training step wall time.", labels=_RANK_LABELS
+    )
+    for labels, state in items:
+        steps.add_metric(labels, state.step_duration.cumulative_buckets(), state.step_duration.sum)
+    yield steps
+    yield _counter(
+        "steps_total",
+        "Training steps reported.",
+        _RANK_LABELS,
+        [(labels, s.steps_total) for labels, s in items],
+    )
+    yield _counter(
+        "probe_dropped_records_total",
+        "Step records the probe dropped since it attached.",
+        _RANK_LABELS,
+        [(labels, s.dropped_records_total) for labels, s in items],
+    )
+    yield _gauge(
+        "inflight_oldest_age_seconds",
+        "Age of the oldest collective the rank is inside (0 when none).",
+        _RANK_LABELS,
+        [(labels, s.inflight_oldest_age_s) for labels, s in items],
+    )
+    for name, doc, attribute in (
+        (
+            "communication_time_ratio",
+            "Share of the latest step spent waiting for communication, 0..1.",
+            "communication_time_ratio",
+        ),
+        (
+            "training_efficiency_ratio",
+            "Compute time over step time of the latest step, 0..1.",
+            "training_efficiency_ratio",
+        ),
+        (
+            "throughput_samples_per_second",
+            "Samples per second of the latest step.",
+            "throughput_samples_per_s",
+        ),
+        ("step_loss", "Latest finite training loss.", "loss"),
+        ("config_version", "Communication config version the rank runs.", "config_version"),
+        ("ddp_bucket_cap_bytes", "DDP gradient bucket cap.", "bucket_cap_bytes"),
+    ):
+        values = [(labels, getattr(s, attribute)) for labels, s in items]
+        yield _gauge(name, doc, _RANK_LABELS, [(la, v) for la, v in values if v is not None])
+    yield _gauge(
+        "compression_ratio",
+        "Wire bytes over gradient bytes per codec in the latest step (1 uncompressed).",
+        ("job", "rank", "codec"),
+        [([*labels, codec], r) for labels, s in items for codec, r in s.compression_ratio.items()],
+    )
+    yield from _collective_families(items)
+
+
+def _collective_families(items: list[tuple[list[str], _RankState]]) -> Iterator[Metric]:
+    collectives = [
+        ([*labels, op, pg], c)
+        for labels, state in items
+        for (op, pg), c in sorted(state.collectives.items())
+    ]
+    durations = HistogramMetricFamily(
+        "torshmon_collective_duration_seconds",
+        "Duration of each collective call.",
+        labels=_COLLECTIVE_LABELS,
+    )
+    for labels, c in collectives:
+        durations.add_metric(labels, c.histogram.cumulative_buckets(), c.histogram.sum)
+    yield durations
+    yield _counter(
+        "collective_bytes_total",
+        "Collective message bytes (nccl-tests size).",
+        _COLLECTIVE_LABELS,
+        [(la, c.bytes_total) for la, c in collectives],
+    )
+    yield _gauge(
+        "collective_bus_bandwidth_bytes_per_second",
+        "Bus bandwidth (nccl-tests) of the latest step with this collective.",
+        _COLLECTIVE_LABELS,
+        [(labels, c.busbw_bytes_per_s) for labels, c in collectives],
+    )
+
+
+def _agent_families(state: AgentState, node: str) -> Iterator[Metric]:
+    labels = [node]
+    for name, doc, value in (
+        (
+            "agent_frames_rejected_total",
+            "Probe frames the agent rejected.",
+            state.frames_rejected_total,
+        ),
+        (
+            "agent_spool_dropped_records_total",
+            "Spool records dropped because the spool was full.",
+            state.spool_dropped_records_total,
+        ),
+        (
+            "agent_forward_failures_total",
+            "Failed forwards to the aggregator.",
+            state.forward_failures_total,
+        ),
+    ):
+        yield _counter(name, doc, ["node"], [(labels, value)])
+    for name, doc, level in (
+        ("agent_probe_connections", "Probes connected to the agent.", state.probe_connections),
+        ("agent_spool_records", "Records waiting in the spool.", state.spool_records),
+        ("agent_spool_bytes", "Bytes of the spool on disk.", state.spool_bytes),
+        (
+            "agent_forward_up",
+            "1 when the last forward to the aggregator succeeded.",
+            int(state.forward_up),
+        ),
+    ):
+        yield _gauge(name, doc, ["node"], [(labels, level)])
+
+
+def _function_families(
+    gauges: dict[str, tuple[str, Callable[[], float]]], node: str
+) -> Iterator[Metric]:
+    for name, (doc, fn) in gauges.items():
+        try:
+            value = float(fn())
+        except Exception:
+            # A broken callback must not take the whole scrape down with it.
+            log.exception("gauge function for %s failed", name)
+            continue
+        family = GaugeMetricFamily(name, doc, labels=["node"])
+        family.add_metric([node], value)
+        yield family
+
+
+def _gauge(
+    name: str, doc: str, labels: Sequence[str], values: Iterable[tuple[Sequence[str], float]]
+) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(f"torshmon_{name}", doc, labels=labels)
+    for label_values, value in values:
+        family.add_metric(label_values, value)
+    return family
+
+
+def _counter(
+    name: str, doc: str, labels: Sequence[str], values: Iterable[tuple[Sequence[str], float]]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(f"torshmon_{name}", doc, labels=labels)
+    for label_values, value in values:
+        family.add_metric(label_values, value)
+    return family
+
+
+def _unit(value: float) -> float:
+    """Pin a measured ratio into [0, 1]: timer jitter can put compute a hair below zero."""
+    if not math.isfinite(value):
+        return 0.0
+    return min(1.0, max(0.0, value))
+
+
+def make_metrics_handler(registry: CollectorRegistry) -> Handler:
+    """An aiohttp handler serving ``registry`` (prometheus-client's own; content negotiated)."""
+    return make_aiohttp_handler(registry)

@@ -1,0 +1,204 @@
+"""Samples the node the agent runs on: CPU, memory, network, disk, training processes, GPUs.
+
+psutil reads the operating system's counters; NVML (the ``pynvml`` module of the
+``nvidia-ml-py`` package, the ``gpu`` extra) reads the GPUs when it is present.
+A sample is cheap (a few ``/proc`` reads plus one per training process), so the
+agent can take one every second.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+# No stubs unless types-psutil is installed; either way this line checks clean.
+import psutil  # type: ignore[import-untyped, unused-ignore]
+
+from torshmon.wire import GpuSample, NodeSample, RankProcess
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GpuUnavailableError", "NodeSampler"]
+
+
+class GpuUnavailableError(RuntimeError):
+    """GPU sampling was required (``gpu=True``) but NVML cannot be used."""
+
+
+class _CpuTimes(NamedTuple):
+    total_s: float
+    idle_s: float
+    iowait_s: float
+
+
+class NodeSampler:
+    """Takes NodeSample snapshots of this node; not thread-safe (one caller, the agent).
+
+    ``gpu``: None uses NVML when it loads and reports no GPUs otherwise (logged once
+    at INFO); True requires NVML and raises GpuUnavailableError if it cannot load;
+    False never touches NVML. Call close() to shut NVML down.
+    """
+
+    def __init__(self, node: str | None = None, *, gpu: bool | None = None) -> None:
+        self.node = node if node is not None else socket.gethostname()
+        # The first sample's ratios are then averages since boot, not since now.
+        self._last_cpu = _CpuTimes(0.0, 0.0, 0.0)
+        self._cpu_ratio = 0.0
+        self._iowait_ratio = 0.0
+        self._processes: dict[int, psutil.Process] = {}
+        self._nvml: Any = None
+        self._gpu_error_logged = False
+        if gpu is not False:
+            self._nvml = _load_nvml(required=gpu is True)
+
+    @property
+    def gpu_enabled(self) -> bool:
+        """Whether NVML loaded and GPUs are read."""
+        return self._nvml is not None
+
+    def sample(self, ranks: Sequence[tuple[str, int, int]]) -> NodeSample:
+        """Snapshot the node and the given (job, rank, pid) processes; dead pids are skipped.
+
+        CPU and I/O-wait ratios cover the interval since the previous call.
+        """
+        self._update_cpu()
+        memory = psutil.virtual_memory()
+        net_rx, net_tx = _net_bytes()
+        disk_read, disk_write = _disk_bytes()
+        return NodeSample(
+            ts_unix_ns=time.time_ns(),
+            node=self.node,
+            cpu_utilization_ratio=self._cpu_ratio,
+            memory_utilization_ratio=_ratio(memory.used, memory.total),
+            memory_used_bytes=int(memory.used),
+            io_wait_ratio=self._iowait_ratio,
+            net_rx_bytes_total=net_rx,
+            net_tx_bytes_total=net_tx,
+            disk_read_bytes_total=disk_read,
+            disk_write_bytes_total=disk_write,
+            gpus=self._sample_gpus(),
+            ranks=self._sample_ranks(ranks),
+        )
+
+    def close(self) -> None:
+        """Release NVML; safe to call twice. The sampler then reports no GPUs."""
+        nvml, self._nvml = self._nvml, None
+        if nvml is not None:
+            try:
+                nvml.nvmlShutdown()
+            except nvml.NVMLError as exc:
+                log.info("NVML shutdown failed: %s", exc)
+        self._processes.clear()
+
+    def _update_cpu(self) -> None:
+        now = _read_cpu_times()
+        total = now.total_s - self._last_cpu.total_s
+        if total <= 0.0:
+            # Called again within one clock tick: keep the previous interval's ratios.
+            return
+        idle = now.idle_s - self._last_cpu.idle_s
+        iowait = now.iowait_s - self._last_cpu.iowait_s
+        self._cpu_ratio = _ratio(total - idle - iowait, total)
+        self._iowait_ratio = _ratio(iowait, total)
+        self._last_cpu = now
+
+    def _sample_ranks(self, ranks: Sequence[tuple[str, int, int]]) -> list[RankProcess]:
+        samples: list[RankProcess] = []
+        live: dict[int, psutil.Process] = {}
+        for job, rank, pid in ranks:
+            process = live.get(pid) or self._processes.get(pid)
+            try:
+                # is_running() also catches a pid reused by an unrelated process.
+                if process is None or not process.is_running():
+                    process = psutil.Process(pid)
+                rss = int(process.memory_info().rss)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            live[pid] = process
+            samples.append(RankProcess(job=job, rank=rank, pid=pid, rss_bytes=rss))
+        # Forget processes no longer served, so the cache stays as small as the rank list.
+        self._processes = live
+        return samples
+
+    def _sample_gpus(self) -> list[GpuSample]:
+        nvml = self._nvml
+        if nvml is None:
+            return []
+        try:
+            gpus = []
+            for index in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                utilization = nvml.nvmlDeviceGetUtilizationRates(handle)
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+                gpus.append(
+                    GpuSample(
+                        index=index,
+                        utilization_ratio=_ratio(float(utilization.gpu), 100.0),
+                        memory_used_bytes=int(memory.used),
+                        memory_total_bytes=int(memory.total),
+                    )
+                )
+        except nvml.NVMLError as exc:
+            if not self._gpu_error_logged:
+                self._gpu_error_logged = True
+                log.info("reading GPUs through NVML failed, reporting none: %s", exc)
+            return []
+        return gpus
+
+
+def _load_nvml(*, required: bool) -> Any:
+    """The initialised pynvml module, or None (logged at INFO) when it cannot be used."""
+    try:
+        nvml = importlib.import_module("pynvml")
+    except ImportError as exc:
+        reason = f"pynvml is not installed ({exc}); install torshmon[gpu] (nvidia-ml-py)"
+        return _nvml_absent(reason, required=required)
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        return _nvml_absent(f"NVML failed to initialise: {exc}", required=required)
+    return nvml
+
+
+def _nvml_absent(reason: str, *, required: bool) -> None:
+    if required:
+        raise GpuUnavailableError(f"gpu=True but GPUs cannot be read: {reason}")
+    log.info("no GPU metrics: %s", reason)
+    return None
+
+
+def _read_cpu_times() -> _CpuTimes:
+    times = psutil.cpu_times()
+    total = sum(times)
+    if sys.platform.startswith("linux"):
+        # Linux already counts guest time inside user and nice (as psutil.cpu_percent does).
+        total -= getattr(times, "guest", 0.0) + getattr(times, "guest_nice", 0.0)
+    return _CpuTimes(total, times.idle, getattr(times, "iowait", 0.0))
+
+
+def _net_bytes() -> tuple[int, int]:
+    counters = psutil.net_io_counters()
+    if counters is None:
+        return 0, 0
+    return int(counters.bytes_recv), int(counters.bytes_sent)
+
+
+def _disk_bytes() -> tuple[int, int]:
+    # None where the kernel exposes no disk statistics (some containers).
+    counters = psutil.disk_io_counters()
+    if counters is None:
+        return 0, 0
+    return int(counters.read_bytes), int(counters.write_bytes)
+
+
+def _ratio(part: float, whole: float) -> float:
+    """part / whole within [0, 1]; counter deltas can be a tick off, so the ends are pinned."""
+    if whole <= 0.0 or not math.isfinite(part):
+        return 0.0
+    return min(1.0, max(0.0, part / whole))
