@@ -42,8 +42,9 @@ from torshmon.wire import (
 
 log = logging.getLogger(__name__)
 
-#: How long probe messages wait to share one durable spool write.
-GROUP_COMMIT_S = 0.02
+#: How long probe messages wait to share one durable spool write (probes flush
+#: every 0.5 s and wait up to 2 s for an ack, so 100 ms is invisible to them).
+GROUP_COMMIT_S = 0.1
 #: Where the aggregator takes agent batches, under its base URL.
 INGEST_PATH = "/api/v1/ingest"
 #: Commands kept per job while no rank-0 probe of it is connected.
@@ -120,7 +121,7 @@ class Agent:
         self._commands: dict[str, deque[Command]] = defaultdict(
             lambda: deque(maxlen=MAX_QUEUED_COMMANDS)
         )
-        self._pending: list[ProbeMessage] = []
+        self._pending: list[bytes] = []
         self._pending_done: asyncio.Future[None] | None = None
         self._commit_task: asyncio.Task[None] | None = None
         self._sampler_task: asyncio.Task[None] | None = None
@@ -191,9 +192,13 @@ class Agent:
         if isinstance(message, Batch):
             self.metrics.observe_batch(message)
 
-    async def _store(self, message: ProbeMessage) -> None:
-        """Durable before it returns: group-committed with what arrives meanwhile."""
-        self._pending.append(message)
+    async def _store(self, message: ProbeMessage, payload: bytes) -> None:
+        """Durable before it returns: group-committed with what arrives meanwhile.
+
+        The probe's own validated JSON goes into the spool record as it came:
+        decoding was needed to validate it, re-encoding is not.
+        """
+        self._pending.append(payload)
         if self._pending_done is None:
             self._pending_done = asyncio.get_running_loop().create_future()
             self._commit_task = asyncio.create_task(self._commit_soon())
@@ -201,7 +206,11 @@ class Agent:
 
     async def _commit_soon(self) -> None:
         await asyncio.sleep(GROUP_COMMIT_S)
-        await self._flush_pending()
+        try:
+            await self._flush_pending()
+        except Exception:
+            # The waiting probes got the error (no ack: they resend); say it once here.
+            log.exception("could not write probe data to the spool %s", self.spool_path)
 
     async def _flush_pending(self) -> None:
         messages, self._pending = self._pending, []
@@ -211,7 +220,7 @@ class Agent:
                 done.set_result(None)
             return
         try:
-            self._append(SpoolRecord(messages=messages))
+            self._append_raw(b'{"messages":[%s]}' % b",".join(messages))
         except Exception as exc:
             if done is not None and not done.done():
                 done.set_exception(exc)
@@ -220,7 +229,11 @@ class Agent:
             done.set_result(None)
 
     def _append(self, record: SpoolRecord) -> None:
-        self.spool.append(encode_json(record))
+        self._append_raw(encode_json(record))
+
+    def _append_raw(self, record_json: bytes) -> None:
+        """Append one SpoolRecord's JSON durably and wake the forwarder."""
+        self.spool.append(record_json)
         if self.forwarder is not None:
             self.forwarder.notify()
 

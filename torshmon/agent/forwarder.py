@@ -42,6 +42,7 @@ class _Prepared:
 
     body_gz: bytes
     seqs: tuple[int, ...]
+    raw_bytes: int
 
     @property
     def count(self) -> int:
@@ -88,6 +89,7 @@ class Forwarder:
         backoff_max_s: float = 10.0,
         timeout_s: float = 10.0,
         poll_interval_s: float = 1.0,
+        min_interval_s: float = 0.5,
         rng: random.Random | None = None,
     ) -> None:
         parsed = URL(url)
@@ -118,6 +120,7 @@ class Forwarder:
         self._backoff_max_s = backoff_max_s
         self._timeout_s = timeout_s
         self._poll_interval_s = poll_interval_s
+        self._min_interval_s = min_interval_s
         self._rng = rng if rng is not None else random.Random()
         self._wake = asyncio.Event()
         self._closing = False
@@ -213,7 +216,11 @@ class Forwarder:
         outcome = await self._post(prepared)
         if not isinstance(outcome, _Failure):
             self._succeeded(outcome)
-            return 0.0
+            full = prepared.raw_bytes >= self.batch_max_bytes
+            full = full or prepared.count >= _MAX_RECORDS_PER_BATCH
+            # Let records gather between POSTs (each costs a request, a gzip and a
+            # spool transaction); a full batch means a backlog: go on at once.
+            return 0.0 if full or self._closing else self._min_interval_s
         self._failed(outcome)
         return outcome.delay_s if outcome.delay_s is not None else self._backoff_s()
 
@@ -236,7 +243,7 @@ class Forwarder:
             )
         )
         seqs = tuple(seq for seq, _ in records)
-        return _Prepared(gzip.compress(body, compresslevel=6), seqs)
+        return _Prepared(gzip.compress(body, compresslevel=6), seqs, len(body))
 
     async def _post(self, prepared: _Prepared) -> int | _Failure:
         """POST one batch; the number of records the aggregator stored, or why none were."""

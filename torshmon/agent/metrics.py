@@ -109,8 +109,7 @@ class _Histogram:
         self.sum += value
 
     def merge(self, counts: Sequence[int], total: float) -> None:
-        for index, count in enumerate(counts):
-            self.counts[index] += count
+        self.counts = [mine + theirs for mine, theirs in zip(self.counts, counts, strict=True)]
         self.sum += total
 
     def copy(self) -> _Histogram:
@@ -204,7 +203,9 @@ class AgentMetrics:
     def observe_batch(self, batch: Batch) -> None:
         """Fold one probe batch into its rank's state (steps, collectives, in-flight ops)."""
         with self._lock:
-            state = self._ranks.setdefault((batch.job, batch.rank), _RankState())
+            state = self._ranks.get((batch.job, batch.rank))
+            if state is None:
+                state = self._ranks[(batch.job, batch.rank)] = _RankState()
             if state.session == batch.session:
                 # A resent batch can be older; the probe's count only grows in a session.
                 state.dropped_records_total = max(
@@ -269,7 +270,9 @@ class AgentMetrics:
         busy: dict[tuple[str, str], tuple[float, float]] = {}
         for stat in stats:
             key = (stat.op, stat.pg)
-            collective = state.collectives.setdefault(key, _CollectiveState())
+            collective = state.collectives.get(key)
+            if collective is None:  # not setdefault: that builds a state on every call
+                collective = state.collectives[key] = _CollectiveState()
             collective.bytes_total += stat.size_bytes
             if len(stat.duration_hist) == len(DURATION_BUCKETS_S) + 1:
                 collective.histogram.merge(stat.duration_hist, stat.duration_s)

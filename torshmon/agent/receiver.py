@@ -40,10 +40,10 @@ _REJECT_LOG_INTERVAL_S = 10.0
 class ProbeReceiver:
     """Unix-socket server for any number of probes of any number of jobs.
 
-    ``store`` (awaited) makes a new message durable before the probe gets its
-    ack; ``on_message`` sees every new message; ``commands_for`` names the
-    commands to hand to a probe with its next ack. ``async with`` or
-    start()/aclose().
+    ``store(message, payload)`` (awaited; ``payload`` is the validated JSON the
+    probe sent) makes a new message durable before the probe gets its ack;
+    ``on_message`` sees every new message; ``commands_for`` names the commands
+    to hand to a probe with its next ack. ``async with`` or start()/aclose().
     """
 
     def __init__(
@@ -52,7 +52,7 @@ class ProbeReceiver:
         *,
         out_path: str | os.PathLike[str] | None = None,
         on_message: Callable[[ProbeMessage], None] | None = None,
-        store: Callable[[ProbeMessage], Awaitable[None]] | None = None,
+        store: Callable[[ProbeMessage, bytes], Awaitable[None]] | None = None,
         commands_for: Callable[[Hello], list[Command]] | None = None,
     ) -> None:
         self.socket_path = Path(socket_path)
@@ -130,7 +130,7 @@ class ProbeReceiver:
                     self._hellos[task] = message
                 if self._accept(message, payload) and self._store is not None:
                     try:
-                        await self._store(message)
+                        await self._store(message, payload)
                     except Exception:
                         # Not acknowledged: the probe keeps the batch and resends it.
                         log.exception("could not store a probe message; dropping the connection")
