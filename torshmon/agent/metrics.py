@@ -215,8 +215,8 @@ class AgentMetrics:
                 # A new session (probe restarted) counts from zero; Prometheus sees a reset.
                 state.session = batch.session
                 state.dropped_records_total = batch.dropped_records_total
-            for step in batch.steps:
-                self._observe_step(state, step)
+            if batch.steps:
+                self._observe_steps(state, batch.steps)
             state.inflight_oldest_age_s = max((op.age_s for op in batch.inflight), default=0.0)
 
     def forget_rank(self, job: str, rank: int) -> None:
@@ -242,29 +242,37 @@ class AgentMetrics:
                 raise ValueError(f"gauge {name!r} is already added")
             self._gauge_functions[name] = (documentation, fn)
 
-    def _observe_step(self, state: _RankState, step: StepRecord) -> None:
-        state.steps_total += 1
-        state.step_duration.observe(step.duration_s)
-        state.communication_time_ratio = _unit(step.communication_time_ratio)
-        if step.duration_s > 0.0:
-            state.training_efficiency_ratio = _unit(step.compute_s / step.duration_s)
-        if step.samples_per_s is not None:
-            state.throughput_samples_per_s = step.samples_per_s
-        if step.loss is not None and math.isfinite(step.loss):
-            state.loss = step.loss
-        state.config_version = step.config_version
-        if step.ddp is not None:
-            state.bucket_cap_bytes = step.ddp.bucket_cap_bytes
-        if step.applied_config is not None:
-            # Applied at this step's end, so newer than the DDP stats read during it.
-            state.bucket_cap_bytes = step.applied_config.bucket_cap_bytes
-        if step.buckets:
+    def _observe_steps(self, state: _RankState, steps: Sequence[StepRecord]) -> None:
+        """Counters and histograms take every step; gauges only need the latest value."""
+        state.steps_total += len(steps)
+        for step in steps:
+            state.step_duration.observe(step.duration_s)
+            if step.collectives:
+                self._observe_collectives(state, step.collectives)
+        last = steps[-1]
+        state.communication_time_ratio = _unit(last.communication_time_ratio)
+        if last.duration_s > 0.0:
+            state.training_efficiency_ratio = _unit(last.compute_s / last.duration_s)
+        if last.samples_per_s is not None:
+            state.throughput_samples_per_s = last.samples_per_s
+        state.config_version = last.config_version
+        for step in reversed(steps):
+            if step.loss is not None and math.isfinite(step.loss):
+                state.loss = step.loss
+                break
+        for step in steps:
+            if step.ddp is not None:
+                state.bucket_cap_bytes = step.ddp.bucket_cap_bytes
+            if step.applied_config is not None:
+                # Applied at this step's end, so newer than the DDP stats read during it.
+                state.bucket_cap_bytes = step.applied_config.bucket_cap_bytes
+        with_buckets = next((s for s in reversed(steps) if s.buckets), None)
+        if with_buckets is not None:
             ratios: dict[str, list[float]] = {}
-            for bucket in step.buckets:
+            for bucket in with_buckets.buckets:
                 ratios.setdefault(bucket.codec, []).append(bucket.compression_ratio)
             # Replaced, not merged: a codec switched away from stops being reported.
             state.compression_ratio = {c: sum(r) / len(r) for c, r in ratios.items()}
-        self._observe_collectives(state, step.collectives)
 
     def _observe_collectives(self, state: _RankState, stats: Sequence[CollectiveStat]) -> None:
         busy: dict[tuple[str, str], tuple[float, float]] = {}
