@@ -58,10 +58,6 @@ class DispatchingCommHook:
         self.enabled = True
         self.measure_error = False  # set per step by the monitor (sampled)
 
-    @property
-    def codec_name(self) -> str:
-        return "none" if self._codec is None else self._codec.name
-
     def register(self, ddp_module: Any) -> None:
         """Register on a DDP module (possible once per module, before backward)."""
         ddp_module.register_comm_hook(None, self.__call__)

@@ -122,16 +122,11 @@ class Shipper:
         self._warned_down = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torshmon-shipper", daemon=True)
-        self.batches_acked = 0
 
     @property
     def dropped_records_total(self) -> int:
         """Step records lost so far (outbox overflow plus buffer overflow)."""
         return self._outbox.dropped + self._dropped_here
-
-    @property
-    def connected(self) -> bool:
-        return self._sock is not None
 
     def start(self) -> None:
         self._thread.start()
@@ -235,7 +230,6 @@ class Shipper:
                 while self._unacked and self._unacked[0].seq <= ack.seq:
                     done = self._unacked.popleft()
                     self._buffered_steps -= len(done.steps)
-                    self.batches_acked += 1
         except (OSError, WireError) as exc:
             self._disconnect()
             self._schedule_reconnect(exc)
