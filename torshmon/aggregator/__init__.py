@@ -1,0 +1,1 @@
+"""The central aggregator: ingest, live series, detection, rules, notification."""
