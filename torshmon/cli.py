@@ -36,10 +36,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=_positive_int, default=64, help="per rank (default 64)")
     demo.add_argument("--job", default="demo", help="job name (default 'demo')")
     demo.add_argument(
-        "--out",
+        "--db",
         type=Path,
-        default=Path("torshmon-demo.jsonl"),
-        help="where the received records go (default ./torshmon-demo.jsonl)",
+        default=Path("torshmon.db"),
+        help="SQLite history file (default ./torshmon.db)",
+    )
+    demo.add_argument(
+        "--port", type=_port, default=0, help="aggregator port (default: any free port)"
+    )
+    demo.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="KIND[:k=v,...]",
+        help="inject a fault, e.g. straggler:rank=1,slowdown=0.5,from=40,to=120 (repeatable)",
     )
     agent = commands.add_parser(
         "agent", help="the per-node daemon: serves the probes, spools, forwards, /metrics"
@@ -56,6 +66,36 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--node", help="node name (the hostname)")
     agent.add_argument("--agent-id", help="agent id (the node name)")
     agent.add_argument("--sample-interval-s", type=float, help="node sampling interval (2)")
+
+    aggregator = commands.add_parser(
+        "aggregator", help="the central daemon: ingest, history, detection, alerts, API"
+    )
+    aggregator.add_argument("--host", help="listen address (127.0.0.1)")
+    aggregator.add_argument("--port", type=_port, help="listen port (9470)")
+    aggregator.add_argument("--db", help="history database URL ($TORSHMON_DB_URL, ./torshmon.db)")
+    aggregator.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    aggregator.add_argument("--rules", help="alert rule file (the default rules otherwise)")
+    aggregator.add_argument("--id", dest="aggregator_id", help="this aggregator's id (shard)")
+    aggregator.add_argument("--config", type=Path, help="YAML file of settings")
+
+    query = commands.add_parser("query", help="read-only SQL on the history")
+    query.add_argument("sql", help='e.g. "SELECT rank, avg(duration_s) FROM steps GROUP BY rank"')
+    query.add_argument("--db", help="history database URL ($TORSHMON_DB_URL, ./torshmon.db)")
+    query.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    query.add_argument("--max-rows", type=_positive_int, default=10000)
+
+    db = commands.add_parser("db", help="history database maintenance")
+    db_commands = db.add_subparsers(dest="db_command", required=True)
+    upgrade = db_commands.add_parser("upgrade", help="apply the Alembic migrations to head")
+    upgrade.add_argument("--db", help="history database URL ($TORSHMON_DB_URL, ./torshmon.db)")
+
+    rules = commands.add_parser("rules", help="alert rule files")
+    rules_commands = rules.add_subparsers(dest="rules_command", required=True)
+    check = rules_commands.add_parser("check", help="validate a rule file")
+    check.add_argument("file", type=Path)
+    export = rules_commands.add_parser("export", help="export rules for another system")
+    export.add_argument("file", type=Path, nargs="?", help="rule file (the default rules)")
+    export.add_argument("--format", choices=("prometheus",), default="prometheus")
     return parser
 
 
@@ -104,15 +144,11 @@ def _run_agent(args: argparse.Namespace) -> int:
         return 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if args.command == "demo":
-        from torshmon.demo import DemoConfig, run_demo
+def _run_demo(args: argparse.Namespace) -> int:
+    from torshmon.demo import DemoConfig, run_demo
+    from torshmon.faults import FaultError, parse_fault
 
+    try:
         config = DemoConfig(
             world_size=args.world_size,
             steps=args.steps,
@@ -120,11 +156,101 @@ def main(argv: Sequence[str] | None = None) -> int:
             layers=args.layers,
             batch_size=args.batch_size,
             job=args.job,
-            out=args.out,
+            db=args.db,
+            port=args.port,
+            faults=tuple(parse_fault(spec) for spec in args.inject),
         )
-        return run_demo(config)
+    except (FaultError, ValueError) as exc:
+        print(f"torshmon demo: {exc}", file=sys.stderr)
+        return 2
+    return run_demo(config)
+
+
+def _run_aggregator(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from torshmon.aggregator.rules import RuleError
+    from torshmon.aggregator.service import run_aggregator
+    from torshmon.aggregator.settings import SettingsError, load_settings
+
+    overrides: dict[str, object] = {
+        "host": args.host,
+        "port": args.port,
+        "db_url": args.db,
+        "rules_path": args.rules,
+        "aggregator_id": args.aggregator_id,
+    }
+    if args.token_file is not None:
+        try:
+            overrides["token"] = args.token_file.read_text().strip()
+        except OSError as exc:
+            print(f"torshmon aggregator: cannot read --token-file: {exc}", file=sys.stderr)
+            return 2
+    try:
+        settings = load_settings(overrides, config_file=args.config)
+        return asyncio.run(run_aggregator(settings))
+    except (SettingsError, RuleError) as exc:
+        print(f"torshmon aggregator: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"torshmon aggregator: cannot start: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run_query(args: argparse.Namespace) -> int:
+    from torshmon.history.db import db_url
+    from torshmon.history.query import QueryError, format_result, run_query
+
+    try:
+        result = run_query(db_url(args.db), args.sql, max_rows=args.max_rows)
+    except QueryError as exc:
+        print(f"torshmon query: {exc}", file=sys.stderr)
+        return 1
+    print(format_result(result, args.format))
+    if result.truncated:
+        print(f"(truncated to {args.max_rows} rows)", file=sys.stderr)
+    return 0
+
+
+def _run_db(args: argparse.Namespace) -> int:
+    from torshmon.history.db import db_url, upgrade
+
+    url = db_url(args.db)
+    try:
+        upgrade(url)
+    except Exception as exc:  # any failure is reported, with the URL's password hidden
+        print(f"torshmon db upgrade: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print("history database at head")
+    return 0
+
+
+def _run_rules(args: argparse.Namespace) -> int:
+    from torshmon.aggregator.promrules import check_rules_cli, export_rules_cli
+
+    if args.rules_command == "check":
+        return check_rules_cli(args.file)
+    return export_rules_cli(args.file, args.format)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "demo":
+        return _run_demo(args)
     if args.command == "agent":
         return _run_agent(args)
+    if args.command == "aggregator":
+        return _run_aggregator(args)
+    if args.command == "query":
+        return _run_query(args)
+    if args.command == "db":
+        return _run_db(args)
+    if args.command == "rules":
+        return _run_rules(args)
     raise AssertionError(f"unhandled command {args.command}")  # argparse enforces the choices
 
 

@@ -1,29 +1,33 @@
-"""``torshmon demo``: a real multi-process gloo DDP job watched by the probe.
+"""``torshmon demo``: the whole system on one machine.
 
-Every rank trains an MLP on a synthetic regression task with the probe
-attached; the probes ship their records over the real wire protocol to a
-receiver in this process, which writes them to a JSON-lines file, shows
-progress while the job runs and a summary at the end.
+An aggregator (SQLite history, detection, alert rules, API on a loopback port)
+and an agent (probe socket, spool, forwarding) run in this process; a real
+multi-process gloo DDP job trains an MLP with the probe attached. Progress shows
+while it runs; the summary at the end comes from the SQL history.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-import statistics
+import secrets
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from torshmon.agent.receiver import ProbeReceiver
+from torshmon.faults import Fault, FaultRunner
 from torshmon.launch import run_ranks
-from torshmon.wire import Batch, ProbeMessage, StepRecord
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
-    """What the demo job runs; sizes in elements, ``out`` is the JSON-lines file."""
+    """What the demo runs; sizes in elements. ``db`` is the SQLite history file."""
 
     world_size: int = 2
     steps: int = 200
@@ -31,42 +35,33 @@ class DemoConfig:
     layers: int = 4
     batch_size: int = 64
     job: str = "demo"
-    out: Path = Path("torshmon-demo.jsonl")
+    db: Path = Path("torshmon.db")
+    port: int = 0
+    faults: tuple[Fault, ...] = ()
+    step_sleep_s: float = 0.0
+    linger_s: float = 0.0
+    quiet: bool = False
+    env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("world_size", "steps", "hidden", "layers", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for fault in self.faults:
+            if fault.rank is not None and fault.rank >= self.world_size:
+                raise ValueError(
+                    f"fault {fault.describe()} names rank {fault.rank}, "
+                    f"but the job has ranks 0..{self.world_size - 1}"
+                )
 
     @property
     def model_bytes(self) -> int:
         per_layer = self.hidden * self.hidden + self.hidden
         return 4 * self.layers * per_layer
 
-
-@dataclass(slots=True)
-class Progress:
-    """What the receiver has seen so far, per rank."""
-
-    world_size: int
-    steps: dict[int, list[StepRecord]] = field(default_factory=dict)
-    dropped: dict[int, int] = field(default_factory=dict)
-    batches: int = 0
-
-    def observe(self, message: ProbeMessage) -> None:
-        if isinstance(message, Batch):
-            self.batches += 1
-            self.steps.setdefault(message.rank, []).extend(message.steps)
-            self.dropped[message.rank] = message.dropped_records_total
-
-    def line(self, total_steps: int) -> str:
-        if not self.steps:
-            return "waiting for the ranks to start..."
-        done = min(len(self.steps.get(r, [])) for r in range(self.world_size))
-        recent = [s for records in self.steps.values() for s in records[-20:]]
-        step_ms = 1e3 * statistics.median(s.duration_s for s in recent)
-        comm = statistics.median(s.communication_time_ratio for s in recent)
-        return f"step {done:>5}/{total_steps}  {step_ms:7.1f} ms/step  comm {comm:5.1%}"
+    @property
+    def db_url(self) -> str:
+        return f"sqlite:///{self.db.resolve()}"
 
 
 def train_rank(
@@ -87,110 +82,177 @@ def train_rank(
     generator = torch.Generator().manual_seed(1000 + rank)
     target = torch.randn(config.hidden, config.hidden, generator=generator) / config.hidden**0.5
     monitor = torshmon.attach(model, job=config.job, agent_socket=socket_path)
+    faults = FaultRunner(rank, config.faults)
     loss = torch.zeros(())
     try:
-        for _ in range(config.steps):
+        for step in range(config.steps):
             x = torch.randn(config.batch_size, config.hidden, generator=generator)
-            with monitor.step(batch_size=config.batch_size) as step:
+            with monitor.step(batch_size=config.batch_size) as scope:
+                faults.begin_step()
                 loss = torch.nn.functional.mse_loss(model(x), x @ target)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                step.loss = loss
+                faults.end_compute(step + 1)  # the probe numbers steps from 1
+                scope.loss = loss
+            if config.step_sleep_s:
+                time.sleep(config.step_sleep_s)
     finally:
         monitor.close()
     return {"final_loss": loss.item(), "dropped": float(monitor.dropped_records_total)}
 
 
-async def _run(config: DemoConfig, socket_path: str, progress: Progress) -> list[dict[str, float]]:
-    config.out.unlink(missing_ok=True)
-    async with ProbeReceiver(socket_path, out_path=config.out, on_message=progress.observe):
-        job = asyncio.ensure_future(
-            asyncio.to_thread(run_ranks, train_rank, config.world_size, config, socket_path)
+@dataclass(slots=True)
+class DemoResult:
+    """What a demo run produced (for tests and the summary)."""
+
+    wall_s: float
+    results: list[dict[str, float]]
+    alerts: list[dict[str, Any]]
+    port: int
+    db_url: str
+
+
+async def run_system(
+    config: DemoConfig,
+    *,
+    targets: Sequence[Any] | None = None,
+    on_progress: Any = None,
+) -> DemoResult:
+    """Aggregator + agent + the job, to completion; everything is flushed at the end."""
+    from prometheus_client import CollectorRegistry
+
+    from torshmon.agent.daemon import Agent, AgentSettings
+    from torshmon.aggregator.service import Aggregator
+    from torshmon.aggregator.settings import AggregatorSettings
+
+    token = secrets.token_hex(16)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="torshmon-demo-") as tmp:
+        settings = AggregatorSettings(
+            port=config.port, db_url=config.db_url, token=token, aggregator_id="demo"
         )
-        while not job.done():
-            await asyncio.wait({job}, timeout=1.0)
-            if not job.done():
-                print(progress.line(config.steps), flush=True)
-        results = job.result()
-        await asyncio.sleep(0)  # let the receiver finish the last frames
-    return results
+        async with Aggregator(
+            settings, registry=CollectorRegistry(), targets=targets
+        ) as aggregator:
+            port = aggregator.port or 0
+            agent_settings = AgentSettings(
+                socket_path=os.path.join(tmp, "agent.sock"),
+                metrics_port=0,
+                aggregator_url=f"http://127.0.0.1:{port}",
+                token=token,
+                spool_path=os.path.join(tmp, "spool.db"),
+                sample_interval_s=1.0,
+            )
+            async with Agent(agent_settings, registry=CollectorRegistry()):
+                job = asyncio.ensure_future(
+                    asyncio.to_thread(
+                        run_ranks,
+                        train_rank,
+                        config.world_size,
+                        config,
+                        agent_settings.socket_path,
+                        env=config.env or None,
+                    )
+                )
+                while not job.done():
+                    await asyncio.wait({job}, timeout=1.0)
+                    if on_progress is not None and not job.done():
+                        on_progress(aggregator)
+                results = job.result()
+                if config.linger_s:
+                    await asyncio.sleep(config.linger_s)
+            # The agent flushed its spool on close; one last look at what arrived.
+            await aggregator.evaluate()
+            alerts = await aggregator.read(_alert_rows, aggregator, config.job)
+    return DemoResult(time.monotonic() - started, results, alerts, port, config.db_url)
+
+
+def _alert_rows(aggregator: Any, job: str) -> list[dict[str, Any]]:
+    from sqlalchemy import select
+
+    from torshmon.history.models import Base
+
+    table = Base.metadata.tables["alerts"]
+    with aggregator.engine.connect() as conn:
+        rows = conn.execute(select(table).where(table.c.job == job).order_by(table.c.id))
+        return [dict(r) for r in rows.mappings()]
+
+
+def progress_line(aggregator: Any, config: DemoConfig) -> str:
+    summary = aggregator.live.job_summary(config.job)
+    if not summary or summary["last_step"] < 0:
+        return "waiting for the ranks to start..."
+    step_ms = 1e3 * (summary["step_duration_s"] or 0.0)
+    comm = summary["communication_time_ratio"] or 0.0
+    firing = [a for a in aggregator.alerts.active() if a.state == "firing"]
+    alerts = ", ".join(sorted({_alert_name(a.labels) for a in firing})) or "none"
+    throughput = summary["throughput_samples_per_s"] or 0.0
+    return (
+        f"step {summary['last_step'] + 1:>5}/{config.steps}  {step_ms:7.1f} ms/step  "
+        f"comm {comm:5.1%}  {throughput:7.0f} samples/s  alerts firing: {alerts}"
+    )
+
+
+def _alert_name(labels: Any) -> str:
+    rank = labels.get("rank")
+    return f"{labels.get('alertname')}" + (f" (rank {rank})" if rank is not None else "")
 
 
 def run_demo(config: DemoConfig) -> int:
-    """Run the demo job and print its summary; returns the process exit code."""
+    """Run the demo and print its summary; returns the process exit code."""
     print(
         f"torshmon demo: {config.world_size} gloo ranks x {config.steps} steps, "
-        f"MLP of {config.model_bytes / 1e6:.1f} MB, records -> {config.out}",
+        f"MLP of {config.model_bytes / 1e6:.1f} MB; history -> {config.db}",
         flush=True,
     )
-    progress = Progress(config.world_size)
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="torshmon-demo-") as tmp:
-        results = asyncio.run(_run(config, os.path.join(tmp, "agent.sock"), progress))
-    print(summary(config, progress, results, time.monotonic() - started))
+    for fault in config.faults:
+        print(f"injecting: {fault.describe()}", flush=True)
+
+    def show(aggregator: Any) -> None:
+        print(progress_line(aggregator, config), flush=True)
+
+    result = asyncio.run(run_system(config, on_progress=None if config.quiet else show))
+    print(summary(config, result))
     return 0
 
 
-def summary(
-    config: DemoConfig, progress: Progress, results: list[dict[str, float]], wall_s: float
-) -> str:
-    """The end-of-run report: per-rank timings, job throughput, communication."""
+def summary(config: DemoConfig, result: DemoResult) -> str:
+    """The end-of-run report, read back from the SQL history."""
+    from torshmon.history.query import format_result, run_query
+
+    per_rank = run_query(
+        result.db_url,
+        "SELECT rank, count(*) AS steps, round(avg(duration_s) * 1000, 1) AS step_ms, "
+        "round(avg(compute_s) * 1000, 1) AS compute_ms, "
+        "round(avg(comm_wait_s) * 1000, 1) AS comm_wait_ms, "
+        "round(avg(communication_time_ratio), 3) AS comm_ratio, "
+        "round(avg(samples_per_s), 0) AS samples_per_s "
+        f"FROM steps WHERE job = '{config.job.replace(chr(39), chr(39) * 2)}' "
+        "GROUP BY rank ORDER BY rank",
+    )
     lines = [
         "",
-        f"finished in {wall_s:.1f} s; final loss {results[0]['final_loss']:.4f}",
-        "rank  steps  step ms  compute ms  comm wait ms  comm ratio  samples/s",
+        f"finished in {result.wall_s:.1f} s; final loss {result.results[0]['final_loss']:.4f}",
+        format_result(per_rank, "table"),
     ]
-    step_s = []
-    for rank in range(config.world_size):
-        records = progress.steps.get(rank, [])
-        if not records:
-            lines.append(f"{rank:>4}  no records received")
-            continue
-        median = statistics.median(r.duration_s for r in records)
-        step_s.append(median)
-        lines.append(
-            f"{rank:>4}  {len(records):>5}  {1e3 * median:7.1f}  "
-            f"{1e3 * statistics.median(r.compute_s for r in records):10.1f}  "
-            f"{1e3 * statistics.median(r.comm_wait_s for r in records):12.1f}  "
-            f"{statistics.median(r.communication_time_ratio for r in records):10.1%}  "
-            f"{statistics.median(r.samples_per_s or 0.0 for r in records):9.0f}"
-        )
-    if step_s:
-        throughput = config.world_size * config.batch_size / max(step_s)
-        lines.append(
-            f"job throughput: {throughput:.0f} samples/s (median step of the slowest rank)"
-        )
-    lines += _comm_lines(progress)
-    dropped = sum(progress.dropped.values())
-    lines.append(f"dropped records: {dropped}; batches received: {progress.batches}")
-    lines.append(f"records: {config.out} (one JSON message per line, schema torshmon.wire)")
+    step_ms = [row[2] for row in per_rank.rows if row[2] is not None]
+    if step_ms:
+        throughput = config.world_size * config.batch_size / (max(step_ms) / 1e3)
+        lines.append(f"job throughput: {throughput:.0f} samples/s (mean step of the slowest rank)")
+    fired = [a for a in result.alerts if a["fired_at_unix_s"] is not None]
+    if fired:
+        lines.append(f"alerts fired: {len(fired)}")
+        for a in fired:
+            state = "resolved" if a["state"] == "resolved" else "still firing"
+            lines.append(
+                f"  [{a['severity']}] {a['rule']} ({state}): {a['annotations'].get('summary', '')}"
+            )
+    else:
+        lines.append("alerts fired: none")
+    lines += [
+        f"history: {config.db} (SQLite); try:",
+        f"  torshmon query --db {config.db_url} "
+        '"SELECT rank, avg(duration_s) FROM steps GROUP BY rank"',
+    ]
     return "\n".join(lines)
-
-
-def _comm_lines(progress: Progress) -> list[str]:
-    records = progress.steps.get(0, [])
-    if not records:
-        return []
-    ddp = next((r.ddp for r in reversed(records) if r.ddp is not None), None)
-    out = []
-    if ddp is not None:
-        out.append(
-            f"rank 0 DDP buckets: {len(ddp.bucket_sizes_bytes)} "
-            f"({sum(ddp.bucket_sizes_bytes) / 1e6:.1f} MB of gradients), "
-            f"backward comm {1e3 * ddp.avg_backward_comm_s:.1f} ms on average"
-        )
-    totals: dict[str, list[float]] = {}
-    for record in records:
-        for stat in record.collectives:
-            entry = totals.setdefault(stat.op, [0, 0, 0.0])
-            entry[0] += stat.count
-            entry[1] += stat.size_bytes
-            entry[2] += stat.duration_s
-    for op, (count, size, seconds) in sorted(totals.items()):
-        busbw = size / seconds / 1e9 if seconds > 0 else 0.0
-        out.append(
-            f"rank 0 {op}: {count:.0f} calls, {size / 1e9:.2f} GB, "
-            f"{seconds:.2f} s in flight, ~{busbw:.2f} GB/s algorithm bandwidth"
-        )
-    return out

@@ -15,9 +15,10 @@ units in the field names. This module is the only place the schema is written.
 from __future__ import annotations
 
 import struct
-from typing import Any, Final, TypeVar
+from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
+from msgspec import Meta
 
 T = TypeVar("T")
 
@@ -45,6 +46,16 @@ DURATION_BUCKETS_S: Final[tuple[float, ...]] = (
 )
 
 
+# Bounds every value must respect so that it fits the SQL history (BIGINT, VARCHAR(n))
+# on every backend: a value outside them is rejected at decode, naming the field.
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Rank = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Name = Annotated[str, Meta(max_length=200)]
+Label = Annotated[str, Meta(max_length=64)]
+Text = Annotated[str, Meta(max_length=4000)]
+
+
 class WireError(ValueError):
     """A frame or message that does not follow the schema; the text names what is wrong."""
 
@@ -57,11 +68,11 @@ class CollectiveStat(msgspec.Struct, frozen=True, kw_only=True):
     bandwidths are the nccl-tests algorithm and bus bandwidths over the summed time.
     """
 
-    op: str
-    pg: str
-    dtype: str
-    count: int
-    size_bytes: int
+    op: Label
+    pg: Label
+    dtype: Label
+    count: Count
+    size_bytes: Count
     duration_s: float
     max_duration_s: float
     algbw_bytes_per_s: float
@@ -77,12 +88,12 @@ class BucketStat(msgspec.Struct, frozen=True, kw_only=True):
     ||g - decode(encode(g))|| / ||g|| of this rank's input, on sampled steps only.
     """
 
-    index: int
-    size_bytes: int
-    parameters: int
+    index: Count
+    size_bytes: Count
+    parameters: Count
     duration_s: float
-    codec: str = "none"
-    wire_bytes: int = 0
+    codec: Label = "none"
+    wire_bytes: Count = 0
     compression_ratio: float = 1.0
     encode_s: float = 0.0
     decode_s: float = 0.0
@@ -92,27 +103,27 @@ class BucketStat(msgspec.Struct, frozen=True, kw_only=True):
 class AppliedConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A communication config all ranks applied, from ``effective_step`` on."""
 
-    version: int
-    bucket_cap_bytes: int
-    first_bucket_cap_bytes: int
-    codec: str
+    version: Count
+    bucket_cap_bytes: Count
+    first_bucket_cap_bytes: Count
+    codec: Label
     codec_params: dict[str, float | int]
-    effective_step: int
+    effective_step: Count
 
 
 class ConfigRejection(msgspec.Struct, frozen=True, kw_only=True):
     """A requested config that no rank applied, and why."""
 
-    version: int
-    reason: str
+    version: Count
+    reason: Text
 
 
 class DdpStats(msgspec.Struct, frozen=True, kw_only=True):
     """DDP's own logging data (``_get_ddp_logging_data``), sampled every few steps."""
 
-    bucket_cap_bytes: int
-    bucket_sizes_bytes: list[int]
-    num_buckets_reduced: int
+    bucket_cap_bytes: Count
+    bucket_sizes_bytes: list[Count]
+    num_buckets_reduced: Count
     avg_forward_compute_s: float
     avg_backward_compute_s: float
     avg_backward_comm_s: float
@@ -131,8 +142,8 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     ``applied_config`` is set on the step at whose end a new one was applied.
     """
 
-    step: int
-    end_unix_ns: int
+    step: Count
+    end_unix_ns: Int64
     duration_s: float
     comm_wait_s: float
     compute_s: float
@@ -141,14 +152,14 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     forward_s: float | None = None
     backward_s: float | None = None
     optimizer_s: float | None = None
-    batch_size: int | None = None
+    batch_size: Count | None = None
     samples_per_s: float | None = None
     loss: float | None = None
     loss_nonfinite: bool = False
     collectives: list[CollectiveStat] = []
     buckets: list[BucketStat] = []
     ddp: DdpStats | None = None
-    config_version: int = 0
+    config_version: Count = 0
     applied_config: AppliedConfig | None = None
     config_rejections: list[ConfigRejection] = []
 
@@ -160,29 +171,29 @@ class InflightOp(msgspec.Struct, frozen=True, kw_only=True):
     peer), so the same number on different ranks is the same collective.
     """
 
-    pg: str
-    seq: int
-    op: str
-    size_bytes: int
-    start_unix_ns: int
+    pg: Label
+    seq: Count
+    op: Label
+    size_bytes: Count
+    start_unix_ns: Int64
     age_s: float
-    peer: int | None = None
+    peer: Rank | None = None
 
 
 class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_field="kind"):
     """First frame on every connection: who is speaking."""
 
     v: int
-    session: str
-    job: str
-    rank: int
-    world_size: int
-    local_rank: int
-    node: str
-    pid: int
-    backend: str
-    torch_version: str
-    probe_version: str
+    session: Label
+    job: Name
+    rank: Rank
+    world_size: Rank
+    local_rank: Rank
+    node: Name
+    pid: Count
+    backend: Label
+    torch_version: Label
+    probe_version: Label
 
 
 class Batch(msgspec.Struct, frozen=True, kw_only=True, tag="batch", tag_field="kind"):
@@ -195,12 +206,12 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, tag="batch", tag_field="k
     """
 
     v: int
-    session: str
-    seq: int
-    job: str
-    rank: int
-    sent_unix_ns: int
-    dropped_records_total: int
+    session: Label
+    seq: Count
+    job: Name
+    rank: Rank
+    sent_unix_ns: Int64
+    dropped_records_total: Count
     steps: list[StepRecord] = []
     inflight: list[InflightOp] = []
     command_acks: list[CommandAck] = []
@@ -229,35 +240,35 @@ ProbeMessage = Hello | Batch
 class GpuSample(msgspec.Struct, frozen=True, kw_only=True):
     """One GPU of the node, read through NVML."""
 
-    index: int
+    index: Count
     utilization_ratio: float
-    memory_used_bytes: int
-    memory_total_bytes: int
+    memory_used_bytes: Count
+    memory_total_bytes: Count
 
 
 class RankProcess(msgspec.Struct, frozen=True, kw_only=True):
     """A local training process the agent serves."""
 
-    job: str
-    rank: int
-    pid: int
-    rss_bytes: int
+    job: Name
+    rank: Rank
+    pid: Count
+    rss_bytes: Count
 
 
 class NodeSample(msgspec.Struct, frozen=True, kw_only=True):
     """The node at one instant. Byte counters are cumulative since boot; ratios are
     over the interval since the previous sample."""
 
-    ts_unix_ns: int
-    node: str
+    ts_unix_ns: Int64
+    node: Name
     cpu_utilization_ratio: float
     memory_utilization_ratio: float
-    memory_used_bytes: int
+    memory_used_bytes: Count
     io_wait_ratio: float
-    net_rx_bytes_total: int
-    net_tx_bytes_total: int
-    disk_read_bytes_total: int
-    disk_write_bytes_total: int
+    net_rx_bytes_total: Count
+    net_tx_bytes_total: Count
+    disk_read_bytes_total: Count
+    disk_write_bytes_total: Count
     gpus: list[GpuSample] = []
     ranks: list[RankProcess] = []
 
@@ -269,11 +280,11 @@ class SpoolRecord(msgspec.Struct, frozen=True, kw_only=True):
     messages: list[ProbeMessage] = []
     node_samples: list[NodeSample] = []
     command_acks: list[CommandAck] = []
-    dropped_records_total: int = 0
+    dropped_records_total: Count = 0
 
 
 class IngestRecord(msgspec.Struct, frozen=True, kw_only=True):
-    seq: int
+    seq: Count
     record: SpoolRecord
 
 
@@ -281,8 +292,8 @@ class IngestBatch(msgspec.Struct, frozen=True, kw_only=True):
     """The body of one POST: records in increasing ``seq`` order."""
 
     v: int
-    agent_id: str
-    node: str
+    agent_id: Annotated[str, Meta(min_length=1, max_length=128)]
+    node: Name
     records: list[IngestRecord]
 
 
@@ -292,9 +303,9 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     ``kind`` "config": ``args`` are ``request_config`` keyword arguments.
     """
 
-    id: str
-    job: str
-    kind: str
+    id: Label
+    job: Name
+    kind: Label
     args: dict[str, object] = {}
 
 
@@ -303,12 +314,12 @@ class CommandAck(msgspec.Struct, frozen=True, kw_only=True):
     from which it applies), ``accepted`` (queued for the next sync step), or
     ``rejected`` (with the reason)."""
 
-    id: str
-    job: str
-    status: str
-    reason: str = ""
-    version: int | None = None
-    effective_step: int | None = None
+    id: Label
+    job: Name
+    status: Label
+    reason: Text = ""
+    version: Count | None = None
+    effective_step: Count | None = None
 
 
 class IngestReply(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,0 +1,267 @@
+"""The aggregator's HTTP service with a real SQLite file: ingest, API, commands, query."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, func, select, text
+
+from tests.integration import wire_factory as wf
+from tests.integration.aggregator_thread import AggregatorThread, request
+from torshmon.aggregator.settings import AggregatorSettings
+from torshmon.history.models import Base
+from torshmon.wire import CommandAck
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+def agg(tmp_path: Path) -> Iterator[AggregatorThread]:
+    settings = AggregatorSettings(
+        port=0,
+        db_url=f"sqlite:///{tmp_path / 'history.db'}",
+        token=TOKEN,
+        aggregator_id="agg-test",
+        eval_interval_s=0.1,
+    )
+    with AggregatorThread(settings) as thread:
+        yield thread
+
+
+def count(url: str, table: str) -> int:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(
+                    select(func.count()).select_from(Base.metadata.tables[table])
+                ).scalar_one()
+            )
+    finally:
+        engine.dispose()
+
+
+def test_ingest_stores_every_row_once(agg: AggregatorThread) -> None:
+    h0, h1 = wf.hello("j", 0, 2), wf.hello("j", 1, 2)
+    body = wf.ingest_body(
+        "agent-1",
+        [
+            (1, wf.record(h0, h1, samples=[wf.node_sample("j", 2)])),
+            (
+                2,
+                wf.record(
+                    wf.batch(h0, 1, [wf.step(1), wf.step(2)]),
+                    wf.batch(h1, 1, [wf.step(1), wf.step(2)]),
+                ),
+            ),
+            (3, wf.record(wf.batch(h0, 2, [wf.step(3)]), wf.batch(h1, 2, [wf.step(3)]))),
+        ],
+    )
+    status, reply = agg.post_ingest(body)
+    assert status == 200, reply
+    assert reply["acked_seq"] == 3
+    url = agg.settings.db_url
+    assert count(url, "steps") == 6
+    assert count(url, "collectives") == 6
+    assert count(url, "node_samples") == 1
+    assert count(url, "rank_samples") == 2
+    assert count(url, "probe_sessions") == 2
+
+    # The same body again (a lost reply): acknowledged, nothing stored twice.
+    status, reply = agg.post_ingest(body)
+    assert status == 200 and reply["acked_seq"] == 3
+    assert count(url, "steps") == 6
+
+    # An agent that restarted resends its probe's last batch under a new agent seq.
+    resent = wf.ingest_body("agent-1", [(4, wf.record(wf.batch(h0, 2, [wf.step(3)])))])
+    status, reply = agg.post_ingest(resent)
+    assert status == 200 and reply["acked_seq"] == 4
+    assert count(url, "steps") == 6
+
+    # The API sees the job and its ranks.
+    status, jobs = agg.get("/api/v1/jobs")
+    assert status == 200 and [j["job"] for j in jobs["jobs"]] == ["j"]
+    assert jobs["jobs"][0]["world_size"] == 2
+    assert jobs["jobs"][0]["live"]["last_step"] == 3
+    status, ranks = agg.get("/api/v1/jobs/j/ranks")
+    assert status == 200 and sorted(r["rank"] for r in ranks["ranks"]) == [0, 1]
+
+
+def test_bad_input_is_a_clear_4xx_and_loses_nothing(agg: AggregatorThread) -> None:
+    h0 = wf.hello("j", 0, 1)
+    good = wf.ingest_body("agent-1", [(1, wf.record(h0, wf.batch(h0, 1, [wf.step(1)])))])
+    assert agg.post_ingest(good)[0] == 200
+    url = agg.settings.db_url
+
+    status, reply = agg.post_ingest(good, token="wrong")
+    assert status == 401 and "token" in reply["error"]
+    status, reply = agg.post_ingest(b"{not json")
+    assert status == 400 and "IngestBatch" in reply["error"]
+    wrong_type = json.loads(good)
+    wrong_type["records"][0]["seq"] = "seven"
+    status, reply = agg.post_ingest(json.dumps(wrong_type).encode())
+    assert status == 400 and "$.records[0].seq" in reply["error"]
+    too_big = json.loads(good)
+    too_big["records"][0]["seq"] = 2**70
+    status, reply = agg.post_ingest(json.dumps(too_big).encode())
+    assert status == 400 and "seq" in reply["error"]
+    long_job = json.loads(good)
+    long_job["records"][0]["record"]["messages"][0]["job"] = "x" * 500
+    status, reply = agg.post_ingest(json.dumps(long_job).encode())
+    assert status == 400 and "job" in reply["error"]
+    status, reply = agg.post_ingest(b"\x1f\x8b not really gzip", compress=False)
+    assert 400 <= status < 500
+    headers = {"Content-Encoding": "gzip", "Authorization": f"Bearer {TOKEN}"}
+    status, reply = request(agg.url + "/api/v1/ingest", b"\x1f\x8b\x08\x00garbage", headers)
+    assert 400 <= status < 500, reply
+    huge = b'{"v":1,"agent_id":"a","node":"n","records":[' + b" " * (70 * 1024 * 1024) + b"]}"
+    status, reply = agg.post_ingest(huge)
+    assert status == 413
+    future = json.loads(good)
+    future["v"] = 99
+    status, reply = agg.post_ingest(json.dumps(future).encode())
+    assert status == 400 and "version" in reply["error"]
+
+    assert count(url, "steps") == 1
+    assert agg.get("/healthz")[0] == 200
+    h1 = wf.hello("j", 0, 1)
+    later = wf.ingest_body("agent-1", [(2, wf.record(h1, wf.batch(h1, 1, [wf.step(2)])))])
+    assert agg.post_ingest(later)[0] == 200
+    assert count(url, "steps") == 2
+
+
+def test_commands_go_to_the_rank0_agent_and_acks_come_back(agg: AggregatorThread) -> None:
+    h0, h1 = wf.hello("j", 0, 2), wf.hello("j", 1, 2)
+    # rank 1 is served by agent-b, rank 0 by agent-a
+    assert (
+        agg.post_ingest(
+            wf.ingest_body("agent-b", [(1, wf.record(h1, wf.batch(h1, 1, [wf.step(1)])))])
+        )[0]
+        == 200
+    )
+    assert (
+        agg.post_ingest(
+            wf.ingest_body("agent-a", [(1, wf.record(h0, wf.batch(h0, 1, [wf.step(1)])))])
+        )[0]
+        == 200
+    )
+
+    status, command = agg.post_json(
+        "/api/v1/jobs/j/commands", {"kind": "config", "args": {"codec": "fp16"}}
+    )
+    assert status == 202 and command["status"] == "pending"
+    status, reply = agg.post_json("/api/v1/jobs/j/commands", {"kind": "reboot", "args": {}})
+    assert status == 400 and "reboot" in reply["error"]
+
+    # agent-b polls: nothing for it. agent-a polls: the command, once.
+    status, reply = agg.post_ingest(wf.ingest_body("agent-b", []))
+    assert status == 200 and reply["commands"] == [] and reply["acked_seq"] == 1
+    status, reply = agg.post_ingest(wf.ingest_body("agent-a", []))
+    assert [c["id"] for c in reply["commands"]] == [command["id"]]
+    assert reply["commands"][0]["args"] == {"codec": "fp16"}
+    status, reply = agg.post_ingest(wf.ingest_body("agent-a", []))
+    assert reply["commands"] == []
+    assert agg.get(f"/api/v1/commands/{command['id']}")[1]["status"] == "sent"
+
+    ack = CommandAck(id=command["id"], job="j", status="applied", version=1, effective_step=10)
+    body = wf.ingest_body("agent-a", [(2, wf.record(wf.batch(h0, 2, [wf.step(2)], acks=[ack])))])
+    assert agg.post_ingest(body)[0] == 200
+    status, got = agg.get(f"/api/v1/commands/{command['id']}")
+    assert got["status"] == "applied" and got["effective_step"] == 10
+    engine = create_engine(agg.settings.db_url)
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT status, effective_step FROM commands")).one()
+    engine.dispose()
+    assert tuple(row) == ("applied", 10)
+
+
+def test_query_api_is_read_only(agg: AggregatorThread) -> None:
+    h0 = wf.hello("j", 0, 1)
+    agg.post_ingest(
+        wf.ingest_body("a", [(1, wf.record(h0, wf.batch(h0, 1, [wf.step(1), wf.step(2)])))])
+    )
+    status, result = agg.post_json(
+        "/api/v1/query", {"sql": "SELECT rank, count(*) AS n FROM steps GROUP BY rank"}
+    )
+    assert status == 200 and result["columns"] == ["rank", "n"] and result["rows"] == [[0, 2]]
+    for sql in (
+        "DELETE FROM steps",
+        "DROP TABLE steps",
+        "ATTACH DATABASE ':memory:' AS x",
+        "PRAGMA user_version=3",
+    ):
+        status, reply = agg.post_json("/api/v1/query", {"sql": sql})
+        assert status == 400, (sql, reply)
+        assert reply["error"]
+    assert count(agg.settings.db_url, "steps") == 2
+    status, reply = agg.post_json("/api/v1/query", {"sql": "SELECT 1", "format": "xml"})
+    assert status == 400 and "format" in reply["error"]
+
+
+def test_api_errors_and_openapi(agg: AggregatorThread) -> None:
+    status, doc = request(agg.url + "/api/v1/openapi.json", None, {})
+    assert status == 200 and doc["openapi"].startswith("3.")
+    assert "IngestBatch" in doc["components"]["schemas"]
+    assert "/api/v1/alerts" in doc["paths"] and "/api/v1/ingest" in doc["paths"]
+    assert (
+        "duration_s" in json.dumps(doc["components"]["schemas"])
+        or "row_jobs" in doc["components"]["schemas"]
+    )
+    assert agg.get("/api/v1/jobs/nope")[0] == 404
+    assert agg.get("/api/v1/alerts?limit=0")[0] == 400
+    assert agg.get("/api/v1/alerts?colour=red")[0] == 400
+    assert request(agg.url + "/api/v1/alerts", None, {})[0] == 401
+    assert request(agg.url + "/metrics", None, {})[0] == 200
+
+
+def test_metrics_are_valid_exposition_with_design_names(agg: AggregatorThread) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    h0, h1 = wf.hello("j", 0, 2), wf.hello("j", 1, 2)
+    agg.post_ingest(
+        wf.ingest_body(
+            "a",
+            [
+                (
+                    1,
+                    wf.record(
+                        h0,
+                        h1,
+                        wf.batch(h0, 1, [wf.step(1)]),
+                        wf.batch(h1, 1, [wf.step(1)]),
+                        samples=[wf.node_sample("j", 2)],
+                    ),
+                )
+            ],
+        )
+    )
+    import urllib.request
+
+    with urllib.request.urlopen(agg.url + "/metrics", timeout=10) as resp:
+        exposition = resp.read().decode()
+    names = {f.name for f in text_string_to_metric_families(exposition)}
+    for name in (
+        "torshmon_communication_time_ratio",
+        "torshmon_memory_utilization_ratio",
+        "torshmon_io_wait_time_ratio",
+        "torshmon_training_efficiency_ratio",
+        "torshmon_throughput_samples_per_second",
+        "torshmon_step_duration_seconds",
+        "torshmon_collective_duration_seconds",
+        "torshmon_ingest_samples",
+    ):
+        assert name in names, name
+    assert 'torshmon_step_duration_seconds_count{job="j",rank="1"} 1.0' in exposition
+
+
+def test_gzip_body_is_required_to_be_valid_but_plain_json_works(agg: AggregatorThread) -> None:
+    h0 = wf.hello("j", 0, 1)
+    body = wf.ingest_body("a", [(1, wf.record(h0))])
+    assert agg.post_ingest(body, compress=False)[0] == 200
+    assert gzip.decompress(gzip.compress(body)) == body

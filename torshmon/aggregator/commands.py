@@ -1,0 +1,159 @@
+"""The command book: commands for running jobs, from submission to acknowledgement.
+
+Only a job's rank 0 takes commands (DESIGN: consensus, never timing), so a command
+waits here until the agent serving that rank posts its next batch; it goes back in
+the ingest reply, and the probe's acknowledgement (accepted, applied at step N, or
+rejected with a reason) comes back in a later batch. A command sent but never
+acknowledged (the reply was lost, the job ended) expires after ``timeout_s``.
+Thread-safe: the writer thread and the event loop both use it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Final
+
+from torshmon.wire import Command, CommandAck
+
+KINDS: Final = frozenset({"config"})
+FINAL_STATES: Final = frozenset({"applied", "rejected", "expired"})
+
+
+class CommandError(ValueError):
+    """A command that cannot be submitted; the text names what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommandStatus:
+    """Where one command stands; times are Unix seconds."""
+
+    command: Command
+    status: str
+    created_unix_s: float
+    updated_unix_s: float
+    reason: str = ""
+    version: int | None = None
+    effective_step: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.status in FINAL_STATES
+
+
+class CommandBook:
+    """Pending and recent commands per job. ``on_change`` sees every status change."""
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+        on_change: Callable[[CommandStatus], None] | None = None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._status: dict[str, CommandStatus] = {}
+        self._pending: dict[str, list[str]] = {}
+
+    def new(self, job: str, kind: str, args: Mapping[str, object]) -> Command:
+        """A validated command with a fresh id (not yet queued: store it, then ``add``)."""
+        if kind not in KINDS:
+            raise CommandError(f"unknown command kind {kind!r}; allowed: {sorted(KINDS)}")
+        if not job or len(job) > 200:
+            raise CommandError("job must be a non-empty name of at most 200 characters")
+        return Command(id=uuid.uuid4().hex[:16], job=job, kind=kind, args=dict(args))
+
+    def add(self, command: Command) -> CommandStatus:
+        """Queue ``command`` for its job's rank-0 agent."""
+        now = self._clock()
+        status = CommandStatus(command, "pending", now, now)
+        with self._lock:
+            self._status[command.id] = status
+            self._pending.setdefault(command.job, []).append(command.id)
+        self._changed(status)
+        return status
+
+    def pending(self, jobs: Iterable[str]) -> list[Command]:
+        """Commands of ``jobs`` not yet sent, oldest first (they stay pending)."""
+        with self._lock:
+            return [self._status[i].command for job in jobs for i in self._pending.get(job, ())]
+
+    def sent(self, ids: Iterable[str]) -> None:
+        """Those commands went out in a committed ingest reply."""
+        changed = []
+        with self._lock:
+            for command_id in ids:
+                status = self._status.get(command_id)
+                if status is None or status.status != "pending":
+                    continue
+                queue = self._pending.get(status.command.job, [])
+                if command_id in queue:
+                    queue.remove(command_id)
+                status = replace(status, status="sent", updated_unix_s=self._clock())
+                self._status[command_id] = status
+                changed.append(status)
+        for status in changed:
+            self._changed(status)
+
+    def acked(self, ack: CommandAck) -> CommandStatus | None:
+        """Apply a probe's acknowledgement; None for an unknown command."""
+        with self._lock:
+            status = self._status.get(ack.id)
+            if status is None or status.done:
+                return None
+            status = replace(
+                status,
+                status=ack.status,
+                reason=ack.reason,
+                version=ack.version,
+                effective_step=ack.effective_step,
+                updated_unix_s=self._clock(),
+            )
+            self._status[ack.id] = status
+        self._changed(status)
+        return status
+
+    def expire(self) -> list[CommandStatus]:
+        """Mark sent commands with no final answer after ``timeout_s`` as expired."""
+        now = self._clock()
+        expired = []
+        with self._lock:
+            for command_id, status in self._status.items():
+                if status.status in ("sent", "accepted", "pending") and (
+                    now - status.created_unix_s > self.timeout_s
+                ):
+                    status = replace(
+                        status,
+                        status="expired",
+                        reason=f"no final acknowledgement within {self.timeout_s:g} s",
+                        updated_unix_s=now,
+                    )
+                    self._status[command_id] = status
+                    queue = self._pending.get(status.command.job, [])
+                    if command_id in queue:
+                        queue.remove(command_id)
+                    expired.append(status)
+            # Forget finished commands after a while so the book stays small.
+            for command_id in [
+                i
+                for i, s in self._status.items()
+                if s.done and now - s.updated_unix_s > 10 * self.timeout_s
+            ]:
+                del self._status[command_id]
+        for status in expired:
+            self._changed(status)
+        return expired
+
+    def get(self, command_id: str) -> CommandStatus | None:
+        with self._lock:
+            return self._status.get(command_id)
+
+    def _changed(self, status: CommandStatus) -> None:
+        if self._on_change is not None:
+            self._on_change(status)

@@ -1,0 +1,632 @@
+"""The aggregator's live view of every job: latest values, detectors, job-level metrics.
+
+``LiveState.observe`` takes what one ingest stored and feeds the series store
+(for the rules), the detectors (step-time and loss z-scores, the cross-rank
+straggler detector, the hang detector) and the per-rank state behind the
+job-level ``/metrics``. Everything here runs on the event loop thread; the
+Prometheus collector copies what it needs under a lock at scrape time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from torshmon.aggregator.alert import Alert
+from torshmon.aggregator.bottleneck import JobSnapshot, bottleneck_report
+from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.hang import HangDetector
+from torshmon.aggregator.ingest import Stored
+from torshmon.aggregator.series import LabelSet, SeriesStore
+from torshmon.aggregator.straggler import StepCollector, StragglerDetector
+from torshmon.aggregator.zscore import ZScoreDetector
+from torshmon.wire import DURATION_BUCKETS_S, AppliedConfig, Batch, NodeSample
+
+#: Upper bounds (seconds) of ``torshmon_step_duration_seconds``: 1 ms to 60 s.
+STEP_DURATION_BUCKETS_S: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+_STEP_LE = [floatToGoString(b) for b in STEP_DURATION_BUCKETS_S] + ["+Inf"]
+_COLL_LE = [floatToGoString(b) for b in DURATION_BUCKETS_S] + ["+Inf"]
+#: How many recent steps the job-level means (bottleneck report, summaries) cover.
+_RECENT = 50
+
+
+@dataclass(slots=True)
+class _Histogram:
+    """Cumulative histogram: per-bucket counts (non-cumulative), sum and count."""
+
+    counts: list[int]
+    sum: float = 0.0
+    count: int = 0
+
+
+@dataclass(slots=True)
+class RankState:
+    node: str = ""
+    last_step: int = -1
+    last_end_unix_s: float = 0.0
+    steps_total: int = 0
+    samples_total: float = 0.0
+    dropped_records_total: int = 0
+    duration_s: float = math.nan
+    comm_wait_s: float = math.nan
+    compute_s: float = math.nan
+    communication_time_ratio: float = math.nan
+    samples_per_s: float = math.nan
+    loss: float = math.nan
+    nonfinite_loss_total: int = 0
+    config_version: int = 0
+    rss_bytes: float = math.nan
+    compression: dict[str, float] = field(default_factory=dict)  # codec -> ratio
+    relative_error: dict[str, float] = field(default_factory=dict)  # codec -> latest
+    wire_bytes_total: dict[str, float] = field(default_factory=dict)  # codec -> bytes
+    step_hist: _Histogram = field(
+        default_factory=lambda: _Histogram([0] * (len(STEP_DURATION_BUCKETS_S) + 1))
+    )
+    collectives: dict[tuple[str, str], _Histogram] = field(default_factory=dict)
+    busbw: dict[tuple[str, str], float] = field(default_factory=dict)
+    recent: list[tuple[float, float, float]] = field(default_factory=list)  # dur, wait, compute
+    labels: LabelSet = ()
+
+
+@dataclass(slots=True)
+class JobState:
+    world_size: int | None = None
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    config: AppliedConfig | None = None
+    bucket_cap_bytes: int | None = None
+    collector: StepCollector | None = None
+
+
+class LiveState:
+    """Live state of every job and node this aggregator serves (event-loop thread only)."""
+
+    def __init__(self, *, hang_timeout_s: float = 5.0) -> None:
+        self.series = SeriesStore()
+        self.jobs: dict[str, JobState] = {}
+        self.nodes: dict[str, NodeSample] = {}
+        self.step_z = ZScoreDetector(metric="step_duration_seconds", direction="up")
+        self.loss_z = ZScoreDetector(metric="loss", direction="up")
+        self.straggler = StragglerDetector()
+        self.hang = HangDetector(timeout_s=hang_timeout_s)
+        self._alerts: list[Alert] = []
+        self._hangs: list[Finding] = []
+        self._lock = threading.Lock()
+
+    def register(self, registry: CollectorRegistry) -> None:
+        registry.register(_LiveCollector(self))
+
+    # -- feeding -------------------------------------------------------------------------
+    def observe(self, stored: Stored, now_unix_s: float) -> None:
+        """Take in what one ingest stored."""
+        with self._lock:
+            for hello in stored.hellos:
+                job = self._job(hello.job)
+                if job.world_size != hello.world_size:
+                    job.world_size = hello.world_size
+                    job.collector = StepCollector(hello.world_size)
+                    self.hang.set_world(hello.job, hello.world_size)
+                self._rank(hello.job, job, hello.rank).node = hello.node
+            for batch, node in stored.batches:
+                self._observe_batch(batch, node, now_unix_s)
+            for sample in stored.node_samples:
+                self._observe_node(sample)
+
+    def _job(self, name: str) -> JobState:
+        job = self.jobs.get(name)
+        if job is None:
+            job = self.jobs[name] = JobState()
+        return job
+
+    def _rank(self, job_name: str, job: JobState, rank: int) -> RankState:
+        state = job.ranks.get(rank)
+        if state is None:
+            state = job.ranks[rank] = RankState(labels=(("job", job_name), ("rank", str(rank))))
+        return state
+
+    def _observe_batch(self, batch: Batch, node: str, now_unix_s: float) -> None:
+        job = self._job(batch.job)
+        r = self._rank(batch.job, job, batch.rank)
+        r.node = node
+        r.dropped_records_total = batch.dropped_records_total
+        labels = r.labels
+        label_map = {"job": batch.job, "rank": str(batch.rank)}
+        add = self.series.add
+        for s in batch.steps:
+            ts = s.end_unix_ns / 1e9
+            r.last_step = s.step
+            r.last_end_unix_s = ts
+            r.steps_total += 1
+            r.duration_s = s.duration_s
+            r.comm_wait_s = s.comm_wait_s
+            r.compute_s = s.compute_s
+            r.communication_time_ratio = s.communication_time_ratio
+            r.config_version = s.config_version
+            _observe_hist(r.step_hist, STEP_DURATION_BUCKETS_S, s.duration_s)
+            r.recent.append((s.duration_s, s.comm_wait_s, s.compute_s))
+            if len(r.recent) > _RECENT:
+                del r.recent[0]
+            add("step_duration_seconds", labels, ts, s.duration_s)
+            add("comm_wait_seconds", labels, ts, s.comm_wait_s)
+            add("compute_seconds", labels, ts, s.compute_s)
+            add("communication_time_ratio", labels, ts, s.communication_time_ratio)
+            if s.duration_s > 0:
+                add("training_efficiency_ratio", labels, ts, s.compute_s / s.duration_s)
+            if s.samples_per_s is not None:
+                r.samples_per_s = s.samples_per_s
+                add("throughput_samples_per_second", labels, ts, s.samples_per_s)
+            if s.batch_size is not None:
+                r.samples_total += s.batch_size
+            if s.loss_nonfinite:
+                r.nonfinite_loss_total += 1
+                r.loss = math.nan
+                add("loss", labels, ts, math.nan)
+            elif s.loss is not None:
+                r.loss = s.loss
+                add("loss", labels, ts, s.loss)
+                self.loss_z.observe(label_map, ts, s.loss)
+            self.step_z.observe(label_map, ts, s.duration_s)
+            if job.collector is not None and batch.rank < job.collector.world_size:
+                complete = job.collector.add(batch.job, s.step, batch.rank, s.compute_s, ts)
+                if complete is not None:
+                    self.straggler.observe_step(
+                        complete.job, complete.step, complete.compute_s_by_rank, complete.ts_unix_s
+                    )
+            for c in s.collectives:
+                key = (c.op, c.pg)
+                hist = r.collectives.get(key)
+                if hist is None:
+                    hist = r.collectives[key] = _Histogram([0] * (len(DURATION_BUCKETS_S) + 1))
+                for i, n in enumerate(c.duration_hist[: len(hist.counts)]):
+                    hist.counts[i] += n
+                hist.sum += c.duration_s
+                hist.count += c.count
+                r.busbw[key] = c.busbw_bytes_per_s
+            for b in s.buckets:
+                r.compression[b.codec] = b.compression_ratio
+                r.wire_bytes_total[b.codec] = r.wire_bytes_total.get(b.codec, 0.0) + b.wire_bytes
+                if b.relative_error is not None:
+                    r.relative_error[b.codec] = b.relative_error
+            if s.ddp is not None:
+                job.bucket_cap_bytes = s.ddp.bucket_cap_bytes
+            if s.applied_config is not None:
+                job.config = s.applied_config
+                job.bucket_cap_bytes = s.applied_config.bucket_cap_bytes
+        self.hang.observe(batch.job, batch.rank, batch.sent_unix_ns / 1e9, batch.inflight)
+
+    def _observe_node(self, sample: NodeSample) -> None:
+        self.nodes[sample.node] = sample
+        ts = sample.ts_unix_ns / 1e9
+        node = (("node", sample.node),)
+        add = self.series.add
+        add("cpu_utilization_ratio", node, ts, sample.cpu_utilization_ratio)
+        add("memory_utilization_ratio", node, ts, sample.memory_utilization_ratio)
+        add("io_wait_time_ratio", node, ts, sample.io_wait_ratio)
+        for gpu in sample.gpus:
+            add(
+                "gpu_utilization_ratio",
+                (("gpu", str(gpu.index)), ("node", sample.node)),
+                ts,
+                gpu.utilization_ratio,
+            )
+        for proc in sample.ranks:
+            job = self.jobs.get(proc.job)
+            if job is not None and proc.rank in job.ranks:
+                job.ranks[proc.rank].rss_bytes = proc.rss_bytes
+            add(
+                "rank_memory_rss_bytes",
+                (("job", proc.job), ("node", sample.node), ("rank", str(proc.rank))),
+                ts,
+                proc.rss_bytes,
+            )
+
+    # -- conclusions ---------------------------------------------------------------------
+    def findings(self, now_unix_s: float) -> list[Finding]:
+        """Every active finding of every detector."""
+        with self._lock:
+            out = self.step_z.active() + self.loss_z.active() + self.straggler.active()
+            self._hangs = self.hang.evaluate(now_unix_s)
+            out.extend(self._hangs)
+        return out
+
+    def report(self, job: str, now_unix_s: float) -> list[Finding] | None:
+        """The bottleneck report of ``job`` (None if the job is unknown)."""
+        with self._lock:
+            state = self.jobs.get(job)
+            if state is None:
+                return None
+            snapshot = self._snapshot(state)
+        return bottleneck_report(job, snapshot, now_unix_s)
+
+    def _snapshot(self, job: JobState) -> JobSnapshot:
+        ratios, efficiency = [], []
+        for r in job.ranks.values():
+            for duration, wait, compute in r.recent:
+                if duration > 0:
+                    ratios.append(wait / duration)
+                    efficiency.append(compute / duration)
+        nodes = [self.nodes[r.node] for r in job.ranks.values() if r.node in self.nodes]
+        gpus = [g.utilization_ratio for n in nodes for g in n.gpus]
+        return JobSnapshot(
+            communication_time_ratio=_mean(ratios),
+            memory_utilization_ratio=_mean([n.memory_utilization_ratio for n in nodes]),
+            gpu_utilization_ratio=_mean(gpus),
+            io_wait_ratio=_mean([n.io_wait_ratio for n in nodes]),
+            training_efficiency_ratio=_mean(efficiency),
+        )
+
+    def set_alerts(self, alerts: Sequence[Alert]) -> None:
+        with self._lock:
+            self._alerts = list(alerts)
+
+    def expire(self, now_unix_s: float) -> None:
+        self.series.expire(now_unix_s)
+
+    def forget(self, job: str) -> None:
+        """Drop a finished job."""
+        with self._lock:
+            self.jobs.pop(job, None)
+            self.series.forget({"job": job})
+            for detector in (self.step_z, self.loss_z, self.straggler, self.hang):
+                detector.forget(job)
+
+    # -- summaries for the API -----------------------------------------------------------
+    def job_summary(self, job: str) -> dict[str, Any] | None:
+        with self._lock:
+            state = self.jobs.get(job)
+            if state is None:
+                return None
+            ranks = list(state.ranks.values())
+            recent = [x for r in ranks for x in r.recent]
+            return {
+                "world_size": state.world_size,
+                "ranks_reporting": len(ranks),
+                "last_step": max((r.last_step for r in ranks), default=-1),
+                "step_duration_s": _mean([d for d, _, _ in recent]),
+                "communication_time_ratio": _mean([w / d for d, w, _ in recent if d > 0]),
+                "throughput_samples_per_s": _sum_finite([r.samples_per_s for r in ranks]),
+                "bucket_cap_bytes": state.bucket_cap_bytes,
+            }
+
+    def job_config(self, job: str) -> dict[str, Any] | None:
+        with self._lock:
+            state = self.jobs.get(job)
+            config = state.config if state is not None else None
+        if config is None:
+            return None
+        return {
+            "version": config.version,
+            "bucket_cap_bytes": config.bucket_cap_bytes,
+            "first_bucket_cap_bytes": config.first_bucket_cap_bytes,
+            "codec": config.codec,
+            "codec_params": dict(config.codec_params),
+            "effective_step": config.effective_step,
+        }
+
+    def rank_summaries(self, job: str) -> dict[int, dict[str, Any]]:
+        with self._lock:
+            state = self.jobs.get(job)
+            if state is None:
+                return {}
+            return {
+                rank: {
+                    "node": r.node,
+                    "last_step": r.last_step,
+                    "steps_total": r.steps_total,
+                    "step_duration_s": _nan_none(r.duration_s),
+                    "compute_s": _nan_none(r.compute_s),
+                    "comm_wait_s": _nan_none(r.comm_wait_s),
+                    "communication_time_ratio": _nan_none(r.communication_time_ratio),
+                    "samples_per_s": _nan_none(r.samples_per_s),
+                    "loss": _nan_none(r.loss),
+                    "config_version": r.config_version,
+                }
+                for rank, r in sorted(state.ranks.items())
+            }
+
+    # -- export --------------------------------------------------------------------------
+    def snapshot_for_export(self) -> dict[str, Any]:
+        """A copy of what the collector needs, taken under the lock."""
+        with self._lock:
+            return {
+                "jobs": {
+                    name: (
+                        job.bucket_cap_bytes,
+                        job.config.codec if job.config else None,
+                        [(rank, _copy_rank(r)) for rank, r in job.ranks.items()],
+                    )
+                    for name, job in self.jobs.items()
+                },
+                "nodes": dict(self.nodes),
+                "anomalies": self.step_z.active() + self.loss_z.active(),
+                "stragglers": self.straggler.active(),
+                "hangs": list(self._hangs),
+                "alerts": list(self._alerts),
+            }
+
+
+def _copy_rank(r: RankState) -> RankState:
+    return RankState(
+        node=r.node,
+        steps_total=r.steps_total,
+        samples_total=r.samples_total,
+        dropped_records_total=r.dropped_records_total,
+        duration_s=r.duration_s,
+        comm_wait_s=r.comm_wait_s,
+        compute_s=r.compute_s,
+        communication_time_ratio=r.communication_time_ratio,
+        samples_per_s=r.samples_per_s,
+        loss=r.loss,
+        nonfinite_loss_total=r.nonfinite_loss_total,
+        config_version=r.config_version,
+        rss_bytes=r.rss_bytes,
+        compression=dict(r.compression),
+        relative_error=dict(r.relative_error),
+        wire_bytes_total=dict(r.wire_bytes_total),
+        step_hist=_Histogram(list(r.step_hist.counts), r.step_hist.sum, r.step_hist.count),
+        collectives={
+            k: _Histogram(list(h.counts), h.sum, h.count) for k, h in r.collectives.items()
+        },
+        busbw=dict(r.busbw),
+    )
+
+
+def _observe_hist(hist: _Histogram, bounds: Sequence[float], value: float) -> None:
+    hist.counts[bisect.bisect_left(bounds, value)] += 1
+    hist.sum += value
+    hist.count += 1
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.fmean(finite) if finite else None
+
+
+def _sum_finite(values: Sequence[float]) -> float | None:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) if finite else None
+
+
+def _nan_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _buckets(counts: Sequence[int], le: Sequence[str]) -> list[tuple[str, float]]:
+    out, total = [], 0
+    for bound, n in zip(le, counts, strict=False):
+        total += n
+        out.append((bound, float(total)))
+    return out
+
+
+class _LiveCollector:
+    """Job-level metrics under DESIGN.md's names, built from a snapshot at scrape time."""
+
+    def __init__(self, live: LiveState) -> None:
+        self._live = live
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._live.snapshot_for_export()
+        jr = ["job", "rank"]
+        g = {
+            "communication_time_ratio": GaugeMetricFamily(
+                "torshmon_communication_time_ratio",
+                "Fraction of the last step spent waiting for communication",
+                labels=jr,
+            ),
+            "training_efficiency_ratio": GaugeMetricFamily(
+                "torshmon_training_efficiency_ratio",
+                "Compute time over step time of the last step",
+                labels=jr,
+            ),
+            "throughput_samples_per_second": GaugeMetricFamily(
+                "torshmon_throughput_samples_per_second",
+                "Samples per second of the last step",
+                labels=jr,
+            ),
+            "compute_seconds": GaugeMetricFamily(
+                "torshmon_compute_seconds", "Compute time of the last step", labels=jr
+            ),
+            "comm_wait_seconds": GaugeMetricFamily(
+                "torshmon_comm_wait_seconds", "Communication wait of the last step", labels=jr
+            ),
+            "loss": GaugeMetricFamily("torshmon_loss", "Loss of the last step", labels=jr),
+            "config_version": GaugeMetricFamily(
+                "torshmon_config_version", "Communication config version in force", labels=jr
+            ),
+        }
+        rss = GaugeMetricFamily(
+            "torshmon_rank_memory_rss_bytes",
+            "Resident memory of the rank's process",
+            labels=["job", "node", "rank"],
+        )
+        steps = CounterMetricFamily("torshmon_steps", "Steps reported by the rank", labels=jr)
+        nonfinite = CounterMetricFamily(
+            "torshmon_nonfinite_loss", "Steps with a NaN or infinite loss", labels=jr
+        )
+        dropped = CounterMetricFamily(
+            "torshmon_probe_dropped_records",
+            "Step records the probe dropped (no or slow agent)",
+            labels=jr,
+        )
+        step_h = HistogramMetricFamily(
+            "torshmon_step_duration_seconds", "Training step duration", labels=jr
+        )
+        coll_h = HistogramMetricFamily(
+            "torshmon_collective_duration_seconds",
+            "Duration of collectives",
+            labels=["job", "rank", "op", "pg"],
+        )
+        busbw = GaugeMetricFamily(
+            "torshmon_collective_busbw_bytes_per_second",
+            "Bus bandwidth of the last step's collectives (nccl-tests formula)",
+            labels=["job", "rank", "op", "pg"],
+        )
+        compression = GaugeMetricFamily(
+            "torshmon_compression_ratio",
+            "Wire bytes over gradient bytes of the last bucket (1 = uncompressed)",
+            labels=["job", "rank", "codec"],
+        )
+        rel_err = GaugeMetricFamily(
+            "torshmon_compression_relative_error",
+            "Sampled relative error of the gradient codec",
+            labels=["job", "rank", "codec"],
+        )
+        wire = CounterMetricFamily(
+            "torshmon_compression_wire_bytes",
+            "Bytes the comm hook sent for gradients",
+            labels=["job", "rank", "codec"],
+        )
+        cap = GaugeMetricFamily(
+            "torshmon_ddp_bucket_cap_bytes", "DDP bucket cap in force", labels=["job"]
+        )
+        codec = GaugeMetricFamily(
+            "torshmon_codec_info", "Gradient codec in force (value 1)", labels=["job", "codec"]
+        )
+        for job, (bucket_cap, codec_name, ranks) in snap["jobs"].items():
+            if bucket_cap is not None:
+                cap.add_metric([job], float(bucket_cap))
+            codec.add_metric([job, codec_name or "none"], 1.0)
+            for rank, r in ranks:
+                lv = [job, str(rank)]
+                for key, fam in g.items():
+                    value = {
+                        "communication_time_ratio": r.communication_time_ratio,
+                        "training_efficiency_ratio": (
+                            r.compute_s / r.duration_s if r.duration_s > 0 else math.nan
+                        ),
+                        "throughput_samples_per_second": r.samples_per_s,
+                        "compute_seconds": r.compute_s,
+                        "comm_wait_seconds": r.comm_wait_s,
+                        "loss": r.loss,
+                        "config_version": float(r.config_version),
+                    }[key]
+                    if math.isfinite(value) or (key == "loss" and r.steps_total):
+                        fam.add_metric(lv, value)
+                if math.isfinite(r.rss_bytes):
+                    rss.add_metric([job, r.node, str(rank)], r.rss_bytes)
+                steps.add_metric(lv, float(r.steps_total))
+                nonfinite.add_metric(lv, float(r.nonfinite_loss_total))
+                dropped.add_metric(lv, float(r.dropped_records_total))
+                step_h.add_metric(
+                    lv, _buckets(r.step_hist.counts, _STEP_LE), sum_value=r.step_hist.sum
+                )
+                for (op, pg), h in r.collectives.items():
+                    coll_h.add_metric([job, str(rank), op, pg], _buckets(h.counts, _COLL_LE), h.sum)
+                    busbw.add_metric([job, str(rank), op, pg], r.busbw.get((op, pg), 0.0))
+                for name, ratio in r.compression.items():
+                    compression.add_metric([job, str(rank), name], ratio)
+                for name, err in r.relative_error.items():
+                    rel_err.add_metric([job, str(rank), name], err)
+                for name, total in r.wire_bytes_total.items():
+                    wire.add_metric([job, str(rank), name], total)
+        yield from g.values()
+        yield from (rss, steps, nonfinite, dropped, step_h, coll_h, busbw)
+        yield from (compression, rel_err, wire, cap, codec)
+        yield from self._node_families(snap["nodes"])
+        yield from self._detector_families(snap)
+
+    def _node_families(self, nodes: dict[str, NodeSample]) -> Iterator[Metric]:
+        fams = {
+            "cpu_utilization_ratio": GaugeMetricFamily(
+                "torshmon_cpu_utilization_ratio", "Node CPU utilisation", labels=["node"]
+            ),
+            "memory_utilization_ratio": GaugeMetricFamily(
+                "torshmon_memory_utilization_ratio", "Node memory utilisation", labels=["node"]
+            ),
+            "io_wait_ratio": GaugeMetricFamily(
+                "torshmon_io_wait_time_ratio", "Node CPU time in I/O wait", labels=["node"]
+            ),
+        }
+        gpu = GaugeMetricFamily(
+            "torshmon_gpu_utilization_ratio", "GPU utilisation", labels=["node", "gpu"]
+        )
+        for name, sample in nodes.items():
+            for key, fam in fams.items():
+                fam.add_metric([name], float(getattr(sample, key)))
+            for g in sample.gpus:
+                gpu.add_metric([name, str(g.index)], g.utilization_ratio)
+        yield from fams.values()
+        yield gpu
+
+    def _detector_families(self, snap: dict[str, Any]) -> Iterator[Metric]:
+        anomaly = GaugeMetricFamily(
+            "torshmon_anomaly_active",
+            "1 while a rolling z-score anomaly is active on the series",
+            labels=["job", "rank", "metric"],
+        )
+        zscore = GaugeMetricFamily(
+            "torshmon_anomaly_zscore",
+            "z-score of the active anomaly",
+            labels=["job", "rank", "metric"],
+        )
+        for f in snap["anomalies"]:
+            lv = [f.labels.get("job", ""), f.labels.get("rank", ""), f.labels.get("metric", "")]
+            anomaly.add_metric(lv, 1.0)
+            zscore.add_metric(lv, f.score)
+        straggler = GaugeMetricFamily(
+            "torshmon_straggler_active", "1 while the rank is a straggler", labels=["job", "rank"]
+        )
+        score = GaugeMetricFamily(
+            "torshmon_straggler_score", "Straggler score of the rank", labels=["job", "rank"]
+        )
+        for f in snap["stragglers"]:
+            lv = [f.labels.get("job", ""), f.labels.get("rank", "")]
+            straggler.add_metric(lv, 1.0)
+            score.add_metric(lv, f.score)
+        hang = GaugeMetricFamily(
+            "torshmon_hung_collective_age_seconds",
+            "Age of a collective the rank never joined while its peers wait",
+            labels=["job", "rank", "op", "pg"],
+        )
+        for f in snap["hangs"]:
+            hang.add_metric(
+                [
+                    f.labels.get("job", ""),
+                    f.labels.get("rank", ""),
+                    f.labels.get("op", ""),
+                    f.labels.get("pg", ""),
+                ],
+                f.value,
+            )
+        firing = GaugeMetricFamily(
+            "torshmon_alerts",
+            "Alerts pending or firing, by rule and severity",
+            labels=["alertname", "severity", "state"],
+        )
+        counts: dict[tuple[str, str, str], int] = {}
+        for a in snap["alerts"]:
+            key = (a.rule, a.severity, a.state)
+            counts[key] = counts.get(key, 0) + 1
+        for key, n in sorted(counts.items()):
+            firing.add_metric(list(key), float(n))
+        yield from (anomaly, zscore, straggler, score, hang, firing)

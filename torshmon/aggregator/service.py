@@ -1,0 +1,530 @@
+"""``torshmon aggregator``: the HTTP service around ingest, detection, rules and history.
+
+One event loop serves HTTP; one writer thread owns every write to the history
+database (SQLite allows one writer, and one ordered writer keeps ingest
+idempotent); reads run on the default executor. Every ``eval_interval_s`` the
+evaluation tick asks the live state for its findings, runs the rules engine,
+stores findings and alert transitions, and hands alerts to the notifier, which
+never blocks this loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from sqlalchemy import exc as sa_exc
+from sqlalchemy import select, update
+from sqlalchemy.engine import Engine
+
+from torshmon.aggregator import api, otel
+from torshmon.aggregator.alert import Alert
+from torshmon.aggregator.alerting import AlertEngine
+from torshmon.aggregator.commands import CommandBook, CommandStatus
+from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.ingest import IngestStore, Stored
+from torshmon.aggregator.live import LiveState
+from torshmon.aggregator.notify import Notifier, Target, targets_from_env
+from torshmon.aggregator.rules import RuleSet, default_rules, load_rules
+from torshmon.aggregator.settings import AggregatorSettings
+from torshmon.history.db import make_engine, upgrade
+from torshmon.history.models import Base
+from torshmon.wire import (
+    SCHEMA_VERSION,
+    IngestBatch,
+    IngestReply,
+    WireError,
+    decode_json,
+    encode_json,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_T = Base.metadata.tables
+
+INGEST_PATH = "/api/v1/ingest"
+AGGREGATOR_KEY = web.AppKey("aggregator", object)
+
+#: Called with each alert transition that has the ``autotune`` action (the tuner hooks here).
+ActionHook = Callable[[Alert], None]
+
+
+class Aggregator:
+    """The service's parts and their lifecycle: ``async with Aggregator(settings)``.
+
+    ``registry`` receives the job-level and service metrics (a fresh one per test);
+    ``targets`` overrides the notification targets read from the environment;
+    ``clock`` is Unix seconds (detection and rules use it).
+    """
+
+    def __init__(
+        self,
+        settings: AggregatorSettings,
+        *,
+        registry: CollectorRegistry | None = None,
+        targets: Sequence[Target] | None = None,
+        rules: RuleSet | None = None,
+        clock: Callable[[], float] = time.time,
+        migrate: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._migrate = migrate
+        self.rules = rules if rules is not None else self._load_rules()
+        self.engine: Engine | None = None
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torshmon-writer")
+        self.commands = CommandBook(
+            timeout_s=settings.command_timeout_s, clock=clock, on_change=self._command_changed
+        )
+        self.live = LiveState(hang_timeout_s=settings.hang_timeout_s)
+        self.alerts = AlertEngine(self.rules)
+        self.notifier = Notifier(list(targets) if targets is not None else targets_from_env())
+        self.tracer = otel.Tracing(settings.otlp_endpoint, service_instance=settings.aggregator_id)
+        self.store: IngestStore | None = None
+        self.action_hooks: dict[str, list[ActionHook]] = {}
+        self.command_hooks: list[Callable[[CommandStatus], None]] = []
+        self._alert_rows: dict[str, int] = {}
+        self._finding_keys: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+        self._started = False
+        self.port: int | None = None
+        self._metrics()
+
+    def _load_rules(self) -> RuleSet:
+        if self.settings.rules_path:
+            return load_rules(self.settings.rules_path)
+        return default_rules()
+
+    def _metrics(self) -> None:
+        r = self.registry
+        self.m_batches = Counter(
+            "torshmon_ingest_batches", "Ingest requests by outcome", ["outcome"], registry=r
+        )
+        self.m_records = Counter(
+            "torshmon_ingest_records", "Agent spool records stored", registry=r
+        )
+        self.m_duplicates = Counter(
+            "torshmon_ingest_duplicates", "Records or probe batches seen before", registry=r
+        )
+        self.m_samples = Counter(
+            "torshmon_ingest_samples", "Measurements stored (one number each)", registry=r
+        )
+        self.m_ingest_seconds = Gauge(
+            "torshmon_ingest_last_duration_seconds", "Time the last ingest took", registry=r
+        )
+        self.live.register(r)
+        r.register(_NotifierCollector(self))
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Migrate the database, restore alert state, serve HTTP, start the loops."""
+        loop = asyncio.get_running_loop()
+        url = self.settings.db_url
+        if self._migrate:
+            await loop.run_in_executor(self.writer, upgrade, url)
+        self.engine = make_engine(url)
+        self.store = IngestStore(
+            self.engine, aggregator_id=self.settings.aggregator_id, commands=self.commands
+        )
+        await loop.run_in_executor(self.writer, self._restore_alerts)
+        await self.notifier.start()
+        app = web.Application(
+            client_max_size=self.settings.max_body_bytes,
+            middlewares=[api.error_middleware],
+        )
+        app[AGGREGATOR_KEY] = self
+        app.router.add_post(INGEST_PATH, self._ingest)
+        api.add_routes(app, self)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        self._tasks = [
+            asyncio.create_task(self._evaluate_forever(), name="aggregator-evaluate"),
+            asyncio.create_task(self._retention_forever(), name="aggregator-retention"),
+        ]
+        self._started = True
+        if self.settings.token is None:
+            log.warning("no token configured: the API accepts unauthenticated requests")
+        log.info(
+            "aggregator %s on %s:%s, history %s",
+            self.settings.aggregator_id,
+            self.settings.host,
+            self.port,
+            _redact_url(url),
+        )
+
+    async def aclose(self) -> None:
+        """Stop serving, run a last evaluation, flush notifications, close the database."""
+        if self._closed:
+            return
+        self._closed = True
+        errors: list[BaseException] = []
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        # The loop over parts is deliberate: one failing must not leave the rest running.
+        for part in (self._close_http, self._last_evaluation, self.notifier.aclose):
+            try:
+                await part()
+            except Exception as exc:  # reported together below
+                errors.append(exc)
+        self.writer.shutdown(wait=True)
+        self.tracer.shutdown()
+        if self.engine is not None:
+            self.engine.dispose()
+        for error in errors:
+            log.error("aggregator shutdown step failed: %s", error)
+
+    async def __aenter__(self) -> Aggregator:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _close_http(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def _last_evaluation(self) -> None:
+        if self._started:
+            await self.evaluate()
+
+    # -- helpers for the API -------------------------------------------------------------
+    async def write(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the writer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.writer, fn, *args)
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on a reader thread."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def authorized(self, request: web.Request) -> bool:
+        token = self.settings.token
+        if token is None:
+            return True
+        given = request.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+    # -- ingest --------------------------------------------------------------------------
+    async def _ingest(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            self.m_batches.labels("unauthorized").inc()
+            return api.error(401, "missing or wrong bearer token")
+        body = await request.read()
+        try:
+            batch = decode_json(body, IngestBatch)
+        except WireError as exc:
+            self.m_batches.labels("invalid").inc()
+            api.log_rejection(request, str(exc))
+            return api.error(400, str(exc))
+        started = time.perf_counter()
+        try:
+            stored = await self.write(self._store, batch)
+        except sa_exc.DataError as exc:
+            # Values the schema let through but the database refused: bad input, 4xx.
+            self.m_batches.labels("invalid").inc()
+            return api.error(400, f"the database refused a value: {exc.orig}")
+        except sa_exc.OperationalError as exc:
+            self.m_batches.labels("unavailable").inc()
+            log.error("history database unavailable: %s", exc.orig)
+            return api.error(503, "history database unavailable; retry later")
+        self.m_ingest_seconds.set(time.perf_counter() - started)
+        self.m_batches.labels("stored").inc()
+        self.m_records.inc(len(batch.records) - stored.duplicates)
+        self.m_duplicates.inc(stored.duplicates)
+        self.m_samples.inc(stored.samples)
+        self._observe(stored)
+        reply = IngestReply(v=SCHEMA_VERSION, acked_seq=stored.acked_seq, commands=stored.commands)
+        return web.Response(body=encode_json(reply), content_type="application/json")
+
+    def _store(self, batch: IngestBatch) -> Stored:
+        if self.store is None:
+            raise RuntimeError("aggregator not started")
+        return self.store.store(batch)
+
+    def _observe(self, stored: Stored) -> None:
+        """Feed the live state; a bug there must never fail an ingest already stored."""
+        try:
+            self.live.observe(stored, self.clock())
+            self.tracer.record_steps(stored)
+        except Exception:
+            log.exception("live state update failed; the data is stored")
+
+    # -- evaluation ----------------------------------------------------------------------
+    async def _evaluate_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.eval_interval_s)
+            try:
+                await self.evaluate()
+            except Exception:
+                log.exception("evaluation failed; retrying next tick")
+
+    async def evaluate(self) -> list[Alert]:
+        """One evaluation tick: findings, rules, storage, notifications. Returns transitions."""
+        now = self.clock()
+        findings = self.live.findings(now)
+        transitions = self.alerts.evaluate(now, self.live.series, findings)
+        new_findings = [f for f in findings if f.key() not in self._finding_keys]
+        self._finding_keys = {f.key() for f in findings}
+        self.live.set_alerts(self.alerts.active())
+        if new_findings or transitions:
+            await self.write(self._persist, new_findings, transitions, now)
+        to_send = [a for a in transitions if a.state != "pending" and "notify" in a.actions]
+        if to_send:
+            self.notifier.submit(to_send)
+        for alert in transitions:
+            self.tracer.record_alert(alert)
+            if alert.state == "firing":
+                for action in alert.actions:
+                    for hook in self.action_hooks.get(action, ()):
+                        try:
+                            hook(alert)
+                        except Exception:
+                            log.exception("action %s failed for %s", action, alert.rule)
+        for status in self.commands.expire():
+            await self.write(self._persist_command, status)
+        self.live.expire(now)
+        return transitions
+
+    def _persist(self, findings: list[Finding], alerts: list[Alert], now: float) -> None:
+        if self.engine is None:
+            return
+        with self.engine.begin() as conn:
+            if findings:
+                conn.execute(_T["findings"].insert(), [_finding_row(f, now) for f in findings])
+            for alert in alerts:
+                self._persist_alert(conn, alert, now)
+
+    def _persist_alert(self, conn: Any, alert: Alert, now: float) -> None:
+        table = _T["alerts"]
+        row_id = self._alert_rows.get(alert.fingerprint)
+        values: dict[str, Any] = {
+            "state": alert.state,
+            "value": alert.value,
+            "annotations": dict(alert.annotations),
+            "updated_unix_s": now,
+        }
+        if alert.state == "firing":
+            values["fired_at_unix_s"] = now
+        if alert.state == "resolved":
+            values["ends_at_unix_s"] = alert.ends_at_unix_s or now
+        if row_id is None:
+            rank = alert.labels.get("rank")
+            result = conn.execute(
+                table.insert().values(
+                    fingerprint=alert.fingerprint,
+                    rule=alert.rule,
+                    severity=alert.severity,
+                    job=alert.labels.get("job", ""),
+                    rank=int(rank) if rank is not None and rank.isdigit() else None,
+                    labels=dict(alert.labels),
+                    starts_at_unix_s=alert.starts_at_unix_s,
+                    aggregator_id=self.settings.aggregator_id,
+                    **values,
+                )
+            )
+            row_id = int(result.inserted_primary_key[0])
+        else:
+            conn.execute(update(table).where(table.c.id == row_id).values(**values))
+        conn.execute(
+            _T["alert_events"]
+            .insert()
+            .values(alert_id=row_id, state=alert.state, ts_unix_s=now, value=alert.value)
+        )
+        if alert.state == "resolved":
+            self._alert_rows.pop(alert.fingerprint, None)
+        else:
+            self._alert_rows[alert.fingerprint] = row_id
+
+    def _restore_alerts(self) -> None:
+        """Resume pending and firing alerts this aggregator left in SQL."""
+        if self.engine is None:
+            return
+        table = _T["alerts"]
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(table).where(
+                    table.c.state.in_(["pending", "firing"]),
+                    table.c.aggregator_id == self.settings.aggregator_id,
+                )
+            ).mappings()
+            alerts = []
+            for row in rows:
+                self._alert_rows[row["fingerprint"]] = int(row["id"])
+                alerts.append(
+                    Alert(
+                        rule=row["rule"],
+                        state=row["state"],
+                        severity=row["severity"],
+                        labels=dict(row["labels"] or {}),
+                        annotations=dict(row["annotations"] or {}),
+                        value=row["value"],
+                        starts_at_unix_s=row["starts_at_unix_s"],
+                    )
+                )
+        if alerts:
+            self.alerts.restore(alerts)
+            log.info("resumed %d pending or firing alerts", len(alerts))
+
+    # -- commands ------------------------------------------------------------------------
+    async def submit_command(self, job: str, kind: str, args: dict[str, object]) -> CommandStatus:
+        """Queue a command for ``job``'s rank 0; stored in SQL before it can be sent."""
+        command = self.commands.new(job, kind, args)
+        now = self.clock()
+        await self.write(self._insert_command, command, now)
+        return self.commands.add(command)
+
+    def _insert_command(self, command: Any, now: float) -> None:
+        if self.engine is None:
+            return
+        with self.engine.begin() as conn:
+            conn.execute(
+                _T["commands"]
+                .insert()
+                .values(
+                    id=command.id,
+                    job=command.job,
+                    kind=command.kind,
+                    args=dict(command.args),
+                    status="pending",
+                    reason="",
+                    created_unix_s=now,
+                    updated_unix_s=now,
+                    aggregator_id=self.settings.aggregator_id,
+                )
+            )
+
+    def _persist_command(self, status: CommandStatus) -> None:
+        if self.engine is None:
+            return
+        table = _T["commands"]
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(table)
+                .where(table.c.id == status.command.id)
+                .values(
+                    status=status.status, reason=status.reason, updated_unix_s=status.updated_unix_s
+                )
+            )
+
+    def _command_changed(self, status: CommandStatus) -> None:
+        for hook in self.command_hooks:
+            try:
+                hook(status)
+            except Exception:
+                log.exception("command hook failed")
+
+    # -- retention -----------------------------------------------------------------------
+    async def _retention_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.retention_interval_s)
+            try:
+                await self.write(self.run_retention)
+            except Exception:
+                log.exception("retention failed; retrying next interval")
+
+    def run_retention(self) -> object:
+        from torshmon.history.retention import apply_retention
+
+        if self.engine is None:
+            return None
+        return apply_retention(
+            self.engine,
+            now_unix_s=self.clock(),
+            raw_retention_s=self.settings.raw_retention_s,
+            rollup_retention_s=self.settings.rollup_retention_s,
+        )
+
+
+def _finding_row(f: Finding, now: float) -> dict[str, Any]:
+    rank = f.labels.get("rank")
+    return {
+        "kind": f.kind,
+        "job": f.labels.get("job", ""),
+        "rank": int(rank) if rank is not None and rank.isdigit() else None,
+        "metric": f.labels.get("metric"),
+        "value": f.value,
+        "score": f.score,
+        "summary": f.summary,
+        "recommendation": f.recommendation,
+        "severity": f.severity,
+        "since_unix_s": f.since_unix_s,
+        "detected_unix_s": now,
+        "details": _jsonable(dict(f.details)),
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _redact_url(url: str) -> str:
+    """A database URL without its password, for logs."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<unparseable database URL>"
+
+
+class _NotifierCollector:
+    """Exports the notifier's per-target counters."""
+
+    def __init__(self, aggregator: Aggregator) -> None:
+        self._aggregator = aggregator
+
+    def collect(self) -> Any:
+        from prometheus_client.metrics_core import CounterMetricFamily
+
+        stats = self._aggregator.notifier.stats()
+        names = ("sent", "failed", "dropped", "retries")
+        families = {
+            n: CounterMetricFamily(
+                f"torshmon_notifications_{n}",
+                f"Notification messages {n} per target",
+                labels=["target"],
+            )
+            for n in names
+        }
+        for target, counts in stats.items():
+            for n in names:
+                families[n].add_metric([target], float(counts.get(f"{n}_total", 0)))
+        yield from families.values()
+
+
+async def run_aggregator(settings: AggregatorSettings) -> int:
+    """Run until SIGTERM or SIGINT; returns the exit code."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    async with Aggregator(settings):
+        await stop.wait()
+        log.info("aggregator stopping")
+    return 0

@@ -1,0 +1,139 @@
+"""The aggregator's settings: flags first, then ``TORSHMON_*`` variables, then a config file."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from torshmon.history.db import db_url
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 9470
+
+#: Environment variable per setting (the rest have no variable).
+_ENV = {
+    "host": "TORSHMON_AGGREGATOR_HOST",
+    "port": "TORSHMON_AGGREGATOR_PORT",
+    "token": "TORSHMON_TOKEN",
+    "rules_path": "TORSHMON_RULES",
+    "aggregator_id": "TORSHMON_AGGREGATOR_ID",
+    "otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "external_url": "TORSHMON_EXTERNAL_URL",
+}
+
+
+class SettingsError(ValueError):
+    """A setting with a bad value; the text names the setting and what is allowed."""
+
+
+@dataclass(frozen=True, slots=True)
+class AggregatorSettings:
+    """Everything ``torshmon aggregator`` can be told. Durations in seconds."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    db_url: str = ""
+    token: str | None = None
+    rules_path: str | None = None
+    aggregator_id: str = ""
+    eval_interval_s: float = 0.5
+    retention_interval_s: float = 300.0
+    raw_retention_s: float = 86400.0
+    rollup_retention_s: float = 30 * 86400.0
+    max_body_bytes: int = 64 * 1024 * 1024
+    hang_timeout_s: float = 5.0
+    command_timeout_s: float = 60.0
+    otlp_endpoint: str | None = None
+    external_url: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise SettingsError(f"port must be in 0..65535, got {self.port}")
+        for name in (
+            "eval_interval_s",
+            "retention_interval_s",
+            "raw_retention_s",
+            "rollup_retention_s",
+            "hang_timeout_s",
+            "command_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_body_bytes < 1024:
+            raise SettingsError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.db_url:
+            object.__setattr__(self, "db_url", db_url(None))
+        if not self.aggregator_id:
+            object.__setattr__(self, "aggregator_id", f"{socket.gethostname()}-{os.getpid()}")
+        if not self.external_url:
+            object.__setattr__(self, "external_url", f"http://{self.host}:{self.port}")
+
+
+def load_settings(
+    overrides: Mapping[str, Any],
+    *,
+    config_file: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> AggregatorSettings:
+    """Settings from ``overrides`` (None means unset), then the environment, then the
+    YAML ``config_file`` (a mapping of setting names), then the defaults.
+
+    Raises SettingsError naming an unknown key, a bad value, or an unreadable file.
+    """
+    env = os.environ if env is None else env
+    known = {f.name: f for f in fields(AggregatorSettings)}
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        values.update(_read_config(Path(config_file), known))
+    for name, var in _ENV.items():
+        if env.get(var):
+            values[name] = env[var]
+    if env.get("TORSHMON_DB_URL"):
+        values["db_url"] = env["TORSHMON_DB_URL"]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    typed: dict[str, Any] = {}
+    for name, value in values.items():
+        field = known.get(name)
+        if field is None:
+            raise SettingsError(f"unknown setting {name!r}; known: {', '.join(sorted(known))}")
+        typed[name] = _coerce(name, str(field.type), value)
+    return AggregatorSettings(**typed)
+
+
+def _read_config(path: Path, known: Mapping[str, object]) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path}: expected a mapping of settings")
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise SettingsError(
+            f"config file {path}: unknown setting(s) {', '.join(map(str, unknown))}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+    return dict(data)
+
+
+def _coerce(name: str, type_name: str, value: Any) -> Any:
+    try:
+        if type_name == "int":
+            return int(value)
+        if type_name == "float":
+            return float(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{name} must be a {type_name}, got {value!r}") from None
+    if type_name in ("str", "str | None") and not isinstance(value, str):
+        raise SettingsError(f"{name} must be a string, got {value!r}")
+    return value
