@@ -189,7 +189,7 @@ def progress_line(aggregator: Any, config: DemoConfig) -> str:
     alerts = ", ".join(sorted({_alert_name(a.labels) for a in firing})) or "none"
     throughput = summary["throughput_samples_per_s"] or 0.0
     return (
-        f"step {summary['last_step'] + 1:>5}/{config.steps}  {step_ms:7.1f} ms/step  "
+        f"step {summary['last_step']:>5}/{config.steps}  {step_ms:7.1f} ms/step  "
         f"comm {comm:5.1%}  {throughput:7.0f} samples/s  alerts firing: {alerts}"
     )
 

@@ -1,15 +1,21 @@
-"""``torshmon demo`` as a user runs it: a real command, real ranks, real records."""
+"""``torshmon demo`` end to end: aggregator + agent + a real gloo job, history in SQLite."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from aiohttp import web
 
-from torshmon.agent.receiver import read_messages
-from torshmon.wire import Batch
+from tests.test_notify import check_block_kit
+from torshmon.aggregator.notify import SlackTarget
+from torshmon.demo import DemoConfig, run_system
+from torshmon.faults import parse_fault
+from torshmon.history.query import run_query
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +30,7 @@ def _torshmon(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_demo_runs_a_real_job_and_summarises_it(tmp_path: Path) -> None:
+def test_demo_runs_the_whole_system_and_summarises_from_sql(tmp_path: Path) -> None:
     done = _torshmon(
         "demo",
         "--steps",
@@ -39,15 +45,86 @@ def test_demo_runs_a_real_job_and_summarises_it(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "job throughput:" in done.stdout
-    assert "DDP buckets:" in done.stdout
-    assert "dropped records: 0" in done.stdout
-    batches = [m for m in read_messages(tmp_path / "torshmon-demo.jsonl") if isinstance(m, Batch)]
-    for rank in range(3):
-        steps = [s.step for b in batches if b.rank == rank for s in b.steps]
-        assert steps == list(range(1, 26))
+    assert "history: torshmon.db" in done.stdout
+    assert (tmp_path / "torshmon.db").is_file()
+    # Every step of every rank is in the history exactly once, readable through the CLI.
+    query = _torshmon(
+        "query",
+        "--db",
+        f"sqlite:///{tmp_path / 'torshmon.db'}",
+        "--format",
+        "csv",
+        "SELECT rank, count(*), count(DISTINCT step), min(step), max(step) "
+        "FROM steps GROUP BY rank ORDER BY rank",
+        cwd=tmp_path,
+    )
+    assert query.returncode == 0, query.stderr
+    rows = [line.split(",") for line in query.stdout.strip().splitlines()[1:]]
+    assert rows == [[str(r), "25", "25", "1", "25"] for r in range(3)]
 
 
-def test_demo_rejects_a_bad_flag_clearly(tmp_path: Path) -> None:
+def test_demo_rejects_bad_flags_clearly(tmp_path: Path) -> None:
     done = _torshmon("demo", "--steps", "0", cwd=tmp_path)
     assert done.returncode == 2
     assert "--steps" in done.stderr and "positive integer" in done.stderr
+    done = _torshmon("demo", "--inject", "straggler:rank=9", cwd=tmp_path)
+    assert done.returncode == 2 and "rank 9" in done.stderr
+    done = _torshmon("demo", "--inject", "meteor", cwd=tmp_path)
+    assert done.returncode == 2 and "unknown fault kind 'meteor'" in done.stderr
+
+
+async def test_injected_straggler_fires_names_the_rank_notifies_slack_and_resolves(
+    tmp_path: Path,
+) -> None:
+    received: list[tuple[float, dict[str, Any]]] = []
+
+    async def slack(request: web.Request) -> web.Response:
+        received.append((time.time(), await request.json()))
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/services/T000/B000/XXXX", slack)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        config = DemoConfig(
+            world_size=2,
+            steps=220,
+            hidden=256,
+            layers=3,
+            db=tmp_path / "history.db",
+            step_sleep_s=0.03,
+            faults=(parse_fault("straggler:rank=1,slowdown=4,from=40,to=120"),),
+            quiet=True,
+        )
+        result = await run_system(
+            config, targets=[SlackTarget(f"http://127.0.0.1:{port}/services/T000/B000/XXXX")]
+        )
+    finally:
+        await runner.cleanup()
+
+    stragglers = [a for a in result.alerts if a["rule"] == "Straggler"]
+    assert stragglers, f"no Straggler alert; alerts: {result.alerts}"
+    assert {a["rank"] for a in stragglers} == {1}, stragglers
+    alert = stragglers[0]
+    assert alert["fired_at_unix_s"] is not None
+    assert alert["state"] == "resolved", "the alert must resolve once rank 1 is back to speed"
+    assert "rank 1" in alert["annotations"]["summary"]
+
+    messages = [m for _, m in received if "Straggler" in m["text"]]
+    assert len(messages) >= 2, [m["text"] for _, m in received]
+    for message in messages:
+        check_block_kit(message)
+    firing, resolved = messages[0], messages[-1]
+    assert "rank 1" in firing["text"] or "rank: 1" in firing["text"].lower()
+    assert "demo" in firing["text"]
+    assert "resolved" in resolved["text"].lower()
+
+    # The rows behind it: every step of both ranks, in SQL.
+    counts = run_query(
+        result.db_url, "SELECT rank, count(*) FROM steps GROUP BY rank ORDER BY rank"
+    )
+    assert counts.rows == [(0, 220), (1, 220)]

@@ -148,12 +148,12 @@ class IngestStore:
                 stored.acked_seq = max(stored.acked_seq, max(r.seq for r in batch.records))
             else:
                 stored.acked_seq = self._max_seq(conn, batch.agent_id)
-            for message in stored.hellos:
-                if message.rank == 0:
-                    self.rank0_agent[message.job] = batch.agent_id
-            for message, _node in stored.batches:
-                if message.rank == 0:
-                    self.rank0_agent[message.job] = batch.agent_id
+            for hello in stored.hellos:
+                if hello.rank == 0:
+                    self.rank0_agent[hello.job] = batch.agent_id
+            for probe_batch, _node in stored.batches:
+                if probe_batch.rank == 0:
+                    self.rank0_agent[probe_batch.job] = batch.agent_id
             if self._commands is not None:
                 jobs_served = {j for j, a in self.rank0_agent.items() if a == batch.agent_id}
                 if jobs_served:

@@ -13,7 +13,7 @@ import bisect
 import math
 import statistics
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,8 +54,10 @@ STEP_DURATION_BUCKETS_S: tuple[float, ...] = (
     30.0,
     60.0,
 )
-_STEP_LE = [floatToGoString(b) for b in STEP_DURATION_BUCKETS_S] + ["+Inf"]
-_COLL_LE = [floatToGoString(b) for b in DURATION_BUCKETS_S] + ["+Inf"]
+# prometheus-client leaves this helper unannotated; it formats `le` as its own histograms do.
+_go_float: Callable[[float], str] = floatToGoString
+_STEP_LE = [_go_float(b) for b in STEP_DURATION_BUCKETS_S] + ["+Inf"]
+_COLL_LE = [_go_float(b) for b in DURATION_BUCKETS_S] + ["+Inf"]
 #: How many recent steps the job-level means (bottleneck report, summaries) cover.
 _RECENT = 50
 
@@ -221,7 +223,8 @@ class LiveState:
             if s.applied_config is not None:
                 job.config = s.applied_config
                 job.bucket_cap_bytes = s.applied_config.bucket_cap_bytes
-        self.hang.observe(batch.job, batch.rank, batch.sent_unix_ns / 1e9, batch.inflight)
+        if job.world_size is None or batch.rank < job.world_size:
+            self.hang.observe(batch.job, batch.rank, batch.sent_unix_ns / 1e9, batch.inflight)
 
     def _observe_node(self, sample: NodeSample) -> None:
         self.nodes[sample.node] = sample
@@ -277,11 +280,11 @@ class LiveState:
         nodes = [self.nodes[r.node] for r in job.ranks.values() if r.node in self.nodes]
         gpus = [g.utilization_ratio for n in nodes for g in n.gpus]
         return JobSnapshot(
-            communication_time_ratio=_mean(ratios),
-            memory_utilization_ratio=_mean([n.memory_utilization_ratio for n in nodes]),
-            gpu_utilization_ratio=_mean(gpus),
-            io_wait_ratio=_mean([n.io_wait_ratio for n in nodes]),
-            training_efficiency_ratio=_mean(efficiency),
+            communication_time_ratio=_ratio(_mean(ratios)),
+            memory_utilization_ratio=_ratio(_mean([n.memory_utilization_ratio for n in nodes])),
+            gpu_utilization_ratio=_ratio(_mean(gpus)),
+            io_wait_ratio=_ratio(_mean([n.io_wait_ratio for n in nodes])),
+            training_efficiency_ratio=_ratio(_mean(efficiency)),
         )
 
     def set_alerts(self, alerts: Sequence[Alert]) -> None:
@@ -409,6 +412,11 @@ def _observe_hist(hist: _Histogram, bounds: Sequence[float], value: float) -> No
 def _mean(values: Sequence[float]) -> float | None:
     finite = [v for v in values if math.isfinite(v)]
     return statistics.fmean(finite) if finite else None
+
+
+def _ratio(value: float | None) -> float | None:
+    """A mean of measured ratios kept inside 0..1 (clock jitter can push one just past)."""
+    return None if value is None else min(1.0, max(0.0, value))
 
 
 def _sum_finite(values: Sequence[float]) -> float | None:

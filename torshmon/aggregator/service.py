@@ -503,15 +503,18 @@ class _NotifierCollector:
         from prometheus_client.metrics_core import CounterMetricFamily
 
         stats = self._aggregator.notifier.stats()
-        names = ("sent", "failed", "dropped", "retries")
-        families = {
-            n: CounterMetricFamily(
-                f"torshmon_notifications_{n}",
-                f"Notification messages {n} per target",
-                labels=["target"],
-            )
-            for n in names
+        helps = {
+            "sent": "Notification messages delivered, per target",
+            "failed": "Notification messages given up on, per target",
+            "retries": "Notification delivery retries, per target",
+            "dropped": "Alerts dropped before delivery (queue full or shutdown), per target",
+            "deduplicated": "Alerts not sent again because they were already delivered",
         }
+        families = {
+            n: CounterMetricFamily(f"torshmon_notifications_{n}", text, labels=["target"])
+            for n, text in helps.items()
+        }
+        names = tuple(helps)
         for target, counts in stats.items():
             for n in names:
                 families[n].add_metric([target], float(counts.get(f"{n}_total", 0)))

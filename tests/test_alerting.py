@@ -1,0 +1,525 @@
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from torshmon.aggregator.alert import Alert, fingerprint
+from torshmon.aggregator.alerting import AlertEngine
+from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.rules import RuleSet, default_rules, load_rules_text
+from torshmon.aggregator.series import SeriesStore, labelset
+
+RANK0 = labelset(job="j", rank="0")
+
+
+def _rules(text: str) -> RuleSet:
+    return load_rules_text(text, source="test.yaml")
+
+
+def _states(alerts: Sequence[Alert]) -> list[tuple[str, str]]:
+    return [(alert.rule, alert.state) for alert in alerts]
+
+
+THRESHOLD = """
+rules:
+  - name: Slow
+    kind: threshold
+    metric: step_duration_seconds
+    op: ">"
+    value: 1.0
+    for: 10s
+    severity: high
+    labels: {team: ml}
+    annotations:
+      summary: "rank {rank} of {job}: {value:.1f} s ({alertname}, {severity}, {team}, {metric})"
+    actions: [notify, autotune]
+"""
+
+
+def test_threshold_goes_pending_firing_resolved() -> None:
+    engine = AlertEngine(_rules(THRESHOLD))
+    series = SeriesStore()
+    series.add("step_duration_seconds", RANK0, 100.0, 0.5)
+    assert engine.evaluate(100.0, series, []) == []
+
+    series.add("step_duration_seconds", RANK0, 101.0, 2.0)
+    [pending] = engine.evaluate(101.0, series, [])
+    assert pending.state == "pending"
+    assert pending.starts_at_unix_s == 101.0
+    assert pending.labels == {
+        "alertname": "Slow",
+        "severity": "high",
+        "job": "j",
+        "rank": "0",
+        "team": "ml",
+    }
+    assert pending.annotations == {
+        "summary": "rank 0 of j: 2.0 s (Slow, high, ml, step_duration_seconds)"
+    }
+    assert pending.value == 2.0
+    assert engine.evaluate(110.9, series, []) == []  # not yet 10 s
+
+    series.add("step_duration_seconds", RANK0, 111.0, 3.0)
+    [firing] = engine.evaluate(111.0, series, [])
+    assert (firing.state, firing.value, firing.starts_at_unix_s) == ("firing", 3.0, 111.0)
+    assert firing.actions == ("notify", "autotune")
+    assert firing.fingerprint == pending.fingerprint == fingerprint("Slow", firing.labels)
+    assert engine.evaluate(112.0, series, []) == []
+    assert _states(engine.active()) == [("Slow", "firing")]
+
+    series.add("step_duration_seconds", RANK0, 113.0, 0.5)
+    [resolved] = engine.evaluate(113.0, series, [])
+    assert (resolved.state, resolved.ends_at_unix_s, resolved.starts_at_unix_s) == (
+        "resolved",
+        113.0,
+        111.0,
+    )
+    assert resolved.actions == ("notify", "autotune")
+    assert resolved.fingerprint == firing.fingerprint
+    assert resolved.value == 3.0  # the last value while it held
+    assert engine.active() == []
+
+
+def test_for_zero_fires_in_the_first_evaluation_with_one_transition() -> None:
+    engine = AlertEngine(_rules(THRESHOLD.replace("for: 10s", "for: 0s")))
+    series = SeriesStore()
+    series.add("step_duration_seconds", RANK0, 100.0, 2.0)
+    [firing] = engine.evaluate(100.0, series, [])
+    assert (firing.state, firing.starts_at_unix_s) == ("firing", 100.0)
+
+
+def test_a_pending_alert_that_clears_resolves_without_actions() -> None:
+    engine = AlertEngine(_rules(THRESHOLD))
+    series = SeriesStore()
+    series.add("step_duration_seconds", RANK0, 100.0, 2.0)
+    [pending] = engine.evaluate(100.0, series, [])
+    series.add("step_duration_seconds", RANK0, 105.0, 0.1)
+    [resolved] = engine.evaluate(105.0, series, [])
+    assert (resolved.state, resolved.actions) == ("resolved", ())
+    assert (resolved.starts_at_unix_s, resolved.ends_at_unix_s) == (100.0, 105.0)
+    assert resolved.fingerprint == pending.fingerprint
+    # It starts over: a new pending period, not a firing one.
+    series.add("step_duration_seconds", RANK0, 106.0, 2.0)
+    assert _states(engine.evaluate(106.0, series, [])) == [("Slow", "pending")]
+
+
+def test_cooldown_keeps_a_flapping_instance_quiet() -> None:
+    text = THRESHOLD.replace("for: 10s", "for: 0s\n    cooldown: 60s")
+    engine = AlertEngine(_rules(text))
+    series = SeriesStore()
+    other = labelset(job="j", rank="1")
+
+    def feed(ts: float, value: float, labels: tuple[tuple[str, str], ...] = RANK0) -> None:
+        series.add("step_duration_seconds", labels, ts, value)
+
+    feed(100.0, 2.0)
+    assert _states(engine.evaluate(100.0, series, [])) == [("Slow", "firing")]
+    feed(101.0, 0.5)
+    assert _states(engine.evaluate(101.0, series, [])) == [("Slow", "resolved")]
+    feed(102.0, 2.0)
+    feed(102.0, 2.0, other)  # another instance is not in cooldown
+    [other_firing] = engine.evaluate(102.0, series, [])
+    assert other_firing.labels["rank"] == "1"
+    feed(160.0, 2.0)
+    assert engine.evaluate(160.0, series, []) == []  # 59 s after resolving
+    feed(161.0, 2.0)
+    [again] = engine.evaluate(161.0, series, [])
+    assert (again.state, again.labels["rank"]) == ("firing", "0")
+
+
+def test_aggregate_mean_by_job() -> None:
+    rules = _rules(
+        """
+rules:
+  - name: Comm
+    kind: threshold
+    metric: communication_time_ratio
+    op: ">"
+    value: 0.4
+    aggregate: mean
+    by: [job]
+"""
+    )
+    engine = AlertEngine(rules)
+    series = SeriesStore()
+    # A NaN is left out of the mean (else job a's mean would be NaN and never fire).
+    for job, values in (("a", [0.3, 0.6, 0.6, math.nan]), ("b", [0.3, 0.3, 0.5])):
+        for rank, value in enumerate(values):
+            series.add("communication_time_ratio", labelset(job=job, rank=str(rank)), 1.0, value)
+    [firing] = engine.evaluate(1.0, series, [])
+    assert firing.labels == {"alertname": "Comm", "severity": "warning", "job": "a"}
+    assert firing.value == pytest.approx(0.5)
+    assert firing.annotations["summary"] == (
+        "Comm: communication_time_ratio is 0.5 (> 0.4) on job=a"
+    )
+
+
+@pytest.mark.parametrize(("aggregate", "fires"), [("max", True), ("min", False), ("sum", True)])
+def test_other_aggregates(aggregate: str, fires: bool) -> None:
+    rules = _rules(
+        f"""
+rules:
+  - name: Comm
+    kind: threshold
+    metric: communication_time_ratio
+    op: ">"
+    value: 0.5
+    aggregate: {aggregate}
+"""
+    )
+    series = SeriesStore()
+    for rank, value in enumerate([0.2, 0.6]):
+        series.add("communication_time_ratio", labelset(job="j", rank=str(rank)), 1.0, value)
+    alerts = AlertEngine(rules).evaluate(1.0, series, [])
+    assert bool(alerts) is fires
+    if fires:
+        assert alerts[0].labels == {"alertname": "Comm", "severity": "warning"}
+
+
+def test_matchers_and_staleness() -> None:
+    rules = _rules(
+        """
+rules:
+  - name: Busy
+    kind: threshold
+    metric: cpu_utilization_ratio
+    op: ">"
+    value: 0.9
+    matchers: {node: n1}
+"""
+    )
+    engine = AlertEngine(rules, stale_after_s=60.0)
+    series = SeriesStore()
+    series.add("cpu_utilization_ratio", labelset(node="n1"), 100.0, 0.95)
+    series.add("cpu_utilization_ratio", labelset(node="n2"), 100.0, 0.95)
+    [firing] = engine.evaluate(100.0, series, [])
+    assert firing.labels["node"] == "n1"
+    # The node stops reporting: its last value must not hold the alert forever.
+    assert engine.evaluate(160.0, series, []) == []
+    [resolved] = engine.evaluate(160.5, series, [])
+    assert resolved.state == "resolved"
+
+
+def test_nonfinite_loss_fires_with_no_value_in_the_record() -> None:
+    engine = AlertEngine(default_rules())
+    series = SeriesStore()
+    series.add("loss", RANK0, 10.0, 2.5)
+    series.add("loss", labelset(job="j", rank="1"), 10.0, 2.5)
+    assert engine.evaluate(10.0, series, []) == []
+    series.add("loss", RANK0, 11.0, math.nan)
+    [firing] = engine.evaluate(11.0, series, [])
+    assert (firing.rule, firing.state, firing.severity) == ("Non-finite Loss", "firing", "critical")
+    assert firing.value is None
+    assert firing.annotations["summary"] == "Loss of job j rank 0 is nan: training diverged"
+    series.add("loss", RANK0, 12.0, math.inf)
+    assert engine.evaluate(12.0, series, []) == []
+
+
+def test_finding_rules_take_labels_value_and_texts_from_the_finding() -> None:
+    engine = AlertEngine(default_rules())
+    series = SeriesStore()
+    straggler = Finding(
+        kind="straggler",
+        labels={"job": "j", "rank": "3"},
+        value=0.8,
+        score=6.0,
+        summary="rank 3 of job j computes 60% slower than its peers",
+        since_unix_s=95.0,
+        recommendation="check rank 3's host",
+    )
+    step_anomaly = Finding(
+        kind="anomaly",
+        labels={"job": "j", "metric": "step_duration_seconds"},
+        value=1.2,
+        score=4.0,
+        summary="job j steps take 1.2 s, usually 0.5 s",
+        since_unix_s=99.0,
+    )
+    throughput_anomaly = Finding(
+        kind="anomaly",
+        labels={"job": "j", "metric": "throughput_samples_per_second"},
+        value=1.0,
+        score=4.0,
+        summary="no default rule for this one",
+        since_unix_s=99.0,
+    )
+    alerts = engine.evaluate(100.0, series, [straggler, step_anomaly, throughput_anomaly])
+    assert _states(alerts) == [("Step Time Anomaly", "firing"), ("Straggler", "firing")]
+    anomaly, slow = alerts
+    assert anomaly.labels == {
+        "alertname": "Step Time Anomaly",
+        "severity": "warning",
+        "job": "j",
+        "metric": "step_duration_seconds",
+    }
+    assert anomaly.rank is None
+    assert anomaly.annotations == {"summary": "job j steps take 1.2 s, usually 0.5 s"}
+    assert (slow.value, slow.rank, slow.severity) == (0.8, "3", "high")
+    assert slow.annotations == {
+        "summary": "rank 3 of job j computes 60% slower than its peers",
+        "recommendation": "check rank 3's host",
+    }
+    assert engine.evaluate(101.0, series, [straggler, step_anomaly]) == []
+    [resolved] = engine.evaluate(102.0, series, [step_anomaly])
+    assert (resolved.rule, resolved.state) == ("Straggler", "resolved")
+
+
+def test_finding_rule_for_counts_from_when_the_finding_began() -> None:
+    rules = _rules(
+        """
+rules:
+  - name: Stuck
+    kind: hang
+    for: 30s
+    severity: critical
+    matchers: {job: j}
+    annotations:
+      summary: "rank {rank} of {job} stuck in {op} ({pg}) for {value:.0f} s"
+"""
+    )
+    engine = AlertEngine(rules)
+    hang = Finding(
+        kind="hang",
+        labels={"job": "j", "rank": "1", "op": "all_reduce", "pg": "0"},
+        value=12.0,
+        score=12.0,
+        summary="rank 1 has not joined all_reduce #41",
+        since_unix_s=88.0,
+    )
+    other_job = Finding(
+        kind="hang",
+        labels={"job": "k", "rank": "1", "op": "all_reduce", "pg": "0"},
+        value=12.0,
+        score=12.0,
+        summary="",
+        since_unix_s=88.0,
+    )
+    [pending] = engine.evaluate(100.0, SeriesStore(), [hang, other_job])
+    assert (pending.state, pending.starts_at_unix_s) == ("pending", 88.0)
+    assert pending.annotations["summary"] == "rank 1 of j stuck in all_reduce (0) for 12 s"
+    assert engine.evaluate(117.9, SeriesStore(), [hang]) == []
+    [firing] = engine.evaluate(118.0, SeriesStore(), [hang])
+    assert firing.state == "firing"
+
+
+def test_the_default_memory_leak_rule_catches_a_leak_within_a_minute() -> None:
+    # The store holds the whole run; the engine only reads the window before `now`.
+    engine = AlertEngine(default_rules())
+    series = SeriesStore()
+    labels = labelset(job="j", rank="0", node="n")
+    fired = None
+    for now in range(0, 200):
+        if now % 2 == 0:
+            # Flat for 60 s, then leaking 20 MB/s.
+            series.add("rank_memory_rss_bytes", labels, float(now), 1e9 + 20e6 * max(0, now - 60))
+        for alert in engine.evaluate(float(now), series, []):
+            if alert.state == "firing":
+                fired = alert
+                break
+        if fired is not None:
+            break
+    assert fired is not None
+    assert fired.rule == "Memory Leak"
+    assert fired.starts_at_unix_s - 60 < 60
+    assert fired.value is not None and fired.value > 10e6
+    assert fired.labels["node"] == "n"
+    assert fired.annotations["summary"].startswith("Memory of job j rank 0 on node n grows by ")
+
+
+@pytest.mark.parametrize("jump_at_s", [10, 100])
+def test_the_default_memory_leak_rule_ignores_a_single_jump(jump_at_s: int) -> None:
+    engine = AlertEngine(default_rules())
+    series = SeriesStore()
+    labels = labelset(job="j", rank="0", node="n")
+    states = []
+    for now in range(0, 200):
+        if now % 2 == 0:
+            rss = 1e9 + (4e9 if now >= jump_at_s else 0.0) + 1e5 * (now % 3)
+            series.add("rank_memory_rss_bytes", labels, float(now), rss)
+        states.extend(_states(engine.evaluate(float(now), series, [])))
+    # The jump tilts the slope (pending) but not for as long as the rule's `for`.
+    assert ("Memory Leak", "pending") in states
+    assert ("Memory Leak", "firing") not in states
+
+
+def test_rate_needs_points_spanning_half_the_window() -> None:
+    rules = _rules(
+        """
+rules:
+  - name: Growth
+    kind: rate
+    metric: rank_memory_rss_bytes
+    op: ">"
+    value: 1.0
+    window: 20s
+"""
+    )
+    engine = AlertEngine(rules)
+    series = SeriesStore()
+    labels = labelset(job="j", rank="0", node="n")
+    for ts in range(0, 9):
+        series.add("rank_memory_rss_bytes", labels, float(ts), 100.0 * ts)
+    assert engine.evaluate(9.0, series, []) == []  # 8 s of points, needs 10 s
+    series.add("rank_memory_rss_bytes", labels, 10.0, 1000.0)
+    [firing] = engine.evaluate(10.0, series, [])
+    assert firing.value == pytest.approx(100.0)
+
+
+def test_absent_fires_for_a_silent_series_and_resolves_when_it_returns() -> None:
+    rules = _rules(
+        """
+rules:
+  - name: Silent
+    kind: absent
+    metric: step_duration_seconds
+    for: 60s
+"""
+    )
+    engine = AlertEngine(rules)
+    series = SeriesStore()
+    series.add("step_duration_seconds", RANK0, 100.0, 0.5)
+    series.add("step_duration_seconds", labelset(job="j", rank="1"), 150.0, 0.5)
+    assert engine.evaluate(159.0, series, []) == []
+    [firing] = engine.evaluate(160.0, series, [])
+    assert (firing.state, firing.labels["rank"], firing.starts_at_unix_s) == ("firing", "0", 160.0)
+    assert firing.value == 60.0
+    assert firing.annotations["summary"] == (
+        "Silent: no step_duration_seconds sample for 60 s on job=j, rank=0"
+    )
+    series.add("step_duration_seconds", RANK0, 170.0, 0.5)
+    [resolved] = engine.evaluate(170.0, series, [])
+    assert resolved.state == "resolved"
+    # A finished job is forgotten: its silence is not an alert.
+    series.forget({"job": "j"})
+    assert engine.evaluate(1000.0, series, []) == []
+
+
+def test_restore_resumes_firing_and_pending_instances() -> None:
+    rules = _rules(THRESHOLD)
+    first = AlertEngine(rules)
+    series = SeriesStore()
+    other = labelset(job="j", rank="1")
+    series.add("step_duration_seconds", RANK0, 100.0, 2.0)
+    first.evaluate(100.0, series, [])
+    series.add("step_duration_seconds", RANK0, 110.0, 2.0)
+    series.add("step_duration_seconds", other, 110.0, 2.0)
+    first.evaluate(110.0, series, [])
+    stored = first.active()
+    assert sorted(_states(stored)) == [("Slow", "firing"), ("Slow", "pending")]
+
+    second = AlertEngine(rules)
+    second.restore(stored)
+    assert sorted(a.fingerprint for a in second.active()) == sorted(a.fingerprint for a in stored)
+    series.add("step_duration_seconds", RANK0, 115.0, 2.0)
+    series.add("step_duration_seconds", other, 115.0, 2.0)
+    assert second.evaluate(115.0, series, []) == []  # no duplicate firing, no new pending
+    series.add("step_duration_seconds", other, 120.0, 2.0)
+    series.add("step_duration_seconds", RANK0, 120.0, 0.5)
+    alerts = second.evaluate(120.0, series, [])
+    by_rank = {alert.labels["rank"]: alert for alert in alerts}
+    assert by_rank["1"].state == "firing"  # 10 s after its restored pending start
+    assert by_rank["0"].state == "resolved"
+    assert by_rank["0"].starts_at_unix_s == 110.0
+    assert by_rank["0"].fingerprint == fingerprint("Slow", by_rank["0"].labels)
+
+
+def test_restore_of_a_resolved_alert_restores_its_cooldown() -> None:
+    rules = _rules(THRESHOLD.replace("for: 10s", "for: 0s\n    cooldown: 60s"))
+    labels = {"alertname": "Slow", "severity": "high", "job": "j", "rank": "0", "team": "ml"}
+    resolved = Alert(
+        rule="Slow",
+        state="resolved",
+        severity="high",
+        labels=labels,
+        annotations={},
+        value=2.0,
+        starts_at_unix_s=50.0,
+        ends_at_unix_s=90.0,
+    )
+    engine = AlertEngine(rules)
+    engine.restore([resolved])
+    series = SeriesStore()
+    series.add("step_duration_seconds", RANK0, 100.0, 2.0)
+    assert engine.evaluate(100.0, series, []) == []
+    series.add("step_duration_seconds", RANK0, 150.0, 2.0)
+    assert _states(engine.evaluate(150.0, series, [])) == [("Slow", "firing")]
+
+
+def test_restored_alerts_of_removed_rules_resolve_at_the_next_evaluation() -> None:
+    gone_firing = Alert(
+        rule="Removed",
+        state="firing",
+        severity="warning",
+        labels={"alertname": "Removed", "severity": "warning", "job": "j"},
+        annotations={"summary": "s"},
+        value=1.0,
+        starts_at_unix_s=10.0,
+        actions=("notify",),
+    )
+    gone_pending = Alert(
+        rule="Removed",
+        state="pending",
+        severity="warning",
+        labels={"alertname": "Removed", "severity": "warning", "job": "k"},
+        annotations={},
+        value=None,
+        starts_at_unix_s=10.0,
+    )
+    engine = AlertEngine(_rules(THRESHOLD))
+    engine.restore([gone_firing, gone_pending])
+    alerts = engine.evaluate(20.0, SeriesStore(), [])
+    assert [(a.fingerprint, a.state, a.actions, a.ends_at_unix_s) for a in alerts] == [
+        (gone_firing.fingerprint, "resolved", ("notify",), 20.0),
+        (gone_pending.fingerprint, "resolved", (), 20.0),
+    ]
+    assert engine.evaluate(21.0, SeriesStore(), []) == []
+
+
+def test_evaluation_is_deterministic() -> None:
+    def run() -> list[Alert]:
+        engine = AlertEngine(default_rules())
+        series = SeriesStore()
+        out: list[Alert] = []
+        for now in range(0, 200, 5):
+            for rank in range(8):
+                labels = labelset(job="j", rank=str(rank))
+                series.add("communication_time_ratio", labels, float(now), 0.3 + 0.05 * rank)
+                series.add("loss", labels, float(now), math.nan if rank == now % 8 else 1.0)
+            out.extend(engine.evaluate(float(now), series, []))
+        return out
+
+    first = run()
+    assert first == run()
+    assert {alert.rule for alert in first} == {"High Communication Overhead", "Non-finite Loss"}
+
+
+def test_stale_after_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="stale_after_s"):
+        AlertEngine(default_rules(), stale_after_s=0.0)
+
+
+def test_evaluating_thousands_of_series_is_cheap() -> None:
+    engine = AlertEngine(default_rules())
+    series = SeriesStore()
+    metrics = ["communication_time_ratio", "loss", "step_duration_seconds"]
+    for rank in range(1000):
+        node = f"n{rank // 8}"
+        for ts in range(0, 60, 2):
+            for metric in metrics:
+                series.add(metric, labelset(job=f"j{rank % 4}", rank=str(rank)), float(ts), 0.3)
+            series.add(
+                "rank_memory_rss_bytes",
+                labelset(job=f"j{rank % 4}", rank=str(rank), node=node),
+                float(ts),
+                1e9,
+            )
+    engine.evaluate(60.0, series, [])
+    started = time.process_time()
+    for now in range(61, 66):
+        engine.evaluate(float(now), series, [])
+    per_evaluation_s = (time.process_time() - started) / 5
+    assert series.series_count() == 4000
+    assert per_evaluation_s < 0.1, f"{per_evaluation_s:.3f} s of CPU per evaluation"

@@ -1,0 +1,258 @@
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.hang import HangDetector
+from torshmon.wire import InflightOp
+
+DATA = Path(__file__).parent / "data" / "detection"
+NOW = 1000.0
+
+
+def _op(
+    seq: int, age_s: float, *, op: str = "all_reduce", pg: str = "default", peer: int | None = None
+) -> InflightOp:
+    return InflightOp(
+        pg=pg,
+        seq=seq,
+        op=op,
+        size_bytes=4096,
+        start_unix_ns=int((NOW - age_s) * 1e9),
+        age_s=age_s,
+        peer=peer,
+    )
+
+
+def _detector(world: int | None = 4, timeout_s: float = 5.0) -> HangDetector:
+    det = HangDetector(timeout_s=timeout_s)
+    if world is not None:
+        det.set_world("demo", world)
+    return det
+
+
+def _by_rank(findings: list[Finding]) -> dict[str | None, Finding]:
+    return {f.labels.get("rank"): f for f in findings}
+
+
+@pytest.mark.parametrize("path", sorted(DATA.glob("hang_*.json")), ids=lambda p: p.stem)
+def test_golden_scenarios(path: Path) -> None:
+    scenario: dict[str, Any] = json.loads(path.read_text())
+    det = HangDetector(timeout_s=scenario["timeout_s"])
+    det.set_world("demo", scenario["world_size"])
+    for report in scenario["reports"]:
+        inflight = msgspec.convert(report["inflight"], list[InflightOp])
+        det.observe("demo", report["rank"], report["ts_unix_s"], inflight)
+    findings = det.evaluate(scenario["now_unix_s"])
+    got: list[dict[str, Any]] = sorted(
+        (
+            {
+                "labels": dict(f.labels),
+                "reason": f.details["reason"],
+                "waiting_ranks": f.details["waiting_ranks"],
+                "seq": f.details["seq"],
+                "summary": f.summary,
+            }
+            for f in findings
+        ),
+        key=lambda d: sorted(d["labels"].items()),
+    )
+    expected = sorted(scenario["expected"], key=lambda d: sorted(d["labels"].items()))
+    assert got == expected
+    assert all(f.kind == "hang" and f.severity == "critical" and f.recommendation for f in findings)
+
+
+def test_the_missing_rank_is_named_with_op_seq_and_age() -> None:
+    det = _detector()
+    for rank in (0, 2, 3):
+        det.observe("demo", rank, NOW - 0.2, [_op(1234, 7.0)])
+    det.observe("demo", 1, NOW - 0.1, [])
+    (finding,) = det.evaluate(NOW)
+    assert dict(finding.labels) == {"job": "demo", "rank": "1", "op": "all_reduce", "pg": "default"}
+    assert finding.value == pytest.approx(7.2)
+    assert finding.score == pytest.approx(7.2 / 5.0)
+    assert finding.since_unix_s == pytest.approx(NOW - 7.2 + 5.0)
+    assert finding.details["waiting_ranks"] == [0, 2, 3]
+    assert finding.details["seq"] == 1234
+    assert finding.details["age_s"] == pytest.approx(7.2)
+    assert "rank 1" in finding.recommendation.lower()
+
+
+def test_nothing_before_the_timeout() -> None:
+    det = _detector()
+    for rank in (0, 2, 3):
+        det.observe("demo", rank, NOW, [_op(1234, 4.9)])
+    det.observe("demo", 1, NOW, [])
+    assert det.evaluate(NOW) == []
+    # the age grows with the time since the report
+    assert len(det.evaluate(NOW + 0.2)) == 1
+
+
+def test_it_clears_once_the_collective_completes() -> None:
+    det = _detector(world=2)
+    det.observe("demo", 0, NOW, [_op(10, 6.0)])
+    det.observe("demo", 1, NOW, [])
+    assert len(det.evaluate(NOW)) == 1
+    det.observe("demo", 0, NOW + 0.5, [])
+    assert det.evaluate(NOW + 0.5) == []
+
+
+def test_since_is_stable_across_evaluations() -> None:
+    det = _detector(world=2)
+    det.observe("demo", 1, NOW, [])
+    det.observe("demo", 0, NOW, [_op(10, 6.0)])
+    first = det.evaluate(NOW)[0].since_unix_s
+    # the next heartbeat's age is a little off (it is measured on the rank)
+    det.observe("demo", 0, NOW + 1.0, [_op(10, 6.93)])
+    det.observe("demo", 1, NOW + 1.0, [])
+    (later,) = det.evaluate(NOW + 1.0)
+    assert later.since_unix_s == first
+    assert later.value == pytest.approx(6.93)
+
+
+def test_a_rank_that_never_reported_is_missing_once_the_world_is_known() -> None:
+    det = _detector(world=3)
+    det.observe("demo", 0, NOW, [_op(3, 8.0)])
+    det.observe("demo", 1, NOW, [_op(3, 8.0)])
+    (finding,) = det.evaluate(NOW)
+    assert finding.labels["rank"] == "2"
+    assert finding.details["reason"] == "no_report"
+    assert finding.summary.startswith("rank 2 of job demo has not reported and never joined")
+
+
+def test_without_a_world_size_members_are_the_ranks_seen() -> None:
+    det = _detector(world=None)
+    det.observe("demo", 0, NOW, [_op(3, 8.0)])
+    det.observe("demo", 1, NOW, [_op(3, 8.0)])
+    # nobody else is known: both joined, so the collective itself is stuck
+    (finding,) = det.evaluate(NOW)
+    assert "rank" not in finding.labels
+    det.observe("demo", 2, NOW, [])
+    (finding,) = det.evaluate(NOW)
+    assert finding.labels["rank"] == "2"
+
+
+def test_a_silent_waiting_rank_is_no_evidence_of_a_hang() -> None:
+    det = _detector(world=2)
+    # rank 0 said it was in a collective, then went silent; rank 1 is busy computing
+    det.observe("demo", 0, NOW - 9.0, [_op(10, 0.5)])
+    det.observe("demo", 1, NOW - 0.2, [])
+    assert det.evaluate(NOW) == []
+
+
+def test_everyone_stuck_is_one_job_level_finding_only_once_the_last_rank_waited_long() -> None:
+    det = _detector(world=3)
+    det.observe("demo", 0, NOW, [_op(9, 12.0)])
+    det.observe("demo", 1, NOW, [_op(9, 11.0)])
+    det.observe("demo", 2, NOW, [_op(9, 1.0)])  # joined a second ago
+    assert det.evaluate(NOW) == []
+    (finding,) = det.evaluate(NOW + 4.5)
+    assert dict(finding.labels) == {"job": "demo", "op": "all_reduce", "pg": "default"}
+    assert finding.details["reason"] == "all_stuck"
+    assert finding.value == pytest.approx(16.5)
+    assert finding.since_unix_s == pytest.approx(NOW + 4.0)
+    assert "network" in finding.recommendation
+
+
+def test_a_subgroup_only_compares_its_members() -> None:
+    det = _detector(world=4)
+    # earlier reports showed ranks 0 and 1 on group "1" (a two-rank subgroup)
+    det.observe("demo", 0, NOW - 3.0, [_op(1, 0.1, pg="1")])
+    det.observe("demo", 1, NOW - 3.0, [_op(1, 0.1, pg="1")])
+    det.observe("demo", 0, NOW, [_op(2, 6.0, pg="1", op="all_gather")])
+    det.observe("demo", 1, NOW, [])
+    det.observe("demo", 2, NOW, [])
+    det.observe("demo", 3, NOW, [])
+    (finding,) = det.evaluate(NOW)
+    assert dict(finding.labels) == {"job": "demo", "rank": "1", "op": "all_gather", "pg": "1"}
+    assert finding.summary == (
+        "rank 1 of job demo never joined all_gather #2 on pg 1 that rank 0 entered 6.0 s ago"
+    )
+
+
+def test_a_rank_on_a_newer_seq_skipped_the_collective() -> None:
+    det = _detector(world=3)
+    det.observe("demo", 0, NOW, [_op(5, 7.0)])
+    det.observe("demo", 1, NOW, [_op(5, 7.0)])
+    det.observe("demo", 2, NOW, [_op(6, 6.5, op="broadcast")])
+    (finding,) = det.evaluate(NOW)
+    assert finding.labels["rank"] == "2"
+    assert finding.details["reason"] == "never_joined"
+    assert finding.details["seq"] == 5
+
+
+def test_point_to_point_is_judged_only_between_the_two_ranks() -> None:
+    det = _detector(world=3)
+    det.observe("demo", 0, NOW, [_op(4, 6.0, op="send", peer=1)])
+    det.observe("demo", 1, NOW, [_op(3, 9.0, op="recv", peer=0)])  # still on an older recv
+    det.observe("demo", 2, NOW, [])  # not involved: never named
+    by_rank = _by_rank(det.evaluate(NOW))
+    assert set(by_rank) == {"1", "0"}
+    assert by_rank["1"].details["reason"] == "stuck_in_older_op"
+    assert by_rank["1"].labels["op"] == "send"
+    # rank 1's recv #3 is, from its side, waiting on rank 0 which moved on
+    assert by_rank["0"].details["reason"] == "never_joined"
+    assert by_rank["0"].details["waiting_ranks"] == [1]
+
+
+def test_it_accepts_any_object_with_the_inflight_fields() -> None:
+    @dataclass(frozen=True)
+    class Op:
+        pg: str
+        seq: int
+        op: str
+        start_unix_ns: int
+        age_s: float
+        peer: int | None = None
+
+    det = _detector(world=2)
+    det.observe("demo", 0, NOW, [Op("default", 2, "barrier", 0, 6.0)])
+    det.observe("demo", 1, NOW, ())
+    (finding,) = det.evaluate(NOW)
+    assert finding.labels["op"] == "barrier"
+
+
+def test_an_older_report_does_not_replace_a_newer_one() -> None:
+    det = _detector(world=2)
+    det.observe("demo", 0, NOW, [_op(1, 6.0)])
+    det.observe("demo", 1, NOW, [])
+    det.observe("demo", 0, NOW - 2.0, [])  # a late duplicate of an earlier batch
+    assert len(det.evaluate(NOW)) == 1
+
+
+def test_jobs_are_independent_and_forget_drops_one() -> None:
+    det = _detector(world=2)
+    det.set_world("other", 2)
+    for job in ("demo", "other"):
+        det.observe(job, 0, NOW, [_op(1, 6.0)])
+        det.observe(job, 1, NOW, [])
+    assert [f.labels["job"] for f in det.evaluate(NOW)] == ["demo", "other"]
+    det.forget("demo")
+    assert [f.labels["job"] for f in det.evaluate(NOW)] == ["other"]
+
+
+def test_a_smaller_world_drops_reports_of_ranks_outside_it() -> None:
+    det = _detector(world=4)
+    det.observe("demo", 3, NOW, [_op(1, 9.0)])
+    det.set_world("demo", 2)
+    det.observe("demo", 0, NOW, [])
+    det.observe("demo", 1, NOW, [])
+    assert det.evaluate(NOW) == []
+
+
+def test_bad_input_is_rejected_by_name() -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        HangDetector(timeout_s=0)
+    det = _detector(world=2)
+    with pytest.raises(ValueError, match="world_size"):
+        det.set_world("demo", 0)
+    with pytest.raises(ValueError, match=r"rank of job 'demo' must be in 0\.\.1, got 2"):
+        det.observe("demo", 2, NOW, [])
+    with pytest.raises(ValueError, match="rank"):
+        HangDetector().observe("demo", -1, NOW, [])

@@ -1,0 +1,219 @@
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torshmon.aggregator.straggler import CompleteStep, StepCollector, StragglerDetector
+
+DATA = Path(__file__).parent / "data" / "detection"
+
+
+def _steps(
+    det: StragglerDetector, rows: list[list[float]], *, job: str = "demo"
+) -> list[list[int]]:
+    """Feed one row per step (index = rank); the active ranks after each step."""
+    out = []
+    for i, row in enumerate(rows):
+        findings = det.observe_step(job, i, dict(enumerate(row)), 1000.0 + i)
+        out.append([int(f.labels["rank"]) for f in findings])
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(DATA.glob("straggler_*.json")), ids=lambda p: p.stem)
+def test_golden_scenarios(path: Path) -> None:
+    scenario: dict[str, Any] = json.loads(path.read_text())
+    det = StragglerDetector(**scenario["detector"])
+    assert _steps(det, scenario["steps"]) == scenario["expected_active_ranks"]
+
+
+def test_a_slow_rank_is_named_with_its_slowdown() -> None:
+    det = StragglerDetector()
+    row = [0.150] * 8
+    row[3] = 0.213
+    assert det.observe_step("demo", 10, dict(enumerate(row)), 1000.0) == []
+    assert det.observe_step("demo", 11, dict(enumerate(row)), 1001.0) == []
+    (finding,) = det.observe_step("demo", 12, dict(enumerate(row)), 1002.0)
+    assert finding.kind == "straggler"
+    assert dict(finding.labels) == {"job": "demo", "rank": "3"}
+    assert finding.summary == (
+        "rank 3 of job demo computes 1.42x slower than the median of its peers (0.213 s vs 0.150 s)"
+    )
+    assert finding.severity == "high"
+    assert finding.since_unix_s == 1000.0
+    assert finding.value == 0.213
+    # MAD is 0: the floor (1 % of the median) scales the robust z
+    assert finding.score == pytest.approx(0.6745 * 0.063 / 0.0015)
+    assert finding.details["slowdown_ratio"] == pytest.approx(0.213 / 0.150)
+    assert finding.details["median_s"] == pytest.approx(0.150)
+    assert finding.details["mad_s"] == 0.0
+    assert finding.details["method"] == "robust_z"
+    assert finding.details["chronic"] is False
+    assert "throttling" in finding.recommendation
+    assert det.active() == [finding]
+
+
+def test_a_large_z_alone_is_not_enough_without_the_minimum_slowdown() -> None:
+    det = StragglerDetector(persistence=1)
+    row = [0.150] * 8
+    row[2] = 0.150 * 1.08  # robust z ~5.4 with the MAD floor, but only an 8 % shift
+    assert det.observe_step("demo", 1, dict(enumerate(row)), 1.0) == []
+    row[2] = 0.150 * 1.11
+    assert [f.labels["rank"] for f in det.observe_step("demo", 2, dict(enumerate(row)), 2.0)] == [
+        "2"
+    ]
+
+
+def test_a_fast_rank_is_never_a_straggler() -> None:
+    det = StragglerDetector(persistence=1)
+    row = [0.150] * 8
+    row[0] = 0.05
+    assert _steps(det, [row] * 5) == [[]] * 5
+
+
+def test_two_slow_ranks_are_both_named() -> None:
+    det = StragglerDetector(persistence=2)
+    row = [0.100] * 16
+    row[4] = 0.150
+    row[9] = 0.180
+    assert _steps(det, [row] * 3) == [[], [4, 9], [4, 9]]
+
+
+def test_persistence_interrupted_starts_over() -> None:
+    det = StragglerDetector(persistence=3)
+    slow = [0.1, 0.1, 0.1, 0.2]
+    normal = [0.1] * 4
+    rows = [slow, slow, normal, slow, slow, slow]
+    assert _steps(det, rows) == [[], [], [], [], [], [3]]
+    assert det.active()[0].since_unix_s == 1003.0
+
+
+def test_world_size_two_uses_the_higher_pair_bar() -> None:
+    det = StragglerDetector(persistence=1)
+    assert det.observe_step("demo", 1, {0: 0.100, 1: 0.115}, 1.0) == []
+    (finding,) = det.observe_step("demo", 2, {0: 0.100, 1: 0.125}, 2.0)
+    assert finding.labels["rank"] == "1"
+    assert finding.score == pytest.approx(1.25)
+    assert finding.details["method"] == "pair"
+    assert finding.details["mad_s"] is None
+    assert finding.summary == (
+        "rank 1 of job demo computes 1.25x slower than its peer (0.125 s vs 0.100 s)"
+    )
+
+
+def test_a_single_rank_and_unusable_values_change_nothing() -> None:
+    det = StragglerDetector(persistence=1)
+    assert det.observe_step("demo", 1, {0: 0.5}, 1.0) == []
+    assert det.observe_step("demo", 2, {0: 0.1, 1: math.nan, 2: -1.0}, 2.0) == []
+    # the non-finite and negative ranks are left out; the rest is still judged
+    row = {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.3, 4: math.inf}
+    assert [f.labels["rank"] for f in det.observe_step("demo", 3, row, 3.0)] == ["3"]
+
+
+def test_a_permanently_slower_rank_stays_reported_and_turns_chronic() -> None:
+    det = StragglerDetector(persistence=2, window_steps=5)
+    row = [0.1, 0.1, 0.1, 0.14]
+    findings = [det.observe_step("demo", i, dict(enumerate(row)), float(i)) for i in range(8)]
+    assert findings[0] == []
+    assert all(len(f) == 1 for f in findings[1:])
+    assert [f[0].details["chronic"] for f in findings[1:]] == [False] * 3 + [True] * 4
+    assert "rebalance" in findings[-1][0].recommendation
+    assert findings[-1][0].since_unix_s == 0.0
+
+
+def test_jobs_are_independent_and_forget_drops_one() -> None:
+    det = StragglerDetector(persistence=1)
+    row = {0: 0.1, 1: 0.1, 2: 0.3}
+    det.observe_step("a", 1, row, 1.0)
+    det.observe_step("b", 1, row, 1.0)
+    assert [f.labels["job"] for f in det.active()] == ["a", "b"]
+    det.forget("a")
+    assert [f.labels["job"] for f in det.active()] == ["b"]
+    det.forget("unknown")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"z_threshold": 0}, "z_threshold"),
+        ({"min_slowdown": -0.1}, "min_slowdown"),
+        ({"pair_min_slowdown": math.nan}, "pair_min_slowdown"),
+        ({"mad_floor_ratio": 0}, "mad_floor_ratio"),
+        ({"persistence": 0}, "persistence"),
+        ({"window_steps": 2, "persistence": 3}, "window_steps"),
+    ],
+)
+def test_bad_settings_are_rejected_by_name(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StragglerDetector(**kwargs)
+
+
+# -- StepCollector ------------------------------------------------------------------------
+
+
+def test_collector_emits_a_step_once_every_rank_reported() -> None:
+    col = StepCollector(3)
+    assert col.add("demo", 5, 0, 0.1, 10.0) is None
+    assert col.add("demo", 5, 2, 0.3, 10.2) is None
+    assert col.add("demo", 5, 0, 0.11, 10.3) is None  # a repeat replaces the value
+    done = col.add("demo", 5, 1, 0.2, 10.4)
+    assert done == CompleteStep("demo", 5, {0: 0.11, 2: 0.3, 1: 0.2}, 10.4)
+    assert col.pending_steps("demo") == 0
+
+
+def test_collector_evicts_steps_that_can_no_longer_complete() -> None:
+    col = StepCollector(2)
+    for step in range(1, 6):
+        col.add("demo", step, 0, 0.1, float(step))
+    # rank 1 dropped steps 1 and 2; once its step 3 arrives they cannot complete
+    assert col.add("demo", 3, 1, 0.1, 3.5) is not None
+    assert col.pending_steps("demo") == 2  # steps 4 and 5 wait for rank 1
+    assert col.add("demo", 4, 1, 0.1, 4.5) is not None
+    assert col.pending_steps("demo") == 1
+
+
+def test_collector_bounds_pending_steps_of_a_silent_rank() -> None:
+    col = StepCollector(2, max_pending_steps=4)
+    for step in range(100):
+        col.add("demo", step, 0, 0.1, float(step))
+    assert col.pending_steps("demo") == 4
+    assert col.add("demo", 97, 1, 0.1, 200.0) is not None
+    assert col.add("demo", 10, 1, 0.1, 201.0) is None  # long evicted: starts a new entry
+
+
+def test_collector_keeps_jobs_apart_and_validates_ranks() -> None:
+    col = StepCollector(2)
+    col.add("a", 1, 0, 0.1, 1.0)
+    assert col.add("b", 1, 1, 0.1, 1.0) is None
+    assert col.add("a", 1, 1, 0.1, 1.0) is not None
+    col.add("b", 2, 0, 0.1, 1.0)
+    col.forget("b")
+    assert col.pending_steps("b") == 0
+    assert col.world_size == 2
+    with pytest.raises(ValueError, match=r"rank must be in 0\.\.1, got 2"):
+        col.add("a", 1, 2, 0.1, 1.0)
+    with pytest.raises(ValueError, match="world_size"):
+        StepCollector(0)
+    with pytest.raises(ValueError, match="max_pending_steps"):
+        StepCollector(2, max_pending_steps=0)
+
+
+def test_collector_feeds_the_detector_end_to_end() -> None:
+    world = 4
+    col = StepCollector(world)
+    det = StragglerDetector()
+    found = []
+    # ranks report in different orders and batches, as agents deliver them
+    for step in range(6):
+        for rank in (2, 0, 3, 1) if step % 2 else (1, 3, 0, 2):
+            compute = 0.3 if rank == 2 else 0.1
+            done = col.add("demo", step, rank, compute, 100.0 + step)
+            if done is not None:
+                found = det.observe_step(
+                    done.job, done.step, done.compute_s_by_rank, done.ts_unix_s
+                )
+    assert [f.labels["rank"] for f in found] == ["2"]
+    assert found[0].details["step"] == 5

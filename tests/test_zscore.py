@@ -1,0 +1,224 @@
+from __future__ import annotations
+
+import math
+import random
+import re
+import statistics
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.zscore import RollingStats, ZScoreDetector
+
+LABELS = {"job": "demo", "rank": "1"}
+
+
+def _feed(
+    det: ZScoreDetector, values: list[float], *, labels: dict[str, str] | None = None
+) -> list[Finding | None]:
+    lab = LABELS if labels is None else labels
+    return [det.observe(lab, 100.0 + i, v) for i, v in enumerate(values)]
+
+
+def _baseline(n: int = 20) -> list[float]:
+    # mean 0.2, sample std ~0.00103: a realistic, slightly noisy step time
+    return [0.199 if i % 2 else 0.201 for i in range(n)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    window=st.integers(min_value=2, max_value=12),
+    values=st.lists(
+        st.floats(min_value=-1e3, max_value=1e3, allow_nan=False), min_size=1, max_size=80
+    ),
+)
+def test_rolling_stats_match_a_brute_force_window(window: int, values: list[float]) -> None:
+    stats = RollingStats(window)
+    for i, v in enumerate(values):
+        stats.add(v)
+        tail = values[max(0, i + 1 - window) : i + 1]
+        assert len(stats) == len(tail)
+        # Removing a value cancels digits: the error scales with the data's magnitude.
+        scale = 1e-7 * (1.0 + max(abs(v) for v in tail))
+        assert stats.mean == pytest.approx(statistics.fmean(tail), rel=1e-9, abs=scale)
+        expected_std = statistics.stdev(tail) if len(tail) > 1 else 0.0
+        # The std is the square root of a sum that cancelled: its error is about the
+        # square root of the sum's, so it gets a looser absolute bound.
+        assert stats.std == pytest.approx(expected_std, rel=1e-6, abs=10 * scale)
+
+
+def test_rolling_stats_stay_accurate_over_many_evictions_at_a_large_offset() -> None:
+    rng = random.Random(7)
+    stats = RollingStats(100)
+    values = [1e6 + rng.gauss(0.0, 0.01) for _ in range(20_000)]
+    for v in values:
+        stats.add(v)
+    tail = values[-100:]
+    assert stats.mean == pytest.approx(statistics.fmean(tail), rel=1e-12)
+    assert stats.std == pytest.approx(statistics.stdev(tail), rel=1e-6)
+
+
+def test_no_finding_before_min_samples() -> None:
+    det = ZScoreDetector(min_samples=10, persistence=1)
+    results = _feed(det, [0.2] * 9 + [5.0])
+    # the tenth value only completes the warm-up window; it is not judged
+    assert results == [None] * 10
+    assert det.observe(LABELS, 200.0, 5.0) is not None
+
+
+def test_a_sustained_spike_fires_after_persistence_and_names_the_series() -> None:
+    det = ZScoreDetector(persistence=3)
+    assert _feed(det, _baseline()) == [None] * 20
+    assert det.observe(LABELS, 200.0, 0.412) is None
+    assert det.observe(LABELS, 201.0, 0.412) is None
+    finding = det.observe(LABELS, 202.0, 0.412)
+    assert finding is not None
+    assert finding.kind == "anomaly"
+    assert dict(finding.labels) == {"job": "demo", "rank": "1", "metric": "step_duration_seconds"}
+    assert finding.severity == "warning"
+    assert finding.since_unix_s == 200.0
+    assert finding.value == 0.412
+    assert finding.score == pytest.approx((0.412 - 0.2) / statistics.stdev(_baseline()), rel=1e-6)
+    assert re.fullmatch(
+        r"step time of job demo rank 1 is 0\.412 s, \d+\.\d sigma above its mean 0\.2 s",
+        finding.summary,
+    ), finding.summary
+    assert finding.recommendation
+    assert det.active() == [finding]
+
+
+def test_summary_reports_sigma_and_mean_as_in_the_design_example() -> None:
+    det = ZScoreDetector(persistence=1, min_samples=4)
+    # mean 0.201, std 0.0514: 0.412 is 4.1 sigma above
+    for i, v in enumerate([0.138, 0.264, 0.2, 0.202]):
+        det.observe(LABELS, float(i), v)
+    finding = det.observe(LABELS, 10.0, 0.412)
+    assert finding is not None
+    assert (
+        finding.summary
+        == "step time of job demo rank 1 is 0.412 s, 4.1 sigma above its mean 0.201 s"
+    )
+
+
+def test_hysteresis_clears_only_after_persistence_in_band_samples() -> None:
+    det = ZScoreDetector(persistence=3)
+    _feed(det, _baseline())
+    for t in range(3):
+        det.observe(LABELS, 200.0 + t, 0.4)
+    active = det.active()
+    assert len(active) == 1
+    assert det.observe(LABELS, 210.0, 0.2) == active[0]
+    assert det.observe(LABELS, 211.0, 0.2) == active[0]
+    assert det.observe(LABELS, 212.0, 0.2) is None
+    assert det.active() == []
+
+
+def test_a_short_excursion_is_absorbed_into_the_baseline() -> None:
+    det = ZScoreDetector(persistence=3, std_floor_ratio=1e-3)
+    _feed(det, [1.0] * 10)
+    assert _feed(det, [2.0, 2.0, 1.0]) == [None] * 3
+    # The two 2.0 values widened the band (std ~0.39 now), so 2.0 is no anomaly any more.
+    assert [det.observe(LABELS, 300.0 + i, 2.0) for i in range(3)] == [None] * 3
+
+
+def test_an_active_anomaly_does_not_absorb_its_values_then_adapts_to_the_new_level() -> None:
+    det = ZScoreDetector(window=40, persistence=3, min_samples=10)  # adapt_after = 10
+    _feed(det, _baseline(40))
+    results = [det.observe(LABELS, 300.0 + i, 0.3) for i in range(12)]
+    # fires from the third value and keeps firing: the baseline stays at 0.2
+    assert results[:2] == [None, None]
+    assert all(r is not None and r.details["mean"] == pytest.approx(0.2) for r in results[2:9])
+    # the tenth anomalous value makes 0.3 the new normal
+    assert results[9] is None and results[10] is None and results[11] is None
+    assert det.active() == []
+    back = [det.observe(LABELS, 400.0 + i, 0.3 * 1.5) for i in range(3)]
+    assert back[2] is not None and back[2].details["mean"] == pytest.approx(0.3)
+
+
+def test_direction_up_ignores_drops_down_ignores_rises_both_sees_both() -> None:
+    drop = [0.1] * 3
+    rise = [0.4] * 3
+    for direction, flags_drop, flags_rise in (
+        ("up", False, True),
+        ("down", True, False),
+        ("both", True, True),
+    ):
+        for tail, expected in ((drop, flags_drop), (rise, flags_rise)):
+            det = ZScoreDetector(direction=direction, persistence=3)  # type: ignore[arg-type]
+            _feed(det, _baseline())
+            last = _feed(det, tail)[-1]
+            assert (last is not None) == expected, (direction, tail)
+            if last is not None and tail is drop:
+                assert "below its mean" in last.summary
+                assert last.score < 0
+
+
+def test_zero_variance_uses_the_relative_std_floor() -> None:
+    det = ZScoreDetector(persistence=1)
+    _feed(det, [1.0] * 10)
+    # 1e-7 relative noise on a constant series must not look like 1e5 sigma
+    assert det.observe(LABELS, 50.0, 1.0000001) is None
+    finding = det.observe(LABELS, 51.0, 1.01)  # 10 sigma with the 1e-3 floor
+    assert finding is not None
+    assert finding.score == pytest.approx(10.0, rel=1e-6)
+
+
+def test_non_finite_values_are_ignored() -> None:
+    det = ZScoreDetector(persistence=1)
+    _feed(det, _baseline())
+    assert det.observe(LABELS, 50.0, math.nan) is None
+    assert det.observe(LABELS, 51.0, math.inf) is None
+    active = det.observe(LABELS, 52.0, 0.5)
+    assert active is not None
+    assert det.observe(LABELS, 53.0, math.nan) == active
+
+
+def test_series_are_independent_and_forget_drops_a_job() -> None:
+    det = ZScoreDetector(persistence=1)
+    other = {"job": "other", "rank": "0"}
+    _feed(det, _baseline())
+    _feed(det, _baseline(), labels=other)
+    assert det.observe({"job": "demo", "rank": "2"}, 1.0, 0.9) is None  # new series: warm-up
+    assert det.observe(LABELS, 300.0, 0.9) is not None
+    assert det.observe(other, 300.0, 0.9) is not None
+    assert [f.labels["job"] for f in det.active()] == ["demo", "other"]
+    det.forget("demo")
+    assert [f.labels["job"] for f in det.active()] == ["other"]
+    # the forgotten series starts over with a warm-up
+    assert det.observe(LABELS, 301.0, 0.9) is None
+
+
+def test_other_metrics_get_their_name_and_unit() -> None:
+    det = ZScoreDetector(metric="torshmon_throughput_samples_per_second", direction="down")
+    _feed(det, [100.0, 102.0] * 10)
+    last = _feed(det, [50.0] * 3)[-1]
+    assert last is not None
+    assert last.labels["metric"] == "torshmon_throughput_samples_per_second"
+    assert last.summary.startswith("throughput of job demo rank 1 is 50 samples/s")
+
+
+def test_labels_without_job_are_rejected() -> None:
+    det = ZScoreDetector()
+    with pytest.raises(ValueError, match="job"):
+        det.observe({"rank": "0"}, 0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"threshold": 0.0}, "threshold"),
+        ({"threshold": math.nan}, "threshold"),
+        ({"window": 1}, "window"),
+        ({"min_samples": 2000}, "min_samples"),
+        ({"persistence": 0}, "persistence"),
+        ({"direction": "sideways"}, "direction"),
+        ({"metric": ""}, "metric"),
+        ({"adapt_after": 2}, "adapt_after"),
+        ({"std_floor_ratio": -1.0}, "std_floor_ratio"),
+    ],
+)
+def test_bad_settings_are_rejected_by_name(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ZScoreDetector(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,383 @@
+"""The alert state machine: rules over live series and findings in, transitions out.
+
+Each rule yields alert instances, one per series, ``by`` group or finding. An
+instance moves ``inactive -> pending -> firing -> resolved``:
+
+- condition true, no instance: it becomes pending (a ``pending`` transition). When
+  it has already held for the rule's ``for`` (``for: 0``, or a finding or silence
+  that began long enough ago) it goes straight to firing in the same evaluation
+  and only the ``firing`` transition is emitted.
+- pending and the condition has held for ``for``: ``firing``. A firing alert's
+  ``starts_at_unix_s`` is when it began firing (Alertmanager's ``startsAt``); a
+  pending alert's is when the condition began.
+- firing and the condition is false: ``resolved`` with ``ends_at_unix_s``, carrying
+  the rule's actions. Then, for the rule's ``cooldown``, the same instance is not
+  evaluated at all (no pending either), so a flapping condition notifies once.
+- pending and the condition is false: a ``resolved`` transition with no actions
+  (``actions == ()``). It closes the pending record in storage; notifiers and the
+  autotuner act only on the actions an alert carries, so nobody is told about an
+  alert that never fired. Cooldown does not apply. (A ``pending`` transition
+  carries the rule's actions for information only: act on firing and resolved.)
+
+A series that expires from the store (its ``retention_s``) or is forgotten (a
+finished job) is no longer seen: an ``absent`` alert on it resolves then.
+
+Metric rules ignore series whose newest point is older than ``stale_after_s``
+(a rank that stopped reporting must not hold a threshold alert forever; the
+``absent`` kind is for silence). ``Alert.value`` is never NaN or infinite (it is
+None then, e.g. for a non-finite loss) so records store and serialise cleanly;
+annotation templates still see the real value.
+
+Pure and synchronous: given the same rules, evaluation times, series and findings
+it returns the same transitions in the same order (rules in file order).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal, NamedTuple
+
+from torshmon.aggregator.alert import Alert, AlertState
+from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.rules import FINDING_KINDS, Rule, RuleSet, default_summary
+from torshmon.aggregator.series import LabelSet, SeriesStore, labelset_from
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AlertEngine"]
+
+_RESERVED: Final = frozenset({"alertname", "severity"})
+_AGGREGATE: Final[Mapping[str, Callable[[list[float]], float]]] = {
+    "mean": statistics.fmean,
+    "max": max,
+    "min": min,
+    "sum": math.fsum,
+}
+
+
+class _Hit(NamedTuple):
+    """The condition of one instance holds: with this value, since this time."""
+
+    value: float
+    since_s: float
+    finding: Finding | None
+
+
+@dataclass(slots=True)
+class _Instance:
+    """One pending or firing alert instance."""
+
+    rule: Rule
+    labels: dict[str, str]
+    state: Literal["pending", "firing"]
+    active_since_s: float
+    fired_at_s: float | None
+    value: float
+    finding: Finding | None
+    base_annotations: Mapping[str, str]
+
+
+class _Fields(dict[str, object]):
+    """Template fields; a label the instance lacks (``rank`` of a whole-job finding)
+    renders empty instead of failing."""
+
+    def __missing__(self, key: str) -> str:
+        return ""
+
+
+class AlertEngine:
+    """Evaluates a RuleSet about once a second and tracks every alert instance.
+
+    ``stale_after_s``: metric rules ignore series with no point for this long.
+    Not thread safe: one engine belongs to the aggregator's event loop.
+    Raises ValueError for a non-positive ``stale_after_s``.
+    """
+
+    def __init__(self, rules: RuleSet, *, stale_after_s: float = 300.0) -> None:
+        if not stale_after_s > 0:
+            raise ValueError(f"stale_after_s must be positive, got {stale_after_s}")
+        self.rules = rules
+        self.stale_after_s = stale_after_s
+        self._by_name = {rule.name: rule for rule in rules}
+        self._instances: dict[str, dict[LabelSet, _Instance]] = {rule.name: {} for rule in rules}
+        self._cooldown_until: dict[tuple[str, LabelSet], float] = {}
+        self._orphans: dict[str, Alert] = {}
+        self._templates = {rule.name: _templates(rule) for rule in rules}
+        self._render_failed: set[tuple[str, str]] = set()
+
+    # -- evaluation -----------------------------------------------------------------------
+
+    def evaluate(
+        self, now_unix_s: float, series: SeriesStore, findings: Sequence[Finding]
+    ) -> list[Alert]:
+        """Evaluate every rule at ``now_unix_s``; returns this evaluation's transitions.
+
+        ``findings`` are the detectors' currently active findings.
+        """
+        now = now_unix_s
+        transitions: list[Alert] = []
+        for alert in self._orphans.values():
+            transitions.append(_resolved_orphan(alert, now))
+        self._orphans.clear()
+        self._cooldown_until = {
+            key: until for key, until in self._cooldown_until.items() if until > now
+        }
+        by_kind: dict[str, list[Finding]] = {}
+        for finding in findings:
+            by_kind.setdefault(finding.kind, []).append(finding)
+        for rule in self.rules:
+            hits = self._conditions(rule, now, series, by_kind)
+            self._advance(rule, hits, now, transitions)
+        return transitions
+
+    def _advance(
+        self, rule: Rule, hits: dict[LabelSet, _Hit], now: float, transitions: list[Alert]
+    ) -> None:
+        instances = self._instances[rule.name]
+        # The absent kind's `for` is the silence itself, already part of its condition.
+        pending_for_s = 0.0 if rule.kind == "absent" else rule.for_s
+        for key, hit in hits.items():
+            instance = instances.get(key)
+            is_new = instance is None
+            if instance is None:
+                if (rule.name, key) in self._cooldown_until:
+                    continue
+                instance = instances[key] = _Instance(
+                    rule=rule,
+                    labels=_alert_labels(rule, key),
+                    state="pending",
+                    active_since_s=min(hit.since_s, now),
+                    fired_at_s=None,
+                    value=hit.value,
+                    finding=hit.finding,
+                    base_annotations={},
+                )
+            instance.value = hit.value
+            if hit.finding is not None:
+                instance.finding = hit.finding
+            if instance.state == "pending" and now - instance.active_since_s >= pending_for_s:
+                instance.state = "firing"
+                instance.fired_at_s = now
+                transitions.append(self._alert(instance, "firing", None))
+            elif is_new:
+                transitions.append(self._alert(instance, "pending", None))
+        gone = [key for key in instances if key not in hits]
+        for key in gone:
+            instance = instances.pop(key)
+            transitions.append(self._alert(instance, "resolved", now))
+            if instance.state == "firing" and rule.cooldown_s > 0:
+                self._cooldown_until[(rule.name, key)] = now + rule.cooldown_s
+
+    # -- conditions -----------------------------------------------------------------------
+
+    def _conditions(
+        self,
+        rule: Rule,
+        now: float,
+        series: SeriesStore,
+        findings: Mapping[str, list[Finding]],
+    ) -> dict[LabelSet, _Hit]:
+        if rule.kind in FINDING_KINDS:
+            return _finding_hits(rule, findings.get(rule.kind, ()), now)
+        metric = rule.metric or ""
+        fresh_after = now - self.stale_after_s
+        matchers = frozenset(rule.matchers.items())
+        if rule.kind == "absent":
+            hits: dict[LabelSet, _Hit] = {}
+            for key, last_s in series.last_seen(metric).items():
+                age_s = now - last_s
+                if age_s >= rule.for_s and matchers.issubset(key):
+                    hits[key] = _Hit(age_s, last_s + rule.for_s, None)
+            return hits
+        if rule.kind == "rate":
+            window_start = now - rule.window_s
+            values = []
+            for key, last_s in series.last_seen(metric).items():
+                if last_s < fresh_after or not matchers.issubset(key):
+                    continue
+                slope = _slope(series.points(metric, key, window_start), rule.window_s / 2)
+                if slope is not None:
+                    values.append((key, slope))
+        else:
+            values = [
+                (key, value)
+                for key, ts_s, value in series.latest(metric)
+                if ts_s >= fresh_after and matchers.issubset(key)
+            ]
+        if rule.kind == "nonfinite":
+            return {
+                key: _Hit(value, now, None) for key, value in values if not math.isfinite(value)
+            }
+        if rule.aggregate is not None:
+            values = _aggregate(rule, values)
+        return {key: _Hit(value, now, None) for key, value in values if rule.compare(value)}
+
+    # -- records --------------------------------------------------------------------------
+
+    def _alert(self, instance: _Instance, state: AlertState, now: float | None) -> Alert:
+        rule = instance.rule
+        fired = instance.state == "firing"
+        starts_s = instance.fired_at_s if fired and instance.fired_at_s is not None else None
+        value = instance.value
+        return Alert(
+            rule=rule.name,
+            state=state,
+            severity=instance.labels.get("severity", rule.severity),
+            labels=dict(instance.labels),
+            annotations=self._annotations(instance),
+            value=value if math.isfinite(value) else None,
+            starts_at_unix_s=instance.active_since_s if starts_s is None else starts_s,
+            ends_at_unix_s=now,
+            # A pending alert that never fired resolves silently: nothing to act on.
+            actions=rule.actions if fired or state == "pending" else (),
+        )
+
+    def _annotations(self, instance: _Instance) -> dict[str, str]:
+        rule = instance.rule
+        annotations = dict(instance.base_annotations)
+        finding = instance.finding
+        if finding is not None:
+            annotations["summary"] = finding.summary
+            if finding.recommendation:
+                annotations["recommendation"] = finding.recommendation
+        fields = _Fields(instance.labels)
+        fields["value"] = instance.value
+        fields.setdefault("metric", rule.metric or "")
+        for key, template in self._templates[rule.name].items():
+            try:
+                annotations[key] = template.format_map(fields)
+            except (ValueError, TypeError, KeyError, IndexError) as exc:
+                # Load-time checks make this rare (a label value the spec cannot take);
+                # the alert still goes out with the raw template.
+                annotations[key] = template
+                if (rule.name, key) not in self._render_failed:
+                    self._render_failed.add((rule.name, key))
+                    log.warning("rule %r: cannot render annotation %r: %s", rule.name, key, exc)
+        return annotations
+
+    def active(self) -> list[Alert]:
+        """Every pending and firing alert, with its latest value."""
+        return [
+            self._alert(instance, instance.state, None)
+            for instances in self._instances.values()
+            for instance in instances.values()
+        ]
+
+    def restore(self, alerts: Iterable[Alert]) -> None:
+        """Resume after a restart from stored alerts (the latest record per instance).
+
+        Pending and firing alerts become instances again, keeping their labels and
+        times; a resolved one restores its cooldown. Alerts of rules no longer in the
+        rule set are resolved at the next evaluation.
+        """
+        for alert in alerts:
+            rule = self._by_name.get(alert.rule)
+            if rule is None:
+                if alert.state == "resolved":
+                    self._orphans.pop(alert.fingerprint, None)
+                else:
+                    self._orphans[alert.fingerprint] = alert
+                continue
+            key = labelset_from(
+                {
+                    name: value
+                    for name, value in alert.labels.items()
+                    if name not in _RESERVED and name not in rule.labels
+                }
+            )
+            instances = self._instances[rule.name]
+            if alert.state == "resolved":
+                instances.pop(key, None)
+                if rule.cooldown_s > 0 and alert.ends_at_unix_s is not None:
+                    self._cooldown_until[(rule.name, key)] = alert.ends_at_unix_s + rule.cooldown_s
+                continue
+            self._cooldown_until.pop((rule.name, key), None)
+            instances[key] = _Instance(
+                rule=rule,
+                labels=dict(alert.labels),
+                state=alert.state,
+                active_since_s=alert.starts_at_unix_s,
+                fired_at_s=alert.starts_at_unix_s if alert.state == "firing" else None,
+                value=math.nan if alert.value is None else alert.value,
+                finding=None,
+                base_annotations=dict(alert.annotations),
+            )
+
+
+def _templates(rule: Rule) -> dict[str, str]:
+    summary = default_summary(rule)
+    if summary is None or "summary" in rule.annotations:
+        return dict(rule.annotations)
+    return {"summary": summary, **rule.annotations}
+
+
+def _alert_labels(rule: Rule, key: LabelSet) -> dict[str, str]:
+    labels = dict(rule.labels)
+    labels.update(key)
+    labels["alertname"] = rule.name
+    labels["severity"] = rule.severity
+    return labels
+
+
+def _finding_hits(rule: Rule, findings: Iterable[Finding], now: float) -> dict[LabelSet, _Hit]:
+    hits: dict[LabelSet, _Hit] = {}
+    for finding in findings:
+        labels = finding.labels
+        if rule.kind == "anomaly" and labels.get("metric") != rule.metric:
+            continue
+        if any(labels.get(name) != value for name, value in rule.matchers.items()):
+            continue
+        key = labelset_from(labels)
+        if key not in hits:
+            hits[key] = _Hit(finding.value, min(finding.since_unix_s, now), finding)
+    return hits
+
+
+def _aggregate(rule: Rule, values: list[tuple[LabelSet, float]]) -> list[tuple[LabelSet, float]]:
+    """Combine values per ``by`` group (NaN values are left out)."""
+    names = sorted(rule.by)
+    groups: dict[LabelSet, list[float]] = {}
+    for key, value in values:
+        if math.isnan(value):
+            continue
+        labels = dict(key)
+        group = tuple((name, labels[name]) for name in names if name in labels)
+        groups.setdefault(group, []).append(value)
+    combine = _AGGREGATE[rule.aggregate or "mean"]
+    return [(group, float(combine(members))) for group, members in groups.items()]
+
+
+def _slope(points: Sequence[tuple[float, float]], min_span_s: float) -> float | None:
+    """Least-squares slope (value per second) of the finite points, or None with fewer
+    than 3 of them or a span shorter than ``min_span_s``."""
+    finite = [(ts, value) for ts, value in points if math.isfinite(value)]
+    if len(finite) < 3 or finite[-1][0] - finite[0][0] < min_span_s:
+        return None
+    # Centre the times: Unix seconds squared would lose the precision of the slope.
+    mean_t = math.fsum(ts for ts, _ in finite) / len(finite)
+    mean_v = math.fsum(value for _, value in finite) / len(finite)
+    sxx = math.fsum((ts - mean_t) ** 2 for ts, _ in finite)
+    if sxx <= 0:
+        return None
+    sxy = math.fsum((ts - mean_t) * (value - mean_v) for ts, value in finite)
+    return sxy / sxx
+
+
+def _resolved_orphan(alert: Alert, now: float) -> Alert:
+    """Resolve a restored alert whose rule is gone (no actions unless it was firing)."""
+    return Alert(
+        rule=alert.rule,
+        state="resolved",
+        severity=alert.severity,
+        labels=dict(alert.labels),
+        annotations=dict(alert.annotations),
+        value=alert.value,
+        starts_at_unix_s=alert.starts_at_unix_s,
+        ends_at_unix_s=now,
+        actions=alert.actions if alert.state == "firing" else (),
+        fingerprint=alert.fingerprint,
+    )

@@ -1,0 +1,374 @@
+"""Hung collectives, named by the rank that never joined, from in-flight reports.
+
+Every batch of a rank carries its in-flight operations: the oldest unfinished op per
+process group (per group and peer for point-to-point), numbered per group so the same
+``seq`` on two ranks is the same collective. A collective that some ranks have been
+in for more than ``timeout_s`` while other ranks of its group are not in it is a
+hang, and the ranks that are not in it are at fault:
+
+- a rank whose report has no op on that group never joined (it is computing, stuck
+  in Python or a data loader, or took a different code path);
+- a rank in flight on an OLDER ``seq`` of the group is stuck on an earlier op;
+- a rank with no report for more than ``timeout_s`` (crashed, frozen, node gone), or
+  none at all, stopped reporting.
+
+If every member has been in the collective for more than ``timeout_s``, all joined
+and the collective itself is stuck (network, backend): one job-level finding without
+a rank. Point-to-point ops pair per peer: rank r's op #k with peer p matches p's op #k
+with peer r, and only those two ranks are compared.
+
+Membership: the default group ("default") holds ranks ``0..world_size-1`` once
+``set_world`` was called, else every rank that has reported. Other groups hold the
+ranks seen in flight on them so far; a member that was never seen on its group cannot
+be named missing (only a lagging or silent one).
+
+Ages: an op's age at evaluation is its reported ``age_s`` plus the time since the
+report, so ``ts_unix_s`` given to ``observe`` must be on the clock of ``now_unix_s``
+(the aggregator's receive time is best). Only ranks that reported within
+``timeout_s`` count as waiting: a silent rank's old report is no evidence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+from torshmon.aggregator.findings import Finding
+
+DEFAULT_PG: Final = "default"
+
+_NEVER_JOINED_ADVICE: Final = (
+    "Rank {rank} is the one to look at: dump its Python stacks (py-spy dump --pid) to "
+    "see where it is - a slow or stuck data loader, a long host-side computation, or a "
+    "collective issued under a rank-dependent condition so the ranks took different "
+    "code paths. The waiting ranks stay blocked until it joins or the backend times out."
+)
+_OLDER_ADVICE: Final = (
+    "Rank {rank} is still inside an earlier operation on this group that its peers "
+    "finished: dump its stacks (py-spy dump --pid) and compare the order of collectives "
+    "across ranks - a mismatched order or a lost message hangs the job."
+)
+_SILENT_ADVICE: Final = (
+    "Rank {rank} stopped reporting: check whether its process is alive (crash, OOM "
+    "kill, SIGSTOP), its node and its agent; the other ranks are waiting for it."
+)
+_ALL_STUCK_ADVICE: Final = (
+    "Every rank joined, so the collective itself does not complete: suspect the network "
+    "or the backend - links and NICs between the nodes (NCCL_DEBUG=INFO, "
+    "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME), firewalls and ports, a failing peer node. "
+    "A process-group timeout will abort the job eventually."
+)
+
+
+class InflightLike(Protocol):
+    """What the detector reads of an in-flight op (``torshmon.wire.InflightOp`` fits)."""
+
+    @property
+    def pg(self) -> str: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def op(self) -> str: ...
+    @property
+    def start_unix_ns(self) -> int: ...
+    @property
+    def age_s(self) -> float: ...
+    @property
+    def peer(self) -> int | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Op:
+    pg: str
+    seq: int
+    op: str
+    age_s: float
+    peer: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Report:
+    ts_unix_s: float
+    ops: tuple[_Op, ...]
+
+
+@dataclass(slots=True)
+class _Job:
+    world_size: int | None = None
+    reports: dict[int, _Report] = field(default_factory=dict)
+    # Non-default groups: ranks ever seen in flight on them.
+    members: dict[str, set[int]] = field(default_factory=dict)
+    since: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """A fresh rank's op at evaluation time."""
+
+    rank: int
+    seq: int
+    op: str
+    age_s: float
+
+
+class HangDetector:
+    """Finds hung collectives and names the ranks holding them up.
+
+    Pure and deterministic: ``observe`` stores the latest report per rank (O(ops)),
+    ``evaluate`` derives the findings from those reports (O(ranks x ops)). Not
+    thread-safe; the aggregator drives it from one task.
+    """
+
+    def __init__(self, *, timeout_s: float = 5.0) -> None:
+        """Raises ValueError unless timeout_s is a positive number of seconds."""
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+        self._timeout_s = timeout_s
+        self._jobs: dict[str, _Job] = {}
+
+    def set_world(self, job: str, world_size: int) -> None:
+        """Declare the job's world size (from its hello); ValueError if below 1.
+
+        Reports of ranks outside a new, smaller world are dropped.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size of job {job!r} must be at least 1, got {world_size}")
+        state = self._job(job)
+        state.world_size = world_size
+        for rank in [r for r in state.reports if r >= world_size]:
+            del state.reports[rank]
+        for members in state.members.values():
+            members.difference_update([r for r in members if r >= world_size])
+
+    def observe(
+        self, job: str, rank: int, ts_unix_s: float, inflight: Sequence[InflightLike]
+    ) -> None:
+        """Record a rank's latest in-flight report (an empty list: in no collective).
+
+        A report older than the one held for the rank is ignored. Raises ValueError if
+        ``rank`` is negative or outside a declared world size.
+        """
+        state = self._job(job)
+        if rank < 0 or (state.world_size is not None and rank >= state.world_size):
+            limit = "" if state.world_size is None else f"..{state.world_size - 1}"
+            raise ValueError(f"rank of job {job!r} must be in 0{limit}, got {rank}")
+        held = state.reports.get(rank)
+        if held is not None and ts_unix_s < held.ts_unix_s:
+            return
+        ops = tuple(_Op(o.pg, o.seq, o.op, o.age_s, o.peer) for o in inflight)
+        state.reports[rank] = _Report(ts_unix_s, ops)
+        for op in ops:
+            if op.peer is None and op.pg != DEFAULT_PG:
+                state.members.setdefault(op.pg, set()).add(rank)
+
+    def evaluate(self, now_unix_s: float) -> list[Finding]:
+        """Every hang at ``now_unix_s`` (Unix seconds), ordered by job and ``Finding.key()``."""
+        findings: list[Finding] = []
+        for job in sorted(self._jobs):
+            findings.extend(self._evaluate_job(job, self._jobs[job], now_unix_s))
+        return findings
+
+    def forget(self, job: str) -> None:
+        """Drop all state of a finished job (unknown jobs are ignored)."""
+        self._jobs.pop(job, None)
+
+    def _job(self, job: str) -> _Job:
+        state = self._jobs.get(job)
+        if state is None:
+            state = self._jobs[job] = _Job()
+        return state
+
+    def _evaluate_job(self, job: str, state: _Job, now: float) -> list[Finding]:
+        timeout = self._timeout_s
+        fresh = {r: rep for r, rep in state.reports.items() if now - rep.ts_unix_s <= timeout}
+        groups: dict[str, dict[int, _Entry]] = {}
+        pairs: dict[tuple[str, int, int], _Entry] = {}
+        for rank, report in fresh.items():
+            since_report = max(0.0, now - report.ts_unix_s)
+            for op in report.ops:
+                entry = _Entry(rank, op.seq, op.op, op.age_s + since_report)
+                if op.peer is None:
+                    groups.setdefault(op.pg, {})[rank] = entry
+                else:
+                    pairs[(op.pg, rank, op.peer)] = entry
+        found: dict[tuple[str, tuple[tuple[str, str], ...]], Finding] = {}
+        for pg in sorted(groups):
+            if pg == DEFAULT_PG:
+                members = (
+                    set(range(state.world_size))
+                    if state.world_size is not None
+                    else set(state.reports)
+                )
+            else:
+                members = state.members.get(pg, set())
+            self._check_group(job, state, now, pg, groups[pg], members, found)
+        self._check_pairs(job, state, now, pairs, found)
+        active_keys = set(found)
+        state.since = {k: v for k, v in state.since.items() if k in active_keys}
+        return [found[k] for k in sorted(found)]
+
+    def _check_group(
+        self,
+        job: str,
+        state: _Job,
+        now: float,
+        pg: str,
+        entries: dict[int, _Entry],
+        members: set[int],
+        found: dict[tuple[str, tuple[tuple[str, str], ...]], Finding],
+    ) -> None:
+        timeout = self._timeout_s
+        stuck_seqs = {e.seq for e in entries.values() if e.age_s > timeout}
+        if not stuck_seqs:
+            return
+        counts: dict[int, int] = {}
+        for e in entries.values():
+            counts[e.seq] = counts.get(e.seq, 0) + 1
+        # The hung collective is the one most ranks wait in; on a tie the newer one,
+        # since a rank lagging on an older op is the usual culprit.
+        seq = max(stuck_seqs, key=lambda s: (counts[s], s))
+        waiting = sorted(r for r, e in entries.items() if e.seq == seq)
+        op = entries[waiting[0]].op
+        age = max(entries[r].age_s for r in waiting)
+        missing = sorted(members - set(waiting))
+        if not missing:
+            youngest = min(entries[r].age_s for r in waiting)
+            if youngest > timeout:
+                finding = self._all_stuck(job, pg, op, seq, waiting, age)
+                self._add(found, state, finding, now - youngest + timeout)
+            return
+        for rank in missing:
+            own = entries.get(rank)
+            finding = self._missing(job, state, now, rank, pg, op, seq, waiting, age, own)
+            self._add(found, state, finding, now - age + timeout)
+
+    def _check_pairs(
+        self,
+        job: str,
+        state: _Job,
+        now: float,
+        pairs: dict[tuple[str, int, int], _Entry],
+        found: dict[tuple[str, tuple[tuple[str, str], ...]], Finding],
+    ) -> None:
+        timeout = self._timeout_s
+        for (pg, rank, peer), entry in sorted(pairs.items()):
+            if entry.age_s <= timeout:
+                continue
+            partner = pairs.get((pg, peer, rank))
+            if partner is not None and partner.seq == entry.seq:
+                if partner.age_s > timeout and rank < peer:
+                    age = max(entry.age_s, partner.age_s)
+                    youngest = min(entry.age_s, partner.age_s)
+                    finding = self._all_stuck(job, pg, entry.op, entry.seq, [rank, peer], age)
+                    self._add(found, state, finding, now - youngest + timeout)
+                continue
+            finding = self._missing(
+                job, state, now, peer, pg, entry.op, entry.seq, [rank], entry.age_s, partner
+            )
+            self._add(found, state, finding, now - entry.age_s + timeout)
+
+    def _add(
+        self,
+        found: dict[tuple[str, tuple[tuple[str, str], ...]], Finding],
+        state: _Job,
+        finding: Finding,
+        began_unix_s: float,
+    ) -> None:
+        key = finding.key()
+        held = found.get(key)
+        # Two hangs with one identity (same rank, op and group) are one finding: keep
+        # the older, which is the one that started the chain.
+        if held is not None and held.value >= finding.value:
+            return
+        # The start stays where it was first seen, so report ages jittering between
+        # batches do not move it.
+        since = state.since.setdefault(key, began_unix_s)
+        found[key] = dataclasses.replace(finding, since_unix_s=since)
+
+    def _missing(
+        self,
+        job: str,
+        state: _Job,
+        now: float,
+        rank: int,
+        pg: str,
+        op: str,
+        seq: int,
+        waiting: list[int],
+        age_s: float,
+        own: _Entry | None,
+    ) -> Finding:
+        who = _ranks(waiting)
+        joined = f"{op} #{seq} on pg {pg} that {who} entered {age_s:.1f} s ago"
+        details: dict[str, object] = {"waiting_ranks": waiting, "seq": seq, "age_s": age_s}
+        report = state.reports.get(rank)
+        if report is None:
+            reason = "no_report"
+            summary = f"rank {rank} of job {job} has not reported and never joined {joined}"
+            advice = _SILENT_ADVICE
+        elif now - report.ts_unix_s > self._timeout_s:
+            reason = "stopped_reporting"
+            silent_s = now - report.ts_unix_s
+            details["last_report_age_s"] = silent_s
+            summary = (
+                f"rank {rank} of job {job} stopped reporting {silent_s:.1f} s ago and never "
+                f"joined {joined}"
+            )
+            advice = _SILENT_ADVICE
+        elif own is not None and own.seq < seq:
+            reason = "stuck_in_older_op"
+            details["rank_seq"] = own.seq
+            details["rank_op"] = own.op
+            summary = (
+                f"rank {rank} of job {job} is stuck in {own.op} #{own.seq} and never joined "
+                f"{joined}"
+            )
+            advice = _OLDER_ADVICE
+        else:
+            reason = "never_joined"
+            summary = f"rank {rank} of job {job} never joined {joined}"
+            advice = _NEVER_JOINED_ADVICE
+        details["reason"] = reason
+        return Finding(
+            kind="hang",
+            labels={"job": job, "rank": str(rank), "op": op, "pg": pg},
+            value=age_s,
+            score=age_s / self._timeout_s,
+            summary=summary,
+            since_unix_s=0.0,
+            recommendation=advice.format(rank=rank),
+            severity="critical",
+            details=details,
+        )
+
+    def _all_stuck(
+        self, job: str, pg: str, op: str, seq: int, waiting: list[int], age_s: float
+    ) -> Finding:
+        if len(waiting) == 2:
+            who = f"ranks {waiting[0]} and {waiting[1]}"
+        else:
+            who = f"all {len(waiting)} ranks"
+        return Finding(
+            kind="hang",
+            labels={"job": job, "op": op, "pg": pg},
+            value=age_s,
+            score=age_s / self._timeout_s,
+            summary=(
+                f"{who} of job {job} have been in {op} #{seq} on pg {pg} for {age_s:.1f} s: "
+                "every rank joined, the collective itself is stuck"
+            ),
+            since_unix_s=0.0,
+            recommendation=_ALL_STUCK_ADVICE,
+            severity="critical",
+            details={"waiting_ranks": waiting, "seq": seq, "age_s": age_s, "reason": "all_stuck"},
+        )
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 0' or 'ranks 0, 2, 3'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(str(r) for r in ranks)

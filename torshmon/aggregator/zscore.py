@@ -1,0 +1,368 @@
+"""Rolling z-score per series: has a series left the band of its own recent history?
+
+One ``ZScoreDetector`` watches one metric (step time by default) for many series (a
+series is one label set, e.g. job + rank). Each series keeps the mean and standard
+deviation of its last ``window`` values and flags a value whose z-score against that
+window passes ``threshold`` in the watched direction, once ``persistence`` such values
+came in a row.
+
+Baseline policy (why the window is not simply "the last ``window`` values"):
+
+- A short excursion (fewer than ``persistence`` out-of-band values, then an in-band
+  one) is ordinary noise: its values join the baseline, so heavy tails widen the band.
+- While an anomaly is active its out-of-band values are held out of the baseline, so a
+  sustained regression keeps firing instead of being averaged into the new normal.
+- Once an anomaly has collected ``adapt_after`` out-of-band values (default
+  ``window // 4``, at least ``min_samples``) the new level is accepted: the baseline
+  is rebuilt from those values and the finding clears. A regression is therefore
+  reported for about ``adapt_after`` samples and the series is then watched at its
+  new level.
+- An active anomaly clears after ``persistence`` in-band values in a row (hysteresis);
+  in-band values always join the baseline, the held anomalous ones are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from torshmon.aggregator.findings import Finding
+
+Direction = Literal["up", "down", "both"]
+DIRECTIONS: Final[tuple[str, ...]] = ("up", "down", "both")
+
+#: Absolute floor on the standard deviation, so a constant series never divides by 0.
+_TINY_STD: Final = 1e-12
+
+#: Human names and units of the metrics the aggregator runs this detector on.
+_METRIC_NAMES: Final[dict[str, tuple[str, str]]] = {
+    "step_duration_seconds": ("step time", " s"),
+    "compute_seconds": ("compute time", " s"),
+    "comm_wait_seconds": ("communication wait", " s"),
+    "communication_time_ratio": ("communication time ratio", ""),
+    "throughput_samples_per_second": ("throughput", " samples/s"),
+    "loss": ("loss", ""),
+}
+_UNIT_SUFFIXES: Final[tuple[tuple[str, str], ...]] = (
+    ("_samples_per_second", " samples/s"),
+    ("_seconds", " s"),
+    ("_bytes", " B"),
+    ("_ratio", ""),
+)
+
+_STEP_TIME_ADVICE: Final = (
+    "Step time rose on this rank: check what changed around the start time - a "
+    "communication config switch (autotuner trial), other processes or throttling on the "
+    "rank's node, the input pipeline - and the job's straggler and bottleneck findings."
+)
+_GENERIC_ADVICE: Final = (
+    "Look at what changed for this series around the start time: a configuration switch, "
+    "the data, or the node it runs on."
+)
+
+
+class RollingStats:
+    """Mean and sample standard deviation of the last ``window`` values.
+
+    O(1) amortised per ``add``: Welford updates for the value added and the value
+    evicted, and a full recomputation after every ``window`` evictions so that rounding
+    error from the removals cannot build up over a long run.
+    """
+
+    __slots__ = ("_m2", "_mean", "_removals", "_values", "_window")
+
+    def __init__(self, window: int) -> None:
+        if window < 2:
+            raise ValueError(f"window must be at least 2 values, got {window}")
+        self._window = window
+        self._values: deque[float] = deque()
+        self._mean = 0.0
+        self._m2 = 0.0
+        self._removals = 0
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @property
+    def mean(self) -> float:
+        """Mean of the window (0.0 when empty)."""
+        return self._mean
+
+    @property
+    def std(self) -> float:
+        """Sample standard deviation of the window (0.0 with fewer than 2 values)."""
+        n = len(self._values)
+        return math.sqrt(self._m2 / (n - 1)) if n > 1 else 0.0
+
+    def add(self, value: float) -> None:
+        """Append one value, evicting the oldest when the window is full."""
+        values = self._values
+        if len(values) == self._window:
+            self._remove(values.popleft())
+        values.append(value)
+        delta = value - self._mean
+        self._mean += delta / len(values)
+        self._m2 += delta * (value - self._mean)
+
+    def reset(self, values: Iterable[float]) -> None:
+        """Replace the window by (the last ``window`` of) ``values``."""
+        kept: deque[float] = deque(values)
+        while len(kept) > self._window:
+            kept.popleft()
+        self._values = kept
+        self._recompute()
+
+    def _remove(self, old: float) -> None:
+        n = len(self._values)
+        if n == 0:
+            self._mean = self._m2 = 0.0
+            return
+        new_mean = self._mean + (self._mean - old) / n
+        self._m2 = max(0.0, self._m2 - (old - self._mean) * (old - new_mean))
+        self._mean = new_mean
+        self._removals += 1
+        if self._removals >= self._window:
+            self._recompute()
+
+    def _recompute(self) -> None:
+        self._removals = 0
+        n = len(self._values)
+        if n == 0:
+            self._mean = self._m2 = 0.0
+            return
+        self._mean = math.fsum(self._values) / n
+        self._m2 = math.fsum((v - self._mean) ** 2 for v in self._values)
+
+
+@dataclass(slots=True)
+class _Series:
+    """Mutable state of one series."""
+
+    labels: dict[str, str]
+    stats: RollingStats
+    out_streak: int = 0
+    in_streak: int = 0
+    active: bool = False
+    since_unix_s: float = 0.0
+    held: list[float] = field(default_factory=list)
+    finding: Finding | None = None
+
+
+SeriesKey = tuple[tuple[str, str], ...]
+
+
+class ZScoreDetector:
+    """Rolling z-score anomaly detection for one metric over many series.
+
+    Pure and deterministic: no clock (times are passed in), no I/O. ``observe`` is O(1)
+    amortised. Not thread-safe; the aggregator drives it from one task.
+    """
+
+    def __init__(
+        self,
+        *,
+        threshold: float = 2.5,
+        min_samples: int = 10,
+        window: int = 1000,
+        persistence: int = 3,
+        direction: Direction = "up",
+        metric: str = "step_duration_seconds",
+        adapt_after: int | None = None,
+        std_floor_ratio: float = 1e-3,
+    ) -> None:
+        """Raises ValueError naming any setting outside its allowed range."""
+        if not (math.isfinite(threshold) and threshold > 0):
+            raise ValueError(f"threshold must be a positive number of sigmas, got {threshold}")
+        if window < 2:
+            raise ValueError(f"window must be at least 2 samples, got {window}")
+        if not 2 <= min_samples <= window:
+            raise ValueError(f"min_samples must be in 2..window ({window}), got {min_samples}")
+        if persistence < 1:
+            raise ValueError(f"persistence must be at least 1 sample, got {persistence}")
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        if not metric:
+            raise ValueError("metric must be a non-empty metric name")
+        if adapt_after is None:
+            adapt_after = max(window // 4, min_samples, persistence)
+        elif adapt_after < max(min_samples, persistence):
+            raise ValueError(
+                f"adapt_after must be at least min_samples ({min_samples}) and persistence "
+                f"({persistence}), got {adapt_after}"
+            )
+        if not (math.isfinite(std_floor_ratio) and std_floor_ratio >= 0):
+            raise ValueError(f"std_floor_ratio must be a number >= 0, got {std_floor_ratio}")
+        self._threshold = threshold
+        self._min_samples = min_samples
+        self._window = window
+        self._persistence = persistence
+        self._direction = direction
+        self._metric = metric
+        self._adapt_after = adapt_after
+        self._std_floor_ratio = std_floor_ratio
+        self._name, self._unit = _describe(metric)
+        self._series: dict[str, dict[SeriesKey, _Series]] = {}
+        self._active: dict[str, dict[SeriesKey, Finding]] = {}
+
+    @property
+    def metric(self) -> str:
+        """The metric this detector watches (the ``metric`` label of its findings)."""
+        return self._metric
+
+    def observe(self, labels: Mapping[str, str], ts_unix_s: float, value: float) -> Finding | None:
+        """Feed one value of the series ``labels``; the active Finding, or None.
+
+        ``labels`` must hold ``job``; ``ts_unix_s`` is the value's time (Unix seconds).
+        Non-finite values are ignored (the series' current state is returned).
+        Raises ValueError if ``labels`` has no ``job``.
+        """
+        job = labels.get("job")
+        if job is None:
+            raise ValueError(f"labels must include 'job', got {dict(labels)!r}")
+        key: SeriesKey = tuple(sorted(labels.items()))
+        by_key = self._series.get(job)
+        if by_key is None:
+            by_key = self._series[job] = {}
+        series = by_key.get(key)
+        if series is None:
+            finding_labels = dict(labels)
+            finding_labels["metric"] = self._metric
+            series = by_key[key] = _Series(finding_labels, RollingStats(self._window))
+        if not math.isfinite(value):
+            return series.finding
+        stats = series.stats
+        if len(stats) < self._min_samples:
+            stats.add(value)
+            return None
+        mean = stats.mean
+        std = max(stats.std, self._std_floor_ratio * abs(mean), _TINY_STD)
+        z = (value - mean) / std
+        if self._direction == "up":
+            out = z > self._threshold
+        elif self._direction == "down":
+            out = z < -self._threshold
+        else:
+            out = abs(z) > self._threshold
+        if out:
+            return self._out_of_band(series, key, ts_unix_s, value, mean, std, z)
+        return self._in_band(series, key, value)
+
+    def active(self) -> list[Finding]:
+        """Every active finding, ordered by job and series."""
+        return [
+            finding
+            for job in sorted(self._active)
+            for _, finding in sorted(self._active[job].items())
+        ]
+
+    def forget(self, job: str) -> None:
+        """Drop all state of a finished job (unknown jobs are ignored)."""
+        self._series.pop(job, None)
+        self._active.pop(job, None)
+
+    def _out_of_band(
+        self,
+        series: _Series,
+        key: SeriesKey,
+        ts_unix_s: float,
+        value: float,
+        mean: float,
+        std: float,
+        z: float,
+    ) -> Finding | None:
+        series.in_streak = 0
+        if series.out_streak == 0 and not series.active:
+            series.since_unix_s = ts_unix_s
+        series.out_streak += 1
+        series.held.append(value)
+        if not series.active:
+            if series.out_streak < self._persistence:
+                return None
+            series.active = True
+        if len(series.held) >= self._adapt_after:
+            # The level has held for long enough to be the new normal, not an anomaly.
+            series.stats.reset(series.held)
+            self._clear(series, key)
+            return None
+        finding = self._finding(series, value, mean, std, z)
+        series.finding = finding
+        self._active.setdefault(series.labels["job"], {})[key] = finding
+        return finding
+
+    def _in_band(self, series: _Series, key: SeriesKey, value: float) -> Finding | None:
+        series.out_streak = 0
+        if series.active:
+            series.stats.add(value)
+            series.in_streak += 1
+            if series.in_streak >= self._persistence:
+                self._clear(series, key)
+                return None
+            return series.finding
+        for held in series.held:
+            # A short excursion is part of the series' noise: let it widen the band.
+            series.stats.add(held)
+        series.held.clear()
+        series.stats.add(value)
+        return None
+
+    def _clear(self, series: _Series, key: SeriesKey) -> None:
+        series.active = False
+        series.out_streak = series.in_streak = 0
+        series.held.clear()
+        series.finding = None
+        active = self._active.get(series.labels["job"])
+        if active is not None:
+            active.pop(key, None)
+
+    def _finding(self, series: _Series, value: float, mean: float, std: float, z: float) -> Finding:
+        unit = self._unit
+        side = "above" if z >= 0 else "below"
+        summary = (
+            f"{self._name} of {_where(series.labels)} is {value:.3g}{unit}, "
+            f"{abs(z):.1f} sigma {side} its mean {mean:.3g}{unit}"
+        )
+        advice = _STEP_TIME_ADVICE if self._metric.endswith("step_duration_seconds") else ""
+        return Finding(
+            kind="anomaly",
+            labels=series.labels,
+            value=value,
+            score=z,
+            summary=summary,
+            since_unix_s=series.since_unix_s,
+            recommendation=advice or _GENERIC_ADVICE,
+            severity="warning",
+            details={
+                "mean": mean,
+                "std": std,
+                "threshold": self._threshold,
+                "direction": self._direction,
+                "window_samples": len(series.stats),
+                "anomalous_samples": len(series.held),
+            },
+        )
+
+
+def _describe(metric: str) -> tuple[str, str]:
+    """(human name, unit suffix) of a metric name, with or without the torshmon_ prefix."""
+    bare = metric.removeprefix("torshmon_")
+    known = _METRIC_NAMES.get(bare)
+    if known is not None:
+        return known
+    for suffix, unit in _UNIT_SUFFIXES:
+        if bare.endswith(suffix):
+            return bare.removesuffix(suffix).replace("_", " "), unit
+    return bare.replace("_", " "), ""
+
+
+def _where(labels: Mapping[str, str]) -> str:
+    """'job demo rank 1' plus any other labels, for summaries."""
+    text = f"job {labels['job']}"
+    if "rank" in labels:
+        text += f" rank {labels['rank']}"
+    extra = [f"{k}={v}" for k, v in sorted(labels.items()) if k not in ("job", "rank", "metric")]
+    if extra:
+        text += f" ({', '.join(extra)})"
+    return text
