@@ -249,7 +249,7 @@ class Aggregator:
             return api.error(503, "history database unavailable; retry later")
         self.m_ingest_seconds.set(time.perf_counter() - started)
         self.m_batches.labels("stored").inc()
-        self.m_records.inc(len(batch.records) - stored.duplicates)
+        self.m_records.inc(stored.records)
         self.m_duplicates.inc(stored.duplicates)
         self.m_samples.inc(stored.samples)
         self._observe(stored)
