@@ -61,7 +61,8 @@ def _rows(url: str) -> list[tuple[object, ...]]:
                 tuple(r)
                 for r in conn.execute(
                     text(
-                        "SELECT rule, rank, state, fired_at_unix_s IS NOT NULL FROM alerts ORDER BY id"
+                        "SELECT rule, rank, state, fired_at_unix_s IS NOT NULL "
+                        "FROM alerts ORDER BY id"
                     )
                 )
             ]

@@ -123,7 +123,7 @@ def test_aggregator_process_serves_and_stops_cleanly_on_sigterm(tmp_path: Path) 
             assert b"torshmon_ingest_batches" in r.read()
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
+        _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
 
 
