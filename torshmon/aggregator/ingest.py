@@ -10,22 +10,32 @@ are skipped; so are probe batches at or below their session's stored ``last_seq`
 (an agent that restarted resends what its probe had not seen acknowledged).
 Nothing is cached before the transaction commits, so a failed write leaves no
 trace and the agent's retry starts from the same state.
+
+The per-step tables are the hot path (about 10^4 rows a second for a large job):
+their rows are plain tuples read from the wire records by the column names of the
+models, inserted with the DBAPI cursor's ``executemany`` on SQLite and ``COPY`` on
+PostgreSQL, inside the same transaction as everything else.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import operator
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
-from sqlalchemy import Table, and_, select, update
+from sqlalchemy import Float, Table, and_, bindparam, func, select, update
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.sql.dml import Insert, Update
 
 from torshmon.aggregator.commands import CommandBook
-from torshmon.history.db import begin_write, insert_ignore, upsert
+from torshmon.history.db import DatabaseConfigError, begin_write, insert_ignore, upsert
 from torshmon.history.models import Base
 from torshmon.wire import (
     Batch,
@@ -54,6 +64,164 @@ STEP_SAMPLE_FIELDS: tuple[str, ...] = (
     "samples_per_s",
     "loss",
 )
+#: Measurements one collective (count, size, duration, bus bandwidth) and one bucket
+#: (size, wire bytes, duration, compression ratio) contribute.
+SAMPLES_PER_COLLECTIVE: Final = 4
+SAMPLES_PER_BUCKET: Final = 4
+
+# The sample fields a step carries are those that are not None (a getter per field set).
+_sample_values: Callable[[StepRecord], tuple[Any, ...]] = operator.attrgetter(*STEP_SAMPLE_FIELDS)
+
+#: A table's rows as (column names, value tuples).
+TableRows = tuple[tuple[str, ...], list[tuple[Any, ...]]]
+
+
+class _BulkTable:
+    """A bulk-inserted table: columns the caller supplies (job, rank, ...), then columns
+    read from one wire record by name (``renames``: column -> attribute where they differ).
+
+    The column list comes from the model: a model column that no row provides, or a
+    name that is not a column, fails at import, naming them.
+    """
+
+    __slots__ = ("_float_at", "_floats", "_values", "columns", "name")
+
+    def __init__(
+        self,
+        name: str,
+        context: tuple[str, ...],
+        record_columns: tuple[str, ...],
+        renames: Mapping[str, str] | None = None,
+    ) -> None:
+        table = _T[name]
+        self.name = name
+        self.columns = (*context, *record_columns)
+        insertable = {c.name for c in table.columns if c.identity is None}
+        if set(self.columns) != insertable or len(set(self.columns)) != len(self.columns):
+            raise RuntimeError(
+                f"ingest rows of {name} do not match its model: missing "
+                f"{sorted(insertable - set(self.columns))}, unknown "
+                f"{sorted(set(self.columns) - insertable)}"
+            )
+        renames = renames or {}
+        self._values = _tuple_getter(
+            operator.attrgetter, [renames.get(c, c) for c in record_columns]
+        )
+        float_at = [i for i, c in enumerate(record_columns) if isinstance(table.c[c].type, Float)]
+        self._float_at = frozenset(float_at)
+        self._floats = _tuple_getter(operator.itemgetter, float_at)
+
+    def row(self, context: tuple[Any, ...], record: Any) -> tuple[Any, ...]:
+        """``context`` followed by the record's values; non-finite floats become None."""
+        values = self._values(record)
+        # The common case in one C-level pass: a finite sum means every float is finite
+        # (an infinity or NaN anywhere makes it non-finite; an overflow only costs the
+        # slow path, which decides value by value).
+        if not math.isfinite(sum(filter(None, self._floats(values)))):
+            float_at = self._float_at
+            values = tuple(_finite(v) if i in float_at else v for i, v in enumerate(values))
+        return context + values
+
+
+def _tuple_getter(
+    kind: Callable[..., Callable[[Any], Any]], keys: list[Any]
+) -> Callable[[Any], tuple[Any, ...]]:
+    """``kind(*keys)`` (attrgetter, itemgetter), always returning a tuple."""
+    if len(keys) > 1:
+        getter: Callable[[Any], tuple[Any, ...]] = kind(*keys)
+        return getter
+    if keys:
+        one = kind(keys[0])
+        return lambda item: (one(item),)
+    return lambda _item: ()
+
+
+_SEQS = _BulkTable("ingest_seqs", ("agent_id", "seq", "node", "received_unix_ns"), ())
+_STEPS = _BulkTable(
+    "steps",
+    ("job", "rank", "node"),
+    (
+        "step",
+        "end_unix_ns",
+        "duration_s",
+        "comm_wait_s",
+        "compute_s",
+        "communication_time_ratio",
+        "comm_busy_s",
+        "forward_s",
+        "backward_s",
+        "optimizer_s",
+        "batch_size",
+        "samples_per_s",
+        "loss",
+        "loss_nonfinite",
+        "config_version",
+    ),
+)
+_COLLECTIVES = _BulkTable(
+    "collectives",
+    ("job", "rank", "step", "end_unix_ns"),
+    (
+        "op",
+        "pg",
+        "dtype",
+        "count",
+        "size_bytes",
+        "duration_s",
+        "max_duration_s",
+        "algbw_bytes_per_s",
+        "busbw_bytes_per_s",
+    ),
+)
+_BUCKETS = _BulkTable(
+    "buckets",
+    ("job", "rank", "step", "end_unix_ns"),
+    (
+        "bucket_index",
+        "codec",
+        "size_bytes",
+        "parameters",
+        "wire_bytes",
+        "compression_ratio",
+        "duration_s",
+        "encode_s",
+        "decode_s",
+        "relative_error",
+    ),
+    {"bucket_index": "index"},
+)
+_INFLIGHT = _BulkTable(
+    "inflight_reports",
+    ("job", "rank", "sent_unix_ns"),
+    ("pg", "seq", "op", "size_bytes", "start_unix_ns", "age_s", "peer"),
+)
+_NODES = _BulkTable(
+    "node_samples",
+    (),
+    (
+        "node",
+        "ts_unix_ns",
+        "cpu_utilization_ratio",
+        "memory_utilization_ratio",
+        "memory_used_bytes",
+        "io_wait_ratio",
+        "net_rx_bytes_total",
+        "net_tx_bytes_total",
+        "disk_read_bytes_total",
+        "disk_write_bytes_total",
+    ),
+)
+_GPUS = _BulkTable(
+    "gpu_samples",
+    ("node", "ts_unix_ns"),
+    ("gpu_index", "utilization_ratio", "memory_used_bytes", "memory_total_bytes"),
+    {"gpu_index": "index"},
+)
+_RANK_SAMPLES = _BulkTable(
+    "rank_samples", ("node", "ts_unix_ns"), ("job", "rank", "pid", "rss_bytes")
+)
+#: Insert order: the seqs first, so a concurrent duplicate fails before the bulk work.
+_BULK: Final = (_SEQS, _STEPS, _COLLECTIVES, _BUCKETS, _INFLIGHT, _NODES, _GPUS, _RANK_SAMPLES)
 
 
 @dataclass(slots=True)
@@ -66,14 +234,18 @@ class Stored:
     node_samples: list[NodeSample] = field(default_factory=list)
     command_acks: list[CommandAck] = field(default_factory=list)
     commands: list[Command] = field(default_factory=list)
-    duplicates: int = 0
+    duplicates: int = 0  # records and probe batches seen before
+    records: int = 0  # new agent records stored
     samples: int = 0
 
 
 @dataclass(slots=True)
 class _Rows:
-    """Rows of one transaction, per table, ready for executemany."""
+    """Rows of one transaction: tuples per bulk table, dicts for the other tables."""
 
+    bulk: dict[str, list[tuple[Any, ...]]] = field(
+        default_factory=lambda: {t.name: [] for t in _BULK}
+    )
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def add(self, table: str, row: dict[str, Any]) -> None:
@@ -120,21 +292,15 @@ class IngestStore:
             seen = self._seen_seqs(conn, batch)
             sessions = self._load_sessions(conn, batch)
             rows = _Rows()
+            seq_rows = rows.bulk[_SEQS.name]
             stored = Stored(acked_seq=self._agent_max_seq.get(batch.agent_id, 0))
             for item in batch.records:
                 if item.seq in seen:
                     stored.duplicates += 1
                     continue
                 seen.add(item.seq)
-                rows.add(
-                    "ingest_seqs",
-                    {
-                        "agent_id": batch.agent_id,
-                        "seq": item.seq,
-                        "node": batch.node,
-                        "received_unix_ns": now_ns,
-                    },
-                )
+                stored.records += 1
+                seq_rows.append((batch.agent_id, item.seq, batch.node, now_ns))
                 self._flatten(item.record.messages, batch.node, sessions, rows, stored, now_ns)
                 for sample in item.record.node_samples:
                     _node_rows(sample, rows)
@@ -196,8 +362,6 @@ class IngestStore:
         if known is not None:
             return known
         table = _T["ingest_seqs"]
-        from sqlalchemy import func
-
         value = conn.execute(
             select(func.max(table.c.seq)).where(table.c.agent_id == agent_id)
         ).scalar()
@@ -283,11 +447,9 @@ class IngestStore:
         now_ns: int,
     ) -> None:
         if jobs:
-            _write_jobs(conn, list(jobs.values()))
-        seqs = rows.tables.pop("ingest_seqs", None)
-        if seqs:
-            # Plain INSERT: a concurrent duplicate must fail the transaction, not vanish.
-            conn.execute(_T["ingest_seqs"].insert(), seqs)
+            conn.execute(_jobs_upsert(conn.dialect.name), list(jobs.values()))
+        # Plain INSERT: a concurrent duplicate must fail the transaction, not vanish.
+        _bulk_insert(conn, _SEQS, rows.bulk[_SEQS.name])
         new_sessions = rows.tables.pop("probe_sessions", [])
         if new_sessions:
             conn.execute(
@@ -310,10 +472,16 @@ class IngestStore:
                 ),
                 new_sessions,
             )
-        _write_session_progress(conn, sessions, stored, now_ns)
+        _write_session_progress(conn, sessions, now_ns)
+        configs = rows.tables.pop("configs", None)
+        if configs:
+            # A job restarted under the same name numbers its configs from 1 again.
+            conn.execute(upsert(conn, _T["configs"], index_elements=["job", "version"]), configs)
         for name, table_rows in rows.tables.items():
             if table_rows:
                 conn.execute(_T[name].insert(), table_rows)
+        for bulk in _BULK[1:]:
+            _bulk_insert(conn, bulk, rows.bulk[bulk.name])
         if stored.command_acks:
             _apply_acks(conn, stored.command_acks, now_ns)
         for batch, _node in stored.batches:
@@ -323,15 +491,94 @@ class IngestStore:
                 _apply_acks(conn, batch.command_acks, now_ns)
 
 
-def _write_jobs(conn: Connection, rows: list[dict[str, Any]]) -> None:
+def insert_rows(batch: IngestBatch, now_ns: int) -> dict[str, TableRows]:
+    """The rows ``IngestStore.store`` inserts for ``batch`` when none of it was stored
+    before, per table; without the upserts and updates of jobs, sessions and commands.
+
+    For benchmarks and checks: the same row builders as ``store``.
+    """
+    rows = _Rows()
+    for item in batch.records:
+        rows.bulk[_SEQS.name].append((batch.agent_id, item.seq, batch.node, now_ns))
+        for message in item.record.messages:
+            if isinstance(message, Batch):
+                _batch_rows(message, batch.node, rows)
+        for sample in item.record.node_samples:
+            _node_rows(sample, rows)
+    out: dict[str, TableRows] = {}
+    for bulk in _BULK:
+        if rows.bulk[bulk.name]:
+            out[bulk.name] = (bulk.columns, rows.bulk[bulk.name])
+    for name, dicts in rows.tables.items():
+        if dicts:
+            columns = tuple(dicts[0])
+            out[name] = (columns, [tuple(d[c] for c in columns) for d in dicts])
+    return out
+
+
+def _bulk_insert(conn: Connection, bulk: _BulkTable, rows: list[tuple[Any, ...]]) -> None:
+    """Insert ``rows`` into ``bulk``'s table in the connection's transaction."""
+    if not rows:
+        return
+    dialect = conn.dialect.name
+    if dialect == "sqlite":
+        conn.exec_driver_sql(_insert_sql(bulk), rows)
+    elif dialect == "postgresql":
+        _copy(conn, bulk, rows)
+    else:
+        raise DatabaseConfigError(
+            f"unsupported database dialect {dialect!r}; use sqlite or postgresql"
+        )
+
+
+@functools.cache
+def _insert_sql(bulk: _BulkTable) -> str:
+    return "INSERT INTO {} ({}) VALUES ({})".format(
+        bulk.name, ", ".join(bulk.columns), ", ".join("?" * len(bulk.columns))
+    )
+
+
+def _copy(conn: Connection, bulk: _BulkTable, rows: list[tuple[Any, ...]]) -> None:
+    """``COPY ... FROM STDIN`` on the connection's psycopg connection (its transaction).
+
+    Database errors are raised as SQLAlchemy's (DataError, IntegrityError, ...), as
+    ``execute`` would raise them, so callers map them the same way.
+    """
+    sql = f"COPY {bulk.name} ({', '.join(bulk.columns)}) FROM STDIN"
+    driver = conn.connection.driver_connection
+    if driver is None:
+        raise RuntimeError("the connection has no driver connection to COPY on")
+    dbapi_error: type[Exception] = conn.dialect.loaded_dbapi.Error
+    try:
+        with driver.cursor() as cursor, cursor.copy(sql) as copy:
+            write = copy.write_row
+            for row in rows:
+                write(row)
+    except dbapi_error as exc:
+        raise sa_exc.DBAPIError.instance(sql, None, exc, dbapi_error, dialect=conn.dialect) from exc
+
+
+@functools.cache
+def _jobs_upsert(dialect: str) -> Insert:
+    """Insert each job, or refresh ``last_seen`` and, where a hello told them, world
+    size and backend (a batch alone does not know them)."""
     table: Table = _T["jobs"]
-    conn.execute(insert_ignore(conn, table), rows)
-    for row in rows:
-        values: dict[str, Any] = {"last_seen_unix_ns": row["last_seen_unix_ns"]}
-        if row["world_size"] is not None:
-            values["world_size"] = row["world_size"]
-            values["backend"] = row["backend"]
-        conn.execute(update(table).where(table.c.job == row["job"]).values(**values))
+    if dialect == "postgresql":
+        stmt: postgresql.Insert | sqlite.Insert = postgresql.insert(table)
+    elif dialect == "sqlite":
+        stmt = sqlite.insert(table)
+    else:
+        raise DatabaseConfigError(
+            f"unsupported database dialect {dialect!r}; use sqlite or postgresql"
+        )
+    return stmt.on_conflict_do_update(
+        index_elements=["job"],
+        set_={
+            "last_seen_unix_ns": stmt.excluded.last_seen_unix_ns,
+            "world_size": func.coalesce(stmt.excluded.world_size, table.c.world_size),
+            "backend": func.coalesce(stmt.excluded.backend, table.c.backend),
+        },
+    )
 
 
 def _session_row(
@@ -360,48 +607,67 @@ def _session_row(
     info["exists"] = True
 
 
-def _write_session_progress(
-    conn: Connection, sessions: dict[str, dict[str, Any]], stored: Stored, now_ns: int
-) -> None:
-    """Advance ``last_seq`` of sessions that got batches; create rows for sessions whose
-    hello this aggregator never saw (it was stored before a restart of the agent)."""
+def _session_progress() -> Update:
     table = _T["probe_sessions"]
+    return (
+        update(table)
+        .where(table.c.session == bindparam("b_session"))
+        .values(
+            last_seq=bindparam("b_last_seq"),
+            last_seen_unix_ns=bindparam("b_now"),
+            dropped_records_total=bindparam("b_dropped"),
+        )
+    )
+
+
+# Built once: a statement rebuilt per call pays SQLAlchemy's cache-key work each time.
+_SESSION_PROGRESS: Final = _session_progress()
+
+
+def _write_session_progress(
+    conn: Connection, sessions: dict[str, dict[str, Any]], now_ns: int
+) -> None:
+    """Advance ``last_seq`` of sessions that got batches (one executemany); create rows
+    for sessions whose hello this aggregator never saw (stored before a restart of the
+    agent)."""
+    missing: list[dict[str, Any]] = []
+    progress: list[dict[str, Any]] = []
     for session, info in sessions.items():
         batch: Batch | None = info.get("batch")
         if batch is None:
             continue
         if not info["exists"]:
-            conn.execute(
-                insert_ignore(conn, table),
-                [
-                    {
-                        "session": session,
-                        "job": batch.job,
-                        "rank": batch.rank,
-                        "local_rank": None,
-                        "world_size": None,
-                        "node": None,
-                        "pid": None,
-                        "backend": None,
-                        "torch_version": None,
-                        "probe_version": None,
-                        "started_unix_ns": now_ns,
-                        "last_seen_unix_ns": now_ns,
-                        "last_seq": batch.seq,
-                        "dropped_records_total": batch.dropped_records_total,
-                    }
-                ],
+            missing.append(
+                {
+                    "session": session,
+                    "job": batch.job,
+                    "rank": batch.rank,
+                    "local_rank": None,
+                    "world_size": None,
+                    "node": None,
+                    "pid": None,
+                    "backend": None,
+                    "torch_version": None,
+                    "probe_version": None,
+                    "started_unix_ns": now_ns,
+                    "last_seen_unix_ns": now_ns,
+                    "last_seq": batch.seq,
+                    "dropped_records_total": batch.dropped_records_total,
+                }
             )
             info["exists"] = True
-        conn.execute(
-            update(table)
-            .where(table.c.session == session)
-            .values(
-                last_seq=info["last_seq"],
-                last_seen_unix_ns=now_ns,
-                dropped_records_total=batch.dropped_records_total,
-            )
+        progress.append(
+            {
+                "b_session": session,
+                "b_last_seq": info["last_seq"],
+                "b_now": now_ns,
+                "b_dropped": batch.dropped_records_total,
+            }
         )
+    if missing:
+        conn.execute(insert_ignore(conn, _T["probe_sessions"]), missing)
+    if progress:
+        conn.execute(_SESSION_PROGRESS, progress)
 
 
 def _apply_acks(conn: Connection, acks: Iterable[CommandAck], now_ns: int) -> None:
@@ -442,51 +708,23 @@ def _finite(value: float | None) -> float | None:
 def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
     """Rows of one probe batch; returns the number of measurements (samples) stored."""
     job, rank = batch.job, batch.rank
+    bulk = rows.bulk
+    steps, collectives, buckets = bulk["steps"], bulk["collectives"], bulk["buckets"]
+    step_row, collective_row, bucket_row = _STEPS.row, _COLLECTIVES.row, _BUCKETS.row
+    head = (job, rank, node)
     samples = 0
     for step in batch.steps:
-        rows.add("steps", _step_row(job, rank, node, step))
-        samples += sum(1 for name in STEP_SAMPLE_FIELDS if getattr(step, name) is not None)
-        for c in step.collectives:
-            rows.add(
-                "collectives",
-                {
-                    "job": job,
-                    "rank": rank,
-                    "step": step.step,
-                    "end_unix_ns": step.end_unix_ns,
-                    "op": c.op,
-                    "pg": c.pg,
-                    "dtype": c.dtype,
-                    "count": c.count,
-                    "size_bytes": c.size_bytes,
-                    "duration_s": _finite(c.duration_s),
-                    "max_duration_s": _finite(c.max_duration_s),
-                    "algbw_bytes_per_s": _finite(c.algbw_bytes_per_s),
-                    "busbw_bytes_per_s": _finite(c.busbw_bytes_per_s),
-                },
-            )
-            samples += 4
-        for b in step.buckets:
-            rows.add(
-                "buckets",
-                {
-                    "job": job,
-                    "rank": rank,
-                    "step": step.step,
-                    "end_unix_ns": step.end_unix_ns,
-                    "bucket_index": b.index,
-                    "codec": b.codec,
-                    "size_bytes": b.size_bytes,
-                    "parameters": b.parameters,
-                    "wire_bytes": b.wire_bytes,
-                    "compression_ratio": _finite(b.compression_ratio),
-                    "duration_s": _finite(b.duration_s),
-                    "encode_s": _finite(b.encode_s),
-                    "decode_s": _finite(b.decode_s),
-                    "relative_error": _finite(b.relative_error),
-                },
-            )
-            samples += 4
+        steps.append(step_row(head, step))
+        values = _sample_values(step)
+        samples += len(values) - values.count(None)
+        if step.collectives or step.buckets:
+            at = (job, rank, step.step, step.end_unix_ns)
+            for c in step.collectives:
+                collectives.append(collective_row(at, c))
+            for b in step.buckets:
+                buckets.append(bucket_row(at, b))
+            samples += SAMPLES_PER_COLLECTIVE * len(step.collectives)
+            samples += SAMPLES_PER_BUCKET * len(step.buckets)
         if step.ddp is not None:
             d = step.ddp
             rows.add(
@@ -522,85 +760,19 @@ def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
                     "applied_unix_ns": step.end_unix_ns,
                 },
             )
-    for op in batch.inflight:
-        rows.add(
-            "inflight_reports",
-            {
-                "job": job,
-                "rank": rank,
-                "sent_unix_ns": batch.sent_unix_ns,
-                "pg": op.pg,
-                "seq": op.seq,
-                "op": op.op,
-                "size_bytes": op.size_bytes,
-                "start_unix_ns": op.start_unix_ns,
-                "age_s": _finite(op.age_s),
-                "peer": op.peer,
-            },
-        )
+    if batch.inflight:
+        sent = (job, rank, batch.sent_unix_ns)
+        inflight = bulk["inflight_reports"]
+        for op in batch.inflight:
+            inflight.append(_INFLIGHT.row(sent, op))
     return samples
 
 
-def _step_row(job: str, rank: int, node: str, s: StepRecord) -> dict[str, Any]:
-    return {
-        "job": job,
-        "rank": rank,
-        "node": node,
-        "step": s.step,
-        "end_unix_ns": s.end_unix_ns,
-        "duration_s": _finite(s.duration_s),
-        "comm_wait_s": _finite(s.comm_wait_s),
-        "compute_s": _finite(s.compute_s),
-        "communication_time_ratio": _finite(s.communication_time_ratio),
-        "comm_busy_s": _finite(s.comm_busy_s),
-        "forward_s": _finite(s.forward_s),
-        "backward_s": _finite(s.backward_s),
-        "optimizer_s": _finite(s.optimizer_s),
-        "batch_size": s.batch_size,
-        "samples_per_s": _finite(s.samples_per_s),
-        "loss": _finite(s.loss),
-        "loss_nonfinite": s.loss_nonfinite,
-        "config_version": s.config_version,
-    }
-
-
 def _node_rows(sample: NodeSample, rows: _Rows) -> None:
-    rows.add(
-        "node_samples",
-        {
-            "node": sample.node,
-            "ts_unix_ns": sample.ts_unix_ns,
-            "cpu_utilization_ratio": _finite(sample.cpu_utilization_ratio),
-            "memory_utilization_ratio": _finite(sample.memory_utilization_ratio),
-            "memory_used_bytes": sample.memory_used_bytes,
-            "io_wait_ratio": _finite(sample.io_wait_ratio),
-            "net_rx_bytes_total": sample.net_rx_bytes_total,
-            "net_tx_bytes_total": sample.net_tx_bytes_total,
-            "disk_read_bytes_total": sample.disk_read_bytes_total,
-            "disk_write_bytes_total": sample.disk_write_bytes_total,
-        },
-    )
+    bulk = rows.bulk
+    bulk["node_samples"].append(_NODES.row((), sample))
+    at = (sample.node, sample.ts_unix_ns)
     for gpu in sample.gpus:
-        rows.add(
-            "gpu_samples",
-            {
-                "node": sample.node,
-                "ts_unix_ns": sample.ts_unix_ns,
-                "gpu_index": gpu.index,
-                "utilization_ratio": _finite(gpu.utilization_ratio),
-                "memory_used_bytes": gpu.memory_used_bytes,
-                "memory_total_bytes": gpu.memory_total_bytes,
-            },
-        )
+        bulk["gpu_samples"].append(_GPUS.row(at, gpu))
     for proc in sample.ranks:
-        rows.add(
-            "rank_samples",
-            {
-                "node": sample.node,
-                "ts_unix_ns": sample.ts_unix_ns,
-                "job": proc.job,
-                "rank": proc.rank,
-                "pid": proc.pid,
-                "rss_bytes": proc.rss_bytes,
-            },
-        )
+        bulk["rank_samples"].append(_RANK_SAMPLES.row(at, proc))

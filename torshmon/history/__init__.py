@@ -1,0 +1,1 @@
+"""History in SQL: the schema, migrations, read-only queries and retention."""

@@ -1,0 +1,418 @@
+"""Engines, migrations and dialect-aware statements for the history database.
+
+SQLite (the embedded default) and PostgreSQL (the scale path) are supported. SQLite
+connections run in WAL mode with ``synchronous=NORMAL``, a busy timeout and foreign
+keys on; SQLAlchemy, not the ``sqlite3`` module, emits ``BEGIN`` so that a
+transaction's reads and writes see one snapshot (``begin_write`` takes the write
+lock up front). PostgreSQL goes through psycopg 3.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import quote
+
+from sqlalchemy import Table, create_engine, event, text
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.pool import ConnectionPoolEntry, NullPool
+from sqlalchemy.sql.dml import Insert
+
+import torshmon
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DB_URL: Final = "sqlite:///torshmon.db"
+DB_URL_ENV: Final = "TORSHMON_DB_URL"
+
+#: How long a SQLite connection waits for another writer's lock, milliseconds.
+SQLITE_BUSY_TIMEOUT_MS: Final = 10_000
+
+#: pg_advisory_lock key serialising ``upgrade`` across processes (any fixed bigint).
+UPGRADE_LOCK_KEY: Final = 0x746F7273686D6E01
+
+_UPGRADE_THREAD_LOCK: Final = threading.Lock()
+
+#: Execution option that makes SQLite start the transaction with BEGIN IMMEDIATE.
+_BEGIN_IMMEDIATE: Final = "torshmon_sqlite_begin_immediate"
+
+#: Pragmas a read-only SQLite connection may still run with an argument: they only read.
+_READ_PRAGMAS: Final = frozenset(
+    {
+        "table_info",
+        "table_xinfo",
+        "table_list",
+        "index_list",
+        "index_info",
+        "index_xinfo",
+        "foreign_key_list",
+        "function_list",
+        "pragma_list",
+        "collation_list",
+        "database_list",
+        "module_list",
+    }
+)
+
+#: Authorizer action codes a read-only SQLite connection allows; all others are denied.
+_SQLITE_READ_ACTIONS: Final = frozenset(
+    {
+        sqlite3.SQLITE_SELECT,
+        sqlite3.SQLITE_READ,
+        sqlite3.SQLITE_FUNCTION,
+        sqlite3.SQLITE_RECURSIVE,
+    }
+)
+
+_SQLITE_ACTIONS: Final = (
+    "ALTER_TABLE",
+    "ANALYZE",
+    "ATTACH",
+    "CREATE_INDEX",
+    "CREATE_TABLE",
+    "CREATE_TEMP_INDEX",
+    "CREATE_TEMP_TABLE",
+    "CREATE_TEMP_TRIGGER",
+    "CREATE_TEMP_VIEW",
+    "CREATE_TRIGGER",
+    "CREATE_VIEW",
+    "CREATE_VTABLE",
+    "DELETE",
+    "DETACH",
+    "DROP_INDEX",
+    "DROP_TABLE",
+    "DROP_TEMP_INDEX",
+    "DROP_TEMP_TABLE",
+    "DROP_TEMP_TRIGGER",
+    "DROP_TEMP_VIEW",
+    "DROP_TRIGGER",
+    "DROP_VIEW",
+    "DROP_VTABLE",
+    "INSERT",
+    "PRAGMA",
+    "REINDEX",
+    "SAVEPOINT",
+    "TRANSACTION",
+    "UPDATE",
+)
+_SQLITE_ACTION_NAMES: Final[dict[int, str]] = {
+    getattr(sqlite3, "SQLITE_" + name): name.replace("_", " ") for name in _SQLITE_ACTIONS
+}
+
+
+class DatabaseConfigError(ValueError):
+    """A database URL or setup that cannot work; the text names the value and what is allowed."""
+
+
+def db_url(explicit: str | None) -> str:
+    """The history database URL: ``explicit``, else ``$TORSHMON_DB_URL``, else the default."""
+    if explicit:
+        return explicit
+    return os.environ.get(DB_URL_ENV) or DEFAULT_DB_URL
+
+
+def normalize_url(url: str) -> str:
+    """``url`` with ``postgresql://`` (and ``postgres://``) mapped to the psycopg 3 driver.
+
+    Raises DatabaseConfigError for a URL that is not SQLite or PostgreSQL.
+    """
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise DatabaseConfigError(f"invalid database URL {url!r}: {exc}") from exc
+    # Split the driver name by hand: SQLAlchemy would try to load an unknown dialect.
+    backend, _, driver = parsed.drivername.partition("+")
+    if backend in ("postgresql", "postgres"):
+        if driver not in ("", "psycopg"):
+            raise DatabaseConfigError(
+                f"database URL {url!r} names driver {driver!r}; use postgresql:// "
+                "or postgresql+psycopg:// (psycopg 3)"
+            )
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    elif backend == "sqlite":
+        if driver not in ("", "pysqlite"):
+            raise DatabaseConfigError(
+                f"database URL {url!r}: use sqlite:///PATH (the sqlite3 driver)"
+            )
+    else:
+        raise DatabaseConfigError(
+            f"database URL {url!r} is {backend!r}; supported: sqlite:///PATH, postgresql://..."
+        )
+    return parsed.render_as_string(hide_password=False)
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a SQLite URL; None for an in-memory database or a non-SQLite URL."""
+    parsed = make_url(normalize_url(url))
+    if parsed.get_backend_name() != "sqlite":
+        return None
+    database = parsed.database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database)
+
+
+def make_engine(url: str, *, read_only: bool = False) -> Engine:
+    """An Engine for ``url`` (SQLite or PostgreSQL), set up for torshmon.
+
+    ``read_only``: the database itself refuses writes. SQLite opens the file with
+    ``mode=ro``, ``PRAGMA query_only=ON`` and an authorizer that denies every action
+    but reading (ATTACH, writes, pragma writes); PostgreSQL connections default to
+    read-only transactions. Read-only engines do not pool, so no session state a
+    query may set outlives its connection. Raises DatabaseConfigError for a bad URL,
+    FileNotFoundError for a read-only SQLite file that does not exist.
+    """
+    url = normalize_url(url)
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_engine(url, read_only=read_only)
+    if read_only:
+        # Keep options the URL already has (a search_path, say) and add read-only.
+        options = str(parsed.query.get("options", ""))
+        options = (options + " -c default_transaction_read_only=on").strip()
+        return create_engine(url, poolclass=NullPool, connect_args={"options": options})
+    return create_engine(url, pool_pre_ping=True)
+
+
+def _sqlite_engine(url: str, *, read_only: bool) -> Engine:
+    path = sqlite_path(url)
+    if not read_only:
+        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+        event.listen(engine, "connect", _sqlite_on_connect)
+        event.listen(engine, "begin", _sqlite_on_begin)
+        return engine
+    if path is None:
+        raise DatabaseConfigError(
+            f"a read-only database needs a SQLite file, not {url!r}; use sqlite:///PATH"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"no history database at {path}")
+    return create_engine(
+        "sqlite://", creator=lambda: connect_sqlite_read_only(path)[0], poolclass=NullPool
+    )
+
+
+def connect_sqlite_read_only(path: Path) -> tuple[sqlite3.Connection, list[str]]:
+    """Open ``path`` so that SQLite itself refuses every write; see ``make_engine``.
+
+    Returns the connection and the list the authorizer appends denied actions to.
+    Raises FileNotFoundError if there is no such file (``mode=ro`` never creates one).
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"no history database at {path}")
+    uri = f"file:{quote(str(path.resolve()))}?mode=ro"
+    conn = sqlite3.connect(
+        uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_MS / 1000, check_same_thread=False
+    )
+    # No implicit BEGIN from sqlite3 (the authorizer would deny it); reads autocommit.
+    conn.isolation_level = None
+    conn.execute("PRAGMA query_only=ON")
+    return conn, set_read_only_authorizer(conn)
+
+
+def set_read_only_authorizer(conn: sqlite3.Connection) -> list[str]:
+    """Deny every action on ``conn`` except reads; returns the list the denials go to.
+
+    Each denied action is appended (e.g. ``"INSERT on steps"``) so the caller can name
+    it in its error, since sqlite3 only says "not authorized".
+    """
+    denied: list[str] = []
+
+    def authorize(
+        action: int, arg1: str | None, arg2: str | None, _db: str | None, _src: str | None
+    ) -> int:
+        if action in _SQLITE_READ_ACTIONS:
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_PRAGMA and (arg2 is None or arg1 in _READ_PRAGMAS):
+            return sqlite3.SQLITE_OK
+        name = _SQLITE_ACTION_NAMES.get(action, f"action {action}")
+        if action == sqlite3.SQLITE_PRAGMA:
+            denied.append(f"PRAGMA {arg1} = {arg2}")
+        elif arg1 in ("sqlite_master", "sqlite_temp_master", "sqlite_schema"):
+            # CREATE/DROP reach the authorizer first as a write to the schema table.
+            denied.append(f"schema change ({name} on {arg1})")
+        elif arg1:
+            denied.append(f"{name} on {arg1}")
+        else:
+            denied.append(name)
+        return sqlite3.SQLITE_DENY
+
+    conn.set_authorizer(authorize)
+    return denied
+
+
+def _sqlite_on_connect(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
+    # sqlite3's own transaction handling skips BEGIN before SELECT; SQLAlchemy emits it
+    # instead (see _sqlite_on_begin), as its SQLite documentation recommends.
+    dbapi_conn.isolation_level = None
+    cursor = dbapi_conn.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+    finally:
+        cursor.close()
+
+
+def _sqlite_on_begin(conn: Connection) -> None:
+    if conn.get_execution_options().get(_BEGIN_IMMEDIATE):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    else:
+        conn.exec_driver_sql("BEGIN")
+
+
+@contextmanager
+def begin_write(engine: Engine) -> Iterator[Connection]:
+    """A transaction that will write: on SQLite it takes the write lock at BEGIN.
+
+    A deferred SQLite transaction that reads and then writes fails with "database is
+    locked" (no waiting) when another writer committed in between; BEGIN IMMEDIATE
+    waits for the lock instead. On PostgreSQL this is ``engine.begin()``.
+    """
+    with engine.connect() as conn:
+        if conn.dialect.name == "sqlite":
+            conn = conn.execution_options(**{_BEGIN_IMMEDIATE: True})
+        with conn.begin():
+            yield conn
+
+
+def alembic_dir() -> Path:
+    """The repository's ``alembic/`` directory; DatabaseConfigError if it is absent."""
+    path = Path(torshmon.__file__).resolve().parents[1] / "alembic"
+    if not (path / "env.py").is_file():
+        raise DatabaseConfigError(
+            f"no Alembic migrations at {path}: torshmon must run from its source tree "
+            "(pip install -e .) for `torshmon db upgrade`"
+        )
+    return path
+
+
+def upgrade(url: str) -> None:
+    """Migrate the database at ``url`` to the newest schema (Alembic head).
+
+    Safe on an up-to-date database, and concurrently from several processes: on
+    PostgreSQL a session advisory lock serialises them, on SQLite the write lock.
+    Threads of one process take turns (Alembic's ``context`` is process-global).
+    """
+    from alembic.config import Config
+
+    from alembic import command
+
+    url = normalize_url(url)
+    config = Config()
+    config.set_main_option("script_location", str(alembic_dir()))
+    engine = make_engine(url)
+    try:
+        with _UPGRADE_THREAD_LOCK, engine.connect() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": UPGRADE_LOCK_KEY})
+                conn.commit()
+                try:
+                    _run_alembic(command, config, conn)
+                finally:
+                    if conn.in_transaction():
+                        conn.rollback()  # a failed migration left it aborted
+                    conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": UPGRADE_LOCK_KEY})
+                    conn.commit()
+            else:
+                conn = conn.execution_options(**{_BEGIN_IMMEDIATE: True})
+                _run_alembic(command, config, conn)
+    finally:
+        engine.dispose()
+
+
+def _run_alembic(command: Any, config: Any, conn: Connection) -> None:
+    config.attributes["connection"] = conn
+    command.upgrade(config, "head")
+    if conn.in_transaction():
+        conn.commit()
+    log.info("history database at Alembic head")
+
+
+def schema_differences(conn: Connection) -> list[object]:
+    """How the database's schema differs from the models; empty when they match.
+
+    Alembic's autogenerate comparison (tables, columns, types, nullability, indexes,
+    keys, comments), plus the names of CHECK constraints, which it does not compare:
+    ``("check_constraints", table, in_database, in_models)``.
+    """
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+    from sqlalchemy import CheckConstraint, inspect
+
+    from torshmon.history.models import Base
+
+    context = MigrationContext.configure(conn, opts={"compare_type": True})
+    diffs: list[object] = list(compare_metadata(context, Base.metadata))
+    inspector = inspect(conn)
+    for table in Base.metadata.tables.values():
+        if not inspector.has_table(table.name):
+            continue
+        in_db = sorted(str(c["name"]) for c in inspector.get_check_constraints(table.name))
+        in_models = sorted(str(c.name) for c in table.constraints if isinstance(c, CheckConstraint))
+        if in_db != in_models:
+            diffs.append(("check_constraints", table.name, in_db, in_models))
+    return diffs
+
+
+def insert_ignore(dialect_source: Engine | Connection, table: Table) -> Insert:
+    """``INSERT ... ON CONFLICT DO NOTHING`` into ``table`` for the source's dialect.
+
+    Execute it with a list of row dicts. Raises DatabaseConfigError for a dialect other
+    than sqlite or postgresql.
+    """
+    stmt = _dialect_insert(dialect_source, table)
+    return stmt.on_conflict_do_nothing()
+
+
+def upsert(
+    dialect_source: Engine | Connection,
+    table: Table,
+    *,
+    index_elements: Sequence[str] | None = None,
+    update_columns: Iterable[str] | None = None,
+) -> Insert:
+    """``INSERT ... ON CONFLICT (index_elements) DO UPDATE SET col = excluded.col``.
+
+    ``index_elements`` defaults to the primary key, ``update_columns`` to every other
+    column. Raises DatabaseConfigError naming an unknown column or dialect.
+    """
+    keys = list(index_elements or [c.name for c in table.primary_key.columns])
+    updates = (
+        list(update_columns)
+        if update_columns is not None
+        else [c.name for c in table.columns if c.name not in keys]
+    )
+    unknown = [name for name in (*keys, *updates) if name not in table.columns]
+    if unknown:
+        raise DatabaseConfigError(
+            f"no column {', '.join(unknown)} in table {table.name}; "
+            f"columns: {', '.join(table.columns.keys())}"
+        )
+    stmt = _dialect_insert(dialect_source, table)
+    if not updates:
+        return stmt.on_conflict_do_nothing(index_elements=keys)
+    return stmt.on_conflict_do_update(
+        index_elements=keys, set_={name: stmt.excluded[name] for name in updates}
+    )
+
+
+def _dialect_insert(
+    dialect_source: Engine | Connection, table: Table
+) -> postgresql.Insert | sqlite.Insert:
+    name = dialect_source.dialect.name
+    if name == "postgresql":
+        return postgresql.insert(table)
+    if name == "sqlite":
+        return sqlite.insert(table)
+    raise DatabaseConfigError(f"unsupported database dialect {name!r}; use sqlite or postgresql")
