@@ -96,6 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     export = rules_commands.add_parser("export", help="export rules for another system")
     export.add_argument("file", type=Path, nargs="?", help="rule file (the default rules)")
     export.add_argument("--format", choices=("prometheus",), default="prometheus")
+
+    tune = commands.add_parser("tune", help="start an autotuning session for a running job")
+    tune.add_argument("job", help="job name")
+    tune.add_argument("--url", default="http://127.0.0.1:9470", help="aggregator base URL")
+    tune.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    tune.add_argument("--max-trials", type=_positive_int, help="configs to measure (12)")
+    tune.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        choices=("bucket_cap_mb", "codec"),
+        help="keep this knob at the job's own value (repeatable)",
+    )
+    tune.add_argument("--wait", action="store_true", help="print trials until the session ends")
+    tune.add_argument("--poll-s", type=float, default=2.0, help=argparse.SUPPRESS)
     return parser
 
 
@@ -225,6 +240,91 @@ def _run_db(args: argparse.Namespace) -> int:
     return 0
 
 
+def _http_json(
+    method: str, url: str, token: str | None, body: dict[str, object] | None = None
+) -> tuple[int, dict[str, object]]:
+    """(status, JSON object) of one request; HTTP errors are returned, not raised."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        try:
+            payload = json.loads(exc.read() or b"{}")
+        except ValueError:
+            payload = {}
+        return exc.code, payload if isinstance(payload, dict) else {}
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    import time
+    import urllib.error
+    import urllib.parse
+
+    token = None
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as exc:
+            print(f"torshmon tune: cannot read --token-file: {exc}", file=sys.stderr)
+            return 2
+    base = args.url.rstrip("/")
+    job = urllib.parse.quote(args.job, safe="")
+    body: dict[str, object] = {"pinned": list(args.pin)}
+    if args.max_trials is not None:
+        body["max_trials"] = args.max_trials
+    try:
+        status, reply = _http_json("POST", f"{base}/api/v1/jobs/{job}/tune", token, body)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"torshmon tune: cannot reach {base}: {exc}", file=sys.stderr)
+        return 1
+    if status != 201:
+        print(f"torshmon tune: {reply.get('error', f'HTTP {status}')}", file=sys.stderr)
+        return 1
+    session_id = str(reply["session_id"])
+    print(f"tuning session {session_id} started for job {args.job}")
+    if not args.wait:
+        return 0
+    printed: set[int] = set()
+    while True:
+        try:
+            _, trials = _http_json(
+                "GET", f"{base}/api/v1/tuning/trials?session_id={session_id}&limit=1000", token
+            )
+            _, sessions = _http_json("GET", f"{base}/api/v1/tuning/sessions?job={job}", token)
+        except (urllib.error.URLError, OSError) as exc:
+            print(f"torshmon tune: lost {base}: {exc}", file=sys.stderr)
+            return 1
+        rows = trials.get("trials", [])
+        for trial in sorted(rows if isinstance(rows, list) else [], key=lambda t: t["trial_index"]):
+            if trial["decision"] is None or trial["trial_index"] in printed:
+                continue
+            printed.add(trial["trial_index"])
+            score = trial["score"]
+            config = trial["config"]
+            print(
+                f"trial {trial['trial_index']}: {config.get('codec')}, bucket "
+                f"{config.get('bucket_cap_mb'):.3g} MB: {trial['decision']}"
+                + (f" ({score:.4g})" if score is not None else "")
+                + (f" - {trial['reason']}" if trial["reason"] else "")
+            )
+        listed = sessions.get("sessions", [])
+        mine = [s for s in (listed if isinstance(listed, list) else []) if s["id"] == session_id]
+        if mine and mine[0]["state"] in ("finished", "aborted"):
+            print(f"session {mine[0]['state']}: {mine[0].get('summary') or mine[0]['reason']}")
+            return 0 if mine[0]["state"] == "finished" else 1
+        time.sleep(args.poll_s)
+
+
 def _run_rules(args: argparse.Namespace) -> int:
     from torshmon.aggregator.promrules import check_rules_cli, export_rules_cli
 
@@ -251,6 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_db(args)
     if args.command == "rules":
         return _run_rules(args)
+    if args.command == "tune":
+        return _run_tune(args)
     raise AssertionError(f"unhandled command {args.command}")  # argparse enforces the choices
 
 

@@ -21,6 +21,8 @@ from sqlalchemy import Table, select
 from sqlalchemy import types as sa_types
 
 from torshmon.aggregator.commands import CommandError, CommandStatus
+from torshmon.aggregator.tuner import TunerError
+from torshmon.aggregator.tuning import TuningConflict, TuningUnavailable
 from torshmon.history.models import Base
 from torshmon.history.query import QueryError, format_result, run_query
 from torshmon.wire import Command, IngestBatch, IngestReply
@@ -80,6 +82,7 @@ def add_routes(app: web.Application, aggregator: Aggregator) -> None:
     r.add_get("/api/v1/jobs/{job}/ranks", h.ranks)
     r.add_get("/api/v1/jobs/{job}/report", h.report)
     r.add_post("/api/v1/jobs/{job}/commands", h.post_command)
+    r.add_post("/api/v1/jobs/{job}/tune", h.tune)
     r.add_get("/api/v1/commands/{id}", h.command)
     r.add_get("/api/v1/alerts", h.alerts)
     r.add_get("/api/v1/anomalies", h.anomalies)
@@ -169,6 +172,33 @@ class _Handlers:
             return error(400, str(exc))
         return web.json_response(_command_json(status), status=202)
 
+    async def tune(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        job = request.match_info["job"]
+        body = await _json_body(request) if request.can_read_body else {}
+        unknown = sorted(set(body) - {"max_trials", "pinned"})
+        if unknown:
+            return error(400, f"unknown field(s) {', '.join(unknown)}; allowed: max_trials, pinned")
+        max_trials = body.get("max_trials")
+        pinned = body.get("pinned", [])
+        if max_trials is not None and (
+            isinstance(max_trials, bool) or not isinstance(max_trials, int)
+        ):
+            return error(400, f"max_trials must be an integer, got {max_trials!r}")
+        if not isinstance(pinned, list) or not all(isinstance(p, str) for p in pinned):
+            return error(400, f"pinned must be a list of knob names, got {pinned!r}")
+        try:
+            session_id = await self.a.tuning.start_session(
+                job, trigger="api", max_trials=max_trials, pinned=pinned
+            )
+        except TuningConflict as exc:
+            return error(409, str(exc))
+        except TuningUnavailable as exc:
+            return error(404, str(exc))
+        except TunerError as exc:
+            return error(400, str(exc))
+        return web.json_response({"session_id": session_id, "job": job}, status=201)
+
     async def command(self, request: web.Request) -> web.Response:
         self._auth(request)
         status = self.a.commands.get(request.match_info["id"])
@@ -200,7 +230,8 @@ class _Handlers:
             self._rows, _T["tuning_sessions"], where, "started_unix_s", _limit(request)
         )
         for row in rows:
-            row.pop("state_blob", None)
+            blob = row.pop("state_blob", None)
+            row["summary"] = blob.get("summary", "") if isinstance(blob, dict) else ""
         return web.json_response({"sessions": rows})
 
     async def tuning_trials(self, request: web.Request) -> web.Response:
@@ -461,6 +492,43 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {
                     "202": _json_response(command_ref),
                     "400": _json_response(ref("Error")),
+                },
+            }
+        },
+        "/api/v1/jobs/{job}/tune": {
+            "post": {
+                "summary": "Start an autotuning session for the job; returns its id",
+                "parameters": [job_param],
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "properties": {
+                                    "max_trials": {"type": "integer", "minimum": 1},
+                                    "pinned": {
+                                        "type": "array",
+                                        "items": {"enum": ["bucket_cap_mb", "codec"]},
+                                    },
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "201": _json_response(
+                        {
+                            "type": "object",
+                            "properties": {
+                                "session_id": {"type": "string"},
+                                "job": {"type": "string"},
+                            },
+                        }
+                    ),
+                    "400": _json_response(ref("Error")),
+                    "404": _json_response(ref("Error")),
+                    "409": _json_response(ref("Error")),
                 },
             }
         },

@@ -36,6 +36,8 @@ from torshmon.aggregator.live import LiveState
 from torshmon.aggregator.notify import Notifier, Target, targets_from_env
 from torshmon.aggregator.rules import RuleSet, default_rules, load_rules
 from torshmon.aggregator.settings import AggregatorSettings
+from torshmon.aggregator.tuner import TunerSettings
+from torshmon.aggregator.tuning import TuningManager
 from torshmon.history.db import make_engine, upgrade
 from torshmon.history.models import Base
 from torshmon.wire import (
@@ -64,7 +66,8 @@ class Aggregator:
 
     ``registry`` receives the job-level and service metrics (a fresh one per test);
     ``targets`` overrides the notification targets read from the environment;
-    ``clock`` is Unix seconds (detection and rules use it).
+    ``clock`` is Unix seconds (detection and rules use it); ``tuner_settings`` are the
+    autotuner's defaults for every tuning session.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class Aggregator:
         rules: RuleSet | None = None,
         clock: Callable[[], float] = time.time,
         migrate: bool = True,
+        tuner_settings: TunerSettings | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
@@ -102,6 +106,7 @@ class Aggregator:
         self._started = False
         self.port: int | None = None
         self._metrics()
+        self.tuning = TuningManager(self, settings=tuner_settings)
 
     def _load_rules(self) -> RuleSet:
         if self.settings.rules_path:
@@ -140,6 +145,7 @@ class Aggregator:
             self.engine, aggregator_id=self.settings.aggregator_id, commands=self.commands
         )
         await loop.run_in_executor(self.writer, self._restore_alerts)
+        await self.tuning.start()
         await self.notifier.start()
         app = web.Application(
             client_max_size=self.settings.max_body_bytes,
@@ -180,7 +186,8 @@ class Aggregator:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         # The loop over parts is deliberate: one failing must not leave the rest running.
-        for part in (self._close_http, self._last_evaluation, self.notifier.aclose):
+        parts = (self._close_http, self._last_evaluation, self.tuning.aclose, self.notifier.aclose)
+        for part in parts:
             try:
                 await part()
             except Exception as exc:  # reported together below
@@ -268,6 +275,10 @@ class Aggregator:
             self.tracer.record_steps(stored)
         except Exception:
             log.exception("live state update failed; the data is stored")
+        try:
+            self.tuning.observe(stored)
+        except Exception:
+            log.exception("autotuner update failed; the data is stored")
 
     # -- evaluation ----------------------------------------------------------------------
     async def _evaluate_forever(self) -> None:
@@ -302,6 +313,10 @@ class Aggregator:
                             log.exception("action %s failed for %s", action, alert.rule)
         for status in self.commands.expire():
             await self.write(self._persist_command, status)
+        try:
+            await self.tuning.tick()
+        except Exception:
+            log.exception("autotuner tick failed")
         self.live.expire(now)
         return transitions
 

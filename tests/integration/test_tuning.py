@@ -1,0 +1,213 @@
+"""The autotuner wired into the aggregator: a real 2-rank gloo job tuned end to end,
+and a session that outlives its aggregator."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import secrets
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client import CollectorRegistry
+from sqlalchemy import create_engine, text
+
+from torshmon.aggregator.commands import CommandStatus
+from torshmon.aggregator.service import Aggregator
+from torshmon.aggregator.settings import AggregatorSettings
+from torshmon.aggregator.tuner import TunerSettings, TuningSession
+from torshmon.demo import DemoConfig, train_rank
+from torshmon.launch import run_ranks
+
+SMALL = TunerSettings(warmup_steps=2, window_steps=5, windows=3, min_windows=3, max_trials=3)
+
+
+def _rows(db_url: str, sql: str) -> list[dict[str, Any]]:
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return [dict(r) for r in conn.execute(text(sql)).mappings()]
+    finally:
+        engine.dispose()
+
+
+async def _post_tune(session: aiohttp.ClientSession, url: str, body: object) -> tuple[int, Any]:
+    async with session.post(url, json=body) as response:
+        return response.status, await response.json()
+
+
+async def test_tunes_a_real_job_end_to_end(tmp_path: Path) -> None:
+    from torshmon.agent.daemon import Agent, AgentSettings
+
+    db_url = f"sqlite:///{tmp_path / 'history.db'}"
+    token = secrets.token_hex(8)
+    settings = AggregatorSettings(
+        port=0, db_url=db_url, token=token, aggregator_id="tune-it", eval_interval_s=0.2
+    )
+    config = DemoConfig(
+        world_size=2, steps=600, hidden=256, layers=3, step_sleep_s=0.005, job="tunejob"
+    )
+    headers = {"Authorization": f"Bearer {token}"}
+    async with Aggregator(
+        settings, registry=CollectorRegistry(), targets=[], tuner_settings=SMALL
+    ) as aggregator:
+        agent_settings = AgentSettings(
+            socket_path=os.path.join(tmp_path, "agent.sock"),
+            metrics_port=0,
+            aggregator_url=f"http://127.0.0.1:{aggregator.port}",
+            token=token,
+            spool_path=os.path.join(tmp_path, "spool.db"),
+            sample_interval_s=1.0,
+        )
+        base = f"http://127.0.0.1:{aggregator.port}"
+        async with Agent(agent_settings, registry=CollectorRegistry()):
+            job = asyncio.ensure_future(
+                asyncio.to_thread(
+                    run_ranks, train_rank, 2, config, agent_settings.socket_path, timeout_s=120
+                )
+            )
+            async with aiohttp.ClientSession(headers=headers) as http:
+                url = f"{base}/api/v1/jobs/tunejob/tune"
+                status, reply = 404, {}
+                while status == 404 and not job.done():
+                    await asyncio.sleep(0.2)
+                    status, reply = await _post_tune(http, url, {})
+                assert status == 201, reply
+                session_id = reply["session_id"]
+                again, conflict = await _post_tune(http, url, {"max_trials": 2})
+                assert again == 409 and session_id in conflict["error"]
+                while aggregator.tuning.active("tunejob") is not None and not job.done():
+                    await asyncio.sleep(0.2)
+                async with http.get(f"{base}/metrics") as response:
+                    metrics = await response.text()
+                async with http.get(f"{base}/api/v1/tuning/sessions?job=tunejob") as response:
+                    sessions = (await response.json())["sessions"]
+            await job
+
+    [session] = sessions
+    assert session["id"] == session_id
+    assert session["state"] == "finished", session
+    assert session["summary"] and session["reason"]
+    assert session["baseline_score"] is not None and session["best_config"] is not None
+
+    trials = _rows(db_url, f"SELECT * FROM tuning_trials WHERE session_id = '{session_id}'")
+    assert [t["trial_index"] for t in sorted(trials, key=lambda t: t["trial_index"])] == list(
+        range(len(trials))
+    )
+    assert len(trials) >= 3  # the baseline, two trials, perhaps a verification
+    assert all(t["decision"] for t in trials), trials
+    assert all(t["command_id"] for t in trials)
+
+    # Every config was applied at the same step on both ranks.
+    steps = _rows(db_url, "SELECT step, rank, config_version FROM steps WHERE job = 'tunejob'")
+    by_step: dict[int, set[int]] = defaultdict(set)
+    ranks: dict[int, set[int]] = defaultdict(set)
+    for row in steps:
+        by_step[row["step"]].add(row["config_version"])
+        ranks[row["step"]].add(row["rank"])
+    both = [s for s in by_step if ranks[s] == {0, 1}]
+    assert len(both) > 100
+    assert all(len(by_step[s]) == 1 for s in both)
+    assert max(v for s in both for v in by_step[s]) >= 3  # several configs were applied
+
+    # One config in flight: each command was created after the previous one was answered.
+    commands = _rows(
+        db_url,
+        "SELECT status, created_unix_s, updated_unix_s FROM commands "
+        "WHERE job = 'tunejob' ORDER BY created_unix_s",
+    )
+    assert len(commands) >= len(trials)
+    for earlier, later in itertools.pairwise(commands):
+        assert earlier["status"] in ("applied", "rejected", "expired")
+        assert later["created_unix_s"] >= earlier["updated_unix_s"]
+
+    assert 'torshmon_tuner_state{job="tunejob",state="finished"} 1.0' in metrics
+    assert 'torshmon_tuner_trials_total{decision="kept",job="tunejob"}' in metrics
+    assert 'torshmon_tuner_best_score{job="tunejob"}' in metrics
+
+
+async def test_session_survives_an_aggregator_restart(tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'history.db'}"
+    now = [1000.0]
+    settings = AggregatorSettings(port=0, db_url=db_url, aggregator_id="shard-a")
+    fast = TunerSettings(
+        warmup_steps=1, window_steps=2, windows=3, min_windows=3, max_trials=2, apply_timeout_s=5
+    )
+
+    def clock() -> float:
+        return now[0]
+
+    async with Aggregator(
+        settings, registry=CollectorRegistry(), targets=[], clock=clock, tuner_settings=fast
+    ) as first:
+        # No job: pretend rank 0 reported DDP's bucket cap, then start by hand.
+        first.tuning._caps_mb["nojob"] = 25.0
+        session_id = await first.tuning.start_session("nojob", trigger="test")
+        pending = first.tuning._active["nojob"].command_id
+        assert pending is not None
+        [row] = _rows(db_url, "SELECT state, state_blob FROM tuning_sessions")
+        assert row["state"] == "applying"
+
+    # A new process of the same shard resumes the session and asks for the config again.
+    async with Aggregator(
+        settings, registry=CollectorRegistry(), targets=[], clock=clock, tuner_settings=fast
+    ) as second:
+        assert second.tuning.active("nojob") == session_id
+        entry = second.tuning._active["nojob"]
+        assert entry.command_id is not None and entry.command_id != pending
+        blob = _rows(db_url, "SELECT state_blob FROM tuning_sessions")[0]["state_blob"]
+        restored = TuningSession.from_state(json.loads(blob))
+        assert restored.phase == "applying"
+        # Nobody answers: after apply_timeout_s the baseline counts as refused, which
+        # ends the session cleanly (aborted, with its reason stored).
+        now[0] += 10.0
+        await second.evaluate()
+        for _ in range(50):
+            if second.tuning.active("nojob") is None:
+                break
+            await asyncio.sleep(0.02)
+        assert second.tuning.active("nojob") is None
+
+    [row] = _rows(db_url, "SELECT state, reason, ended_unix_s FROM tuning_sessions")
+    assert row["state"] == "aborted"
+    assert "refused" in row["reason"]
+    assert row["ended_unix_s"] == 1010.0
+    [trial] = _rows(db_url, "SELECT decision, reason FROM tuning_trials")
+    assert trial["decision"] == "failed"
+
+    # A third start finds nothing to resume.
+    async with Aggregator(settings, registry=CollectorRegistry(), targets=[], clock=clock) as third:
+        assert third.tuning.active("nojob") is None
+
+
+async def test_acks_route_only_the_awaited_command(tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'history.db'}"
+    now = [2000.0]
+    settings = AggregatorSettings(port=0, db_url=db_url, aggregator_id="shard-b")
+    async with Aggregator(
+        settings,
+        registry=CollectorRegistry(),
+        targets=[],
+        clock=lambda: now[0],
+        tuner_settings=SMALL,
+    ) as agg:
+        agg.tuning._caps_mb["j"] = 25.0
+        await agg.tuning.start_session("j", trigger="test")
+        entry = agg.tuning._active["j"]
+        awaited = agg.commands.get(entry.command_id or "")
+        assert awaited is not None
+        # Another command of the same job is answered: the session must not move.
+        other = await agg.submit_command("j", "config", {"bucket_cap_mb": 4.0})
+        agg.tuning._on_command(
+            CommandStatus(other.command, "applied", now[0], now[0], version=7, effective_step=3)
+        )
+        assert entry.session.phase == "applying"
+        agg.tuning._on_command(
+            CommandStatus(awaited.command, "applied", now[0], now[0], version=1, effective_step=5)
+        )
+        assert entry.session.phase == "measuring"
+        assert entry.session.trials[0].version == 1

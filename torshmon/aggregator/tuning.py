@@ -1,0 +1,516 @@
+"""The autotuner in the aggregator: runs one ``TuningSession`` per job against the real job.
+
+The pure session (``tuner.py``) decides; this module does the I/O around it. It
+pushes each ``ApplyConfig`` as a ``config`` command and routes only that command's
+final acknowledgement back (applied -> ``on_applied``, rejected or expired ->
+``on_rejected``), feeds rank 0's step records in order (``observe``), calls
+``on_timeout`` on every evaluation tick, persists the session and its trials after
+every event that changed them, exports metrics and spans, and notifies when a
+session ends. Everything runs on the aggregator's event loop: command status
+changes arrive from the writer thread and are marshalled onto the loop, and one lock
+per manager keeps decisions executing in the order the sessions returned them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from prometheus_client import Counter, Gauge
+from sqlalchemy import select, update
+
+from torshmon.aggregator.alert import Alert
+from torshmon.aggregator.commands import CommandError, CommandStatus
+from torshmon.aggregator.tuner import (
+    MIB,
+    Abort,
+    ApplyConfig,
+    Decision,
+    Finish,
+    SearchSpace,
+    StepSample,
+    Trial,
+    TrialConfig,
+    TunerError,
+    TunerSettings,
+    TuningSession,
+)
+from torshmon.history.db import upsert
+from torshmon.history.models import Base
+
+if TYPE_CHECKING:
+    from torshmon.aggregator.ingest import Stored
+    from torshmon.aggregator.service import Aggregator
+
+log = logging.getLogger(__name__)
+
+_T = Base.metadata.tables
+PHASES: Final = ("created", "applying", "measuring", "finished", "aborted")
+#: The rule name of the notification sent when a session ends.
+FINISHED_RULE: Final = "Autotune Finished"
+#: torch's default first bucket cap (``dist._DEFAULT_FIRST_BUCKET_BYTES``), MiB.
+_TORCH_FIRST_BUCKET_MB: Final = 1.0
+
+
+class TuningConflict(RuntimeError):
+    """The job already has an active tuning session; names it."""
+
+
+class TuningUnavailable(RuntimeError):
+    """A session cannot start (no live data for the job yet); says what is missing."""
+
+
+@dataclass(slots=True)
+class _Active:
+    """One running session and what the manager knows beside it."""
+
+    session_id: str
+    job: str
+    trigger: str
+    session: TuningSession
+    started_unix_s: float
+    command_id: str | None = None  # the config command awaiting its acknowledgement
+    trial_commands: dict[int, str] = field(default_factory=dict)
+    counted: set[int] = field(default_factory=set)  # trials already in trials_total
+
+
+class TuningManager:
+    """Runs tuning sessions for the aggregator's jobs, at most one active per job.
+
+    ``settings`` and ``space`` are the defaults of every session (a session may
+    override ``max_trials`` and pin knobs); ``seed`` makes proposals repeatable (a
+    session's own seed is derived from it and the session id when None).
+    """
+
+    def __init__(
+        self,
+        aggregator: Aggregator,
+        *,
+        settings: TunerSettings | None = None,
+        space: SearchSpace | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.a = aggregator
+        self.settings = settings if settings is not None else TunerSettings()
+        self.space = space if space is not None else SearchSpace()
+        self.seed = seed
+        self._active: dict[str, _Active] = {}
+        self._caps_mb: dict[str, float] = {}  # job -> rank 0's last reported bucket cap
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        r = aggregator.registry
+        self.m_trials = Counter(
+            "torshmon_tuner_trials",
+            "Tuning trials decided, by decision",
+            ["job", "decision"],
+            registry=r,
+        )
+        self.m_best = Gauge(
+            "torshmon_tuner_best_score",
+            "Best throughput of the job's tuning session (incumbent), samples per second",
+            ["job"],
+            registry=r,
+        )
+        self.m_state = Gauge(
+            "torshmon_tuner_state",
+            "1 for the tuning session's current phase",
+            ["job", "state"],
+            registry=r,
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Hook into the aggregator and resume this aggregator's unfinished sessions."""
+        self._loop = asyncio.get_running_loop()
+        self.a.command_hooks.append(self._command_changed)
+        self.a.action_hooks.setdefault("autotune", []).append(self._on_alert)
+        rows = await self.a.write(self._load_unfinished)
+        now = self.a.clock()
+        for row in rows:
+            await self._resume(row, now)
+
+    async def aclose(self) -> None:
+        """Wait for decisions being executed (sessions stay resumable in SQL)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def active(self, job: str) -> str | None:
+        """The id of ``job``'s active session, if any."""
+        entry = self._active.get(job)
+        return entry.session_id if entry is not None else None
+
+    # -- starting ------------------------------------------------------------------------
+
+    async def start_session(
+        self,
+        job: str,
+        *,
+        trigger: str,
+        max_trials: int | None = None,
+        pinned: Iterable[str] = (),
+    ) -> str:
+        """Start tuning ``job``; returns the session id.
+
+        TuningConflict when one is active; TuningUnavailable when the job has sent no
+        config or DDP stats yet; TunerError names a bad ``max_trials`` or pinned knob.
+        """
+        if job in self._active:
+            raise TuningConflict(
+                f"job {job!r} already has an active tuning session {self._active[job].session_id}"
+            )
+        settings = self.settings
+        if max_trials is not None:
+            if isinstance(max_trials, bool) or not isinstance(max_trials, int):
+                raise TunerError(f"max_trials must be an integer, got {max_trials!r}")
+            settings = TunerSettings(**{**_fields(settings), "max_trials": max_trials})
+        space = SearchSpace(**{**_fields(self.space), "pinned": frozenset(pinned)})
+        baseline = self._baseline(job)
+        session_id = uuid.uuid4().hex[:16]
+        seed = self.seed if self.seed is not None else int(session_id[:8], 16)
+        now = self.a.clock()
+        entry = _Active(session_id, job, trigger, TuningSession(space, settings, seed=seed), now)
+        self._active[job] = entry
+        decision = entry.session.start(now, baseline)
+        log.info("tuning %s: session %s started (%s)", job, session_id, trigger)
+        await self._execute(entry, decision)
+        return session_id
+
+    def _baseline(self, job: str) -> TrialConfig:
+        config = self.a.live.job_config(job)
+        if config is not None:
+            return TrialConfig(
+                bucket_cap_mb=config["bucket_cap_bytes"] / MIB,
+                first_bucket_cap_mb=config["first_bucket_cap_bytes"] / MIB,
+                codec=config["codec"],
+                codec_params=dict(config["codec_params"]),
+            )
+        cap = self._caps_mb.get(job)
+        if cap is None:
+            raise TuningUnavailable(
+                f"no config or DDP stats from job {job!r} yet; start tuning once it trains"
+            )
+        # The job runs its config version 0, which the probe does not report: DDP's own
+        # bucket cap with torch's default first bucket and no codec.
+        return TrialConfig(cap, min(cap, _TORCH_FIRST_BUCKET_MB))
+
+    def _on_alert(self, alert: Alert) -> None:
+        """The ``autotune`` action of a firing alert: tune its job unless already tuning."""
+        job = alert.job
+        if not job or job in self._active:
+            return
+        self._spawn(self._start_from_alert(job, alert.rule))
+
+    async def _start_from_alert(self, job: str, rule: str) -> None:
+        try:
+            await self.start_session(job, trigger=f"alert: {rule}")
+        except (TuningConflict, TuningUnavailable, TunerError) as exc:
+            log.warning("tuning %s not started by %s: %s", job, rule, exc)
+
+    # -- events --------------------------------------------------------------------------
+
+    def observe(self, stored: Stored) -> None:
+        """Rank 0's steps of each ingest, in order (called on the loop after storage)."""
+        now = self.a.clock()
+        for batch, _node in stored.batches:
+            if batch.rank != 0:
+                continue
+            for record in batch.steps:
+                if record.ddp is not None:
+                    self._caps_mb[batch.job] = record.ddp.bucket_cap_bytes / MIB
+            entry = self._active.get(batch.job)
+            if entry is None:
+                continue
+            for record in batch.steps:
+                decision = entry.session.on_step(StepSample.from_record(record), now)
+                if decision is not None or entry.session.done:
+                    self._after(entry, decision)
+                    if entry.session.done:
+                        break
+
+    async def tick(self) -> None:
+        """The evaluation tick: timeouts of every active session."""
+        now = self.a.clock()
+        for entry in list(self._active.values()):
+            decision = entry.session.on_timeout(now)
+            if decision is not None:
+                await self._execute(entry, decision)
+
+    def _command_changed(self, status: CommandStatus) -> None:
+        """Any thread: hand final statuses to the loop."""
+        if not status.done or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._on_command, status)
+        except RuntimeError:  # the loop is closed: the aggregator is gone
+            return
+
+    def _on_command(self, status: CommandStatus) -> None:
+        entry = self._active.get(status.command.job)
+        if entry is None or status.command.id != entry.command_id:
+            return
+        entry.command_id = None
+        now = self.a.clock()
+        if status.status == "applied" and status.version is not None:
+            step = status.effective_step if status.effective_step is not None else 0
+            decision = entry.session.on_applied(status.version, step, now)
+        else:
+            decision = entry.session.on_rejected(status.reason or status.status, now)
+        self._after(entry, decision)
+
+    # -- executing decisions -------------------------------------------------------------
+
+    def _after(self, entry: _Active, decision: Decision | None) -> None:
+        """From synchronous code: execute ``decision`` (or just persist) in order."""
+        self._spawn(self._execute(entry, decision))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("tuning task failed", exc_info=task.exception())
+
+    async def _execute(self, entry: _Active, decision: Decision | None) -> None:
+        async with self._lock:
+            await self._execute_locked(entry, decision)
+
+    async def _execute_locked(self, entry: _Active, decision: Decision | None) -> None:
+        job, session = entry.job, entry.session
+        if decision is not None:
+            self._trace(entry, decision)
+        if isinstance(decision, ApplyConfig):
+            await self._push(entry, decision)
+        elif isinstance(decision, Finish):
+            log.info("tuning %s finished: %s", job, decision.summary)
+            self._notify(entry, decision.summary, "info")
+        elif isinstance(decision, Abort):
+            log.warning("tuning %s aborted: %s", job, decision.reason)
+            if decision.restore_config is not None:
+                try:
+                    await self.a.submit_command(job, "config", decision.restore_config.args())
+                except CommandError as exc:
+                    log.error("tuning %s: could not restore the config: %s", job, exc)
+            self._notify(entry, session.summary(), "warning")
+        self._update_metrics(entry)
+        await self.a.write(self._persist, entry, session.to_state())
+        if session.done and self._active.get(job) is entry:
+            del self._active[job]
+
+    async def _push(self, entry: _Active, decision: ApplyConfig) -> None:
+        try:
+            status = await self.a.submit_command(entry.job, "config", decision.args)
+        except CommandError as exc:
+            follow = entry.session.on_rejected(str(exc), self.a.clock())
+            if follow is not None:
+                # Recursion is bounded: the session concludes after max_failures refusals.
+                self._trace(entry, follow)
+                if isinstance(follow, ApplyConfig):
+                    await self._push(entry, follow)
+                else:
+                    self._after(entry, follow)
+            return
+        # No await since the command was queued: its acknowledgement, marshalled onto
+        # the loop, cannot be handled before this id is known.
+        entry.command_id = status.command.id
+        if decision.trial_index is not None:
+            entry.trial_commands[decision.trial_index] = status.command.id
+
+    def _trace(self, entry: _Active, decision: Decision) -> None:
+        attributes: dict[str, str | float | int] = {
+            "torshmon.job": entry.job,
+            "torshmon.tuning.session": entry.session_id,
+        }
+        name: str
+        if isinstance(decision, ApplyConfig):
+            name = decision.purpose
+            attributes["torshmon.tuning.reason"] = decision.reason
+            attributes["torshmon.tuning.config"] = decision.config.describe()
+            if decision.trial_index is not None:
+                attributes["torshmon.tuning.trial"] = decision.trial_index
+        elif isinstance(decision, Finish):
+            name = "finish"
+            attributes["torshmon.tuning.summary"] = decision.summary
+            attributes["torshmon.tuning.changed"] = int(decision.changed)
+            if decision.best_score is not None:
+                attributes["torshmon.tuning.best_score"] = decision.best_score
+        else:
+            name = "abort"
+            attributes["torshmon.tuning.reason"] = decision.reason
+        self.a.tracer.record_decision(name, attributes)
+
+    def _notify(self, entry: _Active, summary: str, severity: str) -> None:
+        now = self.a.clock()
+        labels = {"alertname": FINISHED_RULE, "severity": severity, "job": entry.job}
+        alert = Alert(
+            rule=FINISHED_RULE,
+            state="firing",
+            severity=severity,
+            labels=labels,
+            annotations={
+                "summary": f"autotune of {entry.job}: {summary}",
+                "description": entry.session.reason,
+            },
+            value=None,
+            starts_at_unix_s=now,
+            actions=("notify",),
+            # One notification per session, not per job: sessions repeat.
+            fingerprint=f"tune-{entry.session_id}",
+        )
+        self.a.notifier.submit([alert])
+
+    def _update_metrics(self, entry: _Active) -> None:
+        session, job = entry.session, entry.job
+        for trial in session.trials:
+            if trial.decision is not None and trial.index not in entry.counted:
+                entry.counted.add(trial.index)
+                self.m_trials.labels(job, trial.decision).inc()
+        best = session.best
+        if best is not None and best.score is not None:
+            self.m_best.labels(job).set(best.score)
+        for phase in PHASES:
+            self.m_state.labels(job, phase).set(1.0 if phase == session.phase else 0.0)
+
+    # -- SQL (writer thread) -------------------------------------------------------------
+
+    def _persist(self, entry: _Active, state: dict[str, Any]) -> None:
+        engine = self.a.engine
+        if engine is None:
+            return
+        session = entry.session
+        baseline = session.baseline
+        final = session.final_config
+        best = session.best
+        best_config = final or (best.config if best is not None else baseline)
+        trials = session.trials
+        sessions, trials_table = _T["tuning_sessions"], _T["tuning_trials"]
+        row = {
+            "id": entry.session_id,
+            "job": entry.job,
+            "state": session.phase,
+            "trigger": entry.trigger[:200],
+            "started_unix_s": entry.started_unix_s,
+            "ended_unix_s": state.get("ended_unix_s"),
+            "baseline_config": baseline.to_dict() if baseline is not None else {},
+            "best_config": best_config.to_dict() if best_config is not None else None,
+            "baseline_score": trials[0].score if trials else None,
+            "best_score": _best_score(session),
+            "reason": session.reason,
+            "aggregator_id": self.a.settings.aggregator_id,
+            "state_blob": state,
+        }
+        with engine.begin() as conn:
+            conn.execute(upsert(conn, sessions).values(**row))
+            existing = {
+                int(r.trial_index): int(r.id)
+                for r in conn.execute(
+                    select(trials_table.c.id, trials_table.c.trial_index).where(
+                        trials_table.c.session_id == entry.session_id
+                    )
+                )
+            }
+            for trial in trials:
+                values = _trial_row(entry, trial)
+                row_id = existing.get(trial.index)
+                if row_id is None:
+                    conn.execute(trials_table.insert().values(**values))
+                else:
+                    if values["command_id"] is None:
+                        del values["command_id"]  # known before a restart, not after
+                    conn.execute(
+                        update(trials_table).where(trials_table.c.id == row_id).values(**values)
+                    )
+
+    def _load_unfinished(self) -> list[dict[str, Any]]:
+        engine = self.a.engine
+        if engine is None:
+            return []
+        table = _T["tuning_sessions"]
+        with engine.connect() as conn:
+            rows = conn.execute(
+                select(table)
+                .where(
+                    table.c.aggregator_id == self.a.settings.aggregator_id,
+                    table.c.state.not_in(["finished", "aborted"]),
+                )
+                .order_by(table.c.started_unix_s)
+            ).mappings()
+            return [dict(r) for r in rows]
+
+    def _mark_aborted(self, session_id: str, reason: str, now: float) -> None:
+        engine = self.a.engine
+        if engine is None:
+            return
+        table = _T["tuning_sessions"]
+        with engine.begin() as conn:
+            conn.execute(
+                update(table)
+                .where(table.c.id == session_id)
+                .values(state="aborted", reason=reason, ended_unix_s=now)
+            )
+
+    async def _resume(self, row: dict[str, Any], now: float) -> None:
+        job, session_id = str(row["job"]), str(row["id"])
+        try:
+            session = TuningSession.from_state(row["state_blob"] or {})
+        except TunerError as exc:
+            log.error("tuning %s: session %s cannot be resumed: %s", job, session_id, exc)
+            await self.a.write(self._mark_aborted, session_id, f"not resumable: {exc}", now)
+            return
+        previous = self._active.get(job)
+        if previous is not None:
+            # Only one session per job: the newer one (rows come oldest first) wins.
+            reason = f"superseded by session {session_id} on resume"
+            await self.a.write(self._mark_aborted, previous.session_id, reason, now)
+        session.resume(now)
+        entry = _Active(session_id, job, str(row["trigger"]), session, float(row["started_unix_s"]))
+        entry.counted = {t.index for t in session.trials if t.decision is not None}
+        self._active[job] = entry
+        log.info("tuning %s: resumed session %s in phase %s", job, session_id, session.phase)
+        pending = session.pending
+        if pending is not None:
+            # The command book died with the old process, so that command's answer
+            # would never be routed: ask again (the probe keeps equal caps as they are).
+            await self._execute(entry, pending)
+        else:
+            await self._execute(entry, None)
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
+
+
+def _best_score(session: TuningSession) -> float | None:
+    best = session.best
+    if session.phase == "finished":
+        trials = session.trials
+        verify = trials[-1] if trials and trials[-1].kind == "verify" else None
+        if verify is not None and verify.decision == "kept":
+            return verify.score
+        return trials[0].score if trials else None
+    return best.score if best is not None else None
+
+
+def _trial_row(entry: _Active, trial: Trial) -> dict[str, Any]:
+    return {
+        "session_id": entry.session_id,
+        "job": entry.job,
+        "trial_index": trial.index,
+        "config": trial.config.to_dict(),
+        "command_id": entry.trial_commands.get(trial.index),
+        "state": trial.state,
+        "windows": list(trial.windows),
+        "score": trial.score,
+        "decision": trial.decision,
+        "reason": trial.reason,
+        "started_unix_s": trial.started_unix_s,
+        "ended_unix_s": trial.ended_unix_s,
+    }
