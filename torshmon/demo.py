@@ -27,7 +27,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
-    """What the demo runs; sizes in elements. ``db`` is the SQLite history file."""
+    """What the demo runs; sizes in elements. ``db`` is the SQLite history file.
+
+    ``port`` is the aggregator's HTTP port and ``agent_metrics_port`` the agent's
+    ``/metrics`` port (0: any free port). ``bucket_timing`` attaches the probe with
+    ``bucket_timing=True``: every DDP bucket all-reduce is timed and reported as a
+    collective, not only while a codec runs.
+    """
 
     world_size: int = 2
     steps: int = 200
@@ -37,6 +43,8 @@ class DemoConfig:
     job: str = "demo"
     db: Path = Path("torshmon.db")
     port: int = 0
+    agent_metrics_port: int = 0
+    bucket_timing: bool = False
     faults: tuple[Fault, ...] = ()
     step_sleep_s: float = 0.0
     linger_s: float = 0.0
@@ -81,7 +89,9 @@ def train_rank(
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1000 + rank)
     target = torch.randn(config.hidden, config.hidden, generator=generator) / config.hidden**0.5
-    monitor = torshmon.attach(model, job=config.job, agent_socket=socket_path)
+    monitor = torshmon.attach(
+        model, job=config.job, agent_socket=socket_path, bucket_timing=config.bucket_timing
+    )
     faults = FaultRunner(rank, config.faults)
     loss = torch.zeros(())
     try:
@@ -138,7 +148,7 @@ async def run_system(
             port = aggregator.port or 0
             agent_settings = AgentSettings(
                 socket_path=os.path.join(tmp, "agent.sock"),
-                metrics_port=0,
+                metrics_port=config.agent_metrics_port,
                 aggregator_url=f"http://127.0.0.1:{port}",
                 token=token,
                 spool_path=os.path.join(tmp, "spool.db"),
