@@ -48,6 +48,9 @@ class DemoConfig:
     faults: tuple[Fault, ...] = ()
     step_sleep_s: float = 0.0
     linger_s: float = 0.0
+    #: When set, the job may end before ``steps``: every 10 steps the ranks agree (an
+    #: all-reduce MAX) whether this file exists, and all stop at the same step if it does.
+    stop_file: str | None = None
     quiet: bool = False
     env: dict[str, str] = field(default_factory=dict)
 
@@ -107,9 +110,21 @@ def train_rank(
                 scope.loss = loss
             if config.step_sleep_s:
                 time.sleep(config.step_sleep_s)
+            if config.stop_file is not None and step % 10 == 9 and _agree_to_stop(config.stop_file):
+                break
     finally:
         monitor.close()
     return {"final_loss": loss.item(), "dropped": float(monitor.dropped_records_total)}
+
+
+def _agree_to_stop(path: str) -> bool:
+    """True on every rank once any rank sees ``path``: all ranks stop at the same step."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1.0 if os.path.exists(path) else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import secrets
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,17 @@ async def test_tunes_a_real_job_end_to_end(tmp_path: Path) -> None:
     settings = AggregatorSettings(
         port=0, db_url=db_url, token=token, aggregator_id="tune-it", eval_interval_s=0.2
     )
+    # The job runs until the session is over (a busy machine slows the tuning loop as much
+    # as the job), then every rank stops at the same step.
+    stop_file = str(tmp_path / "stop")
     config = DemoConfig(
-        world_size=2, steps=600, hidden=256, layers=3, step_sleep_s=0.005, job="tunejob"
+        world_size=2,
+        steps=20_000,
+        hidden=256,
+        layers=3,
+        step_sleep_s=0.005,
+        job="tunejob",
+        stop_file=stop_file,
     )
     headers = {"Authorization": f"Bearer {token}"}
     async with Aggregator(
@@ -67,7 +77,7 @@ async def test_tunes_a_real_job_end_to_end(tmp_path: Path) -> None:
         async with Agent(agent_settings, registry=CollectorRegistry()):
             job = asyncio.ensure_future(
                 asyncio.to_thread(
-                    run_ranks, train_rank, 2, config, agent_settings.socket_path, timeout_s=120
+                    run_ranks, train_rank, 2, config, agent_settings.socket_path, timeout_s=240
                 )
             )
             async with aiohttp.ClientSession(headers=headers) as http:
@@ -80,8 +90,11 @@ async def test_tunes_a_real_job_end_to_end(tmp_path: Path) -> None:
                 session_id = reply["session_id"]
                 again, conflict = await _post_tune(http, url, {"max_trials": 2})
                 assert again == 409 and session_id in conflict["error"]
+                deadline = time.monotonic() + 150
                 while aggregator.tuning.active("tunejob") is not None and not job.done():
+                    assert time.monotonic() < deadline, "the tuning session did not end"
                     await asyncio.sleep(0.2)
+                Path(stop_file).touch()
                 async with http.get(f"{base}/metrics") as response:
                     metrics = await response.text()
                 async with http.get(f"{base}/api/v1/tuning/sessions?job=tunejob") as response:
