@@ -12,6 +12,8 @@ The agent's CPU is its own ``cpu_times()`` (user + system, all its threads) over
 window after a warm-up, divided by the window's wall time: a fraction of one core.
 RSS is the largest of samples taken through the window. After the window the ranks
 stop, the agent drains, and every step record sent must have reached the stand-in.
+``/metrics`` is scraped every ``--scrape-interval-s`` (15 s, as Prometheus would;
+0: never) from the start, so a window of W seconds holds about W / 15 scrapes.
 
 Prints one row per run, then (the last line of stdout) one JSON object.
 
@@ -43,9 +45,11 @@ from pathlib import Path
 from typing import Any
 
 import _table  # benchmarks/ is the script's own folder, first on sys.path
+import aiohttp
 import psutil
 from aiohttp import web
 
+from torshmon.launch import free_port
 from torshmon.wire import (
     DURATION_BUCKETS_S,
     FRAME_HEADER,
@@ -85,6 +89,7 @@ class Plan:
     steps_per_s: float
     flush_interval_s: float
     drain_timeout_s: float
+    scrape_interval_s: float
     pin: bool
     profile_dir: Path | None
 
@@ -329,6 +334,7 @@ class RunResult:
     ack_p50_s: float
     ack_p99_s: float
     drain_s: float
+    scrapes: int
     wall_s: float
 
     @property
@@ -336,11 +342,13 @@ class RunResult:
         return self.steps_sent - self.steps_received
 
 
-def _agent_command(plan: Plan, tmp: Path, aggregator_url: str, tag: str) -> list[str]:
+def _agent_command(
+    plan: Plan, tmp: Path, aggregator_url: str, metrics_port: int, tag: str
+) -> list[str]:
     token_file = tmp / "token"
     token_file.write_text(TOKEN)
     agent = ["-m", "torshmon.cli", "agent", "--socket", str(tmp / "agent.sock")]
-    agent += ["--metrics-port", "0", "--aggregator", aggregator_url]
+    agent += ["--metrics-port", str(metrics_port), "--aggregator", aggregator_url]
     agent += ["--token-file", str(token_file), "--spool", str(tmp / "spool.db")]
     agent += ["--sample-interval-s", "2", "--node", "bench"]
     if plan.profile_dir is None:
@@ -405,6 +413,20 @@ async def _window(process: psutil.Process, window_s: float) -> Window:
     return Window((cpu1 - cpu0) / wall_s, (main1 - main0) / wall_s, max(rss) / (1024 * 1024))
 
 
+async def _scrape_forever(url: str, interval_s: float, scraped: list[int]) -> None:
+    """GET ``url`` every ``interval_s`` (appending each body's size to ``scraped``)."""
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.get(url) as response:
+                    body = await response.read()
+                    response.raise_for_status()
+                scraped.append(len(body))
+            except aiohttp.ClientError as exc:
+                print(f"scrape of {url} failed: {exc}", file=sys.stderr)
+            await asyncio.sleep(interval_s)
+
+
 async def _drain(counter: IngestCounter, steps_sent: int, timeout_s: float) -> float:
     """Seconds until the stand-in has every sent step (or the timeout passed)."""
     started = time.monotonic()
@@ -437,8 +459,11 @@ async def measure(plan: Plan, ranks: int, repeat: int) -> RunResult:
     await counter.start()
     with tempfile.TemporaryDirectory(prefix="torshmon-bench-agent-") as tmp_name:
         tmp = Path(tmp_name)
-        command = _agent_command(plan, tmp, counter.url, f"{ranks}-{repeat}")
+        metrics_port = free_port()
+        command = _agent_command(plan, tmp, counter.url, metrics_port, f"{ranks}-{repeat}")
         agent = subprocess.Popen(command)
+        scraped: list[int] = []
+        scraper: asyncio.Task[None] | None = None
         try:
             await _wait_for_socket(tmp / "agent.sock", agent, timeout_s=30)
             process = psutil.Process(agent.pid)
@@ -451,6 +476,11 @@ async def measure(plan: Plan, ranks: int, repeat: int) -> RunResult:
             tasks = [
                 asyncio.create_task(s.run(at, stop)) for s, at in zip(sims, offsets, strict=True)
             ]
+            if plan.scrape_interval_s > 0:
+                url = f"http://127.0.0.1:{metrics_port}/metrics"
+                scraper = asyncio.create_task(
+                    _scrape_forever(url, plan.scrape_interval_s, scraped)
+                )
             await asyncio.sleep(plan.warmup_s)
             window = await _window(process, plan.window_s)
             stop.set()
@@ -459,6 +489,10 @@ async def measure(plan: Plan, ranks: int, repeat: int) -> RunResult:
             steps_sent = sum(s.steps for s in stats)
             drain_s = await _drain(counter, steps_sent, plan.drain_timeout_s)
         finally:
+            if scraper is not None:
+                scraper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await scraper
             _stop_agent(agent)
             await counter.aclose()
     latencies = sorted(t for s in stats for t in s.ack_latencies_s)
@@ -478,6 +512,7 @@ async def measure(plan: Plan, ranks: int, repeat: int) -> RunResult:
         ack_p50_s=_quantile(latencies, 0.5),
         ack_p99_s=_quantile(latencies, 0.99),
         drain_s=drain_s,
+        scrapes=len(scraped),
         wall_s=time.perf_counter() - started,
     )
 
@@ -513,6 +548,7 @@ COLUMNS: tuple[tuple[str, Callable[[RunResult], str]], ...] = (
     ("ack p50 ms", lambda r: f"{r.ack_p50_s * 1e3:.1f}"),
     ("ack p99 ms", lambda r: f"{r.ack_p99_s * 1e3:.1f}"),
     ("drain s", lambda r: f"{r.drain_s:.2f}"),
+    ("scrapes", lambda r: str(r.scrapes)),
 )
 
 
@@ -597,6 +633,12 @@ def parse_plan(argv: Sequence[str] | None = None) -> Plan:
     )
     parser.add_argument("--drain-timeout-s", type=_number(float), default=20.0)
     parser.add_argument(
+        "--scrape-interval-s",
+        type=_number(float, allow_zero=True),
+        default=15.0,
+        help="GET /metrics this often, from the start (15; 0: never)",
+    )
+    parser.add_argument(
         "--no-pin", dest="pin", action="store_false", help="do not pin the agent to one CPU"
     )
     parser.add_argument("--profile", type=Path, help="cProfile the agent into this folder")
@@ -613,6 +655,7 @@ def parse_plan(argv: Sequence[str] | None = None) -> Plan:
         steps_per_s=args.steps_per_s,
         flush_interval_s=args.flush_interval_s,
         drain_timeout_s=args.drain_timeout_s,
+        scrape_interval_s=args.scrape_interval_s,
         pin=args.pin,
         profile_dir=args.profile,
     )
@@ -630,6 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         window_s=plan.window_s,
         steps_per_s_per_rank=plan.steps_per_s,
         flush_interval_s=plan.flush_interval_s,
+        scrape_interval_s=plan.scrape_interval_s,
         pinned=plan.pin,
         profiled=plan.profile_dir is not None,
         cpus=os.cpu_count(),

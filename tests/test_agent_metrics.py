@@ -486,6 +486,72 @@ def test_bus_bandwidth_combines_dtypes_by_time() -> None:
     assert value is not None and math.isclose(value, (1e9 * 0.03 + 5e8 * 0.01) / 0.04)
 
 
+def test_bus_bandwidth_is_the_latest_step_that_timed_the_collective() -> None:
+    registry = CollectorRegistry()
+    metrics = AgentMetrics(registry, node="n1")
+    broadcast = CollectiveStat(
+        op="broadcast",
+        pg="default",
+        dtype="f32",
+        count=1,
+        size_bytes=8,
+        duration_s=0.001,
+        max_duration_s=0.001,
+        algbw_bytes_per_s=1.0,
+        busbw_bytes_per_s=7e6,
+        duration_hist=_hist(b4=1),
+    )
+
+    def all_reduce(busbw: float, duration: float = 0.01) -> CollectiveStat:
+        return _allreduce(_hist(b5=1), size=1, duration=duration, busbw=busbw)
+
+    steps = [
+        _step(1, 0.1, 0.01, collectives=[all_reduce(1e9)]),
+        _step(2, 0.1, 0.01, collectives=[all_reduce(2e9)]),
+        # The latest all_reduce took no time: it says nothing about bandwidth.
+        _step(3, 0.1, 0.01, collectives=[all_reduce(0.0, duration=0.0)]),
+        _step(4, 0.1, 0.01, collectives=[broadcast]),
+        _step(5, 0.1, 0.01),
+    ]
+    metrics.observe_batch(_batch(1, steps))
+    labels = {"job": "train", "rank": "0", "pg": "default"}
+    name = "torshmon_collective_bus_bandwidth_bytes_per_second"
+    assert registry.get_sample_value(name, {**labels, "op": "all_reduce"}) == 2e9
+    assert registry.get_sample_value(name, {**labels, "op": "broadcast"}) == 7e6
+
+
+def test_many_steps_fold_into_the_same_histogram_counts() -> None:
+    registry = CollectorRegistry()
+    metrics = AgentMetrics(registry, node="n1")
+    coll = {"job": "train", "rank": "0", "op": "all_reduce", "pg": "default"}
+    name = "torshmon_collective_duration_seconds"
+    batches = 7
+    for seq in range(1, batches + 1):
+        steps = [
+            _step(
+                seq * 100 + i,
+                0.1,
+                0.01,
+                collectives=[
+                    _allreduce(_hist(b3=1, b6=i % 3), size=1, duration=0.5, busbw=1.0)
+                ],
+            )
+            for i in range(30)
+        ]
+        metrics.observe_batch(_batch(seq, steps))
+        if seq == 3:  # a scrape between batches must not lose or double anything
+            assert registry.get_sample_value(f"{name}_count", coll) == 3 * 60
+    steps_total = batches * 30
+    b6_total = batches * sum(i % 3 for i in range(30))
+    assert registry.get_sample_value(f"{name}_count", coll) == steps_total + b6_total
+    assert registry.get_sample_value(f"{name}_bucket", {**coll, "le": "0.0005"}) == steps_total
+    assert registry.get_sample_value(f"{name}_bucket", {**coll, "le": "0.005"}) == steps_total
+    assert registry.get_sample_value(f"{name}_bucket", {**coll, "le": "0.01"}) == (
+        steps_total + b6_total
+    )
+    assert registry.get_sample_value(f"{name}_sum", coll) == pytest.approx(steps_total * 0.5)
+
+
 async def test_agent_state_metrics(serve: Callable[[CollectorRegistry], Any]) -> None:
     registry = CollectorRegistry()
     metrics = AgentMetrics(registry, node="n1")

@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from torshmon.agent.receiver import ProbeReceiver, read_messages
 from torshmon.wire import (
@@ -10,6 +13,7 @@ from torshmon.wire import (
     MAX_FRAME_BYTES,
     SCHEMA_VERSION,
     Batch,
+    ProbeMessage,
     decode_ack,
     encode_frame,
 )
@@ -77,3 +81,172 @@ async def test_close_twice_is_safe(tmp_path: Path) -> None:
     await rx.aclose()
     await rx.aclose()
     assert not rx.socket_path.exists()
+
+
+class _Store:
+    """A store whose futures the test completes: one per call, in call order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[ProbeMessage, bytes]] = []
+        self.futures: list[asyncio.Future[None]] = []
+
+    def __call__(self, message: ProbeMessage, payload: bytes) -> asyncio.Future[None]:
+        self.calls.append((message, payload))
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.futures.append(future)
+        return future
+
+    def called(self, times: int) -> Callable[[], bool]:
+        return lambda: len(self.calls) == times
+
+    def seqs(self) -> list[int]:
+        return [m.seq for m, _ in self.calls if isinstance(m, Batch)]
+
+
+async def _read_ack(reader: asyncio.StreamReader, timeout_s: float = 5.0) -> int:
+    header = await asyncio.wait_for(reader.readexactly(FRAME_HEADER.size), timeout_s)
+    return decode_ack(await reader.readexactly(int.from_bytes(header, "big"))).seq
+
+
+async def _wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("timed out")
+        await asyncio.sleep(0.01)
+
+
+async def test_read_window_reads_all_connections_at_once_and_acks_once_stored(
+    tmp_path: Path,
+) -> None:
+    store = _Store()
+    async with ProbeReceiver(tmp_path / "a.sock", store=store, read_window_s=0.3) as rx:
+        clients = [await asyncio.open_unix_connection(str(rx.socket_path)) for _ in range(3)]
+        sent = asyncio.get_running_loop().time()
+        for i, (_, writer) in enumerate(clients):
+            writer.write(encode_frame(_batch(1, session=f"s{i}")))
+            await writer.drain()
+        await asyncio.sleep(0.1)
+        assert store.calls == []  # the window is still open: nothing read yet
+        await _wait_until(lambda: len(store.calls) == 3)
+        assert asyncio.get_running_loop().time() - sent >= 0.25
+        # None is acknowledged before its store completes.
+        for reader, _ in clients:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.readexactly(1), 0.05)
+        for future in store.futures:
+            future.set_result(None)
+        assert [await _read_ack(reader) for reader, _ in clients] == [1, 1, 1]
+        assert sorted(p for _, p in store.calls) == sorted(
+            encode_frame(_batch(1, session=f"s{i}"))[FRAME_HEADER.size :] for i in range(3)
+        )
+        for _, writer in clients:
+            writer.close()
+
+
+async def test_frames_sent_ahead_are_stored_and_acked_in_order(tmp_path: Path) -> None:
+    store = _Store()
+    async with ProbeReceiver(tmp_path / "a.sock", store=store) as rx:
+        reader, writer = await asyncio.open_unix_connection(str(rx.socket_path))
+        writer.write(b"".join(encode_frame(_batch(seq)) for seq in (1, 2, 3)))
+        await writer.drain()
+        for seq in (1, 2, 3):
+            # The next frame waits in the buffer until this one is stored and acked.
+            await _wait_until(store.called(seq))
+            await asyncio.sleep(0.05)
+            assert store.seqs() == list(range(1, seq + 1))
+            store.futures[-1].set_result(None)
+            assert await _read_ack(reader) == seq
+        writer.close()
+
+
+async def test_failed_store_drops_the_connection_unacknowledged(tmp_path: Path) -> None:
+    store = _Store()
+    async with ProbeReceiver(tmp_path / "a.sock", store=store) as rx:
+        reader, writer = await asyncio.open_unix_connection(str(rx.socket_path))
+        writer.write(encode_frame(_batch(1)))
+        await writer.drain()
+        await _wait_until(lambda: len(store.calls) == 1)
+        store.futures[0].set_exception(OSError("disk full"))
+        # The connection ends without an ack: the probe keeps the batch to resend.
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        await _wait_until(lambda: not rx._connections)
+
+
+async def test_a_batch_followed_by_eof_is_still_stored(tmp_path: Path) -> None:
+    stored: list[int] = []
+
+    async def store(message: ProbeMessage, payload: bytes) -> None:
+        await asyncio.sleep(0.05)
+        if isinstance(message, Batch):
+            stored.append(message.seq)
+
+    async with ProbeReceiver(tmp_path / "a.sock", store=store) as rx:
+        _, writer = await asyncio.open_unix_connection(str(rx.socket_path))
+        writer.write(encode_frame(_batch(1)) + encode_frame(_batch(2)))
+        await writer.drain()
+        writer.close()
+        await _wait_until(lambda: stored == [1, 2])
+
+
+async def test_close_waits_for_stores_in_progress(tmp_path: Path) -> None:
+    store = _Store()
+    rx = ProbeReceiver(tmp_path / "a.sock", store=store)
+    await rx.start()
+    _, writer = await asyncio.open_unix_connection(str(rx.socket_path))
+    writer.write(encode_frame(_batch(1)))
+    await writer.drain()
+    await _wait_until(lambda: len(store.calls) == 1)
+    closing = asyncio.create_task(rx.aclose())
+    await asyncio.sleep(0.1)
+    assert not closing.done()
+    store.futures[0].set_result(None)
+    await asyncio.wait_for(closing, 5)
+    assert not store.futures[0].cancelled()
+    writer.close()
+
+
+def test_negative_read_window_fails_fast(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="read_window_s"):
+        ProbeReceiver(tmp_path / "a.sock", read_window_s=-1.0)
+
+
+async def test_a_failing_observer_costs_no_data_and_no_service(tmp_path: Path) -> None:
+    def on_message(message: ProbeMessage) -> None:
+        raise RuntimeError("metrics bug")
+
+    store = _Store()
+    async with ProbeReceiver(
+        tmp_path / "a.sock", on_message=on_message, store=store, read_window_s=0.05
+    ) as rx:
+        for seq in (1, 2):
+            reader, writer = await asyncio.open_unix_connection(str(rx.socket_path))
+            writer.write(encode_frame(_batch(seq)))
+            await writer.drain()
+            await _wait_until(store.called(seq))
+            store.futures[-1].set_result(None)
+            assert await _read_ack(reader) == seq
+            writer.close()
+    assert store.seqs() == [1, 2]
+
+
+async def test_a_store_that_raises_drops_only_that_connection(tmp_path: Path) -> None:
+    def store(message: ProbeMessage, payload: bytes) -> asyncio.Future[None]:
+        if isinstance(message, Batch) and message.session == "bad":
+            raise OSError("spool gone")
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+    async with ProbeReceiver(tmp_path / "a.sock", store=store, read_window_s=0.05) as rx:
+        bad_reader, bad_writer = await asyncio.open_unix_connection(str(rx.socket_path))
+        good_reader, good_writer = await asyncio.open_unix_connection(str(rx.socket_path))
+        bad_writer.write(encode_frame(_batch(1, session="bad")))
+        good_writer.write(encode_frame(_batch(1, session="good")))
+        assert await asyncio.wait_for(bad_reader.read(), 5) == b""
+        assert await _read_ack(good_reader) == 1
+        good_writer.write(encode_frame(_batch(2, session="good")))
+        assert await _read_ack(good_reader) == 2
+        bad_writer.close()
+        good_writer.close()

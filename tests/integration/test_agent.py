@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,8 +22,21 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.ingest_stub import IngestStub
+from torshmon.agent.daemon import Agent, AgentSettings
 from torshmon.launch import free_port, run_ranks
-from torshmon.wire import FRAME_HEADER, Batch, Command
+from torshmon.wire import (
+    FRAME_HEADER,
+    SCHEMA_VERSION,
+    Batch,
+    Command,
+    Hello,
+    SpoolRecord,
+    StepRecord,
+    decode_ack,
+    decode_json,
+    encode_frame,
+    frame_length,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -332,3 +347,85 @@ def test_commands_reach_rank_0_and_their_acks_come_back(tmp_path: Path, stub: In
             assert applied[0].effective_step == effective
     finally:
         agent.stop()
+
+
+async def test_acks_wait_for_the_durable_write_and_one_window_shares_one_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = AgentSettings(
+        socket_path=str(tmp_path / "agent.sock"),
+        metrics_port=0,
+        spool_path=str(tmp_path / "spool.db"),
+        node="n1",
+        sample_interval_s=3600.0,
+    )
+    async with Agent(settings) as agent:
+        appended: list[bytes] = []
+        append = agent.spool.append
+
+        def slow_append(payload: bytes) -> int:
+            time.sleep(0.2)  # a slow disk: no probe may hear "stored" before this returns
+            seq = append(payload)
+            appended.append(payload)
+            return seq
+
+        monkeypatch.setattr(agent.spool, "append", slow_append)
+        clients = [await asyncio.open_unix_connection(settings.socket_path) for _ in range(8)]
+        sessions = [f"window-{rank}-{uuid.uuid4().hex}" for rank in range(8)]
+        started = time.monotonic()
+        for rank, (_, writer) in enumerate(clients):
+            writer.write(encode_frame(_hello(sessions[rank], rank)))
+            writer.write(encode_frame(_probe_batch(sessions[rank], rank)))
+        for rank, (reader, writer) in enumerate(clients):
+            header = await asyncio.wait_for(reader.readexactly(FRAME_HEADER.size), 10)
+            ack = decode_ack(await reader.readexactly(frame_length(header)))
+            assert ack.seq == 1
+            assert time.monotonic() - started >= 0.2
+            assert any(sessions[rank].encode() in record for record in appended)
+            writer.close()
+        records = [decode_json(r, SpoolRecord) for r in appended]
+        records = [r for r in records if r.messages]
+        # 16 frames sent at once are read in one pass (two at most, should the
+        # window close in between) and committed as one record each.
+        assert 1 <= len(records) <= 2
+        assert sorted(m.session for r in records for m in r.messages if isinstance(m, Batch)) == (
+            sorted(sessions)
+        )
+
+
+def _hello(session: str, rank: int) -> Hello:
+    return Hello(
+        v=SCHEMA_VERSION,
+        session=session,
+        job="window",
+        rank=rank,
+        world_size=8,
+        local_rank=rank,
+        node="n1",
+        pid=os.getpid(),
+        backend="gloo",
+        torch_version="test",
+        probe_version="test",
+    )
+
+
+def _probe_batch(session: str, rank: int) -> Batch:
+    step = StepRecord(
+        step=1,
+        end_unix_ns=time.time_ns(),
+        duration_s=0.1,
+        comm_wait_s=0.01,
+        compute_s=0.09,
+        communication_time_ratio=0.1,
+        comm_busy_s=0.01,
+    )
+    return Batch(
+        v=SCHEMA_VERSION,
+        session=session,
+        seq=1,
+        job="window",
+        rank=rank,
+        sent_unix_ns=time.time_ns(),
+        dropped_records_total=0,
+        steps=[step],
+    )

@@ -73,6 +73,8 @@ _go_float: Callable[[float], str] = floatToGoString
 _METRIC_NAME = re.compile(r"^torshmon_[a-z0-9_]+$")
 _RANK_LABELS = ("job", "rank")
 _COLLECTIVE_LABELS = ("job", "rank", "op", "pg")
+#: Pre-bucketed count lists a histogram holds before summing them (bounds memory).
+_MAX_PENDING_COUNTS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,27 +96,46 @@ class AgentState:
 
 
 class _Histogram:
-    """Bucket counts (not cumulative; the last is the +Inf overflow) and the sum."""
+    """Bucket counts (not cumulative; the last is the +Inf overflow) and the sum.
 
-    __slots__ = ("bounds", "counts", "sum")
+    Pre-bucketed counts (``merge``) are summed lazily, a column at a time: one
+    list per collective per step arrives, and adding each at once was most of
+    the cost of folding a batch.
+    """
+
+    __slots__ = ("_counts", "_pending", "bounds", "sum")
 
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
+        self._counts = [0] * (len(self.bounds) + 1)
+        self._pending: list[Sequence[int]] = []
         self.sum = 0.0
+
+    @property
+    def counts(self) -> list[int]:
+        if self._pending:
+            self._counts = [sum(col) for col in zip(self._counts, *self._pending, strict=True)]
+            self._pending.clear()
+        return self._counts
 
     def observe(self, value: float) -> None:
         # bisect_left: a value equal to a bound belongs to that bucket (le is inclusive).
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        counts = self._counts
+        counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
     def merge(self, counts: Sequence[int], total: float) -> None:
-        self.counts = [mine + theirs for mine, theirs in zip(self.counts, counts, strict=True)]
+        """Add pre-bucketed counts; ValueError unless there is one per bucket."""
+        if len(counts) != len(self._counts):
+            raise ValueError(f"expected {len(self._counts)} bucket counts, got {len(counts)}")
+        self._pending.append(counts)
         self.sum += total
+        if len(self._pending) >= _MAX_PENDING_COUNTS:
+            self._counts = self.counts
 
     def copy(self) -> _Histogram:
         clone = _Histogram(self.bounds)
-        clone.counts = list(self.counts)
+        clone._counts = list(self.counts)
         clone.sum = self.sum
         return clone
 
@@ -245,10 +266,12 @@ class AgentMetrics:
     def _observe_steps(self, state: _RankState, steps: Sequence[StepRecord]) -> None:
         """Counters and histograms take every step; gauges only need the latest value."""
         state.steps_total += len(steps)
+        observe = state.step_duration.observe
         for step in steps:
-            state.step_duration.observe(step.duration_s)
+            observe(step.duration_s)
             if step.collectives:
-                self._observe_collectives(state, step.collectives)
+                self._count_collectives(state, step.collectives)
+        self._set_bus_bandwidths(state, steps)
         last = steps[-1]
         state.communication_time_ratio = _unit(last.communication_time_ratio)
         if last.duration_s > 0.0:
@@ -274,33 +297,50 @@ class AgentMetrics:
             # Replaced, not merged: a codec switched away from stops being reported.
             state.compression_ratio = {c: sum(r) / len(r) for c, r in ratios.items()}
 
-    def _observe_collectives(self, state: _RankState, stats: Sequence[CollectiveStat]) -> None:
-        busy: dict[tuple[str, str], tuple[float, float]] = {}
+    def _count_collectives(self, state: _RankState, stats: Sequence[CollectiveStat]) -> None:
+        collectives = state.collectives
+        expected = len(DURATION_BUCKETS_S) + 1
         for stat in stats:
             key = (stat.op, stat.pg)
-            collective = state.collectives.get(key)
+            collective = collectives.get(key)
             if collective is None:  # not setdefault: that builds a state on every call
-                collective = state.collectives[key] = _CollectiveState()
+                collective = collectives[key] = _CollectiveState()
             collective.bytes_total += stat.size_bytes
-            if len(stat.duration_hist) == len(DURATION_BUCKETS_S) + 1:
+            if len(stat.duration_hist) == expected:
                 collective.histogram.merge(stat.duration_hist, stat.duration_s)
             elif not self._bad_hist_logged:
                 self._bad_hist_logged = True
                 log.warning(
                     "skipping collective histograms with %d counts; expected %d",
                     len(stat.duration_hist),
-                    len(DURATION_BUCKETS_S) + 1,
+                    expected,
                 )
-            # Bus bandwidth is bytes over time, so dtypes of one (op, pg) combine
-            # weighted by their time.
-            weighted, seconds = busy.get(key, (0.0, 0.0))
-            busy[key] = (
-                weighted + stat.busbw_bytes_per_s * stat.duration_s,
-                seconds + stat.duration_s,
-            )
-        for key, (weighted, seconds) in busy.items():
-            if seconds > 0.0:
-                state.collectives[key].busbw_bytes_per_s = weighted / seconds
+
+    @staticmethod
+    def _set_bus_bandwidths(state: _RankState, steps: Sequence[StepRecord]) -> None:
+        """Each (op, pg)'s bus bandwidth in the latest step that timed it.
+
+        Bus bandwidth is bytes over time, so dtypes of one (op, pg) combine
+        weighted by their time. Steps are read newest first, and only until every
+        (op, pg) has its value: usually just the last step.
+        """
+        done: set[tuple[str, str]] = set()
+        for step in reversed(steps):
+            busy: dict[tuple[str, str], tuple[float, float]] = {}
+            for stat in step.collectives:
+                key = (stat.op, stat.pg)
+                if key not in done:
+                    weighted, seconds = busy.get(key, (0.0, 0.0))
+                    busy[key] = (
+                        weighted + stat.busbw_bytes_per_s * stat.duration_s,
+                        seconds + stat.duration_s,
+                    )
+            for key, (weighted, seconds) in busy.items():
+                if seconds > 0.0:
+                    state.collectives[key].busbw_bytes_per_s = weighted / seconds
+                    done.add(key)
+            if len(done) == len(state.collectives):
+                return
 
     def _snapshot(
         self,

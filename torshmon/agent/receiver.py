@@ -4,6 +4,13 @@ It speaks the real wire protocol (``torshmon.wire``) and is what the full agent
 builds on; on its own it appends every accepted message to a JSON-lines file
 and/or hands it to a callback. Batches are de-duplicated by session and
 sequence number, so a probe resending after a reconnect stores nothing twice.
+
+Reading is batched when ``read_window_s`` is set: the first frame to arrive
+opens a window, and when it closes every connection is read in one pass. Probes
+of many ranks send at independent times, so reacting to each frame woke the
+agent about as often as frames came (64 ranks: 128 times a second), and waking
+an idle process costs more than the frame itself; a window of the agent's group
+commit (0.1 s) wakes it twice per window instead, for the same ack latency.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import selectors
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -20,6 +29,7 @@ from typing import IO
 
 from torshmon.wire import (
     FRAME_HEADER,
+    MAX_FRAME_BYTES,
     SCHEMA_VERSION,
     Ack,
     Batch,
@@ -35,15 +45,24 @@ from torshmon.wire import (
 log = logging.getLogger(__name__)
 
 _REJECT_LOG_INTERVAL_S = 10.0
+_RECV_BYTES = 256 * 1024
+#: A connection stops being read while it holds this much unhandled data (it only
+#: happens to a peer that sends without waiting for its acks).
+_MAX_BUFFERED_BYTES = MAX_FRAME_BYTES + FRAME_HEADER.size + _RECV_BYTES
+_LISTEN_BACKLOG = 128
 
 
 class ProbeReceiver:
     """Unix-socket server for any number of probes of any number of jobs.
 
-    ``store(message, payload)`` (awaited; ``payload`` is the validated JSON the
-    probe sent) makes a new message durable before the probe gets its ack;
-    ``on_message`` sees every new message; ``commands_for`` names the commands
-    to hand to a probe with its next ack. ``async with`` or start()/aclose().
+    ``store(message, payload)`` (``payload`` is the validated JSON the probe sent)
+    returns an awaitable that completes once a new message is durable; the probe
+    gets its ack only then. A future (one per group commit, say) is waited on
+    without a task; a coroutine gets a task. ``on_message`` sees every new
+    message; ``commands_for`` names the commands to hand to a probe with its next
+    ack. ``read_window_s`` > 0 reads all connections together once per window
+    (see the module docstring); 0 handles each frame as it arrives.
+    ``async with`` or start()/aclose(); everything runs on the loop of start().
     """
 
     def __init__(
@@ -54,18 +73,30 @@ class ProbeReceiver:
         on_message: Callable[[ProbeMessage], None] | None = None,
         store: Callable[[ProbeMessage, bytes], Awaitable[None]] | None = None,
         commands_for: Callable[[Hello], list[Command]] | None = None,
+        read_window_s: float = 0.0,
     ) -> None:
+        if not read_window_s >= 0.0:
+            raise ValueError(f"read_window_s must be >= 0, got {read_window_s}")
         self.socket_path = Path(socket_path)
+        self.read_window_s = read_window_s
         self._out_path = Path(out_path) if out_path is not None else None
         self._on_message = on_message
         self._store = store
         self._commands_for = commands_for
-        self._hellos: dict[asyncio.Task[None], Hello] = {}
         self._out: IO[bytes] | None = None
-        self._server: asyncio.base_events.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listener: socket.socket | None = None
+        # The connections' own selector, watched by the loop through its file
+        # descriptor: one readiness event for all of them, and none while paused.
+        self._selector: selectors.BaseSelector | None = None
+        self._selector_fd = -1
+        self._window: asyncio.TimerHandle | None = None
         self._last_seq: dict[str, int] = {}
         self._last_reject_log = 0.0
-        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        # A dict, not a set: ``probes`` lists them in the order they connected.
+        self._connections: dict[_ProbeConnection, None] = {}
+        self._waiting: dict[asyncio.Future[None], list[tuple[_ProbeConnection, int | None]]] = {}
+        self._on_message_failed = False
         self.frames_accepted = 0
         self.frames_rejected = 0
         self.duplicates = 0
@@ -73,29 +104,57 @@ class ProbeReceiver:
     @property
     def probes(self) -> list[Hello]:
         """The probes connected now (their hello messages)."""
-        return list(self._hellos.values())
+        return [c.hello for c in self._connections if c.hello is not None]
 
     async def start(self) -> None:
+        if self._listener is not None:
+            raise RuntimeError("ProbeReceiver.start() called twice")
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(self.socket_path))
+            listener.listen(_LISTEN_BACKLOG)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
         if self._out_path is not None:
             self._out = self._out_path.open("ab")
-        self._server = await asyncio.start_unix_server(self._serve, path=str(self.socket_path))
+        self._loop = asyncio.get_running_loop()
+        self._listener = listener
+        self._selector, self._selector_fd = _new_selector()
+        self._loop.add_reader(listener.fileno(), self._accept_ready)
+        self._loop.add_reader(self._selector_fd, self._on_ready)
 
     async def aclose(self) -> None:
-        """Stop serving; safe to call twice."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.close()
-            # Closing the transports ends each handler's read; cancelling the
-            # handler tasks instead makes asyncio log spurious CancelledErrors.
-            for writer in list(self._connections.values()):
-                writer.close()
-            await asyncio.gather(*self._connections, return_exceptions=True)
-            await server.wait_closed()
+        """Stop serving; safe to call twice.
+
+        Messages handed to ``store`` before the close are waited for, so what the
+        probes sent is stored (their acks may not reach them: they resend).
+        """
+        listener, self._listener = self._listener, None
+        selector, self._selector = self._selector, None
+        loop = self._loop
+        if listener is not None and selector is not None and loop is not None:
+            loop.remove_reader(listener.fileno())
+            loop.remove_reader(self._selector_fd)
+            window, self._window = self._window, None
+            if window is not None:
+                window.cancel()
+            listener.close()
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
+            connections = list(self._connections)
+            for connection in connections:
+                connection.close()
+            selector.close()
+            pending = {c.storing for c in connections if c.storing is not None}
+            if pending:
+                # wait(), not gather(): a store future may be shared (a group commit),
+                # and a cancelled gather() would cancel it for everyone.
+                await asyncio.wait(pending)
         out, self._out = self._out, None
         if out is not None:
             out.close()
@@ -107,50 +166,107 @@ class ProbeReceiver:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._connections[task] = writer
-        try:
-            while True:
-                header = await reader.readexactly(FRAME_HEADER.size)
-                try:
-                    length = frame_length(header)
-                except WireError as exc:
-                    # The stream cannot be re-synchronised after a bad length: drop it.
-                    self._reject(exc)
-                    return
-                payload = await reader.readexactly(length)
-                try:
-                    message = decode_probe_message(payload)
-                except WireError as exc:
-                    self._reject(exc)
-                    continue
-                if isinstance(message, Hello) and task is not None:
-                    self._hellos[task] = message
-                if self._accept(message, payload) and self._store is not None:
-                    try:
-                        await self._store(message, payload)
-                    except Exception:
-                        # Not acknowledged: the probe keeps the batch and resends it.
-                        log.exception("could not store a probe message; dropping the connection")
-                        return
-                if isinstance(message, Batch):
-                    await self._ack(writer, message, self._hellos.get(task) if task else None)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            if task is not None:
-                self._connections.pop(task, None)
-                self._hellos.pop(task, None)
-            writer.close()
+    # -- the loop's callbacks ---------------------------------------------------------
+    def _accept_ready(self) -> None:
+        listener, selector = self._listener, self._selector
+        if listener is None or selector is None:
+            return
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                # Out of file descriptors, say: the probe retries, so do not spin.
+                log.warning("cannot accept a probe connection: %s", exc)
+                return
+            sock.setblocking(False)
+            connection = _ProbeConnection(self, sock)
+            self._connections[connection] = None
+            connection.watch_reads()
 
-    async def _ack(self, writer: asyncio.StreamWriter, batch: Batch, hello: Hello | None) -> None:
-        commands = []
+    def _on_ready(self) -> None:
+        """Some connection is readable (or writable again)."""
+        loop, selector = self._loop, self._selector
+        if loop is None or selector is None:
+            return
+        if self.read_window_s <= 0.0:
+            self._read_all()
+            return
+        # Stop watching until the window closes: the data waits in the sockets.
+        loop.remove_reader(self._selector_fd)
+        self._window = loop.call_later(self.read_window_s, self._close_window)
+
+    def _close_window(self) -> None:
+        self._window = None
+        try:
+            self._read_all()
+        finally:
+            # Whatever happened, go on watching: a lost reader would stop every probe.
+            if self._loop is not None and self._selector is not None:
+                self._loop.add_reader(self._selector_fd, self._on_ready)
+
+    def _read_all(self) -> None:
+        selector = self._selector
+        if selector is None:
+            return
+        for key, events in selector.select(0):
+            connection: _ProbeConnection = key.data
+            try:
+                if events & selectors.EVENT_WRITE:
+                    connection.send_pending()
+                if events & selectors.EVENT_READ:
+                    connection.read()
+            except Exception:
+                # A bug must cost one connection (its probe resends), not all of them.
+                log.exception("serving a probe failed; dropping its connection")
+                connection.close()
+
+    def _watch(self, connection: _ProbeConnection, sock: socket.socket, old: int, new: int) -> None:
+        """Change what the selector watches a connection's socket for (0: nothing)."""
+        selector = self._selector
+        if selector is None:
+            return
+        if old and new:
+            selector.modify(sock, new, connection)
+        elif new:
+            selector.register(sock, new, connection)
+        elif old:
+            selector.unregister(sock)
+
+    def _forget(self, connection: _ProbeConnection, sock: socket.socket, events: int) -> None:
+        self._connections.pop(connection, None)
+        self._watch(connection, sock, events, 0)
+
+    def _wait_for_store(self, connection: _ProbeConnection, seq: int | None) -> None:
+        """Ack ``seq`` on ``connection`` once its store is done.
+
+        Connections waiting on one future (a group commit) share one done
+        callback, which acks them all in one pass.
+        """
+        future = connection.storing
+        if future is None:
+            return
+        waiting = self._waiting.get(future)
+        if waiting is None:
+            waiting = self._waiting[future] = []
+            future.add_done_callback(self._stored)
+        waiting.append((connection, seq))
+
+    def _stored(self, future: asyncio.Future[None]) -> None:
+        for connection, seq in self._waiting.pop(future, ()):
+            try:
+                connection.stored(seq, future)
+            except Exception:
+                log.exception("acknowledging a probe failed; dropping its connection")
+                connection.close()
+
+    # -- messages ---------------------------------------------------------------------
+    def _ack_frame(self, seq: int, hello: Hello | None) -> bytes:
+        commands: list[Command] = []
         if hello is not None and self._commands_for is not None:
             commands = self._commands_for(hello)
-        writer.write(encode_frame(Ack(v=SCHEMA_VERSION, seq=batch.seq, commands=commands)))
-        await writer.drain()
+        return encode_frame(Ack(v=SCHEMA_VERSION, seq=seq, commands=commands))
 
     def _accept(self, message: ProbeMessage, payload: bytes) -> bool:
         """Count and record a message; False for a batch already received."""
@@ -164,7 +280,13 @@ class ProbeReceiver:
             self._out.write(payload + b"\n")
             self._out.flush()
         if self._on_message is not None:
-            self._on_message(message)
+            try:
+                self._on_message(message)
+            except Exception:
+                # Watching (metrics, progress) must not cost the data: it is still stored.
+                if not self._on_message_failed:
+                    self._on_message_failed = True
+                    log.exception("on_message failed (logged once); the message is kept")
         return True
 
     def _reject(self, exc: Exception) -> None:
@@ -173,6 +295,187 @@ class ProbeReceiver:
         if now - self._last_reject_log >= _REJECT_LOG_INTERVAL_S:
             self._last_reject_log = now
             log.warning("rejected a probe frame (%d so far): %s", self.frames_rejected, exc)
+
+
+class _ProbeConnection:
+    """One probe's non-blocking socket: frames are cut from a byte buffer as data arrives.
+
+    Frames are handled strictly in order; while one waits for ``store`` the rest
+    wait in the buffer. An ack the socket does not take at once waits in
+    ``_unsent``, and no further frame is handled until it is gone.
+    """
+
+    __slots__ = (
+        "_buffer",
+        "_eof",
+        "_events",
+        "_gone",
+        "_server",
+        "_unsent",
+        "hello",
+        "sock",
+        "storing",
+    )
+
+    def __init__(self, server: ProbeReceiver, sock: socket.socket) -> None:
+        self._server = server
+        self.sock: socket.socket | None = sock
+        self._buffer = bytearray()
+        self._unsent = b""
+        self._eof = False  # nothing more to read: close once the buffer is handled
+        self._gone = False  # the peer cannot take acks any more: drop them
+        self._events = 0
+        self.hello: Hello | None = None
+        #: The store this connection waits for before acking (and reading on).
+        self.storing: asyncio.Future[None] | None = None
+
+    def close(self) -> None:
+        """Close the socket; safe to call twice. A pending store still completes."""
+        sock, self.sock = self.sock, None
+        if sock is None:
+            return
+        self._server._forget(self, sock, self._events)
+        self._events = 0
+        self._buffer.clear()
+        sock.close()
+
+    def read(self) -> None:
+        """Take what the socket holds, then handle every whole frame."""
+        sock = self.sock
+        buffer = self._buffer
+        while sock is not None and len(buffer) < _MAX_BUFFERED_BYTES:
+            try:
+                chunk = sock.recv(_RECV_BYTES)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                # What came before the end is still handled (stored, though not acked:
+                # a probe that reconnects resends it and it is de-duplicated).
+                self._eof = True
+                break
+            buffer += chunk
+            if len(chunk) < _RECV_BYTES:
+                break  # the socket is (most likely) empty: spare the EAGAIN round trip
+        self._process()
+
+    def watch_reads(self) -> None:
+        """Start being read (a new connection)."""
+        self._update_watch()
+
+    def send_pending(self) -> None:
+        """The socket takes data again: send the rest of the acks, then go on reading."""
+        self._write()
+        self._process()
+
+    def _process(self) -> None:
+        """Handle whole frames until one has to wait for its store or its ack."""
+        buffer = self._buffer
+        header_size = FRAME_HEADER.size
+        while self.sock is not None and self.storing is None and not self._unsent:
+            if len(buffer) < header_size:
+                break
+            try:
+                length = frame_length(bytes(buffer[:header_size]))
+            except WireError as exc:
+                # The stream cannot be re-synchronised after a bad length: drop it.
+                self._server._reject(exc)
+                self.close()
+                return
+            end = header_size + length
+            if len(buffer) < end:
+                break
+            with memoryview(buffer) as view:
+                payload = bytes(view[header_size:end])
+            del buffer[:end]
+            self._handle(payload)
+        self._update_watch()
+
+    def _update_watch(self) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        if self._eof and self.storing is None and not self._unsent:
+            self.close()
+            return
+        events = selectors.EVENT_WRITE if self._unsent else 0
+        blocked = self.storing is not None or self._unsent
+        if not self._eof and not (blocked and len(self._buffer) >= _MAX_BUFFERED_BYTES):
+            events |= selectors.EVENT_READ
+        if events != self._events:
+            self._server._watch(self, sock, self._events, events)
+            self._events = events
+
+    def _handle(self, payload: bytes) -> None:
+        server = self._server
+        try:
+            message = decode_probe_message(payload)
+        except WireError as exc:
+            server._reject(exc)
+            return
+        if isinstance(message, Hello):
+            self.hello = message
+        if server._accept(message, payload) and server._store is not None:
+            try:
+                self.storing = asyncio.ensure_future(server._store(message, payload))
+            except Exception as exc:
+                self._store_failed(exc)
+                return
+            # Only the seq waits with it: the decoded batch can be freed at once
+            # instead of living (and being traced by the GC) until the commit.
+            server._wait_for_store(self, message.seq if isinstance(message, Batch) else None)
+        elif isinstance(message, Batch):
+            self._send(server._ack_frame(message.seq, self.hello))
+
+    def stored(self, seq: int | None, future: asyncio.Future[None]) -> None:
+        """Its store is done: acknowledge batch ``seq`` (None: a hello) and read on."""
+        self.storing = None
+        exc = asyncio.CancelledError() if future.cancelled() else future.exception()
+        if exc is not None:
+            self._store_failed(exc)
+            return
+        if seq is not None and self.sock is not None:
+            self._send(self._server._ack_frame(seq, self.hello))
+        self._process()
+
+    def _store_failed(self, exc: BaseException) -> None:
+        # Not acknowledged: the probe keeps the batch and resends it.
+        log.warning("could not store a probe message (%r); dropping the connection", exc)
+        self.storing = None
+        self.close()
+
+    def _send(self, frame: bytes) -> None:
+        if self._gone:
+            return
+        self._unsent += frame
+        if len(self._unsent) == len(frame):
+            self._write()
+
+    def _write(self) -> None:
+        sock = self.sock
+        if sock is None or not self._unsent:
+            return
+        try:
+            sent = sock.send(self._unsent)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            # The probe went away: no more acks, but what it sent is still stored.
+            self._unsent = b""
+            self._eof = self._gone = True
+            return
+        self._unsent = self._unsent[sent:]
+
+
+def _new_selector() -> tuple[selectors.BaseSelector, int]:
+    """A selector with a descriptor of its own (epoll, kqueue) and that descriptor."""
+    selector = selectors.DefaultSelector()
+    fileno: Callable[[], int] | None = getattr(selector, "fileno", None)
+    if fileno is None:
+        selector.close()
+        raise RuntimeError(f"the probe receiver needs epoll or kqueue, not {selector!r}")
+    return selector, fileno()
 
 
 def read_messages(path: str | os.PathLike[str]) -> list[ProbeMessage]:
