@@ -10,6 +10,11 @@ unacknowledged batch after a reconnect (the agent de-duplicates by
 
 The records are msgspec Structs: frozen, slotted, validated on decode, with
 units in the field names. This module is the only place the schema is written.
+Records that hold only values and other records are not tracked by the cycle
+collector (``gc=False``): they can never form a cycle, and the aggregator keeps
+thousands in flight, each of which would otherwise count towards (and, surviving
+into the oldest generation, bring on) full collections over its whole heap.
+``Command`` (arbitrary ``args``) and the replies that carry commands stay tracked.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ class WireError(ValueError):
     """A frame or message that does not follow the schema; the text names what is wrong."""
 
 
-class CollectiveStat(msgspec.Struct, frozen=True, kw_only=True):
+class CollectiveStat(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Collectives of one (op, process group, dtype) within one step.
 
     ``size_bytes`` is the nccl-tests message size S summed over calls (for
@@ -80,7 +85,7 @@ class CollectiveStat(msgspec.Struct, frozen=True, kw_only=True):
     duration_hist: list[int]
 
 
-class BucketStat(msgspec.Struct, frozen=True, kw_only=True):
+class BucketStat(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One DDP gradient bucket reduced by the probe's comm hook in one step.
 
     ``wire_bytes`` is what this rank sent for it; ``compression_ratio`` is
@@ -100,7 +105,7 @@ class BucketStat(msgspec.Struct, frozen=True, kw_only=True):
     relative_error: float | None = None
 
 
-class AppliedConfig(msgspec.Struct, frozen=True, kw_only=True):
+class AppliedConfig(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A communication config all ranks applied, from ``effective_step`` on."""
 
     version: Count
@@ -111,14 +116,14 @@ class AppliedConfig(msgspec.Struct, frozen=True, kw_only=True):
     effective_step: Count
 
 
-class ConfigRejection(msgspec.Struct, frozen=True, kw_only=True):
+class ConfigRejection(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A requested config that no rank applied, and why."""
 
     version: Count
     reason: Text
 
 
-class DdpStats(msgspec.Struct, frozen=True, kw_only=True):
+class DdpStats(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """DDP's own logging data (``_get_ddp_logging_data``), sampled every few steps."""
 
     bucket_cap_bytes: Count
@@ -130,7 +135,7 @@ class DdpStats(msgspec.Struct, frozen=True, kw_only=True):
     avg_backward_compute_comm_overlap_s: float
 
 
-class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
+class StepRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One training step of one rank.
 
     ``comm_wait_s`` is communication the step waited for (blocking collectives
@@ -164,7 +169,7 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     config_rejections: list[ConfigRejection] = []
 
 
-class InflightOp(msgspec.Struct, frozen=True, kw_only=True):
+class InflightOp(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A collective this rank entered and has not finished (the oldest per group).
 
     ``seq`` counts collectives per process group (point-to-point ops per group and
@@ -180,7 +185,7 @@ class InflightOp(msgspec.Struct, frozen=True, kw_only=True):
     peer: Rank | None = None
 
 
-class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_field="kind"):
+class Hello(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="hello", tag_field="kind"):
     """First frame on every connection: who is speaking."""
 
     v: int
@@ -196,7 +201,7 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_field="k
     probe_version: Label
 
 
-class Batch(msgspec.Struct, frozen=True, kw_only=True, tag="batch", tag_field="kind"):
+class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", tag_field="kind"):
     """Step records of one rank since the previous batch, plus its in-flight ops.
 
     ``dropped_records_total`` counts, since attach, step records the probe had to
@@ -237,7 +242,7 @@ ProbeMessage = Hello | Batch
 # commands for jobs this agent serves.
 
 
-class GpuSample(msgspec.Struct, frozen=True, kw_only=True):
+class GpuSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One GPU of the node, read through NVML."""
 
     index: Count
@@ -246,7 +251,7 @@ class GpuSample(msgspec.Struct, frozen=True, kw_only=True):
     memory_total_bytes: Count
 
 
-class RankProcess(msgspec.Struct, frozen=True, kw_only=True):
+class RankProcess(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A local training process the agent serves."""
 
     job: Name
@@ -255,7 +260,7 @@ class RankProcess(msgspec.Struct, frozen=True, kw_only=True):
     rss_bytes: Count
 
 
-class NodeSample(msgspec.Struct, frozen=True, kw_only=True):
+class NodeSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The node at one instant. Byte counters are cumulative since boot; ratios are
     over the interval since the previous sample."""
 
@@ -273,7 +278,7 @@ class NodeSample(msgspec.Struct, frozen=True, kw_only=True):
     ranks: list[RankProcess] = []
 
 
-class SpoolRecord(msgspec.Struct, frozen=True, kw_only=True):
+class SpoolRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What the agent stores durably and forwards as one unit: probe messages and node
     samples received since the previous record, and the agent's own drop count."""
 
@@ -283,12 +288,12 @@ class SpoolRecord(msgspec.Struct, frozen=True, kw_only=True):
     dropped_records_total: Count = 0
 
 
-class IngestRecord(msgspec.Struct, frozen=True, kw_only=True):
+class IngestRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     seq: Count
     record: SpoolRecord
 
 
-class IngestBatch(msgspec.Struct, frozen=True, kw_only=True):
+class IngestBatch(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The body of one POST: records in increasing ``seq`` order."""
 
     v: int
@@ -309,7 +314,7 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     args: dict[str, object] = {}
 
 
-class CommandAck(msgspec.Struct, frozen=True, kw_only=True):
+class CommandAck(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What became of a command: ``applied`` (with the config version and the step
     from which it applies), ``accepted`` (queued for the next sync step), or
     ``rejected`` (with the reason)."""

@@ -13,6 +13,7 @@ import bisect
 import math
 import statistics
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ from torshmon.aggregator.ingest import Stored
 from torshmon.aggregator.series import LabelSet, SeriesStore
 from torshmon.aggregator.straggler import StepCollector, StragglerDetector
 from torshmon.aggregator.zscore import ZScoreDetector
-from torshmon.wire import DURATION_BUCKETS_S, AppliedConfig, Batch, NodeSample
+from torshmon.wire import DURATION_BUCKETS_S, AppliedConfig, Batch, NodeSample, StepRecord
 
 #: Upper bounds (seconds) of ``torshmon_step_duration_seconds``: 1 ms to 60 s.
 STEP_DURATION_BUCKETS_S: tuple[float, ...] = (
@@ -96,7 +97,9 @@ class RankState:
     )
     collectives: dict[tuple[str, str], _Histogram] = field(default_factory=dict)
     busbw: dict[tuple[str, str], float] = field(default_factory=dict)
-    recent: list[tuple[float, float, float]] = field(default_factory=list)  # dur, wait, compute
+    recent: deque[tuple[float, float, float]] = field(
+        default_factory=lambda: deque(maxlen=_RECENT)
+    )  # (duration, wait, compute) of the last steps
     labels: LabelSet = ()
 
 
@@ -160,29 +163,38 @@ class LiveState:
         r = self._rank(batch.job, job, batch.rank)
         r.node = node
         r.dropped_records_total = batch.dropped_records_total
+        if batch.steps:
+            self._observe_steps(batch, job, r)
+        if job.world_size is None or batch.rank < job.world_size:
+            self.hang.observe(batch.job, batch.rank, batch.sent_unix_ns / 1e9, batch.inflight)
+
+    def _observe_steps(self, batch: Batch, job: JobState, r: RankState) -> None:
+        """Every step of ``batch`` into the series, detectors and ``r``, in step order."""
+        # The ingest hot path (one call per step of every rank): names are bound once per
+        # batch, and the rank's latest values are set from its last step only.
         labels = r.labels
         label_map = {"job": batch.job, "rank": str(batch.rank)}
         add = self.series.add
+        observe_step_z = self.step_z.observe
+        observe_loss_z = self.loss_z.observe
+        collector = job.collector
+        if collector is not None and batch.rank >= collector.world_size:
+            collector = None
+        hist = r.step_hist
+        counts, total_s = hist.counts, hist.sum
+        recent = r.recent
         for s in batch.steps:
             ts = s.end_unix_ns / 1e9
-            r.last_step = s.step
-            r.last_end_unix_s = ts
-            r.steps_total += 1
-            r.duration_s = s.duration_s
-            r.comm_wait_s = s.comm_wait_s
-            r.compute_s = s.compute_s
-            r.communication_time_ratio = s.communication_time_ratio
-            r.config_version = s.config_version
-            _observe_hist(r.step_hist, STEP_DURATION_BUCKETS_S, s.duration_s)
-            r.recent.append((s.duration_s, s.comm_wait_s, s.compute_s))
-            if len(r.recent) > _RECENT:
-                del r.recent[0]
-            add("step_duration_seconds", labels, ts, s.duration_s)
-            add("comm_wait_seconds", labels, ts, s.comm_wait_s)
-            add("compute_seconds", labels, ts, s.compute_s)
+            duration_s, wait_s, compute_s = s.duration_s, s.comm_wait_s, s.compute_s
+            counts[bisect.bisect_left(STEP_DURATION_BUCKETS_S, duration_s)] += 1
+            total_s += duration_s
+            recent.append((duration_s, wait_s, compute_s))
+            add("step_duration_seconds", labels, ts, duration_s)
+            add("comm_wait_seconds", labels, ts, wait_s)
+            add("compute_seconds", labels, ts, compute_s)
             add("communication_time_ratio", labels, ts, s.communication_time_ratio)
-            if s.duration_s > 0:
-                add("training_efficiency_ratio", labels, ts, s.compute_s / s.duration_s)
+            if duration_s > 0:
+                add("training_efficiency_ratio", labels, ts, compute_s / duration_s)
             if s.samples_per_s is not None:
                 r.samples_per_s = s.samples_per_s
                 add("throughput_samples_per_second", labels, ts, s.samples_per_s)
@@ -195,24 +207,16 @@ class LiveState:
             elif s.loss is not None:
                 r.loss = s.loss
                 add("loss", labels, ts, s.loss)
-                self.loss_z.observe(label_map, ts, s.loss)
-            self.step_z.observe(label_map, ts, s.duration_s)
-            if job.collector is not None and batch.rank < job.collector.world_size:
-                complete = job.collector.add(batch.job, s.step, batch.rank, s.compute_s, ts)
+                observe_loss_z(label_map, ts, s.loss)
+            observe_step_z(label_map, ts, duration_s)
+            if collector is not None:
+                complete = collector.add(batch.job, s.step, batch.rank, compute_s, ts)
                 if complete is not None:
                     self.straggler.observe_step(
                         complete.job, complete.step, complete.compute_s_by_rank, complete.ts_unix_s
                     )
-            for c in s.collectives:
-                key = (c.op, c.pg)
-                hist = r.collectives.get(key)
-                if hist is None:
-                    hist = r.collectives[key] = _Histogram([0] * (len(DURATION_BUCKETS_S) + 1))
-                for i, n in enumerate(c.duration_hist[: len(hist.counts)]):
-                    hist.counts[i] += n
-                hist.sum += c.duration_s
-                hist.count += c.count
-                r.busbw[key] = c.busbw_bytes_per_s
+            if s.collectives:
+                _observe_collectives(r, s)
             for b in s.buckets:
                 r.compression[b.codec] = b.compression_ratio
                 r.wire_bytes_total[b.codec] = r.wire_bytes_total.get(b.codec, 0.0) + b.wire_bytes
@@ -223,8 +227,17 @@ class LiveState:
             if s.applied_config is not None:
                 job.config = s.applied_config
                 job.bucket_cap_bytes = s.applied_config.bucket_cap_bytes
-        if job.world_size is None or batch.rank < job.world_size:
-            self.hang.observe(batch.job, batch.rank, batch.sent_unix_ns / 1e9, batch.inflight)
+        hist.sum = total_s
+        hist.count += len(batch.steps)
+        last = batch.steps[-1]
+        r.last_step = last.step
+        r.last_end_unix_s = last.end_unix_ns / 1e9
+        r.steps_total += len(batch.steps)
+        r.duration_s = last.duration_s
+        r.comm_wait_s = last.comm_wait_s
+        r.compute_s = last.compute_s
+        r.communication_time_ratio = last.communication_time_ratio
+        r.config_version = last.config_version
 
     def _observe_node(self, sample: NodeSample) -> None:
         self.nodes[sample.node] = sample
@@ -403,10 +416,17 @@ def _copy_rank(r: RankState) -> RankState:
     )
 
 
-def _observe_hist(hist: _Histogram, bounds: Sequence[float], value: float) -> None:
-    hist.counts[bisect.bisect_left(bounds, value)] += 1
-    hist.sum += value
-    hist.count += 1
+def _observe_collectives(r: RankState, s: StepRecord) -> None:
+    for c in s.collectives:
+        key = (c.op, c.pg)
+        hist = r.collectives.get(key)
+        if hist is None:
+            hist = r.collectives[key] = _Histogram([0] * (len(DURATION_BUCKETS_S) + 1))
+        for i, n in enumerate(c.duration_hist[: len(hist.counts)]):
+            hist.counts[i] += n
+        hist.sum += c.duration_s
+        hist.count += c.count
+        r.busbw[key] = c.busbw_bytes_per_s
 
 
 def _mean(values: Sequence[float]) -> float | None:
