@@ -386,7 +386,7 @@ async def test_rank_metrics(serve: Callable[[CollectorRegistry], Any]) -> None:
             "torshmon_communication_time_ratio",
             "torshmon_training_efficiency_ratio",
             "torshmon_throughput_samples_per_second",
-            "torshmon_step_loss",
+            "torshmon_loss",
             "torshmon_config_version",
             "torshmon_ddp_bucket_cap_bytes",
             "torshmon_inflight_oldest_age_seconds",
@@ -395,7 +395,7 @@ async def test_rank_metrics(serve: Callable[[CollectorRegistry], Any]) -> None:
     assert math.isclose(gauge["torshmon_communication_time_ratio"], 0.8)
     assert math.isclose(gauge["torshmon_training_efficiency_ratio"], 0.2)
     assert gauge["torshmon_throughput_samples_per_second"] == 128.0
-    assert gauge["torshmon_step_loss"] == 2.5  # the NaN loss of step 2 is not reported
+    assert gauge["torshmon_loss"] == 2.5  # the NaN loss of step 2 is not reported
     assert gauge["torshmon_config_version"] == 1
     assert gauge["torshmon_ddp_bucket_cap_bytes"] == 50 * 2**20  # applied config wins
     assert gauge["torshmon_inflight_oldest_age_seconds"] == 1.5
@@ -409,7 +409,7 @@ async def test_rank_metrics(serve: Callable[[CollectorRegistry], Any]) -> None:
         == 0
     )
     # Rank 1 sent neither loss nor throughput: those series are absent, not zero.
-    assert {s.labels["rank"] for s in families["torshmon_step_loss"].samples} == {"0"}
+    assert {s.labels["rank"] for s in families["torshmon_loss"].samples} == {"0"}
     assert (
         _value(
             families["torshmon_compression_ratio"], "torshmon_compression_ratio", codec="fp16", **r0
@@ -458,8 +458,8 @@ async def test_collective_metrics(serve: Callable[[CollectorRegistry], Any]) -> 
     # The latest step's bus bandwidth.
     assert (
         _value(
-            families["torshmon_collective_bus_bandwidth_bytes_per_second"],
-            "torshmon_collective_bus_bandwidth_bytes_per_second",
+            families["torshmon_collective_busbw_bytes_per_second"],
+            "torshmon_collective_busbw_bytes_per_second",
             **labels,
         )
         == 4e8
@@ -480,7 +480,7 @@ def test_bus_bandwidth_combines_dtypes_by_time() -> None:
     )
     metrics.observe_batch(_batch(1, [step]))
     value = registry.get_sample_value(
-        "torshmon_collective_bus_bandwidth_bytes_per_second",
+        "torshmon_collective_busbw_bytes_per_second",
         {"job": "train", "rank": "0", "op": "all_reduce", "pg": "default"},
     )
     assert value is not None and math.isclose(value, (1e9 * 0.03 + 5e8 * 0.01) / 0.04)
@@ -515,7 +515,7 @@ def test_bus_bandwidth_is_the_latest_step_that_timed_the_collective() -> None:
     ]
     metrics.observe_batch(_batch(1, steps))
     labels = {"job": "train", "rank": "0", "pg": "default"}
-    name = "torshmon_collective_bus_bandwidth_bytes_per_second"
+    name = "torshmon_collective_busbw_bytes_per_second"
     assert registry.get_sample_value(name, {**labels, "op": "all_reduce"}) == 2e9
     assert registry.get_sample_value(name, {**labels, "op": "broadcast"}) == 7e6
 

@@ -50,6 +50,26 @@ DURATION_BUCKETS_S: Final[tuple[float, ...]] = (
     60.0,
 )
 
+#: Upper bounds (seconds) of ``torshmon_step_duration_seconds``, 1 ms to 60 s: the agent
+#: and the aggregator both export it, so they must bucket alike to aggregate.
+STEP_DURATION_BUCKETS_S: Final[tuple[float, ...]] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
 
 # Bounds every value must respect so that it fits the SQL history (BIGINT, VARCHAR(n))
 # on every backend: a value outside them is rejected at decode, naming the field.

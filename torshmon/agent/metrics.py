@@ -42,30 +42,19 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from torshmon.wire import DURATION_BUCKETS_S, Batch, CollectiveStat, NodeSample, StepRecord
+from torshmon.wire import (
+    DURATION_BUCKETS_S,
+    STEP_DURATION_BUCKETS_S,
+    Batch,
+    CollectiveStat,
+    NodeSample,
+    StepRecord,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["STEP_DURATION_BUCKETS_S", "AgentMetrics", "AgentState", "make_metrics_handler"]
 
-#: Upper bounds (seconds) of ``torshmon_step_duration_seconds``: 1 ms to 60 s.
-STEP_DURATION_BUCKETS_S: tuple[float, ...] = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
 
 # prometheus-client leaves this helper unannotated; it formats `le` exactly as its own
 # histograms do.
@@ -477,7 +466,7 @@ def _rank_families(ranks: dict[tuple[str, int], _RankState]) -> Iterator[Metric]
             "Samples per second of the latest step.",
             "throughput_samples_per_s",
         ),
-        ("step_loss", "Latest finite training loss.", "loss"),
+        ("loss", "Latest finite training loss.", "loss"),
         ("config_version", "Communication config version the rank runs.", "config_version"),
         ("ddp_bucket_cap_bytes", "DDP gradient bucket cap.", "bucket_cap_bytes"),
     ):
@@ -513,7 +502,7 @@ def _collective_families(items: list[tuple[list[str], _RankState]]) -> Iterator[
         [(la, c.bytes_total) for la, c in collectives],
     )
     yield _gauge(
-        "collective_bus_bandwidth_bytes_per_second",
+        "collective_busbw_bytes_per_second",
         "Bus bandwidth (nccl-tests) of the latest step with this collective.",
         _COLLECTIVE_LABELS,
         [(labels, c.busbw_bytes_per_s) for labels, c in collectives],

@@ -35,26 +35,15 @@ from torshmon.aggregator.ingest import Stored
 from torshmon.aggregator.series import LabelSet, SeriesStore
 from torshmon.aggregator.straggler import StepCollector, StragglerDetector
 from torshmon.aggregator.zscore import ZScoreDetector
-from torshmon.wire import DURATION_BUCKETS_S, AppliedConfig, Batch, NodeSample, StepRecord
-
-#: Upper bounds (seconds) of ``torshmon_step_duration_seconds``: 1 ms to 60 s.
-STEP_DURATION_BUCKETS_S: tuple[float, ...] = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
+from torshmon.wire import (
+    DURATION_BUCKETS_S,
+    STEP_DURATION_BUCKETS_S,
+    AppliedConfig,
+    Batch,
+    NodeSample,
+    StepRecord,
 )
+
 # prometheus-client leaves this helper unannotated; it formats `le` as its own histograms do.
 _go_float: Callable[[float], str] = floatToGoString
 _STEP_LE = [_go_float(b) for b in STEP_DURATION_BUCKETS_S] + ["+Inf"]
