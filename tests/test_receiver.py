@@ -174,6 +174,43 @@ async def test_failed_store_drops_the_connection_unacknowledged(tmp_path: Path) 
         await _wait_until(lambda: not rx._connections)
 
 
+async def test_a_batch_whose_store_failed_is_stored_when_resent(tmp_path: Path) -> None:
+    store = _Store()
+    async with ProbeReceiver(tmp_path / "a.sock", store=store) as rx:
+        reader, writer = await asyncio.open_unix_connection(str(rx.socket_path))
+        writer.write(encode_frame(_batch(1)))
+        await writer.drain()
+        await _wait_until(store.called(1))
+        store.futures[0].set_exception(OSError("disk full"))
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        # The probe reconnects and resends: a second store, then the ack, not a duplicate.
+        resend = asyncio.ensure_future(_send(rx.socket_path, encode_frame(_batch(1))))
+        await _wait_until(store.called(2))
+        assert not resend.done()
+        store.futures[1].set_result(None)
+        assert decode_ack(await asyncio.wait_for(resend, 5)).seq == 1
+        assert rx.duplicates == 0
+
+
+async def test_a_resend_during_its_store_is_acked_only_once_stored(tmp_path: Path) -> None:
+    store = _Store()
+    async with ProbeReceiver(tmp_path / "a.sock", store=store) as rx:
+        _reader, writer = await asyncio.open_unix_connection(str(rx.socket_path))
+        writer.write(encode_frame(_batch(1)))
+        await writer.drain()
+        await _wait_until(store.called(1))
+        # Reconnected while the first store is still in progress: no ack before it is durable.
+        resend = asyncio.ensure_future(_send(rx.socket_path, encode_frame(_batch(1))))
+        await _wait_until(lambda: rx.duplicates == 1)
+        await asyncio.sleep(0.05)
+        assert not resend.done()
+        store.futures[0].set_result(None)
+        assert decode_ack(await asyncio.wait_for(resend, 5)).seq == 1
+        assert len(store.calls) == 1
+        writer.close()
+
+
 async def test_a_batch_followed_by_eof_is_still_stored(tmp_path: Path) -> None:
     stored: list[int] = []
 

@@ -96,6 +96,9 @@ class ProbeReceiver:
         # A dict, not a set: ``probes`` lists them in the order they connected.
         self._connections: dict[_ProbeConnection, None] = {}
         self._waiting: dict[asyncio.Future[None], list[tuple[_ProbeConnection, int | None]]] = {}
+        # Batches whose store has started but not finished, by (session, seq): a resend
+        # of one is acknowledged with that store, and a failed store forgets its seqs.
+        self._in_flight: dict[tuple[str, int], asyncio.Future[None]] = {}
         self._on_message_failed = False
         self.frames_accepted = 0
         self.frames_rejected = 0
@@ -254,6 +257,13 @@ class ProbeReceiver:
         waiting.append((connection, seq))
 
     def _stored(self, future: asyncio.Future[None]) -> None:
+        done = [key for key, pending in self._in_flight.items() if pending is future]
+        failed = future.cancelled() or future.exception() is not None
+        for session, batch_seq in done:
+            del self._in_flight[session, batch_seq]
+            if failed and self._last_seq.get(session, 0) >= batch_seq:
+                # Not stored: the probe's resend of this batch must be taken again.
+                self._last_seq[session] = batch_seq - 1
         for connection, seq in self._waiting.pop(future, ()):
             try:
                 connection.stored(seq, future)
@@ -416,12 +426,23 @@ class _ProbeConnection:
             return
         if isinstance(message, Hello):
             self.hello = message
+        elif (pending := server._in_flight.get((message.session, message.seq))) is not None:
+            # A resend (after a reconnect) of a batch still being stored: it is
+            # acknowledged when that store is durable, not before.
+            server.duplicates += 1
+            self.storing = pending
+            server._wait_for_store(self, message.seq)
+            return
         if server._accept(message, payload) and server._store is not None:
             try:
                 self.storing = asyncio.ensure_future(server._store(message, payload))
             except Exception as exc:
+                if isinstance(message, Batch):
+                    server._last_seq[message.session] = message.seq - 1
                 self._store_failed(exc)
                 return
+            if isinstance(message, Batch):
+                server._in_flight[message.session, message.seq] = self.storing
             # Only the seq waits with it: the decoded batch can be freed at once
             # instead of living (and being traced by the GC) until the commit.
             server._wait_for_store(self, message.seq if isinstance(message, Batch) else None)
