@@ -65,7 +65,7 @@ class _Histogram:
 class RankState:
     node: str = ""
     last_step: int = -1
-    last_end_unix_s: float = 0.0
+    last_seen_unix_s: float = 0.0  # aggregator clock: the last batch, heartbeats included
     steps_total: int = 0
     samples_total: float = 0.0
     dropped_records_total: int = 0
@@ -104,10 +104,21 @@ class JobState:
 class LiveState:
     """Live state of every job and node this aggregator serves (event-loop thread only)."""
 
-    def __init__(self, *, hang_timeout_s: float = 5.0) -> None:
-        self.series = SeriesStore()
+    def __init__(
+        self,
+        *,
+        hang_timeout_s: float = 5.0,
+        idle_s: float = 900.0,
+        series_retention_s: float = 900.0,
+    ) -> None:
+        """``idle_s``: a job (or node) that sent nothing for this long is dropped, with
+        its series and detector state; a hung job still sends heartbeats, so it stays.
+        ``series_retention_s``: how far back the rules can look (history is in SQL)."""
+        self.idle_s = idle_s
+        self.series = SeriesStore(retention_s=series_retention_s)
         self.jobs: dict[str, JobState] = {}
         self.nodes: dict[str, NodeSample] = {}
+        self._node_seen: dict[str, float] = {}
         self.step_z = ZScoreDetector(metric="step_duration_seconds", direction="up")
         self.loss_z = ZScoreDetector(metric="loss", direction="up")
         self.straggler = StragglerDetector()
@@ -134,6 +145,7 @@ class LiveState:
                 self._observe_batch(batch, node, now_unix_s)
             for sample in stored.node_samples:
                 self._observe_node(sample)
+                self._node_seen[sample.node] = now_unix_s
 
     def _job(self, name: str) -> JobState:
         job = self.jobs.get(name)
@@ -151,6 +163,7 @@ class LiveState:
         job = self._job(batch.job)
         r = self._rank(batch.job, job, batch.rank)
         r.node = node
+        r.last_seen_unix_s = now_unix_s
         r.dropped_records_total = batch.dropped_records_total
         if batch.steps:
             self._observe_steps(batch, job, r)
@@ -220,7 +233,6 @@ class LiveState:
         hist.count += len(batch.steps)
         last = batch.steps[-1]
         r.last_step = last.step
-        r.last_end_unix_s = last.end_unix_ns / 1e9
         r.steps_total += len(batch.steps)
         r.duration_s = last.duration_s
         r.comm_wait_s = last.comm_wait_s
@@ -294,10 +306,24 @@ class LiveState:
             self._alerts = list(alerts)
 
     def expire(self, now_unix_s: float) -> None:
-        self.series.expire(now_unix_s)
+        """Drop old points, and jobs and nodes idle for ``idle_s`` (they ended)."""
+        cutoff = now_unix_s - self.idle_s
+        idle_jobs = [
+            name
+            for name, job in self.jobs.items()
+            if max((r.last_seen_unix_s for r in job.ranks.values()), default=0.0) < cutoff
+        ]
+        for name in idle_jobs:
+            self.forget(name)
+        with self._lock:
+            for node in [n for n, seen in self._node_seen.items() if seen < cutoff]:
+                del self._node_seen[node]
+                self.nodes.pop(node, None)
+                self.series.forget({"node": node})
+            self.series.expire(now_unix_s)
 
     def forget(self, job: str) -> None:
-        """Drop a finished job."""
+        """Drop a finished job: its ranks, series and detector state."""
         with self._lock:
             self.jobs.pop(job, None)
             self.series.forget({"job": job})

@@ -91,8 +91,11 @@ class Aggregator:
         self.commands = CommandBook(
             timeout_s=settings.command_timeout_s, clock=clock, on_change=self._command_changed
         )
-        self.live = LiveState(hang_timeout_s=settings.hang_timeout_s)
         self.alerts = AlertEngine(self.rules)
+        self.live = LiveState(
+            hang_timeout_s=settings.hang_timeout_s,
+            series_retention_s=_series_retention_s(self.rules, self.alerts.stale_after_s),
+        )
         self.notifier = Notifier(list(targets) if targets is not None else targets_from_env())
         self.tracer = otel.Tracing(settings.otlp_endpoint, service_instance=settings.aggregator_id)
         self.store: IngestStore | None = None
@@ -468,6 +471,15 @@ class Aggregator:
             raw_retention_s=self.settings.raw_retention_s,
             rollup_retention_s=self.settings.rollup_retention_s,
         )
+
+
+def _series_retention_s(rules: RuleSet, stale_after_s: float) -> float:
+    """How long live series must keep points for ``rules``: the longest rate window,
+    absent duration or staleness bound, plus a minute. Older points are only in SQL."""
+    needed = [stale_after_s]
+    needed += [r.window_s for r in rules if r.kind == "rate"]
+    needed += [r.for_s for r in rules if r.kind == "absent"]
+    return max(needed) + 60.0
 
 
 def _finding_row(f: Finding, now: float) -> dict[str, Any]:
