@@ -1,0 +1,42 @@
+"""The aggregator's live state: pruning of jobs and nodes that ended."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from tests.integration import wire_factory as wf
+from torshmon.aggregator.ingest import Stored
+from torshmon.aggregator.live import LiveState
+
+
+def _stored(*, steps: bool) -> Stored:
+    h0, h1 = wf.hello("j", 0, 2), wf.hello("j", 1, 2)
+    batches = [(wf.batch(h, 1, [wf.step(1)] if steps else []), "node-a") for h in (h0, h1)]
+    return Stored(
+        acked_seq=1, hellos=[h0, h1], batches=batches, node_samples=[wf.node_sample("j", 2)]
+    )
+
+
+def test_a_job_and_node_idle_past_the_limit_are_forgotten_with_their_metrics() -> None:
+    live = LiveState(idle_s=60.0)
+    registry = CollectorRegistry()
+    live.register(registry)
+    live.observe(_stored(steps=True), now_unix_s=1000.0)
+    assert registry.get_sample_value("torshmon_steps_total", {"job": "j", "rank": "1"}) == 1.0
+
+    live.expire(1059.0)
+    assert "j" in live.jobs and "node-a" in live.nodes
+    live.expire(1061.0)
+    assert live.jobs == {} and live.nodes == {}
+    assert live.job_summary("j") is None
+    assert registry.get_sample_value("torshmon_steps_total", {"job": "j", "rank": "1"}) is None
+    assert live.series.series_count() == 0
+
+
+def test_heartbeats_of_a_stuck_job_keep_it_alive() -> None:
+    live = LiveState(idle_s=60.0)
+    live.observe(_stored(steps=True), now_unix_s=1000.0)
+    # No steps for a long while, but the ranks still send heartbeats (a hang).
+    live.observe(_stored(steps=False), now_unix_s=1050.0)
+    live.expire(1100.0)
+    assert "j" in live.jobs
