@@ -349,13 +349,10 @@ def _column_schema(column: Any) -> dict[str, Any]:
             schema["maxLength"] = t.length
     else:
         schema = {}
+    if column.nullable:
+        schema = {"anyOf": [schema, {"type": "null"}]}
     if column.comment:
         schema["description"] = column.comment
-    if column.nullable:
-        schema = {
-            "anyOf": [schema, {"type": "null"}],
-            **({"description": column.comment} if column.comment else {}),
-        }
     return schema
 
 
