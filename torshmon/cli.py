@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument(
         "--aggregator", help="aggregator base URL, e.g. http://host:9470 ($TORSHMON_AGGREGATOR_URL)"
     )
-    agent.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    agent.add_argument(
+        "--token-file", dest="token", type=_token_file, help="file holding the bearer token"
+    )
     agent.add_argument("--spool", help="spool file ($TORSHMON_AGENT_SPOOL)")
     agent.add_argument("--spool-max-mb", type=_positive_int, help="spool bound in MiB (256)")
     agent.add_argument("--node", help="node name (the hostname)")
@@ -73,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     aggregator.add_argument("--host", help="listen address (127.0.0.1)")
     aggregator.add_argument("--port", type=_port, help="listen port (9470)")
     aggregator.add_argument("--db", help="history database URL ($TORSHMON_DB_URL, ./torshmon.db)")
-    aggregator.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    aggregator.add_argument(
+        "--token-file", dest="token", type=_token_file, help="file holding the bearer token"
+    )
     aggregator.add_argument("--rules", help="alert rule file (the default rules otherwise)")
     aggregator.add_argument("--id", dest="aggregator_id", help="this aggregator's id (shard)")
     aggregator.add_argument("--config", type=Path, help="YAML file of settings")
@@ -100,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune = commands.add_parser("tune", help="start an autotuning session for a running job")
     tune.add_argument("job", help="job name")
     tune.add_argument("--url", default="http://127.0.0.1:9470", help="aggregator base URL")
-    tune.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    tune.add_argument(
+        "--token-file", dest="token", type=_token_file, help="file holding the bearer token"
+    )
     tune.add_argument("--max-trials", type=_positive_int, help="configs to measure (12)")
     tune.add_argument(
         "--pin",
@@ -112,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--wait", action="store_true", help="print trials until the session ends")
     tune.add_argument("--poll-s", type=float, default=2.0, help=argparse.SUPPRESS)
     return parser
+
+
+def _token_file(path: str) -> str:
+    """The bearer token held in the file at ``path`` (argparse type)."""
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror}") from None
 
 
 def _port(text: str) -> int:
@@ -129,13 +143,7 @@ def _run_agent(args: argparse.Namespace) -> int:
 
     from torshmon.agent.daemon import run_agent, settings_from_env
 
-    token = None
-    if args.token_file is not None:
-        try:
-            token = args.token_file.read_text().strip()
-        except OSError as exc:
-            print(f"torshmon agent: cannot read --token-file: {exc}", file=sys.stderr)
-            return 2
+    token = args.token
     try:
         settings = settings_from_env(
             socket_path=args.socket,
@@ -195,12 +203,7 @@ def _run_aggregator(args: argparse.Namespace) -> int:
         "rules_path": args.rules,
         "aggregator_id": args.aggregator_id,
     }
-    if args.token_file is not None:
-        try:
-            overrides["token"] = args.token_file.read_text().strip()
-        except OSError as exc:
-            print(f"torshmon aggregator: cannot read --token-file: {exc}", file=sys.stderr)
-            return 2
+    overrides["token"] = args.token
     try:
         settings = load_settings(overrides, config_file=args.config)
         return asyncio.run(run_aggregator(settings))
@@ -270,13 +273,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.parse
 
-    token = None
-    if args.token_file is not None:
-        try:
-            token = args.token_file.read_text().strip()
-        except OSError as exc:
-            print(f"torshmon tune: cannot read --token-file: {exc}", file=sys.stderr)
-            return 2
+    token = args.token
     base = args.url.rstrip("/")
     job = urllib.parse.quote(args.job, safe="")
     body: dict[str, object] = {"pinned": list(args.pin)}

@@ -14,15 +14,36 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 from prometheus_client import CollectorRegistry
 from sqlalchemy import create_engine, text
 
+from tests.integration import wire_factory as wf
 from torshmon.aggregator.commands import CommandStatus
+from torshmon.aggregator.ingest import Stored
 from torshmon.aggregator.service import Aggregator
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.aggregator.tuner import TunerSettings, TuningSession
 from torshmon.demo import DemoConfig, train_rank
 from torshmon.launch import run_ranks
+from torshmon.wire import DdpStats
+
+
+def _report_bucket_cap(aggregator: Aggregator, job: str, cap_bytes: int) -> None:
+    """As if rank 0 of ``job`` had reported DDP's bucket cap (no job runs in these tests)."""
+    ddp = DdpStats(
+        bucket_cap_bytes=cap_bytes,
+        bucket_sizes_bytes=[cap_bytes],
+        num_buckets_reduced=1,
+        avg_forward_compute_s=0.01,
+        avg_backward_compute_s=0.02,
+        avg_backward_comm_s=0.01,
+        avg_backward_compute_comm_overlap_s=0.0,
+    )
+    hello = wf.hello(job, 0, 1)
+    step = msgspec.structs.replace(wf.step(1), ddp=ddp)
+    stored = Stored(acked_seq=0, hellos=[hello], batches=[(wf.batch(hello, 1, [step]), "n")])
+    aggregator.live.observe(stored, aggregator.clock())
 
 SMALL = TunerSettings(warmup_steps=2, window_steps=5, windows=3, min_windows=3, max_trials=3)
 
@@ -158,7 +179,7 @@ async def test_session_survives_an_aggregator_restart(tmp_path: Path) -> None:
         settings, registry=CollectorRegistry(), targets=[], clock=clock, tuner_settings=fast
     ) as first:
         # No job: pretend rank 0 reported DDP's bucket cap, then start by hand.
-        first.tuning._caps_mb["nojob"] = 25.0
+        _report_bucket_cap(first, "nojob", 25 * 2**20)
         session_id = await first.tuning.start_session("nojob", trigger="test")
         pending = first.tuning._active["nojob"].command_id
         assert pending is not None
@@ -208,7 +229,7 @@ async def test_acks_route_only_the_awaited_command(tmp_path: Path) -> None:
         clock=lambda: now[0],
         tuner_settings=SMALL,
     ) as agg:
-        agg.tuning._caps_mb["j"] = 25.0
+        _report_bucket_cap(agg, "j", 25 * 2**20)
         await agg.tuning.start_session("j", trigger="test")
         entry = agg.tuning._active["j"]
         awaited = agg.commands.get(entry.command_id or "")

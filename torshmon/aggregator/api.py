@@ -60,7 +60,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error(exc.status, exc.reason if not exc.text else _text(exc))
+        return error(exc.status, _text(exc))
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)
         return error(500, "internal error; see the aggregator's log")

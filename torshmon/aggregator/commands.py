@@ -125,7 +125,7 @@ class CommandBook:
         expired = []
         with self._lock:
             for command_id, status in self._status.items():
-                if status.status in ("sent", "accepted", "pending") and (
+                if not status.done and (
                     now - status.created_unix_s > self.timeout_s
                 ):
                     status = replace(

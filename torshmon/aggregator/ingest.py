@@ -225,6 +225,16 @@ _BULK: Final = (_SEQS, _STEPS, _COLLECTIVES, _BUCKETS, _INFLIGHT, _NODES, _GPUS,
 
 
 @dataclass(slots=True)
+class _Session:
+    """A probe session within one transaction: its highest stored batch seq, whether its
+    row exists, and the newest batch of it stored now (None: none)."""
+
+    last_seq: int
+    exists: bool
+    batch: Batch | None = None
+
+
+@dataclass(slots=True)
 class Stored:
     """What one ``store`` call took in: the new data for the live state, in order."""
 
@@ -277,7 +287,6 @@ class IngestStore:
         self._clock_ns = clock_ns
         self._session_seq: dict[str, int] = {}
         self._agent_max_seq: dict[str, int] = {}
-        self._known_jobs: set[str] = set()
         #: job -> the agent that last delivered its rank 0's batches (commands go there)
         self.rank0_agent: dict[str, str] = {}
 
@@ -301,7 +310,7 @@ class IngestStore:
                 seen.add(item.seq)
                 stored.records += 1
                 seq_rows.append((batch.agent_id, item.seq, batch.node, now_ns))
-                self._flatten(item.record.messages, batch.node, sessions, rows, stored, now_ns)
+                self._flatten(item.record.messages, batch.node, sessions, rows, stored)
                 for sample in item.record.node_samples:
                     _node_rows(sample, rows)
                     stored.node_samples.append(sample)
@@ -328,8 +337,7 @@ class IngestStore:
         # Only now, with the transaction committed, may the caches move on.
         self._agent_max_seq[batch.agent_id] = stored.acked_seq
         for session, info in sessions.items():
-            self._session_seq[session] = info["last_seq"]
-        self._known_jobs.update(jobs)
+            self._session_seq[session] = info.last_seq
         if self._commands is not None:
             if stored.commands:
                 self._commands.sent([c.id for c in stored.commands])
@@ -367,26 +375,26 @@ class IngestStore:
         ).scalar()
         return int(value or 0)
 
-    def _load_sessions(self, conn: Connection, batch: IngestBatch) -> dict[str, dict[str, Any]]:
+    def _load_sessions(self, conn: Connection, batch: IngestBatch) -> dict[str, _Session]:
         """``last_seq`` (and whether the row exists) of every session in ``batch``."""
         wanted: set[str] = set()
         for item in batch.records:
             for message in item.record.messages:
                 wanted.add(message.session)
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, _Session] = {}
         missing = []
         for session in wanted:
             seq = self._session_seq.get(session)
             if seq is None:
                 missing.append(session)
             else:
-                out[session] = {"last_seq": seq, "exists": True, "dirty": False}
+                out[session] = _Session(seq, exists=True)
         if missing:
             table = _T["probe_sessions"]
             for name, last_seq in conn.execute(
                 select(table.c.session, table.c.last_seq).where(table.c.session.in_(missing))
             ):
-                out[name] = {"last_seq": int(last_seq), "exists": True, "dirty": False}
+                out[name] = _Session(int(last_seq), exists=True)
         return out
 
     # -- flattening ----------------------------------------------------------------------
@@ -394,29 +402,22 @@ class IngestStore:
         self,
         messages: Iterable[Hello | Batch],
         node: str,
-        sessions: dict[str, dict[str, Any]],
+        sessions: dict[str, _Session],
         rows: _Rows,
         stored: Stored,
-        now_ns: int,
     ) -> None:
         for message in messages:
+            info = sessions.get(message.session)
+            if info is None:
+                info = sessions[message.session] = _Session(0, exists=False)
             if isinstance(message, Hello):
                 stored.hellos.append(message)
-                info = sessions.setdefault(
-                    message.session, {"last_seq": 0, "exists": False, "dirty": True}
-                )
-                info["hello"] = message
                 continue
-            info = sessions.setdefault(
-                message.session, {"last_seq": 0, "exists": False, "dirty": True}
-            )
-            if message.seq <= info["last_seq"]:
+            if message.seq <= info.last_seq:
                 stored.duplicates += 1
                 continue
-            info["last_seq"] = message.seq
-            info["dirty"] = True
-            info["batch"] = message
-            info["last_seen_unix_ns"] = now_ns
+            info.last_seq = message.seq
+            info.batch = message
             stored.batches.append((message, node))
             stored.samples += _batch_rows(message, node, rows)
 
@@ -441,7 +442,7 @@ class IngestStore:
         self,
         conn: Connection,
         rows: _Rows,
-        sessions: dict[str, dict[str, Any]],
+        sessions: dict[str, _Session],
         jobs: dict[str, dict[str, Any]],
         stored: Stored,
         now_ns: int,
@@ -581,9 +582,7 @@ def _jobs_upsert(dialect: str) -> Insert:
     )
 
 
-def _session_row(
-    hello: Hello, sessions: dict[str, dict[str, Any]], rows: _Rows, now_ns: int
-) -> None:
+def _session_row(hello: Hello, sessions: dict[str, _Session], rows: _Rows, now_ns: int) -> None:
     info = sessions[hello.session]
     rows.add(
         "probe_sessions",
@@ -600,11 +599,11 @@ def _session_row(
             "probe_version": hello.probe_version,
             "started_unix_ns": now_ns,
             "last_seen_unix_ns": now_ns,
-            "last_seq": info["last_seq"],
+            "last_seq": info.last_seq,
             "dropped_records_total": 0,
         },
     )
-    info["exists"] = True
+    info.exists = True
 
 
 def _session_progress() -> Update:
@@ -624,19 +623,17 @@ def _session_progress() -> Update:
 _SESSION_PROGRESS: Final = _session_progress()
 
 
-def _write_session_progress(
-    conn: Connection, sessions: dict[str, dict[str, Any]], now_ns: int
-) -> None:
+def _write_session_progress(conn: Connection, sessions: dict[str, _Session], now_ns: int) -> None:
     """Advance ``last_seq`` of sessions that got batches (one executemany); create rows
     for sessions whose hello this aggregator never saw (stored before a restart of the
     agent)."""
     missing: list[dict[str, Any]] = []
     progress: list[dict[str, Any]] = []
     for session, info in sessions.items():
-        batch: Batch | None = info.get("batch")
+        batch = info.batch
         if batch is None:
             continue
-        if not info["exists"]:
+        if not info.exists:
             missing.append(
                 {
                     "session": session,
@@ -655,11 +652,11 @@ def _write_session_progress(
                     "dropped_records_total": batch.dropped_records_total,
                 }
             )
-            info["exists"] = True
+            info.exists = True
         progress.append(
             {
                 "b_session": session,
-                "b_last_seq": info["last_seq"],
+                "b_last_seq": info.last_seq,
                 "b_now": now_ns,
                 "b_dropped": batch.dropped_records_total,
             }

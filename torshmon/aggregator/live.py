@@ -15,7 +15,7 @@ import statistics
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -406,20 +406,10 @@ class LiveState:
 
 
 def _copy_rank(r: RankState) -> RankState:
-    return RankState(
-        node=r.node,
-        steps_total=r.steps_total,
-        samples_total=r.samples_total,
-        dropped_records_total=r.dropped_records_total,
-        duration_s=r.duration_s,
-        comm_wait_s=r.comm_wait_s,
-        compute_s=r.compute_s,
-        communication_time_ratio=r.communication_time_ratio,
-        samples_per_s=r.samples_per_s,
-        loss=r.loss,
-        nonfinite_loss_total=r.nonfinite_loss_total,
-        config_version=r.config_version,
-        rss_bytes=r.rss_bytes,
+    """A copy safe to read outside the lock: the exported mutable members are copied,
+    ``recent`` (not exported) is left empty."""
+    return replace(
+        r,
         compression=dict(r.compression),
         relative_error=dict(r.relative_error),
         wire_bytes_total=dict(r.wire_bytes_total),
@@ -428,6 +418,7 @@ def _copy_rank(r: RankState) -> RankState:
             k: _Histogram(list(h.counts), h.sum, h.count) for k, h in r.collectives.items()
         },
         busbw=dict(r.busbw),
+        recent=deque(maxlen=r.recent.maxlen),
     )
 
 
@@ -561,18 +552,20 @@ class _LiveCollector:
             codec.add_metric([job, codec_name or "none"], 1.0)
             for rank, r in ranks:
                 lv = [job, str(rank)]
+                values = {
+                    "communication_time_ratio": r.communication_time_ratio,
+                    "training_efficiency_ratio": (
+                        r.compute_s / r.duration_s if r.duration_s > 0 else math.nan
+                    ),
+                    "throughput_samples_per_second": r.samples_per_s,
+                    "compute_seconds": r.compute_s,
+                    "comm_wait_seconds": r.comm_wait_s,
+                    "loss": r.loss,
+                    "config_version": float(r.config_version),
+                }
                 for key, fam in g.items():
-                    value = {
-                        "communication_time_ratio": r.communication_time_ratio,
-                        "training_efficiency_ratio": (
-                            r.compute_s / r.duration_s if r.duration_s > 0 else math.nan
-                        ),
-                        "throughput_samples_per_second": r.samples_per_s,
-                        "compute_seconds": r.compute_s,
-                        "comm_wait_seconds": r.comm_wait_s,
-                        "loss": r.loss,
-                        "config_version": float(r.config_version),
-                    }[key]
+                    value = values[key]
+                    # A NaN loss is exported as NaN (the model diverged); others are skipped.
                     if math.isfinite(value) or (key == "loss" and r.steps_total):
                         fam.add_metric(lv, value)
                 if math.isfinite(r.rss_bytes):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import Status, StatusCode, set_span_in_context
 
 if TYPE_CHECKING:
     from torshmon.aggregator.alert import Alert
@@ -84,8 +84,6 @@ class Tracing:
                             "torshmon.config_version": step.config_version,
                         },
                     )
-                    from opentelemetry.trace import set_span_in_context
-
                     ctx = set_span_in_context(span)
                     t = start
                     for name in ("forward_s", "backward_s", "optimizer_s"):

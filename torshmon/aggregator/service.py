@@ -16,12 +16,14 @@ import hmac
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
+import msgspec
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
@@ -33,7 +35,7 @@ from torshmon.aggregator.commands import CommandBook, CommandStatus
 from torshmon.aggregator.findings import Finding
 from torshmon.aggregator.ingest import IngestStore, Stored
 from torshmon.aggregator.live import LiveState
-from torshmon.aggregator.notify import Notifier, Target, targets_from_env
+from torshmon.aggregator.notify import STAT_NAMES, Notifier, Target, targets_from_env
 from torshmon.aggregator.rules import RuleSet, default_rules, load_rules
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.aggregator.tuner import TunerSettings
@@ -130,8 +132,11 @@ class Aggregator:
         self.m_samples = Counter(
             "torshmon_ingest_samples", "Measurements stored (one number each)", registry=r
         )
-        self.m_ingest_seconds = Gauge(
-            "torshmon_ingest_last_duration_seconds", "Time the last ingest took", registry=r
+        self.m_ingest_seconds = Histogram(
+            "torshmon_ingest_duration_seconds",
+            "Time to store one ingest request (writer thread, including its queue wait)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+            registry=r,
         )
         self.live.register(r)
         r.register(_NotifierCollector(self))
@@ -257,7 +262,7 @@ class Aggregator:
             self.m_batches.labels("unavailable").inc()
             log.error("history database unavailable: %s", exc.orig)
             return api.error(503, "history database unavailable; retry later")
-        self.m_ingest_seconds.set(time.perf_counter() - started)
+        self.m_ingest_seconds.observe(time.perf_counter() - started)
         self.m_batches.labels("stored").inc()
         self.m_records.inc(stored.records)
         self.m_duplicates.inc(stored.duplicates)
@@ -496,18 +501,9 @@ def _finding_row(f: Finding, now: float) -> dict[str, Any]:
         "severity": f.severity,
         "since_unix_s": f.since_unix_s,
         "detected_unix_s": now,
-        "details": _jsonable(dict(f.details)),
+        # Detectors may put tuples, sets or numpy scalars in details: JSON-safe as text.
+        "details": msgspec.to_builtins(dict(f.details), str_keys=True, enc_hook=str),
     }
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
 
 
 def _redact_url(url: str) -> str:
@@ -521,30 +517,30 @@ def _redact_url(url: str) -> str:
 
 
 class _NotifierCollector:
-    """Exports the notifier's per-target counters."""
+    """Exports the notifier's per-target counters (``notify.STAT_NAMES``)."""
+
+    _HELP: Final = {
+        "sent_total": "Notification messages delivered, per target",
+        "failed_total": "Notification messages given up on, per target",
+        "retries_total": "Notification delivery retries, per target",
+        "dropped_total": "Alerts dropped before delivery (queue full or shutdown), per target",
+        "deduplicated_total": "Alerts not sent again because they were already delivered",
+        "queued": "Alerts waiting to be sent, per target",
+    }
 
     def __init__(self, aggregator: Aggregator) -> None:
         self._aggregator = aggregator
 
-    def collect(self) -> Any:
-        from prometheus_client.metrics_core import CounterMetricFamily
-
+    def collect(self) -> Iterator[Metric]:
         stats = self._aggregator.notifier.stats()
-        helps = {
-            "sent": "Notification messages delivered, per target",
-            "failed": "Notification messages given up on, per target",
-            "retries": "Notification delivery retries, per target",
-            "dropped": "Alerts dropped before delivery (queue full or shutdown), per target",
-            "deduplicated": "Alerts not sent again because they were already delivered",
-        }
-        families = {
-            n: CounterMetricFamily(f"torshmon_notifications_{n}", text, labels=["target"])
-            for n, text in helps.items()
-        }
-        names = tuple(helps)
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+        for stat in STAT_NAMES:
+            name = f"torshmon_notifications_{stat.removesuffix('_total')}"
+            kind = CounterMetricFamily if stat.endswith("_total") else GaugeMetricFamily
+            families[stat] = kind(name, self._HELP[stat], labels=["target"])
         for target, counts in stats.items():
-            for n in names:
-                families[n].add_metric([target], float(counts.get(f"{n}_total", 0)))
+            for stat, family in families.items():
+                family.add_metric([target], float(counts.get(stat, 0)))
         yield from families.values()
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from torshmon.history.db import db_url
+from torshmon.history.db import DB_URL_ENV, DEFAULT_DB_URL
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9470
@@ -21,6 +21,7 @@ _ENV = {
     "host": "TORSHMON_AGGREGATOR_HOST",
     "port": "TORSHMON_AGGREGATOR_PORT",
     "token": "TORSHMON_TOKEN",
+    "db_url": DB_URL_ENV,
     "rules_path": "TORSHMON_RULES",
     "aggregator_id": "TORSHMON_AGGREGATOR_ID",
     "otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -68,7 +69,7 @@ class AggregatorSettings:
         if self.max_body_bytes < 1024:
             raise SettingsError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not self.db_url:
-            object.__setattr__(self, "db_url", db_url(None))
+            object.__setattr__(self, "db_url", DEFAULT_DB_URL)
         if not self.aggregator_id:
             object.__setattr__(self, "aggregator_id", f"{socket.gethostname()}-{os.getpid()}")
         if not self.external_url:
@@ -94,8 +95,6 @@ def load_settings(
     for name, var in _ENV.items():
         if env.get(var):
             values[name] = env[var]
-    if env.get("TORSHMON_DB_URL"):
-        values["db_url"] = env["TORSHMON_DB_URL"]
     values.update({k: v for k, v in overrides.items() if v is not None})
     typed: dict[str, Any] = {}
     for name, value in values.items():

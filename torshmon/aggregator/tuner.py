@@ -876,6 +876,19 @@ class TuningSession:
         return self._s.trials[self._s.incumbent] if self._s.trials else None
 
     @property
+    def best_score(self) -> float | None:
+        """The score the session stands by: once finished, the verified score if the
+        best config was kept, else the baseline's; before that, the incumbent's."""
+        trials = self._s.trials
+        if self._s.phase == "finished":
+            verify = trials[-1] if trials and trials[-1].kind == "verify" else None
+            if verify is not None and verify.decision == "kept":
+                return verify.score
+            return trials[0].score if trials else None
+        best = self.best
+        return best.score if best is not None else None
+
+    @property
     def unit(self) -> str:
         """``samples/s`` or ``steps/s``; empty before the first measured step."""
         return self._s.unit

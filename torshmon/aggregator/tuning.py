@@ -17,8 +17,8 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Final, get_args
 
 from prometheus_client import Counter, Gauge
 from sqlalchemy import select, update
@@ -31,6 +31,7 @@ from torshmon.aggregator.tuner import (
     ApplyConfig,
     Decision,
     Finish,
+    Phase,
     SearchSpace,
     StepSample,
     Trial,
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _T = Base.metadata.tables
-PHASES: Final = ("created", "applying", "measuring", "finished", "aborted")
+PHASES: Final = get_args(Phase)
 #: The rule name of the notification sent when a session ends.
 FINISHED_RULE: Final = "Autotune Finished"
 #: torch's default first bucket cap (``dist._DEFAULT_FIRST_BUCKET_BYTES``), MiB.
@@ -99,7 +100,6 @@ class TuningManager:
         self.space = space if space is not None else SearchSpace()
         self.seed = seed
         self._active: dict[str, _Active] = {}
-        self._caps_mb: dict[str, float] = {}  # job -> rank 0's last reported bucket cap
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -168,8 +168,8 @@ class TuningManager:
         if max_trials is not None:
             if isinstance(max_trials, bool) or not isinstance(max_trials, int):
                 raise TunerError(f"max_trials must be an integer, got {max_trials!r}")
-            settings = TunerSettings(**{**_fields(settings), "max_trials": max_trials})
-        space = SearchSpace(**{**_fields(self.space), "pinned": frozenset(pinned)})
+            settings = replace(settings, max_trials=max_trials)
+        space = replace(self.space, pinned=frozenset(pinned))
         baseline = self._baseline(job)
         session_id = uuid.uuid4().hex[:16]
         seed = self.seed if self.seed is not None else int(session_id[:8], 16)
@@ -190,13 +190,15 @@ class TuningManager:
                 codec=config["codec"],
                 codec_params=dict(config["codec_params"]),
             )
-        cap = self._caps_mb.get(job)
-        if cap is None:
+        summary = self.a.live.job_summary(job)
+        cap_bytes = summary["bucket_cap_bytes"] if summary is not None else None
+        if cap_bytes is None:
             raise TuningUnavailable(
                 f"no config or DDP stats from job {job!r} yet; start tuning once it trains"
             )
         # The job runs its config version 0, which the probe does not report: DDP's own
         # bucket cap with torch's default first bucket and no codec.
+        cap = cap_bytes / MIB
         return TrialConfig(cap, min(cap, _TORCH_FIRST_BUCKET_MB))
 
     def _on_alert(self, alert: Alert) -> None:
@@ -220,9 +222,6 @@ class TuningManager:
         for batch, _node in stored.batches:
             if batch.rank != 0:
                 continue
-            for record in batch.steps:
-                if record.ddp is not None:
-                    self._caps_mb[batch.job] = record.ddp.bucket_cap_bytes / MIB
             entry = self._active.get(batch.job)
             if entry is None:
                 continue
@@ -402,7 +401,7 @@ class TuningManager:
             "baseline_config": baseline.to_dict() if baseline is not None else {},
             "best_config": best_config.to_dict() if best_config is not None else None,
             "baseline_score": trials[0].score if trials else None,
-            "best_score": _best_score(session),
+            "best_score": session.best_score,
             "reason": session.reason,
             "aggregator_id": self.a.settings.aggregator_id,
             "state_blob": state,
@@ -482,21 +481,6 @@ class TuningManager:
             await self._execute(entry, pending)
         else:
             await self._execute(entry, None)
-
-
-def _fields(obj: Any) -> dict[str, Any]:
-    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
-
-
-def _best_score(session: TuningSession) -> float | None:
-    best = session.best
-    if session.phase == "finished":
-        trials = session.trials
-        verify = trials[-1] if trials and trials[-1].kind == "verify" else None
-        if verify is not None and verify.decision == "kept":
-            return verify.score
-        return trials[0].score if trials else None
-    return best.score if best is not None else None
 
 
 def _trial_row(entry: _Active, trial: Trial) -> dict[str, Any]:
