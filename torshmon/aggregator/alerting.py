@@ -232,8 +232,9 @@ class AlertEngine:
             value=value if math.isfinite(value) else None,
             starts_at_unix_s=instance.active_since_s if starts_s is None else starts_s,
             ends_at_unix_s=now,
-            # A pending alert that never fired resolves silently: nothing to act on.
-            actions=rule.actions if fired or state == "pending" else (),
+            # Only an alert that fired has anything to act on: a pending one (or one that
+            # resolves without ever firing) carries no actions, so no consumer must filter.
+            actions=rule.actions if fired else (),
         )
 
     def _annotations(self, instance: _Instance) -> dict[str, str]:

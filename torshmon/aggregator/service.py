@@ -307,7 +307,7 @@ class Aggregator:
         self.live.set_alerts(self.alerts.active())
         if new_findings or transitions:
             await self.write(self._persist, new_findings, transitions, now)
-        to_send = [a for a in transitions if a.state != "pending" and "notify" in a.actions]
+        to_send = [a for a in transitions if "notify" in a.actions]
         if to_send:
             self.notifier.submit(to_send)
         for alert in transitions:
