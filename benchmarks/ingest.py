@@ -10,9 +10,9 @@ agents send them) but not counted.
 
 Pipeline run: a real aggregator process (fresh database, default rules, evaluation
 every 0.5 s) on a loopback port. This process plays ``world_size / ranks_per_agent``
-agents of one job: each POST is one agent's gzipped ``IngestBatch`` (level 6, as the
-agent sends it) of ``records_per_post`` spool records, each holding a probe batch of
-``steps_per_batch`` steps from every rank of the agent, and a node sample (8 GPUs).
+agents of one job: each POST is one agent's gzipped ``IngestBatch`` (at the agent's
+``GZIP_LEVEL``, as it sends them) of ``records_per_post`` spool records, each holding a
+probe batch of ``steps_per_batch`` steps from every rank of the agent, and a node sample (8 GPUs).
 Step records look like the probe's default mode: phases, loss, throughput, no
 buckets, two collectives every ``collective_every`` steps, DDP statistics every 50
 steps. Agents take turns on ``connections`` concurrent connections, each agent with
@@ -74,6 +74,7 @@ from sqlalchemy import create_engine, text
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from tests.pg import pg_database
+from torshmon.agent.forwarder import GZIP_LEVEL
 from torshmon.aggregator.ingest import (
     SAMPLES_PER_BUCKET,
     SAMPLES_PER_COLLECTIVE,
@@ -341,7 +342,7 @@ class SimulatedAgent:
             self._seq += 1
             records.append(b'{"seq":%d,"record":%s}' % (self._seq, encode_json(record)))
         body = b"".join((self._head, b",".join(records), b"]}"))
-        return Post(gzip.compress(body, compresslevel=6), self._seq, steps, samples)
+        return Post(gzip.compress(body, compresslevel=GZIP_LEVEL), self._seq, steps, samples)
 
     def _node_sample(self, now_ns: int) -> NodeSample:
         return NodeSample(

@@ -300,12 +300,11 @@ class NodeSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 class SpoolRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What the agent stores durably and forwards as one unit: probe messages and node
-    samples received since the previous record, and the agent's own drop count."""
+    samples received since the previous record. (Command acks travel in the probe's
+    ``Batch``; the agent's own spool drops are on its ``/metrics``.)"""
 
     messages: list[ProbeMessage] = []
     node_samples: list[NodeSample] = []
-    command_acks: list[CommandAck] = []
-    dropped_records_total: Count = 0
 
 
 class IngestRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -328,9 +328,11 @@ def test_bad_flags_and_unreachable_aggregator(tmp_path: Path) -> None:
 
 def test_commands_reach_rank_0_and_their_acks_come_back(tmp_path: Path, stub: IngestStub) -> None:
     stub.commands = [
-        Command(id="good", job="relay", kind="config", args={"codec": "fp16"}),
+        Command(id="first", job="relay", kind="config", args={"codec": "bf16"}),
         Command(id="bad", job="relay", kind="config", args={"codec": "zstd"}),
         Command(id="odd", job="relay", kind="config", args={"bucket_mb": 4}),
+        # Queued before "first" was applied: it replaces it, and "first" is told so.
+        Command(id="good", job="relay", kind="config", args={"codec": "fp16"}),
     ]
     agent = AgentProcess(tmp_path, stub.url, "secret").start()
     try:
@@ -339,6 +341,7 @@ def test_commands_reach_rank_0_and_their_acks_come_back(tmp_path: Path, stub: In
         assert acks["good"].status == "applied" and acks["good"].effective_step is not None
         assert acks["bad"].status == "rejected" and "zstd" in acks["bad"].reason
         assert acks["odd"].status == "rejected" and "bucket_mb" in acks["odd"].reason
+        assert acks["first"].status == "rejected" and "superseded" in acks["first"].reason
         effective = acks["good"].effective_step
         for rank in range(2):
             records = [s for b in stub.batches() if b.rank == rank for s in b.steps]

@@ -20,6 +20,7 @@ from torshmon.wire import (
     Command,
     IngestBatch,
     IngestReply,
+    NodeSample,
     SpoolRecord,
     WireError,
     decode_json,
@@ -115,7 +116,20 @@ class FakeAggregator:
 
 
 def record(i: int) -> bytes:
-    return encode_json(SpoolRecord(dropped_records_total=i))
+    """Spool record number ``i``: its one node sample carries ``i`` as its time."""
+    sample = NodeSample(
+        ts_unix_ns=i,
+        node="n",
+        cpu_utilization_ratio=0.0,
+        memory_utilization_ratio=0.0,
+        memory_used_bytes=0,
+        io_wait_ratio=0.0,
+        net_rx_bytes_total=0,
+        net_tx_bytes_total=0,
+        disk_read_bytes_total=0,
+        disk_write_bytes_total=0,
+    )
+    return encode_json(SpoolRecord(node_samples=[sample]))
 
 
 async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -165,7 +179,7 @@ def assert_delivered_exactly(aggregator: FakeAggregator, n: int) -> None:
     assert aggregator.errors == []
     assert aggregator.arrival == list(range(1, n + 1))
     for seq, rec in aggregator.records.items():
-        assert rec.dropped_records_total == seq
+        assert rec.node_samples[0].ts_unix_ns == seq
 
 
 async def test_delivers_many_records_in_order_exactly_once(
@@ -173,7 +187,7 @@ async def test_delivers_many_records_in_order_exactly_once(
 ) -> None:
     for i in range(1, 301):
         spool.append(record(i))
-    async with make_forwarder(spool, aggregator, batch_max_bytes=2000) as fwd:
+    async with make_forwarder(spool, aggregator, batch_max_bytes=27 * len(record(1))) as fwd:
         for i in range(301, 601):
             spool.append(record(i))
             fwd.notify()
@@ -183,14 +197,14 @@ async def test_delivers_many_records_in_order_exactly_once(
     assert_delivered_exactly(aggregator, 600)
     assert aggregator.duplicates == 0
     assert fwd.records_sent == 600
-    assert fwd.batches_sent >= 600 * len(record(600)) // 2000
+    assert fwd.batches_sent >= 600 * len(record(600)) // (27 * len(record(1)))
     assert fwd.consecutive_failures == 0 and fwd.last_success_unix is not None
 
 
 async def test_aggregator_down_then_back_on_the_same_port(
     spool: Spool, aggregator: FakeAggregator
 ) -> None:
-    async with make_forwarder(spool, aggregator, batch_max_bytes=500) as fwd:
+    async with make_forwarder(spool, aggregator, batch_max_bytes=7 * len(record(1))) as fwd:
         for i in range(1, 101):
             spool.append(record(i))
         fwd.notify()
@@ -219,7 +233,7 @@ async def test_server_errors_are_retried_and_replays_deduplicated(
     aggregator.failures = [(500, True), (500, False), (503, False), (502, False)]
     for i in range(1, 51):
         spool.append(record(i))
-    async with make_forwarder(spool, aggregator, batch_max_bytes=1000):
+    async with make_forwarder(spool, aggregator, batch_max_bytes=13 * len(record(1))):
         await wait_until(lambda: spool.records == 0)
     assert aggregator.failed_requests == 4
     assert aggregator.duplicates > 0

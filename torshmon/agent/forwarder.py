@@ -36,7 +36,7 @@ _MAX_RECORDS_PER_BATCH: Final = 10_000
 _MAX_LOGGED_BODY_CHARS: Final = 500
 #: zlib level 1: about half the CPU of the default 6 on the agent's JSON, which
 #: still shrinks it more than tenfold (the agent's budget is CPU, not bandwidth).
-_GZIP_LEVEL: Final = 1
+GZIP_LEVEL: Final = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,10 +219,11 @@ class Forwarder:
         outcome = await self._post(prepared)
         if not isinstance(outcome, _Failure):
             self._succeeded(outcome)
-            full = prepared.raw_bytes >= self.batch_max_bytes
-            full = full or prepared.count >= _MAX_RECORDS_PER_BATCH
             # Let records gather between POSTs (each costs a request, a gzip and a
-            # spool transaction); a full batch means a backlog: go on at once.
+            # spool transaction). A batch at least half the size bound is a backlog
+            # (the next record may simply not have fitted): go on at once.
+            full = 2 * prepared.raw_bytes >= self.batch_max_bytes
+            full = full or prepared.count >= _MAX_RECORDS_PER_BATCH
             return 0.0 if full or self._closing else self._min_interval_s
         self._failed(outcome)
         return outcome.delay_s if outcome.delay_s is not None else self._backoff_s()
@@ -246,7 +247,7 @@ class Forwarder:
             )
         )
         seqs = tuple(seq for seq, _ in records)
-        return _Prepared(gzip.compress(body, compresslevel=_GZIP_LEVEL), seqs, len(body))
+        return _Prepared(gzip.compress(body, compresslevel=GZIP_LEVEL), seqs, len(body))
 
     async def _post(self, prepared: _Prepared) -> int | _Failure:
         """POST one batch; the number of records the aggregator stored, or why none were."""

@@ -314,7 +314,6 @@ class IngestStore:
                 for sample in item.record.node_samples:
                     _node_rows(sample, rows)
                     stored.node_samples.append(sample)
-                stored.command_acks.extend(item.record.command_acks)
             for message in stored.hellos:
                 _session_row(message, sessions, rows, now_ns)
             jobs = self._job_rows(stored, now_ns)
@@ -483,13 +482,10 @@ class IngestStore:
                 conn.execute(_T[name].insert(), table_rows)
         for bulk in _BULK[1:]:
             _bulk_insert(conn, bulk, rows.bulk[bulk.name])
+        for batch, _node in stored.batches:
+            stored.command_acks.extend(batch.command_acks)
         if stored.command_acks:
             _apply_acks(conn, stored.command_acks, now_ns)
-        for batch, _node in stored.batches:
-            for ack in batch.command_acks:
-                stored.command_acks.append(ack)
-            if batch.command_acks:
-                _apply_acks(conn, batch.command_acks, now_ns)
 
 
 def insert_rows(batch: IngestBatch, now_ns: int) -> dict[str, TableRows]:

@@ -385,6 +385,16 @@ class Monitor:
         ack = CommandAck(id=command.id, job=command.job, status=status, **details)
         self._shipper.command_acks.put(ack)
 
+    def _ack_superseded(self, version: int) -> None:
+        """Commands queued before ``version`` were replaced by it (a later request
+        replaces a queued one): they get their final answer now, not never."""
+        for older in sorted(v for v in self._commands_by_version if v < version):
+            self._ack_command(
+                self._commands_by_version.pop(older),
+                "rejected",
+                reason=f"superseded by config version {version} before it was applied",
+            )
+
     def _keep_last_grad_hook(self) -> None:
         last = self._last_grad_param
         if last is None or last not in self._grad_hooks:
@@ -405,12 +415,14 @@ class Monitor:
         ]
         if isinstance(outcome, Rejected):
             rejected.append(ConfigRejection(version=outcome.version, reason=outcome.reason))
+            self._ack_superseded(outcome.version)
             command = self._commands_by_version.pop(outcome.version, None)
             if command is not None:
                 self._ack_command(command, "rejected", reason=outcome.reason)
         if not isinstance(outcome, Applied):
             return None, rejected
         config = outcome.config
+        self._ack_superseded(config.version)
         command = self._commands_by_version.pop(config.version, None)
         if command is not None:
             self._ack_command(
