@@ -29,6 +29,8 @@ from torshmon.history.models import Base
 from torshmon.history.query import QueryError, format_result, run_query
 from torshmon.history.retention import RETENTION_LOCK_KEY, RetentionReport, apply_retention
 
+pytestmark = pytest.mark.integration
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 T = Base.metadata.tables
 JOBS = [

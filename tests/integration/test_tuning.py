@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy import create_engine, text
 
@@ -27,6 +28,8 @@ from torshmon.aggregator.tuner import TunerSettings, TuningSession
 from torshmon.demo import DemoConfig, train_rank
 from torshmon.launch import run_ranks
 from torshmon.wire import DdpStats
+
+pytestmark = pytest.mark.integration
 
 
 def _report_bucket_cap(aggregator: Aggregator, job: str, cap_bytes: int) -> None:
