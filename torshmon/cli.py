@@ -60,9 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument(
         "--aggregator", help="aggregator base URL, e.g. http://host:9470 ($TORSHMON_AGGREGATOR_URL)"
     )
-    agent.add_argument(
-        "--token-file", dest="token", type=_token_file, help="file holding the bearer token"
-    )
+    agent.add_argument("--token-file", type=Path, help="file holding the bearer token")
     agent.add_argument("--spool", help="spool file ($TORSHMON_AGENT_SPOOL)")
     agent.add_argument("--spool-max-mb", type=_positive_int, help="spool bound in MiB (256)")
     agent.add_argument("--node", help="node name (the hostname)")
@@ -75,9 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     aggregator.add_argument("--host", help="listen address (127.0.0.1)")
     aggregator.add_argument("--port", type=_port, help="listen port (9470)")
     aggregator.add_argument("--db", help="history database URL ($TORSHMON_DB_URL, ./torshmon.db)")
-    aggregator.add_argument(
-        "--token-file", dest="token", type=_token_file, help="file holding the bearer token"
-    )
+    aggregator.add_argument("--token-file", type=Path, help="file holding the bearer token")
     aggregator.add_argument("--rules", help="alert rule file (the default rules otherwise)")
     aggregator.add_argument("--id", dest="aggregator_id", help="this aggregator's id (shard)")
     aggregator.add_argument("--config", type=Path, help="YAML file of settings")
@@ -104,9 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune = commands.add_parser("tune", help="start an autotuning session for a running job")
     tune.add_argument("job", help="job name")
     tune.add_argument("--url", default="http://127.0.0.1:9470", help="aggregator base URL")
-    tune.add_argument(
-        "--token-file", dest="token", type=_token_file, help="file holding the bearer token"
-    )
+    tune.add_argument("--token-file", type=Path, help="file holding the bearer token")
     tune.add_argument("--max-trials", type=_positive_int, help="configs to measure (12)")
     tune.add_argument(
         "--pin",
@@ -120,12 +114,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _token_file(path: str) -> str:
-    """The bearer token held in the file at ``path`` (argparse type)."""
+class _TokenError(Exception):
+    """--token-file could not be read; the text says why."""
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The bearer token in ``--token-file`` (None without one); _TokenError if unreadable.
+
+    Read when the command runs, not while parsing, so command lines can be checked
+    (docs, unit files) without the secret at hand.
+    """
+    if args.token_file is None:
+        return None
     try:
-        return Path(path).read_text().strip()
+        return str(args.token_file.read_text().strip())
     except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror}") from None
+        raise _TokenError(f"cannot read --token-file {args.token_file}: {exc.strerror}") from None
 
 
 def _port(text: str) -> int:
@@ -143,7 +147,7 @@ def _run_agent(args: argparse.Namespace) -> int:
 
     from torshmon.agent.daemon import run_agent, settings_from_env
 
-    token = args.token
+    token = _token(args)
     try:
         settings = settings_from_env(
             socket_path=args.socket,
@@ -203,7 +207,7 @@ def _run_aggregator(args: argparse.Namespace) -> int:
         "rules_path": args.rules,
         "aggregator_id": args.aggregator_id,
     }
-    overrides["token"] = args.token
+    overrides["token"] = _token(args)
     try:
         settings = load_settings(overrides, config_file=args.config)
         return asyncio.run(run_aggregator(settings))
@@ -273,7 +277,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.parse
 
-    token = args.token
+    token = _token(args)
     base = args.url.rstrip("/")
     job = urllib.parse.quote(args.job, safe="")
     body: dict[str, object] = {"pinned": list(args.pin)}
@@ -336,6 +340,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        return _dispatch(args)
+    except _TokenError as exc:
+        print(f"torshmon {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         return _run_demo(args)
     if args.command == "agent":
