@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--port", type=_port, default=0, help="aggregator port (default: any free port)"
     )
     demo.add_argument(
+        "--link-rate",
+        metavar="RATE",
+        help="shape every rank's link to RATE, e.g. 1gbit or 200mbit (needs root and iproute2)",
+    )
+    demo.add_argument(
         "--inject",
         action="append",
         default=[],
@@ -186,6 +191,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             db=args.db,
             port=args.port,
             faults=tuple(parse_fault(spec) for spec in args.inject),
+            link_rate=args.link_rate,
         )
     except (FaultError, ValueError) as exc:
         print(f"torshmon demo: {exc}", file=sys.stderr)

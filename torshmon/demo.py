@@ -12,15 +12,20 @@ import asyncio
 import logging
 import os
 import secrets
+import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torshmon.faults import Fault, FaultRunner
 from torshmon.launch import run_ranks
+
+if TYPE_CHECKING:
+    from torshmon.aggregator.service import Aggregator
+    from torshmon.linkshape import LinkShaper
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +58,25 @@ class DemoConfig:
     stop_file: str | None = None
     quiet: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    #: Per-rank link rate, e.g. ``"1gbit"`` (``linkshape.parse_rate`` units): the ranks
+    #: then run in network namespaces over tbf-shaped links (needs root and iproute2).
+    link_rate: str | None = None
+    #: The job's time limit (``launch.run_ranks``); every rank is stopped past it.
+    timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
         for name in ("world_size", "steps", "hidden", "layers", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.link_rate is not None:
+            from torshmon.linkshape import parse_rate
+
+            try:
+                parse_rate(self.link_rate)
+            except ValueError as exc:
+                raise ValueError(f"link_rate: {exc}") from None
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         for fault in self.faults:
             if fault.rank is not None and fault.rank >= self.world_size:
                 raise ValueError(
@@ -138,59 +157,103 @@ class DemoResult:
     db_url: str
 
 
+#: ``on_tick(aggregator, shaper)``: called on the event loop every ``tick_s`` while the job
+#: runs; ``shaper`` is the running LinkShaper (None without ``link_rate``), so a hook can
+#: change link rates mid-run (``shaper.set_rate("100mbit", rank=1)``; tc runs for a few
+#: tens of ms, on the loop). A hook must not raise: an exception ends the demo.
+TickHook = Callable[["Aggregator", "LinkShaper | None"], None]
+#: ``on_progress(aggregator)``: called every ``progress_s`` while the job runs.
+ProgressHook = Callable[["Aggregator"], None]
+
+
 async def run_system(
     config: DemoConfig,
     *,
     targets: Sequence[Any] | None = None,
-    on_progress: Any = None,
+    on_progress: ProgressHook | None = None,
+    progress_s: float = 1.0,
+    on_tick: TickHook | None = None,
+    tick_s: float = 0.25,
 ) -> DemoResult:
-    """Aggregator + agent + the job, to completion; everything is flushed at the end."""
+    """Aggregator + agent + the job, to completion; everything is flushed at the end.
+
+    With ``config.link_rate`` the ranks run inside a :class:`~torshmon.linkshape.LinkShaper`
+    (built before anything else starts, removed at the end): LinkShapingUnavailable
+    (no root / no iproute2) or LinkShapingError is raised before the aggregator starts.
+    """
     from prometheus_client import CollectorRegistry
 
     from torshmon.agent.daemon import Agent, AgentSettings
     from torshmon.aggregator.service import Aggregator
     from torshmon.aggregator.settings import AggregatorSettings
 
+    if not (progress_s > 0 and tick_s > 0):
+        raise ValueError(f"progress_s and tick_s must be > 0, got {progress_s} and {tick_s}")
     token = secrets.token_hex(16)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="torshmon-demo-") as tmp:
-        settings = AggregatorSettings(
-            port=config.port, db_url=config.db_url, token=token, aggregator_id="demo"
-        )
-        async with Aggregator(
-            settings, registry=CollectorRegistry(), targets=targets
-        ) as aggregator:
-            port = aggregator.port or 0
-            agent_settings = AgentSettings(
-                socket_path=os.path.join(tmp, "agent.sock"),
-                metrics_port=config.agent_metrics_port,
-                aggregator_url=f"http://127.0.0.1:{port}",
-                token=token,
-                spool_path=os.path.join(tmp, "spool.db"),
-                sample_interval_s=1.0,
+    shaper = _start_shaper(config)
+    try:
+        with tempfile.TemporaryDirectory(prefix="torshmon-demo-") as tmp:
+            settings = AggregatorSettings(
+                port=config.port, db_url=config.db_url, token=token, aggregator_id="demo"
             )
-            async with Agent(agent_settings, registry=CollectorRegistry()):
-                job = asyncio.ensure_future(
-                    asyncio.to_thread(
-                        run_ranks,
-                        train_rank,
-                        config.world_size,
-                        config,
-                        agent_settings.socket_path,
-                        env=config.env or None,
-                    )
+            async with Aggregator(
+                settings, registry=CollectorRegistry(), targets=targets
+            ) as aggregator:
+                port = aggregator.port or 0
+                agent_settings = AgentSettings(
+                    socket_path=os.path.join(tmp, "agent.sock"),
+                    metrics_port=config.agent_metrics_port,
+                    aggregator_url=f"http://127.0.0.1:{port}",
+                    token=token,
+                    spool_path=os.path.join(tmp, "spool.db"),
+                    sample_interval_s=1.0,
                 )
-                while not job.done():
-                    await asyncio.wait({job}, timeout=1.0)
-                    if on_progress is not None and not job.done():
-                        on_progress(aggregator)
-                results = job.result()
-                if config.linger_s:
-                    await asyncio.sleep(config.linger_s)
-            # The agent flushed its spool on close; one last look at what arrived.
-            await aggregator.evaluate()
-            alerts = await aggregator.read(_alert_rows, aggregator, config.job)
+                async with Agent(agent_settings, registry=CollectorRegistry()):
+                    job = asyncio.ensure_future(
+                        asyncio.to_thread(_launch, shaper, config, agent_settings.socket_path)
+                    )
+                    next_progress = time.monotonic() + progress_s
+                    while not job.done():
+                        await asyncio.wait({job}, timeout=tick_s)
+                        if job.done():
+                            break
+                        if on_tick is not None:
+                            on_tick(aggregator, shaper)
+                        if on_progress is not None and time.monotonic() >= next_progress:
+                            next_progress += progress_s
+                            on_progress(aggregator)
+                    results = job.result()
+                    if config.linger_s:
+                        await asyncio.sleep(config.linger_s)
+                # The agent flushed its spool on close; one last look at what arrived.
+                await aggregator.evaluate()
+                alerts = await aggregator.read(_alert_rows, aggregator, config.job)
+    finally:
+        if shaper is not None:
+            shaper.close()
     return DemoResult(time.monotonic() - started, results, alerts, port, config.db_url)
+
+
+def _start_shaper(config: DemoConfig) -> LinkShaper | None:
+    if config.link_rate is None:
+        return None
+    from torshmon.linkshape import LinkShaper
+
+    return LinkShaper(config.world_size, config.link_rate).start()
+
+
+def _launch(shaper: LinkShaper | None, config: DemoConfig, socket_path: str) -> list[Any]:
+    """The job's ranks, in the shaper's namespaces when there is one (a worker thread)."""
+    env = config.env or None
+    if shaper is not None:
+        # The agent's socket is a path, which every network namespace sees.
+        return shaper.run_ranks(
+            train_rank, config, socket_path, env=env, timeout_s=config.timeout_s
+        )
+    return run_ranks(
+        train_rank, config.world_size, config, socket_path, env=env, timeout_s=config.timeout_s
+    )
 
 
 def _alert_rows(aggregator: Any, job: str) -> list[dict[str, Any]]:
@@ -231,13 +294,24 @@ def run_demo(config: DemoConfig) -> int:
         f"MLP of {config.model_bytes / 1e6:.1f} MB; history -> {config.db}",
         flush=True,
     )
+    if config.link_rate is not None:
+        print(f"links: {config.link_rate} per rank (network namespaces, tc tbf)", flush=True)
     for fault in config.faults:
         print(f"injecting: {fault.describe()}", flush=True)
 
     def show(aggregator: Any) -> None:
         print(progress_line(aggregator, config), flush=True)
 
-    result = asyncio.run(run_system(config, on_progress=None if config.quiet else show))
+    from torshmon.linkshape import LinkShapingError, LinkShapingUnavailable
+
+    try:
+        result = asyncio.run(run_system(config, on_progress=None if config.quiet else show))
+    except LinkShapingUnavailable as exc:
+        print(f"torshmon demo: --link-rate needs link shaping: {exc}", file=sys.stderr)
+        return 2
+    except LinkShapingError as exc:
+        print(f"torshmon demo: link shaping failed: {exc}", file=sys.stderr)
+        return 1
     print(summary(config, result))
     return 0
 
