@@ -205,6 +205,31 @@ class InflightOp(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     peer: Rank | None = None
 
 
+class LinkPeerResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One pair of a link check as one rank timed it: ``size_bytes`` sent each way to
+    and received from ``peer`` at once, in ``duration_s`` (after both were ready)."""
+
+    peer: Rank
+    size_bytes: Count
+    duration_s: float
+
+
+class LinkCheckResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What one rank measured in link check ``id``, run by every rank at ``step``.
+
+    ``peers`` holds one entry per peer (a round-robin tournament of rank pairs on the
+    probe's side gloo group); ``duration_s`` is how long the whole check held this
+    rank at the step boundary.
+    """
+
+    id: Label
+    job: Name
+    rank: Rank
+    step: Count
+    duration_s: float
+    peers: list[LinkPeerResult] = []
+
+
 class Hello(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="hello", tag_field="kind"):
     """First frame on every connection: who is speaking."""
 
@@ -227,7 +252,8 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", ta
     ``dropped_records_total`` counts, since attach, step records the probe had to
     drop (no agent, or a slow one); it is cumulative so a lost batch loses no count.
     A batch with no steps is a heartbeat; it still carries ``inflight``, which is
-    how a rank stuck inside a collective is seen.
+    how a rank stuck inside a collective is seen. ``link_checks`` are this rank's
+    results of link checks run since the previous batch.
     """
 
     v: int
@@ -240,6 +266,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", ta
     steps: list[StepRecord] = []
     inflight: list[InflightOp] = []
     command_acks: list[CommandAck] = []
+    link_checks: list[LinkCheckResult] = []
 
 
 class Ack(msgspec.Struct, frozen=True, kw_only=True, tag="ack", tag_field="kind"):
@@ -325,6 +352,9 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     """A command for one job, relayed by the agent to that job's rank-0 probe.
 
     ``kind`` "config": ``args`` are ``request_config`` keyword arguments.
+    ``kind`` "link_check": every rank runs a pairwise link check at the same step;
+    ``args`` may set ``size_bytes`` (sent each way per pair). Results come back as
+    ``LinkCheckResult`` records, one per rank, with the command's id.
     """
 
     id: Label
@@ -335,8 +365,8 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
 
 class CommandAck(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What became of a command: ``applied`` (with the config version and the step
-    from which it applies), ``accepted`` (queued for the next sync step), or
-    ``rejected`` (with the reason)."""
+    from which it applies; for a link check, no version and the step it ran at),
+    ``accepted`` (queued for the next sync step), or ``rejected`` (with the reason)."""
 
     id: Label
     job: Name

@@ -27,6 +27,7 @@ from torshmon.probe.commhook import DispatchingCommHook
 from torshmon.probe.config import CommConfig, ConfigError
 from torshmon.probe.events import RawStep, StepEvents
 from torshmon.probe.inflight import InflightTable
+from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkCheckRequest
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
 from torshmon.probe.shipper import Outbox, Shipper
 from torshmon.wire import (
@@ -36,12 +37,17 @@ from torshmon.wire import (
     CommandAck,
     ConfigRejection,
     Hello,
+    LinkCheckResult,
+    LinkPeerResult,
 )
 
 log = logging.getLogger(__name__)
 
 #: What a "config" command may set: ``request_config``'s arguments.
 _CONFIG_ARGS = frozenset({"bucket_cap_mb", "first_bucket_cap_mb", "codec", "codec_params"})
+#: What a "link_check" command may set.
+_LINK_CHECK_ARGS = frozenset({"size_bytes"})
+_COMMAND_KINDS = "config, link_check"
 
 #: Steps during which every parameter's gradient is watched to find the last one;
 #: DDP's statistics are sampled then too (it has rebuilt its buckets by then).
@@ -132,6 +138,7 @@ class Monitor:
         self._last_grad_param: int | None = None
         self._ddp_pg_label = "default"
         self._commands_by_version: dict[int, Command] = {}
+        self._link_check_commands: dict[str, Command] = {}
         self._tracer.install()
         if module is not None:
             try:
@@ -334,6 +341,9 @@ class Monitor:
             ddp_logging = _torch_compat.ddp_logging_data(self._module)
         config_version = 0 if self._reconfig is None else self._reconfig.current.version
         applied, rejections = self._sync_config()
+        if self._reconfig is not None:
+            for done in self._reconfig.take_link_checks():
+                self._report_link_check(done)
         if self._hook is not None:
             self._hook.measure_error = (self._step + 1) % self._error_sample_every == 0
         try:
@@ -363,18 +373,61 @@ class Monitor:
         """Commands relayed by the agent (shipper thread): validate and queue them."""
         for command in commands:
             try:
+                if command.job != self.job:
+                    raise ConfigError(f"command for job {command.job!r} reached job {self.job!r}")
+                if command.kind == "link_check":
+                    self._accept_link_check(command)
+                    continue
                 version = self._accept_command(command)
-            except (ConfigError, RuntimeError, TypeError) as exc:
+            except (ConfigError, RuntimeError, TypeError, ValueError) as exc:
                 self._ack_command(command, "rejected", reason=str(exc))
             else:
                 self._commands_by_version[version] = command
                 self._ack_command(command, "accepted", version=version)
 
+    def _accept_link_check(self, command: Command) -> None:
+        unknown = sorted(set(command.args) - _LINK_CHECK_ARGS)
+        if unknown:
+            allowed = ", ".join(sorted(_LINK_CHECK_ARGS))
+            raise ConfigError(f"unknown link_check field {unknown[0]!r}; allowed: {allowed}")
+        size = command.args.get("size_bytes", DEFAULT_SIZE_BYTES)
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise ConfigError(f"size_bytes must be an integer, got {size!r}")
+        if self._reconfig is None:
+            raise RuntimeError(
+                "link checks need a DDP module whose process group spans the whole job "
+                "(they run on the config consensus's gloo group)"
+            )
+        request = LinkCheckRequest(id=command.id, size_bytes=size)
+
+        def queued() -> None:
+            # Before the check can run: its "applied" must never come first.
+            self._link_check_commands[command.id] = command
+            self._ack_command(command, "accepted")
+
+        self._reconfig.request_link_check(request, on_queued=queued)
+
+    def _report_link_check(self, done: LinkCheckDone) -> None:
+        """Ship what this rank measured; rank 0 also answers the command."""
+        result = LinkCheckResult(
+            id=done.request.id,
+            job=self.job,
+            rank=self.rank,
+            step=done.step,
+            duration_s=done.duration_s,
+            peers=[
+                LinkPeerResult(peer=p.peer, size_bytes=p.size_bytes, duration_s=p.duration_s)
+                for p in done.peers
+            ],
+        )
+        self._shipper.link_checks.put(result)
+        command = self._link_check_commands.pop(done.request.id, None)
+        if command is not None:
+            self._ack_command(command, "applied", effective_step=done.step)
+
     def _accept_command(self, command: Command) -> int:
-        if command.job != self.job:
-            raise ConfigError(f"command for job {command.job!r} reached job {self.job!r}")
         if command.kind != "config":
-            raise ConfigError(f"unknown command kind {command.kind!r}; allowed: config")
+            raise ConfigError(f"unknown command kind {command.kind!r}; allowed: {_COMMAND_KINDS}")
         unknown = sorted(set(command.args) - _CONFIG_ARGS)
         if unknown:
             allowed = ", ".join(sorted(_CONFIG_ARGS))

@@ -14,6 +14,11 @@ the job):
 3. commit: every rank swaps the codec and, if the caps changed or torshmon's
    comm hook must come or go, rebuilds the Reducer, before the next step.
 
+The same broadcast carries link checks (``linkcheck.py``): a check queued on rank
+0 runs on every rank at the step where its payload is read, after any config
+change of that payload is applied and before the next payload is posted, so the
+check's messages on the side group never interleave with the consensus.
+
 With codec ``none`` (and bucket timing off) the job reduces through DDP's own
 C++ path: a Python comm hook costs about 0.3 ms per bucket on CPU gloo (the
 GIL passes between threads three times per bucket), so it is installed only
@@ -22,9 +27,11 @@ while a codec needs it.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +42,54 @@ from torshmon.probe import _torch_compat
 from torshmon.probe.codecs import Codec, make_codec
 from torshmon.probe.commhook import DispatchingCommHook
 from torshmon.probe.config import MIB, CommConfig, ConfigError, next_config
+from torshmon.probe.linkcheck import LinkCheckDone, LinkCheckRequest, run_link_check
 
 log = logging.getLogger(__name__)
 
-#: Size of the broadcast buffer: a 4-byte length, then the config as JSON.
+#: Size of the broadcast buffer: a 4-byte length and the config as JSON, then a
+#: 4-byte length and the link check as JSON (a length of 0: none).
 PAYLOAD_BYTES = 1024
+#: Room kept for the link check's part (its JSON is under 100 bytes).
+LINK_CHECK_BYTES = 128
+#: The largest config JSON that fits beside a link check.
+MAX_CONFIG_BYTES = PAYLOAD_BYTES - 4 - LINK_CHECK_BYTES
+
+
+def encode_payload(config: CommConfig | None, check: LinkCheckRequest | None) -> bytes:
+    """The broadcast buffer's bytes (exactly PAYLOAD_BYTES) carrying either, both or none.
+
+    Raises ConfigError if a part does not fit.
+    """
+    data = config.to_json() if config is not None else b""
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config too large to send ({len(data)} > {MAX_CONFIG_BYTES} bytes)")
+    tail = b""
+    if check is not None:
+        tail = json.dumps({"id": check.id, "size_bytes": check.size_bytes}).encode()
+        if len(tail) > LINK_CHECK_BYTES - 4:
+            raise ConfigError(f"link check id too long to send: {check.id!r}")
+    framed = len(data).to_bytes(4, "big") + data + len(tail).to_bytes(4, "big") + tail
+    return framed.ljust(PAYLOAD_BYTES, b"\0")
+
+
+def decode_payload(raw: bytes) -> tuple[CommConfig | None, LinkCheckRequest | None]:
+    """The config and link check a broadcast buffer carries (None where absent).
+
+    Every rank decodes the same bytes, so every rank gets the same answer: a link
+    check part that cannot be read is dropped (and logged) on all of them alike.
+    """
+    length = int.from_bytes(raw[:4], "big")
+    config = CommConfig.from_json(raw[4 : 4 + length]) if length else None
+    at = 4 + length
+    check_length = int.from_bytes(raw[at : at + 4], "big")
+    check = None
+    if check_length:
+        try:
+            fields = json.loads(raw[at + 4 : at + 4 + check_length])
+            check = LinkCheckRequest(id=str(fields["id"]), size_bytes=int(fields["size_bytes"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("torshmon: unreadable link check in the consensus payload: %s", exc)
+    return config, check
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +137,8 @@ class Reconfigurator:
         self._rebuild_unavailable = _torch_compat.reducer_rebuild_unavailable(module)
         self._lock = threading.Lock()
         self._pending: CommConfig | None = None
+        self._pending_check: LinkCheckRequest | None = None
+        self._checks_done: list[LinkCheckDone] = []
         self._posted: tuple[Any, torch.Tensor] | None = None
         self._rejections: list[Rejected] = []
         self.current = CommConfig(
@@ -128,6 +180,33 @@ class Reconfigurator:
             self._pending = self._latest = config
         return config
 
+    def request_link_check(
+        self, request: LinkCheckRequest, on_queued: Callable[[], None] | None = None
+    ) -> None:
+        """Queue a link check for the next sync step (rank 0 only).
+
+        ``on_queued`` runs once the request is valid, before the check can be sent
+        (so an acknowledgement it queues comes before the check's outcome). Raises
+        ConfigError if one is already queued or the job has a single rank,
+        RuntimeError on any rank but 0.
+        """
+        if self._rank != 0:
+            raise RuntimeError("only rank 0 takes link check requests")
+        if self._group.size() < 2:
+            raise ConfigError("a link check needs at least 2 ranks")
+        encode_payload(None, request)  # fails here, not at the sync step
+        with self._lock:
+            if self._pending_check is not None:
+                raise ConfigError(f"link check {self._pending_check.id!r} is already queued")
+            if on_queued is not None:
+                on_queued()
+            self._pending_check = request
+
+    def take_link_checks(self) -> list[LinkCheckDone]:
+        """Link checks this rank ran since the last call."""
+        out, self._checks_done = self._checks_done, []
+        return out
+
     def take_rejections(self) -> list[Rejected]:
         """Rejections of requests made on this rank since the last call."""
         if not self._rejections:
@@ -139,9 +218,11 @@ class Reconfigurator:
     def sync(self, step: int) -> Applied | Rejected | None:
         """End-of-step consensus: apply what the last sync step carried, post the next."""
         outcome = None
-        config = self._receive()
+        config, check = self._receive()
         if config is not None:
             outcome = self._apply(config, step)
+        if check is not None:
+            self._run_check(check, step)
         if step % self._sync_every == 0:
             self._post()
         return outcome
@@ -156,21 +237,27 @@ class Reconfigurator:
         if self._rank == 0:
             with self._lock:
                 pending, self._pending = self._pending, None
-            if pending is not None:
-                data = pending.to_json()
-                framed = len(data).to_bytes(4, "big") + data
-                payload[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
+                check, self._pending_check = self._pending_check, None
+            if pending is not None or check is not None:
+                framed = encode_payload(pending, check)
+                payload[:] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
         self._posted = (self._group.broadcast(payload, 0), payload)
 
-    def _receive(self) -> CommConfig | None:
+    def _receive(self) -> tuple[CommConfig | None, LinkCheckRequest | None]:
         posted, self._posted = self._posted, None
         if posted is None:
-            return None
+            return None, None
         work, payload = posted
         work.wait()
-        raw = bytes(payload.tolist())
-        length = int.from_bytes(raw[:4], "big")
-        return CommConfig.from_json(raw[4 : 4 + length]) if length else None
+        return decode_payload(payload.numpy().tobytes())
+
+    def _run_check(self, check: LinkCheckRequest, step: int) -> None:
+        # Not guarded, like the consensus itself: every rank is inside the same
+        # exchanges, and a failure is a broken side group the job would see anyway.
+        started = time.perf_counter()
+        timings = run_link_check(self._group, self._rank, self._group.size(), check.size_bytes)
+        done = LinkCheckDone(check, step, time.perf_counter() - started, tuple(timings))
+        self._checks_done.append(done)
 
     # -- phases -----------------------------------------------------------------------
     def _needs_hook(self, config: CommConfig) -> bool:
@@ -181,8 +268,8 @@ class Reconfigurator:
         return hook_changes or not config.same_buckets(self.current)
 
     def _check_applicable(self, config: CommConfig) -> None:
-        if len(config.to_json()) > PAYLOAD_BYTES - 4:
-            raise ConfigError(f"codec_params too large to send (over {PAYLOAD_BYTES - 4} bytes)")
+        if len(config.to_json()) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"codec_params too large to send (over {MAX_CONFIG_BYTES} bytes)")
         reason = self._rebuild_unavailable
         if reason is None:
             return

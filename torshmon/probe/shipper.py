@@ -28,6 +28,7 @@ from torshmon.wire import (
     Command,
     CommandAck,
     Hello,
+    LinkCheckResult,
     StepRecord,
     WireError,
     decode_ack,
@@ -110,6 +111,7 @@ class Shipper:
         self._reconnect_max_s = reconnect_max_s
         self._on_commands = on_commands
         self.command_acks: Outbox[CommandAck] = Outbox(1024)
+        self.link_checks: Outbox[LinkCheckResult] = Outbox(64)
         self._seq = itertools.count(1)
         self._unacked: deque[Batch] = deque()
         self._buffered_steps = 0
@@ -164,7 +166,7 @@ class Shipper:
         if self._sock is None:
             return
         idle = now - self._last_batch >= self._heartbeat_interval_s
-        if not self._unacked and (idle or self.command_acks):
+        if not self._unacked and (idle or self.command_acks or self.link_checks):
             self._enqueue([])  # heartbeat: carries in-flight ops of a stuck rank
         self._send_unacked()
 
@@ -191,6 +193,7 @@ class Shipper:
             steps=steps,
             inflight=self._inflight.oldest(),
             command_acks=self.command_acks.drain(),
+            link_checks=self.link_checks.drain(),
         )
         self._unacked.append(batch)
         self._buffered_steps += len(steps)

@@ -1,0 +1,125 @@
+"""Pairwise link checks: every pair of ranks exchanges a block of bytes, timed.
+
+On a slow link every rank's collectives slow down alike (a ring all-reduce runs at
+the pace of its slowest link), so per-rank timings cannot say whose link is slow.
+An active test can: ranks are paired in a round-robin tournament (the circle
+method), and in each round each pair sends ``size_bytes`` each way at once. A pair
+is only as fast as the slower of its two links, so the rank whose pairs are all
+slow is the one at fault (the aggregator decides, see
+``torshmon.aggregator.linkcheck``).
+
+The check runs on the probe's side gloo group (the one the config consensus uses),
+at a step boundary agreed through that consensus, so every rank runs the same
+rounds in the same order and gloo's point-to-point tags never cross. Each pair first
+swaps one byte, so that a peer still busy in its previous round is not counted as
+link time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+
+#: Bytes each rank of a pair sends (and receives) by default: about 34 ms at
+#: 1 Gbit/s, 2-4 ms over unshaped local veths, 0.35 s at 100 Mbit/s.
+DEFAULT_SIZE_BYTES: Final = 4 * 2**20
+MIN_SIZE_BYTES: Final = 4 * 2**10
+MAX_SIZE_BYTES: Final = 64 * 2**20
+#: Tags of the side group's point-to-point messages (gloo matches on peer and tag).
+_SYNC_TAG: Final = 7001
+_DATA_TAG: Final = 7002
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCheckRequest:
+    """A check every rank runs: its ``id`` and the bytes each rank of a pair sends."""
+
+    id: str
+    size_bytes: int = DEFAULT_SIZE_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.id or len(self.id) > 64:
+            raise ValueError(f"link check id must be 1..64 characters, got {self.id!r}")
+        if not MIN_SIZE_BYTES <= self.size_bytes <= MAX_SIZE_BYTES:
+            raise ValueError(
+                f"size_bytes must be in {MIN_SIZE_BYTES}..{MAX_SIZE_BYTES}, got {self.size_bytes}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class PeerTiming:
+    """What this rank measured with one peer: bytes sent each way, seconds."""
+
+    peer: int
+    size_bytes: int
+    duration_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCheckDone:
+    """A finished check on this rank: at which step, how long it held the rank, timings."""
+
+    request: LinkCheckRequest
+    step: int
+    duration_s: float
+    peers: tuple[PeerTiming, ...]
+
+
+def rounds(world_size: int) -> list[list[tuple[int, int]]]:
+    """The round-robin tournament over ``world_size`` ranks (circle method).
+
+    Every pair meets exactly once; in each round a rank is in at most one pair (with
+    an odd world size one rank sits each round out). ``world_size - 1`` rounds for
+    an even world size, ``world_size`` for an odd one (none for a single rank).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    players: list[int | None] = list(range(world_size))
+    if world_size % 2:
+        players.append(None)  # the bye
+    n = len(players)
+    out = []
+    for _ in range(n - 1):
+        pairs = []
+        for i in range(n // 2):
+            a, b = players[i], players[n - 1 - i]
+            if a is not None and b is not None:
+                pairs.append((min(a, b), max(a, b)))
+        if pairs:
+            out.append(sorted(pairs))
+        # Keep the first player fixed, rotate the others by one.
+        players = [players[0], players[-1], *players[1:-1]]
+    return out
+
+
+def run_link_check(group: Any, rank: int, world_size: int, size_bytes: int) -> list[PeerTiming]:
+    """Run the tournament on ``group`` (a gloo ProcessGroup spanning the job).
+
+    Collective: every rank must call it with the same arguments. Blocks until this
+    rank's rounds are done; raises whatever gloo raises for a broken group.
+    """
+    ping = torch.zeros(1, dtype=torch.uint8)
+    pong = torch.zeros(1, dtype=torch.uint8)
+    send = torch.zeros(size_bytes, dtype=torch.uint8)
+    recv = torch.empty(size_bytes, dtype=torch.uint8)
+    timings = []
+    for pairs in rounds(world_size):
+        peer = next((b if a == rank else a for a, b in pairs if rank in (a, b)), None)
+        if peer is None:
+            continue
+        _exchange(group, peer, ping, pong, _SYNC_TAG)
+        start = time.perf_counter()
+        _exchange(group, peer, send, recv, _DATA_TAG)
+        timings.append(PeerTiming(peer, size_bytes, time.perf_counter() - start))
+    return timings
+
+
+def _exchange(group: Any, peer: int, out: torch.Tensor, into: torch.Tensor, tag: int) -> None:
+    # Both posted before either is waited for: each side sends while it receives.
+    sent = group.send([out], peer, tag)
+    received = group.recv([into], peer, tag)
+    sent.wait()
+    received.wait()
