@@ -30,9 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="run a real multi-process gloo DDP job with the probe attached"
     )
     demo.add_argument("--world-size", type=_positive_int, default=2, help="ranks (default 2)")
-    demo.add_argument("--steps", type=_positive_int, default=200, help="steps (default 200)")
-    demo.add_argument("--hidden", type=_positive_int, default=1024, help="MLP width (default 1024)")
-    demo.add_argument("--layers", type=_positive_int, default=4, help="MLP depth (default 4)")
+    demo.add_argument(
+        "--steps",
+        type=_positive_int,
+        help="steps (default 200; with --autotune an upper bound, default 3000)",
+    )
+    demo.add_argument("--hidden", type=_positive_int, help="MLP width (default 1024)")
+    demo.add_argument(
+        "--layers",
+        type=_positive_int,
+        help="MLP depth (default 4, a 16.8 MB model; with --autotune 7, 29.4 MB)",
+    )
     demo.add_argument("--batch-size", type=_positive_int, default=64, help="per rank (default 64)")
     demo.add_argument("--job", default="demo", help="job name (default 'demo')")
     demo.add_argument(
@@ -48,6 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--link-rate",
         metavar="RATE",
         help="shape every rank's link to RATE, e.g. 1gbit or 200mbit (needs root and iproute2)",
+    )
+    demo.add_argument(
+        "--autotune",
+        action="store_true",
+        help="tune the job while it runs (as 'torshmon tune' does), print each trial and the "
+        "result; the job stops once the session ends",
+    )
+    demo.add_argument(
+        "--max-trials",
+        type=_positive_int,
+        help="with --autotune: configs to measure, the baseline included (default 12)",
     )
     demo.add_argument(
         "--inject",
@@ -180,18 +199,24 @@ def _run_demo(args: argparse.Namespace) -> int:
     from torshmon.demo import DemoConfig, run_demo
     from torshmon.faults import FaultError, parse_fault
 
+    if args.max_trials is not None and not args.autotune:
+        print("torshmon demo: --max-trials needs --autotune", file=sys.stderr)
+        return 2
+    default_steps, default_layers = (3000, 7) if args.autotune else (200, 4)
     try:
         config = DemoConfig(
             world_size=args.world_size,
-            steps=args.steps,
-            hidden=args.hidden,
-            layers=args.layers,
+            steps=args.steps if args.steps is not None else default_steps,
+            hidden=args.hidden if args.hidden is not None else 1024,
+            layers=args.layers if args.layers is not None else default_layers,
             batch_size=args.batch_size,
             job=args.job,
             db=args.db,
             port=args.port,
             faults=tuple(parse_fault(spec) for spec in args.inject),
             link_rate=args.link_rate,
+            autotune=args.autotune,
+            tune_max_trials=args.max_trials,
         )
     except (FaultError, ValueError) as exc:
         print(f"torshmon demo: {exc}", file=sys.stderr)

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +25,14 @@ from torshmon.launch import run_ranks
 
 if TYPE_CHECKING:
     from torshmon.aggregator.service import Aggregator
+    from torshmon.aggregator.tuner import Trial, TunerSettings, TuningSession
     from torshmon.linkshape import LinkShaper
 
 log = logging.getLogger(__name__)
+
+#: The demo clips the gradient norm (a common guard), so one corrupted batch cannot
+#: wreck the model for every rank (see the loss-spike fault).
+GRAD_CLIP_NORM = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,11 @@ class DemoConfig:
     link_rate: str | None = None
     #: The job's time limit (``launch.run_ranks``); every rank is stopped past it.
     timeout_s: float = 3600.0
+    #: Tune the job (the aggregator's TuningManager, as ``torshmon tune`` does) once it
+    #: trains; the job stops soon after the session ends (``steps`` stays an upper bound).
+    autotune: bool = False
+    #: Configs the session measures, the baseline included (None: the tuner's default).
+    tune_max_trials: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("world_size", "steps", "hidden", "layers", "batch_size"):
@@ -75,6 +85,8 @@ class DemoConfig:
                 parse_rate(self.link_rate)
             except ValueError as exc:
                 raise ValueError(f"link_rate: {exc}") from None
+        if self.tune_max_trials is not None and self.tune_max_trials < 2:
+            raise ValueError(f"tune_max_trials must be >= 2, got {self.tune_max_trials}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         for fault in self.faults:
@@ -120,12 +132,17 @@ def train_rank(
         for step in range(config.steps):
             x = torch.randn(config.batch_size, config.hidden, generator=generator)
             with monitor.step(batch_size=config.batch_size) as scope:
-                faults.begin_step()
-                loss = torch.nn.functional.mse_loss(model(x), x @ target)
+                faults.begin_step(step + 1)  # the probe numbers steps from 1
+                x, y = faults.batch(step + 1, x, x @ target)
+                loss = torch.nn.functional.mse_loss(model(x), y)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                optimizer.step()
-                faults.end_compute(step + 1)  # the probe numbers steps from 1
+                # As a loss scaler does: gradients are all-reduced, so every rank sees the
+                # same norm and skips the same steps; clipping bounds what one bad batch does.
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP_NORM)
+                if torch.isfinite(norm):
+                    optimizer.step()
+                faults.end_compute(step + 1)
                 scope.loss = loss
             if config.step_sleep_s:
                 time.sleep(config.step_sleep_s)
@@ -133,7 +150,11 @@ def train_rank(
                 break
     finally:
         monitor.close()
-    return {"final_loss": loss.item(), "dropped": float(monitor.dropped_records_total)}
+    return {
+        "final_loss": loss.item(),
+        "dropped": float(monitor.dropped_records_total),
+        **faults.events,
+    }
 
 
 def _agree_to_stop(path: str) -> bool:
@@ -155,6 +176,8 @@ class DemoResult:
     alerts: list[dict[str, Any]]
     port: int
     db_url: str
+    #: The demo's tuning session (``config.autotune``), ended or not; None without one.
+    tuning: TuningSession | None = None
 
 
 #: ``on_tick(aggregator, shaper)``: called on the event loop every ``tick_s`` while the job
@@ -174,12 +197,17 @@ async def run_system(
     progress_s: float = 1.0,
     on_tick: TickHook | None = None,
     tick_s: float = 0.25,
+    tuner_settings: TunerSettings | None = None,
 ) -> DemoResult:
     """Aggregator + agent + the job, to completion; everything is flushed at the end.
 
     With ``config.link_rate`` the ranks run inside a :class:`~torshmon.linkshape.LinkShaper`
     (built before anything else starts, removed at the end): LinkShapingUnavailable
     (no root / no iproute2) or LinkShapingError is raised before the aggregator starts.
+    With ``config.autotune`` a tuning session (``tuner_settings``, else the tuner's
+    defaults) starts as soon as the job reports its config; when it ends, the ranks
+    stop at the next agreed step (a stop file); a session still running when the job
+    reaches ``steps`` is aborted.
     """
     from prometheus_client import CollectorRegistry
 
@@ -194,11 +222,17 @@ async def run_system(
     shaper = _start_shaper(config)
     try:
         with tempfile.TemporaryDirectory(prefix="torshmon-demo-") as tmp:
+            if config.autotune and config.stop_file is None:
+                config = replace(config, stop_file=os.path.join(tmp, "stop"))
+            autotune = _Autotune(config) if config.autotune else None
             settings = AggregatorSettings(
                 port=config.port, db_url=config.db_url, token=token, aggregator_id="demo"
             )
             async with Aggregator(
-                settings, registry=CollectorRegistry(), targets=targets
+                settings,
+                registry=CollectorRegistry(),
+                targets=targets,
+                tuner_settings=tuner_settings,
             ) as aggregator:
                 port = aggregator.port or 0
                 agent_settings = AgentSettings(
@@ -218,6 +252,8 @@ async def run_system(
                         await asyncio.wait({job}, timeout=tick_s)
                         if job.done():
                             break
+                        if autotune is not None:
+                            await autotune.tick(aggregator)
                         if on_tick is not None:
                             on_tick(aggregator, shaper)
                         if on_progress is not None and time.monotonic() >= next_progress:
@@ -226,13 +262,55 @@ async def run_system(
                     results = job.result()
                     if config.linger_s:
                         await asyncio.sleep(config.linger_s)
+                    if autotune is not None:
+                        await autotune.close(aggregator)
                 # The agent flushed its spool on close; one last look at what arrived.
                 await aggregator.evaluate()
                 alerts = await aggregator.read(_alert_rows, aggregator, config.job)
     finally:
         if shaper is not None:
             shaper.close()
-    return DemoResult(time.monotonic() - started, results, alerts, port, config.db_url)
+    tuning = autotune.session if autotune is not None else None
+    return DemoResult(
+        time.monotonic() - started, results, alerts, port, config.db_url, tuning=tuning
+    )
+
+
+class _Autotune:
+    """Drives the demo's one tuning session from ``run_system``'s loop."""
+
+    def __init__(self, config: DemoConfig) -> None:
+        self.config = config
+        self.session: TuningSession | None = None
+        self.stopping = False
+
+    async def tick(self, aggregator: Aggregator) -> None:
+        from torshmon.aggregator.tuning import TuningConflict, TuningUnavailable
+
+        tuning, job = aggregator.tuning, self.config.job
+        if self.session is None:
+            if tuning.active(job) is None:  # else: resumed from this history file
+                try:
+                    await tuning.start_session(
+                        job,
+                        trigger="torshmon demo --autotune",
+                        max_trials=self.config.tune_max_trials,
+                    )
+                except TuningUnavailable:
+                    return  # the job has not reported its config yet
+                except TuningConflict:
+                    pass  # an alert's autotune action was first: follow that session
+            self.session = tuning.session(job)
+        elif tuning.active(job) is None and not self.stopping:
+            self.stopping = True
+            if self.config.stop_file is not None:
+                Path(self.config.stop_file).touch()
+
+    async def close(self, aggregator: Aggregator) -> None:
+        """The job is over: a session still running can never finish."""
+        steps = self.config.steps
+        reason = f"the job stopped (its {steps} steps are done) before the session ended"
+        await aggregator.tuning.abort_session(self.config.job, reason, restore=False)
 
 
 def _start_shaper(config: DemoConfig) -> LinkShaper | None:
@@ -299,13 +377,32 @@ def run_demo(config: DemoConfig) -> int:
     for fault in config.faults:
         print(f"injecting: {fault.describe()}", flush=True)
 
+    if config.autotune:
+        print(
+            f"autotune: a tuning session starts once the job trains; the job stops when it "
+            f"ends (at most {config.steps} steps)",
+            flush=True,
+        )
+
     def show(aggregator: Any) -> None:
         print(progress_line(aggregator, config), flush=True)
+
+    tuning_lines = TuningProgress(config.job)
+
+    def tick(aggregator: Aggregator, shaper: LinkShaper | None) -> None:
+        for line in tuning_lines.new_lines(aggregator):
+            print(line, flush=True)
 
     from torshmon.linkshape import LinkShapingError, LinkShapingUnavailable
 
     try:
-        result = asyncio.run(run_system(config, on_progress=None if config.quiet else show))
+        result = asyncio.run(
+            run_system(
+                config,
+                on_progress=None if config.quiet else show,
+                on_tick=tick if config.autotune and not config.quiet else None,
+            )
+        )
     except LinkShapingUnavailable as exc:
         print(f"torshmon demo: --link-rate needs link shaping: {exc}", file=sys.stderr)
         return 2
@@ -314,6 +411,56 @@ def run_demo(config: DemoConfig) -> int:
         return 1
     print(summary(config, result))
     return 0
+
+
+class TuningProgress:
+    """Lines for people about a job's tuning session: each trial as it starts and as it
+    is decided (config, score, decision, why). Call ``new_lines`` as often as you like."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self._started: set[int] = set()
+        self._decided: set[int] = set()
+        self._ended = False
+
+    def new_lines(self, aggregator: Aggregator) -> list[str]:
+        session = aggregator.tuning.session(self.job)
+        if session is None:
+            return []
+        lines = []
+        for trial in session.trials:
+            if trial.index not in self._started:
+                self._started.add(trial.index)
+                lines.append(f"autotune: {_trial_name(trial)} {trial.config.describe()}: measuring")
+            if trial.decision is not None and trial.index not in self._decided:
+                self._decided.add(trial.index)
+                score = f"{trial.score:.0f} {session.unit}" if trial.score is not None else "-"
+                lines.append(
+                    f"autotune: {_trial_name(trial)} {trial.config.describe()}: {score} -> "
+                    f"{trial.decision}" + (f" ({trial.reason})" if trial.reason else "")
+                )
+        if session.done and not self._ended:
+            self._ended = True
+            lines.append(f"autotune: session {session.phase}: {session.summary()}")
+        return lines
+
+
+def _trial_name(trial: Trial) -> str:
+    return "baseline" if trial.kind == "baseline" else f"{trial.kind} {trial.index}"
+
+
+def tuning_summary(session: TuningSession) -> str:
+    """The end-of-run tuning report: the session's summary line and its trials."""
+    lines = [f"autotune ({session.phase}): {session.summary()}"]
+    for trial in session.trials:
+        score = f"{trial.score:8.0f}" if trial.score is not None else "       -"
+        lines.append(
+            f"  {_trial_name(trial):<10} {trial.config.describe():<42} {score} "
+            f"{session.unit}  {trial.decision or 'unfinished'}"
+        )
+    if session.final_config is not None:
+        lines.append(f"  the job ended on {session.final_config.describe()}")
+    return "\n".join(lines)
 
 
 def summary(config: DemoConfig, result: DemoResult) -> str:
@@ -349,6 +496,10 @@ def summary(config: DemoConfig, result: DemoResult) -> str:
             )
     else:
         lines.append("alerts fired: none")
+    if result.tuning is not None:
+        lines.append(tuning_summary(result.tuning))
+    elif config.autotune:
+        lines.append("autotune: no session started (the job never reported its config)")
     lines += [
         f"history: {config.db} (SQLite); try:",
         f"  torshmon query --db {config.db_url} "

@@ -100,6 +100,7 @@ class TuningManager:
         self.space = space if space is not None else SearchSpace()
         self.seed = seed
         self._active: dict[str, _Active] = {}
+        self._ended: dict[str, _Active] = {}  # each job's last ended session (this process)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -144,6 +145,29 @@ class TuningManager:
         """The id of ``job``'s active session, if any."""
         entry = self._active.get(job)
         return entry.session_id if entry is not None else None
+
+    def session(self, job: str) -> TuningSession | None:
+        """``job``'s active session, else the last one that ended in this process.
+
+        Read-only use (progress displays, the demo's summary): the manager drives it.
+        """
+        entry = self._active.get(job) or self._ended.get(job)
+        return entry.session if entry is not None else None
+
+    async def abort_session(self, job: str, reason: str, *, restore: bool = True) -> bool:
+        """Abort ``job``'s active session (stored, notified); False if it has none.
+
+        ``restore=False`` skips pushing the incumbent config back, for a job that
+        has already stopped.
+        """
+        entry = self._active.get(job)
+        if entry is None or entry.session.done:
+            return False
+        decision = entry.session.abort(reason, self.a.clock())
+        if not restore:
+            decision = replace(decision, restore_config=None)
+        await self._execute(entry, decision)
+        return True
 
     # -- starting ------------------------------------------------------------------------
 
@@ -303,6 +327,7 @@ class TuningManager:
         await self.a.write(self._persist, entry, session.to_state())
         if session.done and self._active.get(job) is entry:
             del self._active[job]
+            self._ended[job] = entry
 
     async def _push(self, entry: _Active, decision: ApplyConfig) -> None:
         try:
