@@ -30,7 +30,9 @@ from torshmon.aggregator.tuner import (
     ApplyConfig,
     CodecChoice,
     Decision,
+    DriftWatch,
     Finish,
+    RetuneSettings,
     SearchSpace,
     StepSample,
     TrialConfig,
@@ -674,3 +676,71 @@ def test_unshaped_link_is_left_alone() -> None:
         assert job.config == finish.best_config
         assert not finish.changed and finish.best_config == DEFAULT
         assert "left unchanged" in finish.summary
+
+
+# -- re-tuning on drift ---------------------------------------------------------------------
+
+DRIFT = RetuneSettings(window_steps=4, windows=5, threshold=0.15, alpha=0.01, for_s=60.0,
+                       min_interval_s=600.0)  # fmt: skip
+REFERENCE = (1000.0, 1010.0, 990.0, 1005.0, 995.0)
+
+
+def _feed(
+    watch: DriftWatch, speeds: list[float], start_s: float, step_s: float = 1.0, version: int = 3
+) -> list[tuple[float, str]]:
+    """One step per ``step_s`` of the fake clock; (now, reason) of every re-tune verdict."""
+    verdicts = []
+    for i, speed in enumerate(speeds):
+        now = start_s + i * step_s
+        why = watch.observe(StepSample(i, version, samples_per_s=speed), now)
+        if why is not None:
+            verdicts.append((now, why))
+    return verdicts
+
+
+def test_drift_watch_fires_only_after_sustained_significant_drift() -> None:
+    rng = random.Random(3)
+    watch = DriftWatch(REFERENCE, "samples/s", ended_unix_s=0.0, settings=DRIFT)
+    # At speed (noise only): never, however long.
+    assert _feed(watch, [1000 * rng.uniform(0.97, 1.03) for _ in range(400)], 700.0) == []
+    assert watch.drifting_since is None
+    # 30 % slower: drifting from the first full set of slow windows, re-tune after for_s.
+    slow = [700 * rng.uniform(0.97, 1.03) for _ in range(200)]
+    verdicts = _feed(watch, slow, 1100.0)
+    assert verdicts, "a sustained 30 % drop must trigger"
+    first_at, why = verdicts[0]
+    assert watch.drifting_since is not None
+    assert first_at - watch.drifting_since >= DRIFT.for_s
+    assert first_at < 1100.0 + 20 + DRIFT.for_s + 2 * DRIFT.window_steps
+    assert "drifted -30%" in why and "samples/s" in why
+
+
+def test_drift_watch_ignores_small_or_brief_drops_and_respects_the_rate_limit() -> None:
+    rng = random.Random(4)
+    # 10 % slower is below the 15 % threshold: never.
+    small = DriftWatch(REFERENCE, "samples/s", ended_unix_s=0.0, settings=DRIFT)
+    assert _feed(small, [900 * rng.uniform(0.99, 1.01) for _ in range(400)], 700.0) == []
+    # A 40 s dip (shorter than for_s) then back to speed: the clock restarts, no verdict.
+    brief = DriftWatch(REFERENCE, "samples/s", ended_unix_s=0.0, settings=DRIFT)
+    dip = [600.0] * 40 + [1000.0] * 40 + [600.0] * 40 + [1000.0] * 40
+    assert _feed(brief, dip, 700.0) == []
+    # Sustained drift right after the session ended: held back until min_interval_s.
+    early = DriftWatch(REFERENCE, "samples/s", ended_unix_s=100.0, settings=DRIFT)
+    verdicts = _feed(early, [600.0] * 800, 110.0)
+    assert verdicts and verdicts[0][0] >= 100.0 + DRIFT.min_interval_s
+
+
+def test_drift_watch_stops_when_the_config_changes() -> None:
+    watch = DriftWatch(REFERENCE, "samples/s", ended_unix_s=0.0, settings=DRIFT)
+    assert _feed(watch, [600.0] * 10, 1000.0, version=3) == []
+    assert _feed(watch, [600.0] * 500, 1010.0, version=4) == []
+    assert watch.stopped
+
+
+def test_retune_settings_name_bad_values() -> None:
+    with pytest.raises(TunerError, match="threshold must be a finite number in \\(0, 1\\)"):
+        RetuneSettings(threshold=1.5)
+    with pytest.raises(TunerError, match="windows must be an integer >= 2"):
+        RetuneSettings(windows=1)
+    with pytest.raises(TunerError, match="reference windows"):
+        DriftWatch([1.0], "samples/s", 0.0)

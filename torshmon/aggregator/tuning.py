@@ -30,8 +30,10 @@ from torshmon.aggregator.tuner import (
     Abort,
     ApplyConfig,
     Decision,
+    DriftWatch,
     Finish,
     Phase,
+    RetuneSettings,
     SearchSpace,
     StepSample,
     Trial,
@@ -46,6 +48,7 @@ from torshmon.history.models import Base
 if TYPE_CHECKING:
     from torshmon.aggregator.ingest import Stored
     from torshmon.aggregator.service import Aggregator
+    from torshmon.wire import StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,10 @@ class TuningManager:
 
     ``settings`` and ``space`` are the defaults of every session (a session may
     override ``max_trials`` and pin knobs); ``seed`` makes proposals repeatable (a
-    session's own seed is derived from it and the session id when None).
+    session's own seed is derived from it and the session id when None). ``retune``
+    says when a job whose session finished is tuned again because its throughput
+    drifted from what the session verified (``RetuneSettings(enabled=False)``: never);
+    it can be replaced until the next session finishes.
     """
 
     def __init__(
@@ -94,8 +100,11 @@ class TuningManager:
         settings: TunerSettings | None = None,
         space: SearchSpace | None = None,
         seed: int | None = None,
+        retune: RetuneSettings | None = None,
     ) -> None:
         self.a = aggregator
+        self.retune = retune if retune is not None else RetuneSettings()
+        self._drift: dict[str, DriftWatch] = {}
         self.settings = settings if settings is not None else TunerSettings()
         self.space = space if space is not None else SearchSpace()
         self.seed = seed
@@ -184,6 +193,7 @@ class TuningManager:
         TuningConflict when one is active; TuningUnavailable when the job has sent no
         config or DDP stats yet; TunerError names a bad ``max_trials`` or pinned knob.
         """
+        self._drift.pop(job, None)  # a new session sets its own reference
         if job in self._active:
             raise TuningConflict(
                 f"job {job!r} already has an active tuning session {self._active[job].session_id}"
@@ -248,6 +258,7 @@ class TuningManager:
                 continue
             entry = self._active.get(batch.job)
             if entry is None:
+                self._watch_drift(batch.job, batch.steps, now)
                 continue
             for record in batch.steps:
                 decision = entry.session.on_step(StepSample.from_record(record), now)
@@ -255,6 +266,31 @@ class TuningManager:
                     self._after(entry, decision)
                     if entry.session.done:
                         break
+
+    def _watch_drift(self, job: str, steps: Iterable[StepRecord], now: float) -> None:
+        watch = self._drift.get(job)
+        if watch is None:
+            return
+        for record in steps:
+            why = watch.observe(StepSample.from_record(record), now)
+            if watch.stopped:
+                del self._drift[job]
+                return
+            if why is not None:
+                del self._drift[job]
+                log.info("tuning %s again: %s", job, why)
+                self._spawn(self._start_from_drift(job, why))
+                return
+
+    async def _start_from_drift(self, job: str, why: str) -> None:
+        try:
+            await self.start_session(job, trigger=f"drift: {why}")
+        except (TuningConflict, TuningUnavailable, TunerError) as exc:
+            log.warning("tuning %s not restarted on drift: %s", job, exc)
+
+    def drift_watch(self, job: str) -> DriftWatch | None:
+        """The watch on ``job``'s throughput since its last session finished, if any."""
+        return self._drift.get(job)
 
     async def tick(self) -> None:
         """The evaluation tick: timeouts of every active session."""
@@ -315,6 +351,7 @@ class TuningManager:
         elif isinstance(decision, Finish):
             log.info("tuning %s finished: %s", job, decision.summary)
             self._notify(entry, decision.summary, "info")
+            self._start_watch(entry, decision)
         elif isinstance(decision, Abort):
             log.warning("tuning %s aborted: %s", job, decision.reason)
             if decision.restore_config is not None:
@@ -328,6 +365,17 @@ class TuningManager:
         if session.done and self._active.get(job) is entry:
             del self._active[job]
             self._ended[job] = entry
+
+    def _start_watch(self, entry: _Active, decision: Finish) -> None:
+        """After a finished session: watch for drift from the windows it stood by."""
+        if not self.retune.enabled:
+            return
+        trials = entry.session.trials
+        reference = trials[-1] if decision.changed else trials[0]
+        if len(reference.windows) < 2:
+            return
+        now = self.a.clock()
+        self._drift[entry.job] = DriftWatch(reference.windows, entry.session.unit, now, self.retune)
 
     async def _push(self, entry: _Active, decision: ApplyConfig) -> None:
         try:
