@@ -48,6 +48,7 @@ def _report_bucket_cap(aggregator: Aggregator, job: str, cap_bytes: int) -> None
     stored = Stored(acked_seq=0, hellos=[hello], batches=[(wf.batch(hello, 1, [step]), "n")])
     aggregator.live.observe(stored, aggregator.clock())
 
+
 SMALL = TunerSettings(warmup_steps=2, window_steps=5, windows=3, min_windows=3, max_trials=3)
 
 
@@ -248,3 +249,24 @@ async def test_acks_route_only_the_awaited_command(tmp_path: Path) -> None:
         )
         assert entry.session.phase == "measuring"
         assert entry.session.trials[0].version == 1
+
+
+async def test_abort_session_ends_it_cleanly_and_keeps_it_readable(tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'history.db'}"
+    settings = AggregatorSettings(port=0, db_url=db_url, aggregator_id="shard-c")
+    async with Aggregator(
+        settings, registry=CollectorRegistry(), targets=[], clock=lambda: 3000.0
+    ) as agg:
+        _report_bucket_cap(agg, "j", 25 * 2**20)
+        session_id = await agg.tuning.start_session("j", trigger="test")
+        commands_before = len(_rows(db_url, "SELECT id FROM commands"))
+        assert await agg.tuning.abort_session("j", "the job stopped", restore=False)
+        assert agg.tuning.active("j") is None
+        ended = agg.tuning.session("j")
+        assert ended is not None and ended.phase == "aborted"
+        assert ended.reason == "the job stopped"
+        assert not await agg.tuning.abort_session("j", "again")
+    [row] = _rows(db_url, "SELECT id, state, reason FROM tuning_sessions")
+    assert row == {"id": session_id, "state": "aborted", "reason": "the job stopped"}
+    # restore=False: nothing was pushed to a job that is gone.
+    assert len(_rows(db_url, "SELECT id FROM commands")) == commands_before
