@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from torshmon.aggregator.tuner import (
     CODEC_NAMES,
     DEFAULT_CODECS,
+    DEFAULT_MAX_RELATIVE_ERROR,
     Abort,
     ApplyConfig,
     CodecChoice,
@@ -437,7 +438,10 @@ def test_a_regression_is_rolled_back_at_once() -> None:
 
 def test_a_codec_breaking_the_error_bound_is_rejected_and_banned() -> None:
     job = SimJob(SHAPED, seed=2, error_override={"powersgd(rank=4)": 0.95})
-    session, decisions = drive(TuningSession(seed=2), job)
+    # Error-feedback codecs have no bound by default; a user may set one.
+    bounds = {**DEFAULT_MAX_RELATIVE_ERROR, "powersgd": 0.9}
+    settings = TunerSettings(max_relative_error=bounds)
+    session, decisions = drive(TuningSession(settings=settings, seed=2), job)
     trial = session.trials[1]
     assert trial.config.choice.label == "powersgd(rank=4)"
     assert trial.decision == "rejected_error"

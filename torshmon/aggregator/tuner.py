@@ -105,16 +105,18 @@ _CODEC_DEFAULTS: Final[Mapping[str, Mapping[str, float | int]]] = {
     "topk": {"ratio": 0.01},
     "int8": {"bits": 8},
 }
-#: Per-step relative error bounds by codec. PowerSGD and top-k are error-feedback
-#: codecs whose per-step error is large by design (what is not sent now is sent
-#: later), so their bound only catches the degenerate case; the loss guard is what
-#: protects training from them. A codec missing here has no bound.
+#: Per-step relative error bounds by codec; a codec missing here has no bound. The
+#: error-feedback codecs (PowerSGD, top-k) have none by default: their per-step error is
+#: that of a projection (below 1 by construction) of the gradient plus the residual
+#: carried over, large by design and no sign of harm (what is not sent now is sent
+#: later). On the demo's MLP (batch 64, so gradients of rank <= 64) PowerSGD rank 4
+#: measured 0.997 while training normally, so a bound such as 0.9 banned PowerSGD
+#: outright, and only on the trials whose window happened to hold a sampled step. The
+#: loss guard is what protects training from them; a user can still set a bound.
 DEFAULT_MAX_RELATIVE_ERROR: Final[Mapping[str, float]] = {
     "fp16": 0.1,
     "bf16": 0.1,
     "int8": 0.1,
-    "powersgd": 0.9,
-    "topk": 0.99,
 }
 #: The codec screen: one choice per family, in order of typical benefit on a slow link.
 _SCREEN: Final[tuple[tuple[str, Mapping[str, float | int]], ...]] = (
