@@ -86,7 +86,7 @@ def test_default_rules_pass_promtool_check(tmp_path: Path) -> None:
     path.write_text(to_prometheus(default_rules()))
     result = _promtool("check", "rules", str(path), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 9 rules found" in result.stdout
+    assert f"SUCCESS: {len(default_rules())} rules found" in result.stdout
 
 
 def test_promtool_rejects_what_it_should(tmp_path: Path) -> None:

@@ -50,6 +50,7 @@ def test_default_rules_encode_the_design_table() -> None:
         "Loss Spike",
         "Non-finite Loss",
         "Memory Leak",
+        "Slow Link",
     ]
     gpu = by_name["Low GPU Utilization"]
     assert (gpu.kind, gpu.metric, gpu.op, gpu.threshold, gpu.for_s, gpu.severity) == (
@@ -80,6 +81,7 @@ def test_default_rules_encode_the_design_table() -> None:
     assert by_name["Step Time Anomaly"].metric == "step_duration_seconds"
     assert by_name["Straggler"].severity == "high"
     assert by_name["Hung Collective"].severity == "critical"
+    assert (by_name["Slow Link"].kind, by_name["Slow Link"].severity) == ("slow_link", "high")
     assert by_name["Loss Spike"].metric == "loss"
     assert by_name["Non-finite Loss"].kind == "nonfinite"
     leak = by_name["Memory Leak"]

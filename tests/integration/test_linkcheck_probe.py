@@ -10,6 +10,7 @@ import pytest
 from tests.integration.conftest import ReceiverThread
 from tests.integration.test_probe import _model, _param_bytes, _train
 from torshmon.launch import run_ranks
+from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES
 from torshmon.wire import Command
 
 pytestmark = pytest.mark.integration
@@ -66,7 +67,7 @@ def test_every_rank_checks_every_peer_at_the_same_step(receiver: ReceiverThread)
             assert all(p.duration_s > 0 for p in check.peers)
             assert check.duration_s >= sum(p.duration_s for p in check.peers)
         assert {p.size_bytes for p in by_id["lc1"].peers} == {SIZE_BYTES}
-        assert {p.size_bytes for p in by_id["lc3"].peers} == {4 * 2**20}
+        assert {p.size_bytes for p in by_id["lc3"].peers} == {DEFAULT_SIZE_BYTES}
     for check_id in ("lc1", "lc3"):
         assert len({checks[rank][check_id].step for rank in range(WORLD)}) == 1
 

@@ -83,6 +83,7 @@ def add_routes(app: web.Application, aggregator: Aggregator) -> None:
     r.add_get("/api/v1/jobs/{job}/report", h.report)
     r.add_post("/api/v1/jobs/{job}/commands", h.post_command)
     r.add_post("/api/v1/jobs/{job}/tune", h.tune)
+    r.add_post("/api/v1/jobs/{job}/link-check", h.link_check)
     r.add_get("/api/v1/commands/{id}", h.command)
     r.add_get("/api/v1/alerts", h.alerts)
     r.add_get("/api/v1/anomalies", h.anomalies)
@@ -167,7 +168,26 @@ class _Handlers:
         if not isinstance(kind, str) or not isinstance(args, dict):
             return error(400, 'expected {"kind": str, "args": object}')
         try:
-            status = await self.a.submit_command(job, kind, args)
+            if kind == "link_check":
+                status = await self.a.request_link_check(job, args)
+            else:
+                status = await self.a.submit_command(job, kind, args)
+        except CommandError as exc:
+            return error(400, str(exc))
+        return web.json_response(_command_json(status), status=202)
+
+    async def link_check(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        job = request.match_info["job"]
+        body = await _json_body(request) if request.can_read_body else {}
+        unknown = sorted(set(body) - {"size_bytes"})
+        if unknown:
+            return error(400, f"unknown field(s) {', '.join(unknown)}; allowed: size_bytes")
+        size = body.get("size_bytes")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+            return error(400, f"size_bytes must be an integer, got {size!r}")
+        try:
+            status = await self.a.request_link_check(job, dict(body))
         except CommandError as exc:
             return error(400, str(exc))
         return web.json_response(_command_json(status), status=202)
@@ -485,6 +505,35 @@ def openapi_document() -> dict[str, Any]:
                             }
                         }
                     }
+                },
+                "responses": {
+                    "202": _json_response(command_ref),
+                    "400": _json_response(ref("Error")),
+                },
+            }
+        },
+        "/api/v1/jobs/{job}/link-check": {
+            "post": {
+                "summary": (
+                    "Run a pairwise link check on every rank of the job at one step; "
+                    "a slow link becomes a slow_link finding naming the rank"
+                ),
+                "parameters": [job_param],
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "properties": {
+                                    "size_bytes": {
+                                        "type": "integer",
+                                        "description": "bytes each rank of a pair sends",
+                                    }
+                                },
+                            }
+                        }
+                    },
                 },
                 "responses": {
                     "202": _json_response(command_ref),

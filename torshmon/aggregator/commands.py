@@ -19,7 +19,7 @@ from typing import Final
 
 from torshmon.wire import Command, CommandAck
 
-KINDS: Final = frozenset({"config"})
+KINDS: Final = frozenset({"config", "link_check"})
 FINAL_STATES: Final = frozenset({"applied", "rejected", "expired"})
 
 

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-#: The detector that produced a finding; rule kinds ``anomaly``, ``straggler`` and
-#: ``hang`` match on it.
-FindingKind = Literal["anomaly", "straggler", "hang", "bottleneck"]
+#: The detector that produced a finding; rule kinds ``anomaly``, ``straggler``,
+#: ``hang`` and ``slow_link`` match on it.
+FindingKind = Literal["anomaly", "straggler", "hang", "bottleneck", "slow_link"]
 
 #: Ordered from least to most severe.
 SEVERITIES: tuple[str, ...] = ("info", "medium", "warning", "high", "critical")

@@ -2,7 +2,7 @@
 
 ``LiveState.observe`` takes what one ingest stored and feeds the series store
 (for the rules), the detectors (step-time and loss z-scores, the cross-rank
-straggler detector, the hang detector) and the per-rank state behind the
+straggler detector, the hang detector, the link checker) and the per-rank state behind the
 job-level ``/metrics``. Everything here runs on the event loop thread; the
 Prometheus collector copies what it needs under a lock at scrape time.
 """
@@ -32,6 +32,7 @@ from torshmon.aggregator.bottleneck import JobSnapshot, bottleneck_report
 from torshmon.aggregator.findings import Finding
 from torshmon.aggregator.hang import HangDetector
 from torshmon.aggregator.ingest import Stored
+from torshmon.aggregator.linkcheck import LinkChecker, LinkCheckSettings
 from torshmon.aggregator.series import LabelSet, SeriesStore
 from torshmon.aggregator.straggler import StepCollector, StragglerDetector
 from torshmon.aggregator.zscore import ZScoreDetector
@@ -110,10 +111,12 @@ class LiveState:
         hang_timeout_s: float = 5.0,
         idle_s: float = 900.0,
         series_retention_s: float = 900.0,
+        link_check: LinkCheckSettings | None = None,
     ) -> None:
         """``idle_s``: a job (or node) that sent nothing for this long is dropped, with
         its series and detector state; a hung job still sends heartbeats, so it stays.
-        ``series_retention_s``: how far back the rules can look (history is in SQL)."""
+        ``series_retention_s``: how far back the rules can look (history is in SQL).
+        ``link_check``: when to run pairwise link checks and how to read them."""
         self.idle_s = idle_s
         self.series = SeriesStore(retention_s=series_retention_s)
         self.jobs: dict[str, JobState] = {}
@@ -123,8 +126,14 @@ class LiveState:
         self.loss_z = ZScoreDetector(metric="loss", direction="up")
         self.straggler = StragglerDetector()
         self.hang = HangDetector(timeout_s=hang_timeout_s)
+        self.links = LinkChecker(link_check)
         self._alerts: list[Alert] = []
         self._hangs: list[Finding] = []
+        # Findings seen active since the last ``findings()`` call. One ingested batch can
+        # hold many steps: a loss spike of 5 steps, or a short straggler, can become
+        # active and clear inside it, between two rule evaluations. Latched here, each is
+        # evaluated at least once (it fires, then resolves at the next evaluation).
+        self._latched: dict[tuple[str, tuple[tuple[str, str], ...]], Finding] = {}
         self._lock = threading.Lock()
 
     def register(self, registry: CollectorRegistry) -> None:
@@ -140,6 +149,7 @@ class LiveState:
                     job.world_size = hello.world_size
                     job.collector = StepCollector(hello.world_size)
                     self.hang.set_world(hello.job, hello.world_size)
+                    self.links.set_world(hello.job, hello.world_size)
                 self._rank(hello.job, job, hello.rank).node = hello.node
             for batch, node in stored.batches:
                 self._observe_batch(batch, node, now_unix_s)
@@ -169,6 +179,8 @@ class LiveState:
             self._observe_steps(batch, job, r)
         if job.world_size is None or batch.rank < job.world_size:
             self.hang.observe(batch.job, batch.rank, batch.sent_unix_ns / 1e9, batch.inflight)
+        for result in batch.link_checks:
+            self.links.observe_result(result, now_unix_s)
 
     def _observe_steps(self, batch: Batch, job: JobState, r: RankState) -> None:
         """Every step of ``batch`` into the series, detectors and ``r``, in step order."""
@@ -179,6 +191,8 @@ class LiveState:
         add = self.series.add
         observe_step_z = self.step_z.observe
         observe_loss_z = self.loss_z.observe
+        latch = self._latch
+        observe_link_step = self.links.observe_step
         collector = job.collector
         if collector is not None and batch.rank >= collector.world_size:
             collector = None
@@ -209,14 +223,18 @@ class LiveState:
             elif s.loss is not None:
                 r.loss = s.loss
                 add("loss", labels, ts, s.loss)
-                observe_loss_z(label_map, ts, s.loss)
-            observe_step_z(label_map, ts, duration_s)
+                if (found := observe_loss_z(label_map, ts, s.loss)) is not None:
+                    latch(found)
+            if (found := observe_step_z(label_map, ts, duration_s)) is not None:
+                latch(found)
+            observe_link_step(batch.job, batch.rank, wait_s, compute_s)
             if collector is not None:
                 complete = collector.add(batch.job, s.step, batch.rank, compute_s, ts)
                 if complete is not None:
-                    self.straggler.observe_step(
+                    for found in self.straggler.observe_step(
                         complete.job, complete.step, complete.compute_s_by_rank, complete.ts_unix_s
-                    )
+                    ):
+                        latch(found)
             if s.collectives:
                 _observe_collectives(r, s)
             for b in s.buckets:
@@ -266,14 +284,37 @@ class LiveState:
                 proc.rss_bytes,
             )
 
+    def _latch(self, finding: Finding) -> None:
+        self._latched[_finding_key(finding)] = finding
+
     # -- conclusions ---------------------------------------------------------------------
     def findings(self, now_unix_s: float) -> list[Finding]:
         """Every active finding of every detector."""
         with self._lock:
             out = self.step_z.active() + self.loss_z.active() + self.straggler.active()
+            current = {_finding_key(f) for f in out}
+            out.extend(f for key, f in self._latched.items() if key not in current)
+            self._latched.clear()
             self._hangs = self.hang.evaluate(now_unix_s)
             out.extend(self._hangs)
+            self.links.evaluate(now_unix_s)
+            out.extend(self.links.active())
         return out
+
+    # -- link checks (the service sends the commands) --------------------------------------
+    def link_checks_due(self, now_unix_s: float) -> list[tuple[str, str]]:
+        """Jobs that need a link check now, each with the reason."""
+        with self._lock:
+            return self.links.due(now_unix_s)
+
+    def link_check_sent(self, job: str, check_id: str, reason: str, now_unix_s: float) -> None:
+        with self._lock:
+            self.links.sent(job, check_id, reason, now_unix_s)
+
+    def link_check_done(self, job: str, check_id: str, status: str, now_unix_s: float) -> None:
+        """The final status of a link_check command (any thread)."""
+        with self._lock:
+            self.links.command_done(job, check_id, status, now_unix_s)
 
     def report(self, job: str, now_unix_s: float) -> list[Finding] | None:
         """The bottleneck report of ``job`` (None if the job is unknown)."""
@@ -327,7 +368,7 @@ class LiveState:
         with self._lock:
             self.jobs.pop(job, None)
             self.series.forget({"job": job})
-            for detector in (self.step_z, self.loss_z, self.straggler, self.hang):
+            for detector in (self.step_z, self.loss_z, self.straggler, self.hang, self.links):
                 detector.forget(job)
 
     # -- summaries for the API -----------------------------------------------------------
@@ -401,6 +442,12 @@ class LiveState:
                 "anomalies": self.step_z.active() + self.loss_z.active(),
                 "stragglers": self.straggler.active(),
                 "hangs": list(self._hangs),
+                "slow_links": self.links.active(),
+                "link_bandwidth": {
+                    name: dict(reading.bandwidth_by_rank)
+                    for name in self.jobs
+                    if (reading := self.links.last(name)) is not None
+                },
                 "alerts": list(self._alerts),
             }
 
@@ -654,6 +701,22 @@ class _LiveCollector:
                 ],
                 f.value,
             )
+        slow_link = GaugeMetricFamily(
+            "torshmon_slow_link_bandwidth_bytes_per_second",
+            "While a link check finds the rank's link slow: the rank's best pair bandwidth "
+            "(rank is 'A-B' at world size 2, where only the pair can be named)",
+            labels=["job", "rank"],
+        )
+        for f in snap["slow_links"]:
+            slow_link.add_metric([f.labels.get("job", ""), f.labels.get("rank", "")], f.value)
+        link_bw = GaugeMetricFamily(
+            "torshmon_link_bandwidth_bytes_per_second",
+            "Best pair bandwidth of the rank in the job's latest link check",
+            labels=["job", "rank"],
+        )
+        for job, by_rank in snap["link_bandwidth"].items():
+            for rank, bandwidth in sorted(by_rank.items()):
+                link_bw.add_metric([job, str(rank)], bandwidth)
         firing = GaugeMetricFamily(
             "torshmon_alerts",
             "Alerts pending or firing, by rule and severity",
@@ -665,4 +728,8 @@ class _LiveCollector:
             counts[key] = counts.get(key, 0) + 1
         for key, n in sorted(counts.items()):
             firing.add_metric(list(key), float(n))
-        yield from (anomaly, zscore, straggler, score, hang, firing)
+        yield from (anomaly, zscore, straggler, score, hang, slow_link, link_bw, firing)
+
+
+def _finding_key(finding: Finding) -> tuple[str, tuple[tuple[str, str], ...]]:
+    return finding.kind, tuple(sorted(finding.labels.items()))

@@ -11,7 +11,9 @@ expressions over the aggregator's job-level ``/metrics``:
 - nonfinite: ``torshmon_<m> != torshmon_<m>`` (true only for NaN) ``or`` an
   infinite absolute value.
 - anomaly: ``torshmon_anomaly_active{metric="<m>"} > 0``; straggler:
-  ``torshmon_straggler_active > 0``; hang: ``torshmon_hung_collective_age_seconds > 0``.
+  ``torshmon_straggler_active > 0``; hang: ``torshmon_hung_collective_age_seconds > 0``;
+  slow_link: ``torshmon_slow_link_bandwidth_bytes_per_second > 0`` (exported only
+  while the link is found slow, so ``$value`` is the bandwidth, as in torshmon).
 - absent: ``absent_over_time(torshmon_<m>[for])`` with ``for: 0s``. Prometheus can
   only tell that *no* series matched, so unlike torshmon's own per-series check it
   fires when every series of the metric is silent.
@@ -63,11 +65,13 @@ _FINDING_METRIC: Final[Mapping[str, str]] = {
     "anomaly": "torshmon_anomaly_active",
     "straggler": "torshmon_straggler_active",
     "hang": "torshmon_hung_collective_age_seconds",
+    "slow_link": "torshmon_slow_link_bandwidth_bytes_per_second",
 }
 _FINDING_SUMMARY: Final[Mapping[str, str]] = {
     "anomaly": "{alertname}: {metric} is anomalous in job {job} rank {rank}",
     "straggler": "{alertname}: rank {rank} of job {job} is straggling",
     "hang": "{alertname}: rank {rank} of job {job} is stuck in {op} on group {pg}",
+    "slow_link": "{alertname}: rank {rank} of job {job} has a slow network link",
 }
 _FLOAT_SPEC: Final = re.compile(r"(\d*)(\.\d+)?([eEfFgG])\Z")
 

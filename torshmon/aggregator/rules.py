@@ -31,6 +31,10 @@ Kinds (what makes the condition true, per series or per ``by`` group):
   are never true for NaN, which is why this is a kind of its own.
 - ``anomaly``: an active anomaly Finding whose ``metric`` label is the rule's metric.
 - ``straggler``, ``hang``: an active Finding of that kind.
+- ``slow_link``: an active Finding of the link checker, which names the rank whose
+  network link is slow by a pairwise link check (``rank`` is ``"0-1"`` at world
+  size 2, where only the pair can be named); its value is that rank's best pair
+  bandwidth in bytes/s.
 - ``absent``: a series of ``metric`` that was seen has had no sample for ``for``
   (the ``for`` is the silence itself, so such an alert fires as soon as it holds).
 
@@ -88,7 +92,9 @@ __all__ = [
     "parse_duration",
 ]
 
-RuleKind = Literal["threshold", "rate", "nonfinite", "absent", "anomaly", "straggler", "hang"]
+RuleKind = Literal[
+    "threshold", "rate", "nonfinite", "absent", "anomaly", "straggler", "hang", "slow_link"
+]
 Op = Literal[">", ">=", "<", "<="]
 Aggregate = Literal["mean", "max", "min", "sum"]
 
@@ -100,10 +106,11 @@ KINDS: Final[tuple[str, ...]] = (
     "anomaly",
     "straggler",
     "hang",
+    "slow_link",
 )
 #: Kinds evaluated on the live series; the others on detector findings.
 METRIC_KINDS: Final = frozenset({"threshold", "rate", "nonfinite", "absent"})
-FINDING_KINDS: Final = frozenset({"anomaly", "straggler", "hang"})
+FINDING_KINDS: Final = frozenset({"anomaly", "straggler", "hang", "slow_link"})
 OPS: Final[tuple[str, ...]] = (">", ">=", "<", "<=")
 AGGREGATES: Final[tuple[str, ...]] = ("mean", "max", "min", "sum")
 #: What may act on an alert: the notifiers, the autotuner, the memory recommendation.
@@ -132,6 +139,7 @@ FINDING_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
     "anomaly": ("job", "rank", "metric"),
     "straggler": ("job", "rank"),
     "hang": ("job", "rank", "op", "pg"),
+    "slow_link": ("job", "rank"),
 }
 
 _PREFIX: Final = "torshmon_"
@@ -146,6 +154,7 @@ _KIND_KEYS: Final[Mapping[str, frozenset[str]]] = {
     "anomaly": frozenset({"metric"}),
     "straggler": frozenset(),
     "hang": frozenset(),
+    "slow_link": frozenset(),
 }
 _ALL_KIND_KEYS: Final = frozenset(key for keys in _KIND_KEYS.values() for key in keys)
 _REQUIRED_KEYS: Final[Mapping[str, tuple[str, ...]]] = {
@@ -156,6 +165,7 @@ _REQUIRED_KEYS: Final[Mapping[str, tuple[str, ...]]] = {
     "anomaly": ("metric",),
     "straggler": (),
     "hang": (),
+    "slow_link": (),
 }
 _RESERVED_LABELS: Final = frozenset({"alertname", "severity"})
 _LABEL_NAME: Final = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")

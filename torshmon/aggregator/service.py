@@ -4,8 +4,8 @@ One event loop serves HTTP; one writer thread owns every write to the history
 database (SQLite allows one writer, and one ordered writer keeps ingest
 idempotent); reads run on the default executor. Every ``eval_interval_s`` the
 evaluation tick asks the live state for its findings, runs the rules engine,
-stores findings and alert transitions, and hands alerts to the notifier, which
-never blocks this loop.
+stores findings and alert transitions, hands alerts to the notifier, which
+never blocks this loop, and sends the link checks the live state asks for.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from torshmon.aggregator.alerting import AlertEngine
 from torshmon.aggregator.commands import CommandBook, CommandStatus
 from torshmon.aggregator.findings import Finding
 from torshmon.aggregator.ingest import IngestStore, Stored
+from torshmon.aggregator.linkcheck import LinkCheckSettings
 from torshmon.aggregator.live import LiveState
 from torshmon.aggregator.notify import STAT_NAMES, Notifier, Target, targets_from_env
 from torshmon.aggregator.rules import RuleSet, default_rules, load_rules
@@ -69,7 +70,8 @@ class Aggregator:
     ``registry`` receives the job-level and service metrics (a fresh one per test);
     ``targets`` overrides the notification targets read from the environment;
     ``clock`` is Unix seconds (detection and rules use it); ``tuner_settings`` are the
-    autotuner's defaults for every tuning session.
+    autotuner's defaults for every tuning session; ``link_check`` when to run
+    pairwise link checks (slow-link localisation) and how to read them.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class Aggregator:
         clock: Callable[[], float] = time.time,
         migrate: bool = True,
         tuner_settings: TunerSettings | None = None,
+        link_check: LinkCheckSettings | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
@@ -97,12 +100,13 @@ class Aggregator:
         self.live = LiveState(
             hang_timeout_s=settings.hang_timeout_s,
             series_retention_s=_series_retention_s(self.rules, self.alerts.stale_after_s),
+            link_check=link_check,
         )
         self.notifier = Notifier(list(targets) if targets is not None else targets_from_env())
         self.tracer = otel.Tracing(settings.otlp_endpoint, service_instance=settings.aggregator_id)
         self.store: IngestStore | None = None
         self.action_hooks: dict[str, list[ActionHook]] = {}
-        self.command_hooks: list[Callable[[CommandStatus], None]] = []
+        self.command_hooks: list[Callable[[CommandStatus], None]] = [self._link_check_status]
         self._alert_rows: dict[str, int] = {}
         self._finding_keys: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
         self._runner: web.AppRunner | None = None
@@ -321,6 +325,7 @@ class Aggregator:
                             log.exception("action %s failed for %s", action, alert.rule)
         for status in self.commands.expire():
             await self.write(self._persist_command, status)
+        await self._send_link_checks(now)
         try:
             await self.tuning.tick()
         except Exception:
@@ -447,6 +452,29 @@ class Aggregator:
                 .values(
                     status=status.status, reason=status.reason, updated_unix_s=status.updated_unix_s
                 )
+            )
+
+    async def request_link_check(
+        self, job: str, args: dict[str, object], reason: str = "requested"
+    ) -> CommandStatus:
+        """Queue a link check for ``job``; its results are read into slow_link findings."""
+        status = await self.submit_command(job, "link_check", args)
+        self.live.link_check_sent(job, status.command.id, reason, self.clock())
+        return status
+
+    async def _send_link_checks(self, now: float) -> None:
+        for job, reason in self.live.link_checks_due(now):
+            try:
+                status = await self.request_link_check(job, self.live.links.check_args(), reason)
+            except Exception:
+                log.exception("could not send a link check to job %s", job)
+                continue
+            log.info("link check %s sent to job %s: %s", status.command.id, job, reason)
+
+    def _link_check_status(self, status: CommandStatus) -> None:
+        if status.command.kind == "link_check" and status.done:
+            self.live.link_check_done(
+                status.command.job, status.command.id, status.status, self.clock()
             )
 
     def _command_changed(self, status: CommandStatus) -> None:

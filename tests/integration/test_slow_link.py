@@ -1,0 +1,207 @@
+"""A real slow link found and named: a 3-rank gloo DDP job over tbf-shaped links, the
+real agent and aggregator; rank 1's link drops to 100 Mbit/s mid-run, the Slow Link
+alert fires naming rank 1 and resolves once the link is back.
+
+Needs root and iproute2 (``linkshape.available``), like ``test_linkshape.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from sqlalchemy import create_engine, text
+
+from torshmon.aggregator.service import Aggregator
+from torshmon.aggregator.settings import AggregatorSettings
+from torshmon.linkshape import LinkShaper, available, parse_rate
+
+pytestmark = pytest.mark.integration
+
+WORLD = 3
+JOB = "slowlink"
+SLOW_RATE = "100mbit"
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def shaping() -> None:
+    ok, reason = available()
+    if not ok:
+        pytest.skip(reason)
+
+
+def _train(rank: int, world: int, socket_path: str, stop_file: str) -> int:
+    """DDP over a small MLP until ``stop_file`` appears; every rank stops at one step."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import torshmon
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(rank)
+    monitor = torshmon.attach(
+        model, job=JOB, agent_socket=socket_path, flush_interval_s=0.1, sync_every=5
+    )
+    step = 0
+    try:
+        while True:
+            x = torch.randn(32, 256, generator=generator)
+            with monitor.step(batch_size=32) as scope:
+                loss = model(x).square().mean()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                scope.loss = loss
+            step += 1
+            time.sleep(0.01)  # leave CPU to the agent and aggregator on a small machine
+            if step % 10 == 0:
+                flag = torch.tensor([1.0 if os.path.exists(stop_file) else 0.0])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if flag.item() > 0:
+                    return step
+    finally:
+        monitor.close()
+
+
+async def _until(condition: Any, what: str, timeout_s: float = TIMEOUT_S) -> float:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+    return time.time()
+
+
+def _slow_link_alerts(aggregator: Aggregator) -> list[Any]:
+    return [a for a in aggregator.alerts.active() if a.rule == "Slow Link"]
+
+
+async def test_slow_link_alert_names_the_rank_and_resolves(shaping: None, tmp_path: Path) -> None:
+    from torshmon.agent.daemon import Agent, AgentSettings
+
+    db_url = f"sqlite:///{tmp_path / 'history.db'}"
+    token = secrets.token_hex(8)
+    stop_file = str(tmp_path / "stop")
+    settings = AggregatorSettings(
+        port=0, db_url=db_url, token=token, aggregator_id="slow-link", eval_interval_s=0.2
+    )
+    seen_ranks: set[str] = set()
+    with LinkShaper(WORLD, rate=None) as shaper:
+        async with Aggregator(settings, registry=CollectorRegistry(), targets=[]) as aggregator:
+            agent_settings = AgentSettings(
+                socket_path=str(tmp_path / "agent.sock"),
+                metrics_port=0,
+                aggregator_url=f"http://127.0.0.1:{aggregator.port}",
+                token=token,
+                spool_path=str(tmp_path / "spool.db"),
+                sample_interval_s=1.0,
+            )
+            async with Agent(agent_settings, registry=CollectorRegistry()):
+                job = asyncio.ensure_future(
+                    asyncio.to_thread(
+                        shaper.run_ranks,
+                        _train,
+                        agent_settings.socket_path,
+                        stop_file,
+                        timeout_s=3 * TIMEOUT_S,
+                    )
+                )
+                links = aggregator.live.links
+                try:
+                    # Warm-up ends with one reference check of the healthy links.
+                    await _until(lambda: links.last(JOB) is not None, "the reference check")
+                    healthy = links.last(JOB)
+                    assert healthy is not None and healthy.slow == ()
+
+                    onset = time.time()
+                    await asyncio.to_thread(shaper.set_rate, SLOW_RATE, 1)
+                    fired_at = await _until(
+                        lambda: any(a.state == "firing" for a in _slow_link_alerts(aggregator)),
+                        "the Slow Link alert",
+                    )
+                    [alert] = _slow_link_alerts(aggregator)
+                    seen_ranks.add(alert.labels["rank"])
+                    slow = links.last(JOB)
+
+                    recovery = time.time()
+                    await asyncio.to_thread(shaper.set_rate, None, 1)
+                    resolved_at = await _until(
+                        lambda: not _slow_link_alerts(aggregator), "the alert to resolve"
+                    )
+                finally:
+                    Path(stop_file).touch()
+                steps = await job
+
+    assert len(set(steps)) == 1  # every rank stopped at the same step
+    assert seen_ranks == {"1"}
+    assert "rank 1 of job slowlink" in alert.annotations["summary"]
+    assert slow is not None and slow.slow == (1,)
+    # Rank 1 measured near the shaped rate; the others far above it.
+    rate_bytes = parse_rate(SLOW_RATE) / 8
+    assert 0.3 * rate_bytes < slow.bandwidth_by_rank[1] < 1.3 * rate_bytes
+    assert min(slow.bandwidth_by_rank[r] for r in (0, 2)) > 3 * rate_bytes
+
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text("SELECT rank, state FROM alerts WHERE rule = 'Slow Link'")
+            ).all()
+            kinds = conn.execute(text("SELECT kind FROM commands WHERE job = :j"), {"j": JOB}).all()
+    finally:
+        engine.dispose()
+    assert [tuple(r) for r in rows] == [(1, "resolved")]
+    assert {k for (k,) in kinds} == {"link_check"}
+    print(
+        f"\nslow link: detected {fired_at - onset:.2f} s after onset, resolved "
+        f"{resolved_at - recovery:.2f} s after recovery; check cost {healthy.duration_s * 1e3:.1f}"
+        f" ms healthy, {slow.duration_s * 1e3:.0f} ms with rank 1 at {SLOW_RATE}; "
+        f"{len(kinds)} link checks"
+    )
+
+
+def _time_checks(rank: int, world: int, size_bytes: int, reps: int) -> list[float]:
+    import torch.distributed as dist
+
+    from torshmon.probe.linkcheck import run_link_check
+
+    group = dist.new_group(backend="gloo")
+    run_link_check(group, rank, world, size_bytes)  # warm-up
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        run_link_check(group, rank, world, size_bytes)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+@pytest.mark.parametrize("rate", [None, "1gbit"])
+def test_link_check_cost(shaping: None, rate: str | None) -> None:
+    """What one default check (1 MiB each way per pair, 3 ranks) costs the job."""
+    from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, rounds
+
+    with LinkShaper(WORLD, rate=rate) as shaper:
+        results = shaper.run_ranks(_time_checks, DEFAULT_SIZE_BYTES, 5, timeout_s=TIMEOUT_S)
+    cost_s = statistics.median(max(times) for times in zip(*results, strict=True))
+    print(f"\nlink check at {WORLD} ranks, {rate or 'unshaped'}: {cost_s * 1e3:.1f} ms")
+    if rate is not None:
+        # Rounds run one after another (each needs a rank of the previous one), each
+        # pair sending the block both ways at the link's rate.
+        expected_s = len(rounds(WORLD)) * DEFAULT_SIZE_BYTES * 8 / parse_rate(rate)
+        assert 0.8 * expected_s < cost_s < 2.5 * expected_s, f"{cost_s:.3f} s vs {expected_s:.3f}"
+    else:
+        assert cost_s < 0.5

@@ -1,0 +1,301 @@
+"""Slow-link localisation: when a job gets a link check, and whose link is named slow."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from torshmon.aggregator.alerting import AlertEngine
+from torshmon.aggregator.linkcheck import (
+    LinkChecker,
+    LinkCheckSettings,
+    localize,
+    pair_bandwidths,
+)
+from torshmon.aggregator.promrules import expression, to_prometheus
+from torshmon.aggregator.rules import RuleError, default_rules, load_rules_text
+from torshmon.aggregator.series import SeriesStore
+from torshmon.wire import LinkCheckResult, LinkPeerResult
+
+MB = 4 * 2**20
+FAST = 600e6  # bytes/s of a healthy pair
+SLOW = 12e6  # bytes/s through a 100 Mbit/s link
+
+
+def _results(
+    check_id: str, world: int, slow: frozenset[int] = frozenset(), *, step: int = 7
+) -> list[LinkCheckResult]:
+    """Every rank's result of one check in which the ranks in ``slow`` have slow links."""
+    rng = random.Random(check_id)
+    out = []
+    for rank in range(world):
+        peers = []
+        for peer in range(world):
+            if peer == rank:
+                continue
+            bandwidth = SLOW if {rank, peer} & slow else FAST
+            bandwidth *= rng.uniform(0.8, 1.0)  # noise only ever slows an exchange
+            peers.append(LinkPeerResult(peer=peer, size_bytes=MB, duration_s=MB / bandwidth))
+        out.append(
+            LinkCheckResult(id=check_id, job="j", rank=rank, step=step, duration_s=1, peers=peers)
+        )
+    return out
+
+
+# -- localisation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("world", "slow"), [(3, 1), (3, 0), (4, 2), (8, 5)])
+def test_the_rank_whose_pairs_are_all_slow_is_named(world: int, slow: int) -> None:
+    reading = localize(world, pair_bandwidths(_results("c", world, frozenset({slow}))))
+    assert reading.slow == (slow,)
+    assert reading.bandwidth_by_rank[slow] < 0.5 * (reading.reference_bytes_per_s or 0)
+
+
+def test_two_slow_ranks_of_eight_are_both_named() -> None:
+    reading = localize(8, pair_bandwidths(_results("c", 8, frozenset({2, 6}))))
+    assert reading.slow == (2, 6)
+
+
+@pytest.mark.parametrize("world", [3, 4, 6])
+def test_equal_links_name_nobody(world: int) -> None:
+    assert localize(world, pair_bandwidths(_results("c", world))).slow == ()
+
+
+def test_every_link_slow_names_nobody() -> None:
+    reading = localize(3, pair_bandwidths(_results("c", 3, frozenset({0, 1, 2}))))
+    assert reading.slow == ()
+
+
+def test_one_slow_pair_is_noise_not_a_slow_rank() -> None:
+    """A busy CPU slowing one exchange must not name either end: each has a fast pair."""
+    pairs = {(0, 1): SLOW, (0, 2): FAST, (1, 2): FAST}
+    assert localize(3, pairs).slow == ()
+
+
+def test_each_pair_is_read_from_its_faster_side() -> None:
+    one_side = LinkCheckResult(
+        id="c", job="j", rank=0, step=1, duration_s=1,
+        peers=[LinkPeerResult(peer=1, size_bytes=1000, duration_s=2.0)],
+    )  # fmt: skip
+    other_side = LinkCheckResult(
+        id="c", job="j", rank=1, step=1, duration_s=1,
+        peers=[LinkPeerResult(peer=0, size_bytes=1000, duration_s=1.0)],
+    )  # fmt: skip
+    assert pair_bandwidths([one_side, other_side]) == {(0, 1): 1000.0}
+
+
+def test_at_world_size_two_only_a_slower_pair_than_before_is_named() -> None:
+    pairs = {(0, 1): SLOW}
+    assert localize(2, pairs).slow == ()  # nothing to compare with
+    assert localize(2, pairs, best_pair={(0, 1): FAST}).slow == (0, 1)
+    assert localize(2, {(0, 1): 0.9 * FAST}, best_pair={(0, 1): FAST}).slow == ()
+
+
+# -- when to check --------------------------------------------------------------------------
+
+
+def _steps(checker: LinkChecker, world: int, n: int, comm: dict[int, float], compute: float = 0.05,
+           computes: dict[int, float] | None = None) -> None:  # fmt: skip
+    for _ in range(n):
+        for rank in range(world):
+            c = (computes or {}).get(rank, compute)
+            checker.observe_step("j", rank, comm.get(rank, comm.get(-1, 0.01)), c)
+
+
+def _warm(checker: LinkChecker, world: int = 3, now: float = 100.0) -> None:
+    checker.set_world("j", world)
+    _steps(checker, world, 40, {-1: 0.01})
+    assert checker.due(now) == [("j", "reference")]
+    checker.sent("j", "ref", "reference", now)
+    assert checker.due(now) == []  # one check at a time
+    for result in _results("ref", world):
+        checker.observe_result(result, now)
+    checker.evaluate(now)
+    assert checker.active() == []
+
+
+def _answer(
+    checker: LinkChecker, check_id: str, now: float, slow: frozenset[int] = frozenset()
+) -> None:
+    for result in _results(check_id, 3, slow):
+        checker.observe_result(result, now)
+    checker.evaluate(now)
+
+
+def test_a_slow_link_is_checked_named_rechecked_and_cleared() -> None:
+    checker = LinkChecker()
+    _warm(checker)
+    _steps(checker, 3, 10, {-1: 0.01})
+    assert checker.due(110.0) == []  # healthy
+    _steps(checker, 3, 6, {-1: 0.08})  # every rank's comm wait up 8x, compute flat
+    [(job, reason)] = checker.due(116.0)  # the reference check does not hold it back
+    assert job == "j" and "communication rose" in reason
+    checker.sent("j", "c1", reason, 116.0)
+    assert checker.due(117.0) == []  # one check at a time
+    _answer(checker, "c1", 116.5, frozenset({1}))
+    [finding] = checker.active()
+    assert finding.kind == "slow_link"
+    assert dict(finding.labels) == {"job": "j", "rank": "1"}
+    assert finding.value < 0.5 * FAST and finding.score < 0.5
+    assert finding.since_unix_s == 116.0
+    assert "Rank 1 of job j has a slow network link" in finding.summary
+    assert "ethtool" in finding.recommendation
+    assert finding.details["check_id"] == "c1" and finding.details["step"] == 7
+
+    assert checker.due(120.0) == []  # rechecks every recheck_s (5 s)
+    assert checker.due(121.5) == [("j", "recheck")]
+    checker.sent("j", "c2", "recheck", 121.5)
+    _answer(checker, "c2", 122.0, frozenset({1}))
+    [still] = checker.active()
+    assert still.since_unix_s == 116.0  # the same condition, still going
+
+    checker.sent("j", "c3", "recheck", 127.0)
+    _answer(checker, "c3", 127.5)  # the link recovered
+    assert checker.active() == []
+    assert checker.due(128.0) == []  # comm still high, but within min_interval_s of c1
+    _steps(checker, 3, 6, {-1: 0.01})
+    assert checker.due(140.0) == []  # back to normal
+
+
+def test_a_straggler_does_not_trigger_a_link_check() -> None:
+    """Peers wait for a slow rank (their comm wait rises) but its compute rose too."""
+    checker = LinkChecker()
+    _warm(checker)
+    _steps(checker, 3, 10, {0: 0.2, 1: 0.01, 2: 0.2}, computes={1: 0.25})
+    assert checker.due(200.0) == []
+
+
+def test_a_whole_job_slowdown_in_compute_does_not_trigger() -> None:
+    checker = LinkChecker()
+    _warm(checker)
+    _steps(checker, 3, 10, {-1: 0.08}, compute=0.2)
+    assert checker.due(200.0) == []
+
+
+def test_a_rise_no_check_explains_becomes_the_new_baseline() -> None:
+    settings = LinkCheckSettings(max_unexplained=2)
+    checker = LinkChecker(settings)
+    _warm(checker)
+    now = 100.0
+    for i in range(2):
+        now += settings.min_interval_s
+        _steps(checker, 3, 6, {-1: 0.08})
+        [(_, reason)] = checker.due(now)
+        checker.sent("j", f"u{i}", reason, now)
+        _answer(checker, f"u{i}", now)
+    now += settings.min_interval_s
+    _steps(checker, 3, 40, {-1: 0.08})
+    assert checker.due(now) == []  # relearned: 0.08 s is normal now
+
+
+def test_a_job_that_refuses_checks_is_left_alone() -> None:
+    checker = LinkChecker()
+    checker.set_world("j", 3)
+    _steps(checker, 3, 40, {-1: 0.01})
+    now = 100.0
+    for i in range(3):
+        [(_, reason)] = checker.due(now)
+        checker.sent("j", f"r{i}", reason, now)
+        checker.command_done("j", f"r{i}", "rejected", now)
+        now += 20.0
+    assert checker.due(now) == []
+
+
+def test_a_check_missing_a_rank_is_read_after_the_timeout() -> None:
+    checker = LinkChecker(LinkCheckSettings(timeout_s=3.0))
+    _warm(checker)
+    checker.sent("j", "p", "requested", 200.0)
+    for result in _results("p", 3, frozenset({2}))[:2]:  # rank 2 never answers
+        checker.observe_result(result, 200.5)
+    checker.evaluate(201.0)
+    assert checker.active() == []
+    checker.evaluate(204.0)
+    [finding] = checker.active()
+    assert finding.labels["rank"] == "2"
+
+
+def test_a_check_asked_for_by_hand_is_read_too() -> None:
+    checker = LinkChecker()
+    checker.set_world("j", 3)
+    for result in _results("manual", 3, frozenset({0})):
+        checker.observe_result(result, 50.0)
+    checker.evaluate(50.0)
+    assert [f.labels["rank"] for f in checker.active()] == ["0"]
+    checker.forget("j")
+    assert checker.active() == []
+
+
+def test_world_size_two_names_the_pair() -> None:
+    checker = LinkChecker()
+    _warm(checker, world=2)
+    checker.sent("j", "w2", "requested", 200.0)
+    for result in _results("w2", 2, frozenset({1})):
+        checker.observe_result(result, 200.0)
+    checker.evaluate(200.0)
+    [finding] = checker.active()
+    assert finding.labels["rank"] == "0-1"
+    assert "cannot tell which end" in finding.summary
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"slow_ratio": 1.0}, "slow_ratio must be in"),
+        ({"comm_rise": 1.0}, "comm_rise must be > 1"),
+        ({"recheck_s": -1.0}, "recheck_s must be a finite number"),
+        ({"recent_steps": 0}, "recent_steps must be >= 1"),
+        ({"baseline_steps": 5}, "baseline_steps .5. must be >= min_baseline_steps"),
+    ],
+)
+def test_bad_settings_are_named(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LinkCheckSettings(**kwargs)  # type: ignore[arg-type]
+
+
+# -- the rule -------------------------------------------------------------------------------
+
+
+def test_the_default_slow_link_rule_fires_and_resolves_with_the_finding() -> None:
+    rules = default_rules()
+    rule = rules.get("Slow Link")
+    assert rule is not None and rule.kind == "slow_link"
+    engine = AlertEngine(rules)
+    series = SeriesStore()
+    checker = LinkChecker()
+    checker.set_world("j", 3)
+    for result in _results("c", 3, frozenset({1})):
+        checker.observe_result(result, 10.0)
+    checker.evaluate(10.0)
+    fired = [a for a in engine.evaluate(10.0, series, checker.active()) if a.rule == "Slow Link"]
+    [alert] = fired
+    assert alert.state == "firing"
+    assert alert.labels["rank"] == "1" and alert.labels["job"] == "j"
+    assert "rank 1 of job j" in alert.annotations["summary"]
+    assert "ethtool" in alert.annotations["recommendation"]
+    assert engine.evaluate(11.0, series, checker.active()) == []
+    [resolved] = engine.evaluate(12.0, series, [])
+    assert resolved.state == "resolved" and resolved.labels["rank"] == "1"
+
+
+def test_slow_link_rules_parse_and_export() -> None:
+    ruleset = load_rules_text(
+        "rules:\n  - name: Slow\n    kind: slow_link\n    matchers: {job: train}\n"
+    )
+    [rule] = ruleset
+    assert rule.instance_labels == ("job", "rank")
+    assert expression(rule) == ('torshmon_slow_link_bandwidth_bytes_per_second{job="train"} > 0')
+    assert "rank {{ $labels.rank }} of job {{ $labels.job }}" in to_prometheus(ruleset)
+    with pytest.raises(RuleError, match=r"rules\[0\]\.metric: not allowed for kind 'slow_link'"):
+        load_rules_text("rules:\n  - name: Slow\n    kind: slow_link\n    metric: loss\n")
+    with pytest.raises(RuleError, match=r"unknown field \{op\}"):
+        load_rules_text(
+            "rules:\n  - name: S\n    kind: slow_link\n    annotations: {summary: '{op}'}\n"
+        )
+
+
+def test_every_pair_is_measured_in_the_results() -> None:
+    pairs = pair_bandwidths(_results("c", 5))
+    assert sorted(pairs) == list(itertools.combinations(range(5), 2))

@@ -1,0 +1,457 @@
+"""Slow-link localisation: when to run a pairwise link check, and whose link is slow.
+
+A slow network link slows every rank's collectives alike (a ring all-reduce runs
+at the pace of its slowest link) while compute time stays as it was, so neither
+the straggler detector nor per-rank timings can name the rank. The probe can run
+an active test (``torshmon.probe.linkcheck``): every pair of ranks exchanges a
+block of bytes, timed. This module decides when a job needs one and reads the
+results. It is pure: observations and an explicit ``now`` in, decisions and
+``Finding`` records out; the service submits the commands.
+
+When: a job's communication wait rises while its compute does not (the median
+over ranks of recent comm wait at least ``comm_rise`` times its baseline, and
+no rank's compute up by ``compute_flat``), at most once per ``min_interval_s``
+(the reference check does not count); once per job after warm-up as a
+reference; and every ``recheck_s`` while a
+slow-link finding is active, so that the finding clears when the link recovers.
+A rise that ``max_unexplained`` checks in a row do not explain becomes the new
+baseline. Baselines keep only steps that were not elevated, so a slow period
+does not become normal while checks keep finding its cause.
+
+Who: a pair is as fast as the slower of its two links, so each rank's link is at
+least as fast as its fastest pair. That estimate (the rank's best pair bandwidth)
+is compared with the median estimate over the ranks; a rank below ``slow_ratio``
+of it is slow. Taking the best pair means noise (a busy CPU only ever slows an
+exchange) flags a rank only if it slows every pair of that rank. At world size 2
+there is one pair and a pairwise test cannot say which end is slow: the pair is
+compared with the best it reached in this job's earlier checks, and the finding's
+``rank`` label names both ends, ``"0-1"``. With every link of the job equally
+slow, nothing stands out and nothing is named.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from torshmon.aggregator.findings import Finding
+from torshmon.wire import LinkCheckResult
+
+__all__ = ["LinkCheckSettings", "LinkChecker", "Localization", "localize", "pair_bandwidths"]
+
+Pair = tuple[int, int]
+
+RECOMMENDATION = (
+    "Check the rank's network path: NIC and cable, the switch port and its error "
+    "counters, the link speed and duplex negotiated (`ethtool <iface>`, "
+    "`ethtool -S <iface>`, `ip -s link`), and traffic shaping or a noisy neighbour "
+    "on the host."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCheckSettings:
+    """Tuning of the link checker; times in seconds, ratios dimensionless."""
+
+    min_interval_s: float = 15.0
+    recheck_s: float = 5.0
+    timeout_s: float = 15.0
+    slow_ratio: float = 0.5
+    comm_rise: float = 2.0
+    min_comm_rise_s: float = 0.002
+    compute_flat: float = 1.3
+    recent_steps: int = 5
+    baseline_steps: int = 200
+    min_baseline_steps: int = 20
+    max_unexplained: int = 3
+    reference_check: bool = True
+    size_bytes: int | None = None  # None: the probe's default
+
+    def __post_init__(self) -> None:
+        for name in ("min_interval_s", "recheck_s", "timeout_s", "min_comm_rise_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if not 0 < self.slow_ratio < 1:
+            raise ValueError(f"slow_ratio must be in (0, 1), got {self.slow_ratio}")
+        for name in ("comm_rise", "compute_flat"):
+            if not getattr(self, name) > 1:
+                raise ValueError(f"{name} must be > 1, got {getattr(self, name)}")
+        for name in ("recent_steps", "min_baseline_steps", "max_unexplained"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.baseline_steps < self.min_baseline_steps:
+            raise ValueError(
+                f"baseline_steps ({self.baseline_steps}) must be >= min_baseline_steps "
+                f"({self.min_baseline_steps})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Localization:
+    """What one check says. ``bandwidth_by_rank``: each rank's best pair (bytes/s);
+    ``reference_bytes_per_s``: what a rank is compared with; ``slow``: the ranks named
+    (empty if none), or at world size 2 the pair, if it is slow. ``duration_s``: the
+    longest any rank was held by the check (its cost to the job)."""
+
+    pairs: Mapping[Pair, float]
+    bandwidth_by_rank: Mapping[int, float]
+    reference_bytes_per_s: float | None
+    slow: tuple[int, ...] = ()
+    duration_s: float = 0.0
+
+
+def pair_bandwidths(results: Iterable[LinkCheckResult]) -> dict[Pair, float]:
+    """Bytes/s of every pair, from whichever side timed it faster (both timed one exchange)."""
+    out: dict[Pair, float] = {}
+    for result in results:
+        for peer in result.peers:
+            if peer.duration_s <= 0 or peer.peer == result.rank:
+                continue
+            pair = (min(result.rank, peer.peer), max(result.rank, peer.peer))
+            bandwidth = peer.size_bytes / peer.duration_s
+            out[pair] = max(out.get(pair, 0.0), bandwidth)
+    return out
+
+
+def localize(
+    world_size: int,
+    pairs: Mapping[Pair, float],
+    *,
+    slow_ratio: float = 0.5,
+    best_pair: Mapping[Pair, float] | None = None,
+) -> Localization:
+    """Name the slow ranks of one check (see the module docstring for the method).
+
+    ``best_pair`` (world size 2 only) holds the best bandwidth of each pair in
+    earlier checks of the job.
+    """
+    by_rank: dict[int, float] = {}
+    for (a, b), bandwidth in pairs.items():
+        for rank in (a, b):
+            by_rank[rank] = max(by_rank.get(rank, 0.0), bandwidth)
+    if world_size == 2:
+        pair = (0, 1)
+        reference = (best_pair or {}).get(pair)
+        slow: tuple[int, ...] = ()
+        if pair in pairs and reference is not None and pairs[pair] < slow_ratio * reference:
+            slow = pair
+        return Localization(dict(pairs), by_rank, reference, slow)
+    if len(by_rank) < 3:
+        return Localization(dict(pairs), by_rank, None)
+    reference = statistics.median(by_rank.values())
+    slow = tuple(sorted(r for r, bw in by_rank.items() if bw < slow_ratio * reference))
+    return Localization(dict(pairs), by_rank, reference, slow)
+
+
+@dataclass(slots=True)
+class _RankSteps:
+    recent: deque[tuple[float, float]]
+    older: deque[tuple[float, float]]
+    baseline: deque[tuple[float, float]]
+
+
+@dataclass(slots=True)
+class _Check:
+    id: str
+    sent_s: float
+    reason: str
+    results: dict[int, LinkCheckResult] = field(default_factory=dict)
+    first_result_s: float | None = None
+
+
+@dataclass(slots=True)
+class _Job:
+    world_size: int = 0
+    ranks: dict[int, _RankSteps] = field(default_factory=dict)
+    last_check_s: float = -math.inf
+    last_triggered_s: float = -math.inf  # the last check a communication rise asked for
+    pending: str | None = None  # a reason: due, not yet sent
+    checks: dict[str, _Check] = field(default_factory=dict)
+    findings: dict[str, Finding] = field(default_factory=dict)
+    best_pair: dict[Pair, float] = field(default_factory=dict)
+    last: Localization | None = None
+    referenced: bool = False
+    unexplained: int = 0
+    rejections: int = 0
+
+
+class LinkChecker:
+    """Decides when each job needs a link check and turns results into findings.
+
+    Not thread-safe: the aggregator's live state calls it under its lock. Feed
+    ``observe_step`` (hot path: appends only), ``observe_result``, ``command_done``;
+    ask ``due`` for the jobs to check now, tell ``sent`` which command went out, and
+    read ``active`` findings after ``evaluate``.
+    """
+
+    def __init__(self, settings: LinkCheckSettings | None = None) -> None:
+        self.settings = settings or LinkCheckSettings()
+        self._jobs: dict[str, _Job] = {}
+
+    # -- feeding --------------------------------------------------------------------------
+    def set_world(self, job: str, world_size: int) -> None:
+        state = self._job(job)
+        if state.world_size != world_size:
+            state.world_size = world_size
+            state.ranks.clear()
+
+    def observe_step(self, job: str, rank: int, comm_wait_s: float, compute_s: float) -> None:
+        state = self._jobs.get(job)
+        if state is None or not 0 <= rank < state.world_size:
+            return
+        steps = state.ranks.get(rank)
+        if steps is None:
+            s = self.settings
+            steps = state.ranks[rank] = _RankSteps(
+                deque(maxlen=s.recent_steps),
+                deque(maxlen=s.baseline_steps),
+                deque(maxlen=s.baseline_steps),
+            )
+        recent = steps.recent
+        if len(recent) == recent.maxlen:
+            steps.older.append(recent[0])
+        recent.append((comm_wait_s, compute_s))
+
+    def observe_result(self, result: LinkCheckResult, now_s: float) -> None:
+        """One rank's result; a check is read once every rank's result is in."""
+        state = self._jobs.get(result.job)
+        if state is None:
+            return
+        check = state.checks.get(result.id)
+        if check is None:
+            # A check someone asked for by hand: read its results all the same.
+            check = state.checks[result.id] = _Check(result.id, now_s, "requested")
+        check.results[result.rank] = result
+        if check.first_result_s is None:
+            check.first_result_s = now_s
+
+    def command_done(self, job: str, check_id: str, status: str, now_s: float) -> None:
+        """The probe's final answer to a link_check command (applied, rejected, expired).
+
+        A job whose probe refused three checks in a row (no side group, a single
+        rank) gets no more.
+        """
+        state = self._jobs.get(job)
+        if state is None or status == "applied":
+            return
+        check = state.checks.pop(check_id, None)
+        if check is not None and not check.results:
+            state.last_check_s = state.last_triggered_s = now_s
+            state.rejections += 1
+            if check.reason == "reference":
+                state.referenced = False
+
+    # -- decisions ------------------------------------------------------------------------
+    def due(self, now_s: float) -> list[tuple[str, str]]:
+        """Jobs that need a check now, with the reason; call ``sent`` for each one sent."""
+        out = []
+        for name, state in self._jobs.items():
+            reason = self._reason(state, now_s)
+            if reason is not None:
+                out.append((name, reason))
+        return out
+
+    def sent(self, job: str, check_id: str, reason: str, now_s: float) -> None:
+        state = self._job(job)
+        state.checks[check_id] = _Check(check_id, now_s, reason)
+        state.last_check_s = now_s
+        if reason not in ("reference", "recheck", "requested"):
+            state.last_triggered_s = now_s
+        if reason == "reference":
+            state.referenced = True
+
+    def check_args(self) -> dict[str, object]:
+        """Arguments of the link_check command the service sends."""
+        size = self.settings.size_bytes
+        return {} if size is None else {"size_bytes": size}
+
+    def evaluate(self, now_s: float) -> None:
+        """Read every check whose results are all in, or that waited ``timeout_s``."""
+        for name, state in self._jobs.items():
+            for check in list(state.checks.values()):
+                complete = len(check.results) >= state.world_size > 0
+                waited = now_s - (check.first_result_s or check.sent_s)
+                if complete or waited > self.settings.timeout_s:
+                    del state.checks[check.id]
+                    if check.results:
+                        self._read(name, state, check, now_s)
+
+    def active(self) -> list[Finding]:
+        return [f for state in self._jobs.values() for f in state.findings.values()]
+
+    def last(self, job: str) -> Localization | None:
+        """The latest check's reading for ``job``."""
+        state = self._jobs.get(job)
+        return None if state is None else state.last
+
+    def forget(self, job: str) -> None:
+        self._jobs.pop(job, None)
+
+    # -- internals ------------------------------------------------------------------------
+    def _job(self, name: str) -> _Job:
+        state = self._jobs.get(name)
+        if state is None:
+            state = self._jobs[name] = _Job()
+        return state
+
+    def _reason(self, state: _Job, now_s: float) -> str | None:
+        s = self.settings
+        self._roll_baselines(state)
+        if state.world_size < 2 or state.checks or state.rejections >= 3:
+            return None
+        if state.findings:
+            return "recheck" if now_s - state.last_check_s >= s.recheck_s else None
+        if s.reference_check and not state.referenced and self._warm(state):
+            # Behind the rate limit too: a refused reference check is not retried at once.
+            return "reference" if now_s - state.last_check_s >= s.min_interval_s else None
+        if now_s - state.last_triggered_s < s.min_interval_s:
+            return None
+        if self._comm_rose(state):
+            return "communication rose while compute did not"
+        return None
+
+    def _warm(self, state: _Job) -> bool:
+        need = self.settings.min_baseline_steps
+        ready = [r for r in state.ranks.values() if len(r.baseline) >= need]
+        return len(ready) == state.world_size
+
+    def _roll_baselines(self, state: _Job) -> None:
+        """Move steps out of the recent window into the baseline, leaving elevated ones out."""
+        s = self.settings
+        for steps in state.ranks.values():
+            if not steps.older:
+                continue
+            base = (
+                _median_comm(steps.baseline)
+                if len(steps.baseline) >= s.min_baseline_steps
+                else None
+            )
+            for comm, compute in steps.older:
+                if base is None or comm <= s.comm_rise * base + s.min_comm_rise_s:
+                    steps.baseline.append((comm, compute))
+            steps.older.clear()
+
+    def _comm_rose(self, state: _Job) -> bool:
+        s = self.settings
+        rises, compute_ratios = [], []
+        for steps in state.ranks.values():
+            if len(steps.baseline) < s.min_baseline_steps or len(steps.recent) < s.recent_steps:
+                continue
+            base_comm = _median_comm(steps.baseline)
+            base_compute = statistics.median(c for _, c in steps.baseline)
+            comm = _median_comm(steps.recent)
+            compute = statistics.median(c for _, c in steps.recent)
+            rises.append((comm - base_comm, comm / base_comm if base_comm > 0 else math.inf))
+            compute_ratios.append(compute / base_compute if base_compute > 0 else 1.0)
+        if 2 * len(rises) < state.world_size or not rises:
+            return False
+        delta = statistics.median(d for d, _ in rises)
+        ratio = statistics.median(r for _, r in rises)
+        return (
+            ratio >= s.comm_rise
+            and delta >= s.min_comm_rise_s
+            and max(compute_ratios) < s.compute_flat
+        )
+
+    def _read(self, job: str, state: _Job, check: _Check, now_s: float) -> None:
+        pairs = pair_bandwidths(check.results.values())
+        reading = localize(
+            state.world_size, pairs, slow_ratio=self.settings.slow_ratio, best_pair=state.best_pair
+        )
+        for pair, bandwidth in pairs.items():
+            state.best_pair[pair] = max(state.best_pair.get(pair, 0.0), bandwidth)
+        state.last = replace(reading, duration_s=max(r.duration_s for r in check.results.values()))
+        state.rejections = 0
+        step = max((r.step for r in check.results.values()), default=0)
+        findings = {}
+        if state.world_size == 2 and reading.slow:
+            label = "0-1"
+            findings[label] = self._pair_finding(job, state, reading, check, step)
+        else:
+            for rank in reading.slow:
+                findings[str(rank)] = self._rank_finding(job, state, reading, rank, check, step)
+        state.findings = findings
+        if findings or check.reason == "reference":
+            state.unexplained = 0
+        elif check.reason != "recheck":
+            state.unexplained += 1
+            if state.unexplained >= self.settings.max_unexplained:
+                # The rise is no slow link: take it as the job's new normal.
+                for steps in state.ranks.values():
+                    steps.baseline.clear()
+                state.unexplained = 0
+
+    def _details(self, reading: Localization, check: _Check, step: int) -> dict[str, object]:
+        return {
+            "check_id": check.id,
+            "step": step,
+            "reason": check.reason,
+            "reference_bytes_per_s": reading.reference_bytes_per_s,
+            "bandwidth_by_rank": {
+                str(r): bw for r, bw in sorted(reading.bandwidth_by_rank.items())
+            },
+            "pairs": {f"{a}-{b}": bw for (a, b), bw in sorted(reading.pairs.items())},
+        }
+
+    def _rank_finding(
+        self,
+        job: str,
+        state: _Job,
+        reading: Localization,
+        rank: int,
+        check: _Check,
+        step: int,
+    ) -> Finding:
+        bandwidth = reading.bandwidth_by_rank[rank]
+        reference = reading.reference_bytes_per_s or 0.0
+        previous = state.findings.get(str(rank))
+        return Finding(
+            kind="slow_link",
+            labels={"job": job, "rank": str(rank)},
+            value=bandwidth,
+            score=bandwidth / reference if reference > 0 else 0.0,
+            summary=(
+                f"Rank {rank} of job {job} has a slow network link: its pairs reach "
+                f"{_rate(bandwidth)}, {bandwidth / reference:.2f}x the median rank's "
+                f"{_rate(reference)} (link check {check.id} at step {step})"
+            ),
+            since_unix_s=previous.since_unix_s if previous is not None else check.sent_s,
+            recommendation=RECOMMENDATION,
+            severity="high",
+            details=self._details(reading, check, step),
+        )
+
+    def _pair_finding(
+        self, job: str, state: _Job, reading: Localization, check: _Check, step: int
+    ) -> Finding:
+        bandwidth = reading.pairs[(0, 1)]
+        reference = reading.reference_bytes_per_s or 0.0
+        previous = state.findings.get("0-1")
+        return Finding(
+            kind="slow_link",
+            labels={"job": job, "rank": "0-1"},
+            value=bandwidth,
+            score=bandwidth / reference if reference > 0 else 0.0,
+            summary=(
+                f"The link between rank 0 and rank 1 of job {job} is slow: "
+                f"{_rate(bandwidth)}, {bandwidth / reference:.2f}x the {_rate(reference)} "
+                f"it reached before (link check {check.id} at step {step}); with two ranks "
+                "a pairwise test cannot tell which end is at fault"
+            ),
+            since_unix_s=previous.since_unix_s if previous is not None else check.sent_s,
+            recommendation=RECOMMENDATION,
+            severity="high",
+            details=self._details(reading, check, step),
+        )
+
+
+def _median_comm(steps: Iterable[tuple[float, float]]) -> float:
+    return statistics.median(c for c, _ in steps)
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s * 8 / 1e6:.0f} Mbit/s"
