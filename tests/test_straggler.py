@@ -10,6 +10,8 @@ import pytest
 from torshmon.aggregator.straggler import CompleteStep, StepCollector, StragglerDetector
 
 DATA = Path(__file__).parent / "data" / "detection"
+#: Scores every step on its own values, from the first step: the plain cross-rank rule.
+RAW: dict[str, Any] = {"smoothing": 1, "warmup_steps": 0}
 
 
 def _steps(
@@ -31,7 +33,7 @@ def test_golden_scenarios(path: Path) -> None:
 
 
 def test_a_slow_rank_is_named_with_its_slowdown() -> None:
-    det = StragglerDetector()
+    det = StragglerDetector(persistence=3, **RAW)
     row = [0.150] * 8
     row[3] = 0.213
     assert det.observe_step("demo", 10, dict(enumerate(row)), 1000.0) == []
@@ -57,25 +59,26 @@ def test_a_slow_rank_is_named_with_its_slowdown() -> None:
 
 
 def test_a_large_z_alone_is_not_enough_without_the_minimum_slowdown() -> None:
-    det = StragglerDetector(persistence=1)
+    det = StragglerDetector(persistence=1, **RAW)
     row = [0.150] * 8
     row[2] = 0.150 * 1.08  # robust z ~5.4 with the MAD floor, but only an 8 % shift
     assert det.observe_step("demo", 1, dict(enumerate(row)), 1.0) == []
     row[2] = 0.150 * 1.11
+    det = StragglerDetector(persistence=1, **RAW)  # the 8 % step would now be rank 2's normal
     assert [f.labels["rank"] for f in det.observe_step("demo", 2, dict(enumerate(row)), 2.0)] == [
         "2"
     ]
 
 
 def test_a_fast_rank_is_never_a_straggler() -> None:
-    det = StragglerDetector(persistence=1)
+    det = StragglerDetector(persistence=1, **RAW)
     row = [0.150] * 8
     row[0] = 0.05
     assert _steps(det, [row] * 5) == [[]] * 5
 
 
 def test_two_slow_ranks_are_both_named() -> None:
-    det = StragglerDetector(persistence=2)
+    det = StragglerDetector(persistence=2, **RAW)
     row = [0.100] * 16
     row[4] = 0.150
     row[9] = 0.180
@@ -83,7 +86,7 @@ def test_two_slow_ranks_are_both_named() -> None:
 
 
 def test_persistence_interrupted_starts_over() -> None:
-    det = StragglerDetector(persistence=3)
+    det = StragglerDetector(persistence=3, **RAW)
     slow = [0.1, 0.1, 0.1, 0.2]
     normal = [0.1] * 4
     rows = [slow, slow, normal, slow, slow, slow]
@@ -92,8 +95,9 @@ def test_persistence_interrupted_starts_over() -> None:
 
 
 def test_world_size_two_uses_the_higher_pair_bar() -> None:
-    det = StragglerDetector(persistence=1)
+    det = StragglerDetector(persistence=1, **RAW)
     assert det.observe_step("demo", 1, {0: 0.100, 1: 0.115}, 1.0) == []
+    det = StragglerDetector(persistence=1, **RAW)  # 0.115 s would be rank 1's normal
     (finding,) = det.observe_step("demo", 2, {0: 0.100, 1: 0.125}, 2.0)
     assert finding.labels["rank"] == "1"
     assert finding.score == pytest.approx(1.25)
@@ -105,7 +109,7 @@ def test_world_size_two_uses_the_higher_pair_bar() -> None:
 
 
 def test_a_single_rank_and_unusable_values_change_nothing() -> None:
-    det = StragglerDetector(persistence=1)
+    det = StragglerDetector(persistence=1, **RAW)
     assert det.observe_step("demo", 1, {0: 0.5}, 1.0) == []
     assert det.observe_step("demo", 2, {0: 0.1, 1: math.nan, 2: -1.0}, 2.0) == []
     # the non-finite and negative ranks are left out; the rest is still judged
@@ -114,7 +118,7 @@ def test_a_single_rank_and_unusable_values_change_nothing() -> None:
 
 
 def test_a_permanently_slower_rank_stays_reported_and_turns_chronic() -> None:
-    det = StragglerDetector(persistence=2, window_steps=5)
+    det = StragglerDetector(persistence=2, window_steps=5, **RAW)
     row = [0.1, 0.1, 0.1, 0.14]
     findings = [det.observe_step("demo", i, dict(enumerate(row)), float(i)) for i in range(8)]
     assert findings[0] == []
@@ -125,7 +129,7 @@ def test_a_permanently_slower_rank_stays_reported_and_turns_chronic() -> None:
 
 
 def test_jobs_are_independent_and_forget_drops_one() -> None:
-    det = StragglerDetector(persistence=1)
+    det = StragglerDetector(persistence=1, **RAW)
     row = {0: 0.1, 1: 0.1, 2: 0.3}
     det.observe_step("a", 1, row, 1.0)
     det.observe_step("b", 1, row, 1.0)
@@ -204,7 +208,7 @@ def test_collector_keeps_jobs_apart_and_validates_ranks() -> None:
 def test_collector_feeds_the_detector_end_to_end() -> None:
     world = 4
     col = StepCollector(world)
-    det = StragglerDetector()
+    det = StragglerDetector(persistence=3, **RAW)
     found = []
     # ranks report in different orders and batches, as agents deliver them
     for step in range(6):
@@ -217,3 +221,54 @@ def test_collector_feeds_the_detector_end_to_end() -> None:
                 )
     assert [f.labels["rank"] for f in found] == ["2"]
     assert found[0].details["step"] == 5
+
+
+# -- smoothing and the rank's own history ------------------------------------------------
+
+
+def _pair_rows(rank0: list[float], rank1: float = 0.010) -> list[list[float]]:
+    return [[x, rank1] for x in rank0]
+
+
+def test_a_rank_that_was_always_slower_is_its_own_normal() -> None:
+    """Rank 0 computing ~1.3x its peer from the start (it also hosts the store, say) and
+    noisy up to 1.8x on single steps is not named: the demo's false positive."""
+    det = StragglerDetector()
+    noisy = [0.013, 0.012, 0.018, 0.013, 0.014, 0.013, 0.012, 0.018, 0.013, 0.013] * 6
+    assert _steps(det, _pair_rows(noisy)) == [[]] * len(noisy)
+
+
+def test_smoothing_ignores_isolated_slow_steps_and_names_a_sustained_one() -> None:
+    det = StragglerDetector()
+    normal = [[0.010, 0.010]] * 12
+    blips = [[0.010, 0.030], [0.010, 0.010], [0.010, 0.030]] + [[0.010, 0.010]] * 3
+    slow = [[0.010, 0.040]] * 4
+    back = [[0.010, 0.010]] * 4
+    active = _steps(det, normal + blips + slow + back)
+    assert active[:18] == [[]] * 18
+    # slow from step 18: smoothed slow from 19, named at 20 (the third slow step)
+    assert active[18:22] == [[], [], [1], [1]]
+    # back to normal from step 22: smoothed normal from 23, cleared at 24
+    assert active[22:] == [[1], [1], [], []]
+
+
+def test_a_rank_slower_than_its_history_and_its_peers_is_named() -> None:
+    det = StragglerDetector()
+    rows = [[0.013, 0.010]] * 20 + [[0.020, 0.010]] * 4  # 1.3x normal, then 2.0x
+    active = _steps(det, rows)
+    assert active[:21] == [[]] * 21
+    assert active[22:] == [[0], [0]]
+    # 1.54x its own normal; against its peer 2x, above the pair bar
+    assert det.active()[0].details["slowdown_ratio"] == pytest.approx(2.0)
+
+
+def test_a_rank_far_slower_than_its_peers_is_named_from_its_first_steps() -> None:
+    det = StragglerDetector(warmup_steps=2)
+    rows = [[0.010, 0.010, 0.010, 0.020]] * 6  # 2x from the start: not its normal
+    assert _steps(det, rows)[-1] == [3]
+
+
+def test_warmup_steps_only_build_history() -> None:
+    det = StragglerDetector(warmup_steps=5, smoothing=1, persistence=1)
+    rows = [[0.010, 0.010, 0.010, 0.030]] * 5 + [[0.010, 0.010, 0.010, 0.030]]
+    assert _steps(det, rows) == [[]] * 5 + [[3]]

@@ -10,27 +10,44 @@ peers (a shift worth acting on, as in Greyhound/Falcon: >= 10 %). A finding beco
 active after ``persistence`` flagged steps in a row and clears after ``persistence``
 steps in a row without.
 
+Guards keep noise from naming a rank. Measured on the demo (2 ranks sharing 2 busy
+cores with the aggregator): single steps' compute scattered by 20-50 %, rank 0 computed
+1.2-1.8x its peer on 27 of 220 clean steps, three in a row during warm-up, and the
+plain rule named it.
+
+- Each rank is scored on the median of its last ``smoothing`` compute times, so one
+  noisy step never counts; with ``smoothing=3`` and ``persistence=2`` a rank must be
+  slow on three steps in a row before it is named (three steps after onset).
+- A rank must also be slower than its own history: above the median of its last
+  ``history_steps`` unflagged (smoothed) compute times by ``min_slowdown`` and by
+  ``z_threshold`` robust standard deviations of that history, so the bar rises with
+  the noise. A rank that has always been somewhat slower (rank 0 also hosting the
+  store, a slower GPU model) is that rank's normal, not a new fault. A rank at least
+  ``standalone_slowdown`` (50 %) slower than the median of its peers is named
+  whatever its history. The first ``warmup_steps`` complete steps only build history.
+
 Decisions:
 
-- World size 2 has no meaningful MAD (each rank is the other's only peer): there a
-  rank is flagged when it computes at least ``pair_min_slowdown`` (default 20 %) more
-  than the other rank - a higher bar than ``min_slowdown`` because with one peer
-  there is no majority to say which rank is normal. Score: the slowdown ratio.
+- World size 2 has no meaningful MAD (each rank is the other's only peer): there the
+  log of the two ranks' compute ratio is compared with its own history, and a rank is
+  flagged when the ratio moves its way by at least ``pair_min_slowdown`` (20 %, a
+  higher bar than ``min_slowdown`` because with one peer there is no majority to say
+  which rank is normal) and by ``z_threshold`` robust standard deviations of that
+  history. Score: the move, as a factor.
 - A permanently slower rank keeps its finding: synchronous data-parallel training
   runs at its slowest rank's pace, so the slowdown costs every step. Once the finding
   has been active for ``window_steps`` steps it is marked ``chronic`` and its
-  recommendation turns to heterogeneous hardware and uneven data shards. A rank's
-  comparison with its own history (a slowdown that is new for that rank) is the
-  rolling z-score detector's job (``ZScoreDetector(metric="compute_seconds")`` per
-  rank), not this one's.
+  recommendation turns to heterogeneous hardware and uneven data shards. Flagged steps
+  never enter a rank's history, so a straggler does not become its own normal.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Final
 
 from torshmon.aggregator.findings import Finding
@@ -38,6 +55,10 @@ from torshmon.aggregator.findings import Finding
 #: Scales the MAD of a normal distribution to its standard deviation (Iglewicz-Hoaglin).
 _MAD_TO_Z: Final = 0.6745
 _TINY: Final = 1e-12
+#: Scales a MAD to a standard deviation (normal data).
+_MAD_TO_SIGMA: Final = 1.4826
+#: Fewer past values than this are no baseline.
+_MIN_HISTORY: Final = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,14 +137,28 @@ class StepCollector:
 
 @dataclass(slots=True)
 class _RankState:
-    """Persistence counters and the active finding of one rank."""
+    """Recent and normal compute times, persistence counters and the active finding of
+    one rank."""
 
+    recent: deque[float]
+    history: deque[float]
     flagged_streak: int = 0
     clear_streak: int = 0
     active: bool = False
     active_steps: int = 0
     since_unix_s: float = 0.0
     finding: Finding | None = None
+
+    def smoothed(self) -> float:
+        return _median(sorted(self.recent))
+
+
+@dataclass(slots=True)
+class _JobState:
+    #: World size 2: log(slower rank's / faster rank's compute) of unflagged steps.
+    pair_history: deque[float]
+    complete_steps: int = 0
+    ranks: dict[int, _RankState] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,10 +186,14 @@ class StragglerDetector:
         *,
         z_threshold: float = 3.5,
         min_slowdown: float = 0.10,
-        persistence: int = 3,
+        persistence: int = 2,
         window_steps: int = 500,
         pair_min_slowdown: float = 0.20,
         mad_floor_ratio: float = 0.01,
+        smoothing: int = 3,
+        warmup_steps: int = 10,
+        history_steps: int = 50,
+        standalone_slowdown: float = 0.5,
     ) -> None:
         """Raises ValueError naming any setting outside its allowed range."""
         if not (math.isfinite(z_threshold) and z_threshold > 0):
@@ -163,11 +202,18 @@ class StragglerDetector:
             ("min_slowdown", min_slowdown),
             ("pair_min_slowdown", pair_min_slowdown),
             ("mad_floor_ratio", mad_floor_ratio),
+            ("standalone_slowdown", standalone_slowdown),
         ):
             if not (math.isfinite(ratio) and ratio > 0):
                 raise ValueError(f"{name} must be a positive fraction (0.1 = 10 %), got {ratio}")
-        if persistence < 1:
-            raise ValueError(f"persistence must be at least 1 step, got {persistence}")
+        for name, steps, least in (
+            ("persistence", persistence, 1),
+            ("smoothing", smoothing, 1),
+            ("warmup_steps", warmup_steps, 0),
+            ("history_steps", history_steps, 1),
+        ):
+            if steps < least:
+                raise ValueError(f"{name} must be at least {least} steps, got {steps}")
         if window_steps < persistence:
             raise ValueError(
                 f"window_steps must be at least persistence ({persistence}), got {window_steps}"
@@ -178,7 +224,11 @@ class StragglerDetector:
         self._mad_floor_ratio = mad_floor_ratio
         self._persistence = persistence
         self._window_steps = window_steps
-        self._ranks: dict[str, dict[int, _RankState]] = {}
+        self._smoothing = smoothing
+        self._warmup_steps = warmup_steps
+        self._history_steps = history_steps
+        self._standalone_slowdown = standalone_slowdown
+        self._jobs: dict[str, _JobState] = {}
 
     def observe_step(
         self, job: str, step: int, compute_s_by_rank: Mapping[int, float], ts_unix_s: float
@@ -190,34 +240,69 @@ class StragglerDetector:
         leave every rank's state unchanged.
         """
         values = {rank: x for rank, x in compute_s_by_rank.items() if math.isfinite(x) and x >= 0}
-        states = self._ranks.get(job)
-        if states is None:
-            states = self._ranks[job] = {}
+        state = self._jobs.get(job)
+        if state is None:
+            state = self._jobs[job] = _JobState(pair_history=deque(maxlen=self._history_steps))
         if len(values) >= 2:
-            flagged = self._pair(values) if len(values) == 2 else self._robust(values)
-            for rank in values:
-                state = states.get(rank)
-                if state is None:
-                    state = states[rank] = _RankState()
-                self._advance(job, step, ts_unix_s, state, flagged.get(rank))
+            ranks = {rank: state.ranks.get(rank) or self._new_rank(state, rank) for rank in values}
+            for rank, x in values.items():
+                ranks[rank].recent.append(x)
+            smoothed = {rank: ranks[rank].smoothed() for rank in values}
+            state.complete_steps += 1
+            warming_up = state.complete_steps <= self._warmup_steps
+            if len(values) == 2:
+                flagged = self._pair(state, smoothed, warming_up=warming_up)
+            else:
+                flagged = {} if warming_up else self._robust(smoothed)
+            if warming_up:
+                for rank, x in smoothed.items():
+                    ranks[rank].history.append(x)
+            else:
+                for rank, x in smoothed.items():
+                    rank_state = ranks[rank]
+                    score = flagged.get(rank)
+                    if score is not None and not self._new_for_rank(rank_state, score):
+                        score = None
+                    if score is None:
+                        rank_state.history.append(x)
+                    self._advance(job, step, ts_unix_s, rank_state, score)
         return [
-            state.finding
-            for _, state in sorted(states.items())
-            if state.active and state.finding is not None
+            rank_state.finding
+            for _, rank_state in sorted(state.ranks.items())
+            if rank_state.active and rank_state.finding is not None
         ]
+
+    def _new_rank(self, state: _JobState, rank: int) -> _RankState:
+        created = state.ranks[rank] = _RankState(
+            recent=deque(maxlen=self._smoothing), history=deque(maxlen=self._history_steps)
+        )
+        return created
+
+    def _new_for_rank(self, state: _RankState, score: _Score) -> bool:
+        """Whether a rank slower than its peers is also slower than its own normal: by
+        ``min_slowdown`` and by ``z_threshold`` times the spread of its own history."""
+        if score.mad_s is None:
+            return True  # a pair: the pair's own history was the baseline (``_pair``)
+        if score.slowdown_ratio >= 1 + self._standalone_slowdown:
+            return True
+        if len(state.history) < _MIN_HISTORY or score.compute_s <= 0:
+            return True
+        normal, spread = _center_spread([math.log(x) for x in state.history if x > 0])
+        bar = max(math.log1p(self._min_slowdown), self._z_threshold * spread)
+        return math.log(score.compute_s) - normal >= bar
 
     def active(self) -> list[Finding]:
         """Every active finding, ordered by job and rank."""
         return [
             state.finding
-            for job in sorted(self._ranks)
-            for _, state in sorted(self._ranks[job].items())
+            for job in sorted(self._jobs)
+            for _, state in sorted(self._jobs[job].ranks.items())
             if state.active and state.finding is not None
         ]
 
     def forget(self, job: str) -> None:
         """Drop all state of a finished job (unknown jobs are ignored)."""
-        self._ranks.pop(job, None)
+        self._jobs.pop(job, None)
 
     def _robust(self, values: Mapping[int, float]) -> dict[int, _Score]:
         ordered = sorted(values.values())
@@ -238,14 +323,33 @@ class StragglerDetector:
             flagged[rank] = _Score(rank, x, z, x / peer_median, peer_median, median, mad)
         return flagged
 
-    def _pair(self, values: Mapping[int, float]) -> dict[int, _Score]:
-        (rank_a, a), (rank_b, b) = values.items()
-        flagged: dict[int, _Score] = {}
-        for rank, x, other in ((rank_a, a, b), (rank_b, b, a)):
-            if other > 0 and x >= other * (1 + self._pair_min_slowdown):
-                ratio = x / other
-                flagged[rank] = _Score(rank, x, ratio, ratio, other, (a + b) / 2, None)
-        return flagged
+    def _pair(
+        self, state: _JobState, values: Mapping[int, float], *, warming_up: bool
+    ) -> dict[int, _Score]:
+        """World size 2: the log of the ranks' compute ratio against its own history.
+
+        A steady offset (one rank always a bit slower) is the baseline; a rank is
+        flagged when the ratio moves its way by ``pair_min_slowdown`` and by
+        ``z_threshold`` times the ratio's own spread (noise-adaptive: on a busy shared
+        CPU single steps scatter by 20-50 %, on a GPU by a few percent). The score is
+        that move as a factor.
+        """
+        (rank_a, a), (rank_b, b) = sorted(values.items())
+        if a <= 0 or b <= 0:
+            return {}
+        history = state.pair_history
+        log_ratio = math.log(b / a)
+        if warming_up:
+            history.append(log_ratio)
+            return {}
+        base, spread = _center_spread(history) if len(history) >= _MIN_HISTORY else (0.0, 0.0)
+        bar = max(math.log1p(self._pair_min_slowdown), self._z_threshold * spread)
+        shift = log_ratio - base
+        if abs(shift) < bar:
+            history.append(log_ratio)
+            return {}
+        rank, x, other = (rank_b, b, a) if shift > 0 else (rank_a, a, b)
+        return {rank: _Score(rank, x, math.exp(abs(shift)), x / other, other, (a + b) / 2, None)}
 
     def _advance(
         self, job: str, step: int, ts_unix_s: float, state: _RankState, score: _Score | None
@@ -314,6 +418,15 @@ class StragglerDetector:
                 "chronic": chronic,
             },
         )
+
+
+def _center_spread(values: Iterable[float]) -> tuple[float, float]:
+    """Median and robust standard deviation (1.4826 x MAD) of the values."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0, 0.0
+    center = _median(ordered)
+    return center, _MAD_TO_SIGMA * _median(sorted(abs(x - center) for x in ordered))
 
 
 def _median(ordered: list[float]) -> float:
