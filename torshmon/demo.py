@@ -61,6 +61,9 @@ class DemoConfig:
     #: When set, the job may end before ``steps``: every 10 steps the ranks agree (an
     #: all-reduce MAX) whether this file exists, and all stop at the same step if it does.
     stop_file: str | None = None
+    #: Where ranks leave a file when a fault that acts outside them (a slow link) starts
+    #: or stops (``FaultRunner.signal_dir``); run_system sets it for such faults.
+    signal_dir: str | None = None
     quiet: bool = False
     env: dict[str, str] = field(default_factory=dict)
     #: Per-rank link rate, e.g. ``"1gbit"`` (``linkshape.parse_rate`` units): the ranks
@@ -126,7 +129,7 @@ def train_rank(
     monitor = torshmon.attach(
         model, job=config.job, agent_socket=socket_path, bucket_timing=config.bucket_timing
     )
-    faults = FaultRunner(rank, config.faults)
+    faults = FaultRunner(rank, config.faults, signal_dir=config.signal_dir)
     loss = torch.zeros(())
     try:
         for step in range(config.steps):
@@ -178,6 +181,9 @@ class DemoResult:
     db_url: str
     #: The demo's tuning session (``config.autotune``), ended or not; None without one.
     tuning: TuningSession | None = None
+    #: When faults applied from outside the ranks (slow links) started and stopped,
+    #: keyed as ``FaultRunner.events`` are.
+    fault_events: dict[str, float] = field(default_factory=dict)
 
 
 #: ``on_tick(aggregator, shaper)``: called on the event loop every ``tick_s`` while the job
@@ -224,6 +230,9 @@ async def run_system(
         with tempfile.TemporaryDirectory(prefix="torshmon-demo-") as tmp:
             if config.autotune and config.stop_file is None:
                 config = replace(config, stop_file=os.path.join(tmp, "stop"))
+            links = _SlowLinks(config, tmp) if _slow_links(config) else None
+            if links is not None:
+                config = replace(config, signal_dir=links.signal_dir)
             autotune = _Autotune(config) if config.autotune else None
             settings = AggregatorSettings(
                 port=config.port, db_url=config.db_url, token=token, aggregator_id="demo"
@@ -254,6 +263,8 @@ async def run_system(
                             break
                         if autotune is not None:
                             await autotune.tick(aggregator)
+                        if links is not None and shaper is not None:
+                            await asyncio.to_thread(links.tick, shaper)
                         if on_tick is not None:
                             on_tick(aggregator, shaper)
                         if on_progress is not None and time.monotonic() >= next_progress:
@@ -272,8 +283,45 @@ async def run_system(
             shaper.close()
     tuning = autotune.session if autotune is not None else None
     return DemoResult(
-        time.monotonic() - started, results, alerts, port, config.db_url, tuning=tuning
+        time.monotonic() - started,
+        results,
+        alerts,
+        port,
+        config.db_url,
+        tuning=tuning,
+        fault_events=links.events if links is not None else {},
     )
+
+
+def _slow_links(config: DemoConfig) -> list[tuple[int, Fault]]:
+    return [(i, f) for i, f in enumerate(config.faults) if f.kind == "slow-link"]
+
+
+class _SlowLinks:
+    """Applies slow-link faults: the faulted rank leaves a file when the fault starts or
+    stops (it knows its step; the aggregator only sees it a batch later), and this sets
+    that rank's link rate within a tick (``tc`` takes a few milliseconds)."""
+
+    def __init__(self, config: DemoConfig, tmp: str) -> None:
+        self.faults = _slow_links(config)
+        self.base_rate = config.link_rate
+        self.signal_dir = os.path.join(tmp, "faults")
+        os.makedirs(self.signal_dir, exist_ok=True)
+        self.events: dict[str, float] = {}
+
+    def tick(self, shaper: LinkShaper) -> None:
+        for index, fault in self.faults:
+            onset, end = f"fault{index}_onset_unix_s", f"fault{index}_end_unix_s"
+            if onset not in self.events and self._signalled(index, "on"):
+                shaper.set_rate(fault.rate, rank=fault.rank)
+                self.events[onset] = time.time()
+                self.events[f"fault{index}_onset_step"] = float(fault.start_step)
+            if onset in self.events and end not in self.events and self._signalled(index, "off"):
+                shaper.set_rate(self.base_rate, rank=fault.rank)
+                self.events[end] = time.time()
+
+    def _signalled(self, index: int, what: str) -> bool:
+        return os.path.exists(os.path.join(self.signal_dir, f"fault{index}.{what}"))
 
 
 class _Autotune:
@@ -314,7 +362,7 @@ class _Autotune:
 
 
 def _start_shaper(config: DemoConfig) -> LinkShaper | None:
-    if config.link_rate is None:
+    if config.link_rate is None and not _slow_links(config):
         return None
     from torshmon.linkshape import LinkShaper
 

@@ -1,24 +1,54 @@
 """Faults injected for real inside a training job: ``torshmon demo --inject KIND[:k=v,...]``.
 
-A fault changes what the job does (a rank really computes slower), never the
-metrics it reports, so detection is tested end to end.
+A fault changes what the job does (a rank really computes slower, really stops,
+really leaks memory, really trains on a corrupted batch, its link really slows),
+never the metrics it reports, so detection is tested end to end. Steps are
+numbered from 1, as the probe numbers them; ``from`` is inclusive and ``to``
+exclusive (default: the end of the job).
 
-Kinds:
+Kinds (defaults in brackets):
 
-- ``straggler:rank=R,slowdown=F,from=S,to=E``: from step S (inclusive) to step E
-  (exclusive; default: the end) rank R's compute takes F times longer
-  (``slowdown=0.5`` adds half of its own normal compute time, measured over the
-  steps before the fault starts).
+- ``straggler:rank=R[1],slowdown=F[0.5],from=S[20],to=E``: rank R's compute takes
+  ``1 + F`` times longer: it sleeps F times its own normal compute time (the median
+  of its steps before the fault) inside each step.
+- ``regression:slowdown=F[0.5],from=S[20],to=E``: the whole job's steps take ``1 + F``
+  times longer (a bad library upgrade, a slower input pipeline): every rank sleeps F
+  times the job's normal step interval (the median before the fault, the same on every
+  rank of a synchronous job, so no rank looks slower than another).
+- ``hang:rank=R[1],from=S[20],seconds=T[8]``: at the start of step S rank R stops for
+  T seconds before its forward pass, so its peers enter the step's gradient
+  all-reduce and wait for it. The job resumes afterwards.
+- ``memory-leak:rank=R[1],from=S[20],to=E,mb=M[8]``: rank R keeps M MB of tensors
+  alive per step (written, so the pages are resident); at step E it lets them go.
+- ``loss-spike:rank=R[1],from=S[20],to=E[S+5],factor=K[10],nan=0|1[0]``: rank R trains
+  on a corrupted batch: targets scaled by K (the loss jumps by about K squared), or
+  with ``nan=1`` inputs full of NaN (the loss is NaN and, after the all-reduce, every
+  rank's gradients: the demo skips such a step as a loss scaler would).
+- ``slow-link:rank=R[1],rate=X[100mbit],from=S[20],to=E``: rank R's network link drops
+  to rate X (``tc tbf``, both directions, see ``torshmon.linkshape``). The demo runs
+  the ranks in network namespaces for it; needs root and iproute2.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
-KINDS: Final = ("straggler",)
-_PARAMS: Final = {"straggler": {"rank", "slowdown", "from", "to"}}
+#: Every kind, and the parameters each takes.
+PARAMS: Final[dict[str, frozenset[str]]] = {
+    "straggler": frozenset({"rank", "slowdown", "from", "to"}),
+    "regression": frozenset({"slowdown", "from", "to"}),
+    "hang": frozenset({"rank", "from", "seconds"}),
+    "memory-leak": frozenset({"rank", "from", "to", "mb"}),
+    "loss-spike": frozenset({"rank", "from", "to", "factor", "nan"}),
+    "slow-link": frozenset({"rank", "rate", "from", "to"}),
+}
+KINDS: Final = tuple(PARAMS)
+#: A loss spike without ``to`` lasts this many steps.
+LOSS_SPIKE_STEPS: Final = 5
 
 
 class FaultError(ValueError):
@@ -27,56 +57,108 @@ class FaultError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    """One fault: its kind, the rank it hits (None: every rank) and its step range."""
+    """One fault: its kind, the rank it hits (None: every rank), its step range, and
+    the kind's own parameters (``amount``: slowdown, seconds, MB per step or factor)."""
 
     kind: str
     rank: int | None
     start_step: int
     stop_step: int | None = None
-    slowdown: float = 0.0
+    amount: float = 0.0
+    nan: bool = False
+    rate: str | None = None
+
+    @property
+    def slowdown(self) -> float:
+        return self.amount if self.kind in ("straggler", "regression") else 0.0
 
     def active(self, step: int) -> bool:
         return step >= self.start_step and (self.stop_step is None or step < self.stop_step)
 
+    def hits(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
+
     def describe(self) -> str:
         until = f" until step {self.stop_step}" if self.stop_step is not None else ""
         who = f"rank {self.rank}" if self.rank is not None else "every rank"
-        return (
-            f"{self.kind} on {who} from step {self.start_step}{until} (slowdown {self.slowdown:g})"
-        )
+        what = {
+            "straggler": f"computes {1 + self.amount:g}x slower",
+            "regression": f"computes {1 + self.amount:g}x slower",
+            "hang": f"stops for {self.amount:g} s before a collective",
+            "memory-leak": f"leaks {self.amount:g} MB per step",
+            "loss-spike": "trains on NaN inputs"
+            if self.nan
+            else f"trains on targets scaled by {self.amount:g}",
+            "slow-link": f"link drops to {self.rate}",
+        }[self.kind]
+        return f"{self.kind}: {who} {what} from step {self.start_step}{until}"
 
 
 def parse_fault(spec: str) -> Fault:
     """``KIND[:key=value,...]`` to a Fault; FaultError names the bad part."""
     kind, _, rest = spec.partition(":")
     kind = kind.strip()
-    if kind not in KINDS:
+    if kind not in PARAMS:
         raise FaultError(f"unknown fault kind {kind!r} in {spec!r}; known: {', '.join(KINDS)}")
     params: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = part.partition("=")
+        key = key.strip()
         if not eq:
             raise FaultError(f"expected key=value in {spec!r}, got {part!r}")
-        if key not in _PARAMS[kind]:
-            raise FaultError(
-                f"unknown parameter {key!r} for {kind}; allowed: {', '.join(sorted(_PARAMS[kind]))}"
-            )
-        params[key] = value
-    rank = _int(params, "rank", 1, spec)
+        if key not in PARAMS[kind]:
+            allowed = ", ".join(sorted(PARAMS[kind]))
+            raise FaultError(f"unknown parameter {key!r} for {kind}; allowed: {allowed}")
+        params[key] = value.strip()
     start = _int(params, "from", 20, spec)
-    stop = _int(params, "to", None, spec) if "to" in params else None
-    slowdown = _float(params, "slowdown", 0.5, spec)
-    if slowdown <= 0:
-        raise FaultError(f"slowdown must be > 0 in {spec!r}, got {slowdown}")
+    if start < 1:
+        raise FaultError(f"from must be >= 1 (steps count from 1) in {spec!r}, got {start}")
+    stop: int | None = _int(params, "to", 0, spec) if "to" in params else None
+    if kind == "loss-spike" and stop is None:
+        stop = start + LOSS_SPIKE_STEPS
     if stop is not None and stop <= start:
         raise FaultError(f"'to' ({stop}) must be after 'from' ({start}) in {spec!r}")
-    return Fault(kind=kind, rank=rank, start_step=start, stop_step=stop, slowdown=slowdown)
+    rank = None if kind == "regression" else _int(params, "rank", 1, spec)
+    fault = Fault(kind=kind, rank=rank, start_step=start, stop_step=stop)
+    if kind in ("straggler", "regression"):
+        return _with_amount(fault, params, "slowdown", 0.5, spec)
+    if kind == "hang":
+        return _with_amount(fault, params, "seconds", 8.0, spec)
+    if kind == "memory-leak":
+        return _with_amount(fault, params, "mb", 8.0, spec)
+    if kind == "loss-spike":
+        nan = _int(params, "nan", 0, spec)
+        if nan not in (0, 1):
+            raise FaultError(f"nan must be 0 or 1 in {spec!r}, got {nan}")
+        fault = _with_amount(fault, params, "factor", 10.0, spec)
+        return _replace(fault, nan=bool(nan))
+    rate = params.get("rate", "100mbit")
+    from torshmon.linkshape import parse_rate
+
+    try:
+        parse_rate(rate)
+    except ValueError as exc:
+        raise FaultError(f"rate in {spec!r}: {exc}") from None
+    return _replace(fault, rate=rate)
 
 
-def _int(params: dict[str, str], key: str, default: int | None, spec: str) -> int:
+def _with_amount(
+    fault: Fault, params: dict[str, str], key: str, default: float, spec: str
+) -> Fault:
+    amount = _float(params, key, default, spec)
+    if not amount > 0:
+        raise FaultError(f"{key} must be > 0 in {spec!r}, got {amount:g}")
+    return _replace(fault, amount=amount)
+
+
+def _replace(fault: Fault, **changes: Any) -> Fault:
+    from dataclasses import replace
+
+    return replace(fault, **changes)
+
+
+def _int(params: dict[str, str], key: str, default: int, spec: str) -> int:
     if key not in params:
-        if default is None:
-            raise FaultError(f"{key} is required in {spec!r}")
         return default
     try:
         value = int(params[key])
@@ -91,33 +173,109 @@ def _float(params: dict[str, str], key: str, default: float, spec: str) -> float
     if key not in params:
         return default
     try:
-        return float(params[key])
+        value = float(params[key])
     except ValueError:
         raise FaultError(f"{key} must be a number in {spec!r}, got {params[key]!r}") from None
+    if not math.isfinite(value):
+        raise FaultError(f"{key} must be a finite number in {spec!r}, got {params[key]!r}")
+    return value
 
 
 @dataclass(slots=True)
 class FaultRunner:
-    """Applies the faults that hit ``rank``, from inside its training loop."""
+    """Applies the faults that hit ``rank``, from inside its training loop.
+
+    The loop calls ``begin_step(step)`` first thing in a step, passes its batch
+    through ``batch(step, x, y)``, and calls ``end_compute(step)`` after the
+    optimizer. ``events`` records when each fault started and stopped on this
+    rank (``fault<i>_onset_step``, ``fault<i>_onset_unix_s``, ``fault<i>_end_unix_s``,
+    ``i`` the fault's index in the job's list), for benchmarks to measure detection
+    latency from. Slow links are applied outside the ranks (see ``demo.run_system``).
+    """
 
     rank: int
     faults: tuple[Fault, ...]
+    #: Where to leave ``fault<i>.on`` / ``fault<i>.off`` files for faults applied outside
+    #: the ranks (slow links): the launcher watches for them.
+    signal_dir: str | None = None
+    events: dict[str, float] = field(default_factory=dict)
     _compute_s: list[float] = field(default_factory=list)
+    _intervals_s: list[float] = field(default_factory=list)
     _step_started: float = 0.0
+    _leaked: list[Any] = field(default_factory=list)
 
-    def begin_step(self) -> None:
-        self._step_started = time.perf_counter()
+    def _mine(self, kinds: tuple[str, ...]) -> list[tuple[int, Fault]]:
+        return [(i, f) for i, f in enumerate(self.faults) if f.kind in kinds and f.hits(self.rank)]
+
+    def _track(self, index: int, fault: Fault, step: int) -> bool:
+        """Record the fault's start and end on this rank; whether it is active."""
+        active = fault.active(step)
+        onset = f"fault{index}_onset_unix_s"
+        if active and onset not in self.events:
+            self.events[onset] = time.time()
+            self.events[f"fault{index}_onset_step"] = float(step)
+        elif not active and onset in self.events and f"fault{index}_end_unix_s" not in self.events:
+            self.events[f"fault{index}_end_unix_s"] = time.time()
+        return active
+
+    def begin_step(self, step: int) -> None:
+        for index, fault in self._mine(("slow-link",)):
+            self._signal(index, fault, step)
+        for index, fault in self._mine(("hang",)):
+            if step == fault.start_step and f"fault{index}_onset_unix_s" not in self.events:
+                self._track(index, fault, step)
+                time.sleep(fault.amount)
+                self.events[f"fault{index}_end_unix_s"] = time.time()
+        now = time.perf_counter()
+        # The interval just ended is the previous step's: normal only if no fault hit it.
+        normal = not any(f.active(step - 1) for _, f in self._mine(tuple(PARAMS)))
+        if self._step_started and normal and len(self._intervals_s) < 50:
+            self._intervals_s.append(now - self._step_started)
+        self._step_started = now
+
+    def _signal(self, index: int, fault: Fault, step: int) -> None:
+        if self.signal_dir is None:
+            return
+        what = "on" if fault.active(step) else "off" if step >= fault.start_step else None
+        path = os.path.join(self.signal_dir, f"fault{index}.{what}")
+        if what is not None and not os.path.exists(path):
+            with open(path, "w"):
+                pass
+
+    def batch(self, step: int, x: Any, y: Any) -> tuple[Any, Any]:
+        """The batch rank ``rank`` trains on at ``step`` (corrupted during a loss spike)."""
+        for index, fault in self._mine(("loss-spike",)):
+            if not self._track(index, fault, step):
+                continue
+            if fault.nan:
+                x = x.clone().fill_(math.nan)
+            else:
+                y = y * fault.amount
+        return x, y
 
     def end_compute(self, step: int) -> None:
         """Call after this rank's forward/backward/optimizer of ``step``."""
         elapsed = time.perf_counter() - self._step_started
-        mine = [f for f in self.faults if f.rank in (None, self.rank)]
-        hit = [f for f in mine if f.kind == "straggler" and f.active(step)]
-        if not hit:
-            if len(self._compute_s) < 50:
-                self._compute_s.append(elapsed)
-            return
-        baseline = (
-            sorted(self._compute_s)[len(self._compute_s) // 2] if self._compute_s else elapsed
-        )
-        time.sleep(sum(f.slowdown for f in hit) * baseline)
+        for index, fault in self._mine(("memory-leak",)):
+            if self._track(index, fault, step):
+                self._leak(fault.amount)
+            elif step >= (fault.stop_step or step + 1):
+                self._leaked.clear()
+        slow = [f for i, f in self._mine(("straggler",)) if self._track(i, f, step)]
+        if slow:
+            time.sleep(sum(f.amount for f in slow) * _median(self._compute_s, elapsed))
+        elif len(self._compute_s) < 50:
+            self._compute_s.append(elapsed)
+        job_wide = [f for i, f in self._mine(("regression",)) if self._track(i, f, step)]
+        if job_wide:
+            time.sleep(sum(f.amount for f in job_wide) * _median(self._intervals_s, elapsed))
+
+    def _leak(self, mb: float) -> None:
+        import torch
+
+        # ones, not empty: untouched pages would not be resident, so RSS would not grow.
+        self._leaked.append(torch.ones(int(mb * 1e6) // 4, dtype=torch.float32))
+
+
+def _median(values: list[float], default: float) -> float:
+    return sorted(values)[len(values) // 2] if values else default

@@ -1,0 +1,143 @@
+"""Fault specs and what the runner does inside a rank's loop (torch tensors, no job)."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from torshmon.faults import KINDS, Fault, FaultError, FaultRunner, parse_fault
+
+
+def test_every_kind_parses_with_its_defaults() -> None:
+    assert set(KINDS) == {
+        "straggler",
+        "regression",
+        "hang",
+        "memory-leak",
+        "loss-spike",
+        "slow-link",
+    }
+    assert parse_fault("straggler") == Fault("straggler", 1, 20, None, 0.5)
+    assert parse_fault("regression:slowdown=1,from=30,to=40") == Fault(
+        "regression", None, 30, 40, 1.0
+    )
+    assert parse_fault("hang:rank=0,from=5") == Fault("hang", 0, 5, None, 8.0)
+    assert parse_fault("memory-leak:mb=2.5") == Fault("memory-leak", 1, 20, None, 2.5)
+    spike = parse_fault("loss-spike:rank=0,from=10,nan=1")
+    assert (spike.stop_step, spike.nan, spike.amount) == (15, True, 10.0)
+    link = parse_fault("slow-link:rank=2,rate=1gbit,from=30,to=90")
+    assert (link.rank, link.rate, link.start_step, link.stop_step) == (2, "1gbit", 30, 90)
+
+
+def test_describe_names_kind_rank_and_steps() -> None:
+    assert parse_fault("hang:rank=1,from=50,seconds=3").describe() == (
+        "hang: rank 1 stops for 3 s before a collective from step 50"
+    )
+    assert parse_fault("regression:from=7,to=9").describe() == (
+        "regression: every rank computes 1.5x slower from step 7 until step 9"
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("meteor", "unknown fault kind 'meteor'"),
+        ("hang:slowdown=2", "unknown parameter 'slowdown' for hang; allowed: from, rank, seconds"),
+        ("straggler:rank", "expected key=value"),
+        ("straggler:rank=one", "rank must be an integer"),
+        ("straggler:rank=-1", "rank must be >= 0"),
+        ("straggler:from=0", "from must be >= 1"),
+        ("straggler:from=10,to=10", "'to' (10) must be after 'from' (10)"),
+        ("straggler:slowdown=0", "slowdown must be > 0"),
+        ("memory-leak:mb=nan", "mb must be a finite number"),
+        ("loss-spike:nan=2", "nan must be 0 or 1"),
+        ("slow-link:rate=fast", "rate in 'slow-link:rate=fast'"),
+        ("regression:rank=1", "unknown parameter 'rank' for regression"),
+    ],
+)
+def test_bad_specs_name_what_is_wrong(spec: str, message: str) -> None:
+    with pytest.raises(FaultError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_fault(spec)
+
+
+def _loop(runner: FaultRunner, steps: int, compute_s: float = 0.0) -> None:
+    for step in range(1, steps + 1):
+        runner.begin_step(step)
+        if compute_s:
+            time.sleep(compute_s)
+        runner.end_compute(step)
+
+
+def test_a_straggler_sleeps_its_own_compute_times_the_slowdown_only_on_its_rank() -> None:
+    fault = parse_fault("straggler:rank=1,slowdown=2,from=6,to=8")
+    other = FaultRunner(0, (fault,))
+    runner = FaultRunner(1, (fault,))
+    _loop(runner, 5, compute_s=0.005)
+    started = time.perf_counter()
+    runner.begin_step(6)
+    runner.end_compute(6)
+    assert time.perf_counter() - started >= 2 * 0.005
+    _loop(other, 7)
+    assert other.events == {}
+    assert runner.events["fault0_onset_step"] == 6.0
+    runner.begin_step(8)
+    runner.end_compute(8)
+    assert runner.events["fault0_end_unix_s"] >= runner.events["fault0_onset_unix_s"]
+
+
+def test_a_regression_slows_every_rank_by_the_same_step_interval() -> None:
+    fault = parse_fault("regression:slowdown=1,from=6")
+    runners = [FaultRunner(rank, (fault,)) for rank in range(2)]
+    for runner in runners:
+        _loop(runner, 5, compute_s=0.004)
+        started = time.perf_counter()
+        runner.begin_step(6)
+        runner.end_compute(6)
+        assert time.perf_counter() - started >= 0.004
+        assert runner.events["fault0_onset_step"] == 6.0
+
+
+def test_a_hang_stops_the_rank_once_before_its_step() -> None:
+    runner = FaultRunner(1, (parse_fault("hang:rank=1,from=3,seconds=0.2"),))
+    started = time.perf_counter()
+    _loop(runner, 5)
+    assert time.perf_counter() - started >= 0.2
+    assert runner.events["fault0_end_unix_s"] - runner.events["fault0_onset_unix_s"] >= 0.2
+
+
+def test_a_memory_leak_keeps_written_tensors_until_it_stops() -> None:
+    runner = FaultRunner(1, (parse_fault("memory-leak:rank=1,from=2,to=5,mb=1"),))
+    _loop(runner, 4)
+    assert len(runner._leaked) == 3
+    assert all(t.numel() == 250_000 and t[0].item() == 1.0 for t in runner._leaked)
+    _loop(runner, 5)  # step 5: the leak stops and the tensors go
+    assert runner._leaked == []
+
+
+def test_a_loss_spike_corrupts_only_its_rank_and_its_steps() -> None:
+    x, y = torch.ones(2, 3), torch.ones(2, 3)
+    runner = FaultRunner(1, (parse_fault("loss-spike:rank=1,from=4,to=6,factor=10"),))
+    assert runner.batch(3, x, y)[1] is y
+    assert torch.equal(runner.batch(4, x, y)[1], y * 10)
+    assert runner.batch(6, x, y)[1] is y
+    assert torch.equal(FaultRunner(0, runner.faults).batch(4, x, y)[1], y)
+    nan = FaultRunner(1, (parse_fault("loss-spike:rank=1,from=4,nan=1"),))
+    corrupted, _ = nan.batch(4, x, y)
+    assert math.isnan(corrupted[0, 0].item()) and x[0, 0].item() == 1.0
+
+
+def test_a_slow_link_leaves_signal_files_for_the_launcher(tmp_path: Path) -> None:
+    signal_dir = tmp_path
+    runner = FaultRunner(
+        1, (parse_fault("slow-link:rank=1,from=3,to=5"),), signal_dir=str(signal_dir)
+    )
+    for step in range(1, 7):
+        runner.begin_step(step)
+        expected = {"fault0.on"} if 3 <= step < 5 else set()
+        if step >= 5:
+            expected = {"fault0.on", "fault0.off"}
+        assert {p.name for p in signal_dir.iterdir()} == expected, step
