@@ -156,7 +156,7 @@ async def test_tunes_a_real_job_end_to_end(tmp_path: Path) -> None:
     commands = _rows(
         db_url,
         "SELECT status, created_unix_s, updated_unix_s FROM commands "
-        "WHERE job = 'tunejob' ORDER BY created_unix_s",
+        "WHERE job = 'tunejob' AND kind = 'config' ORDER BY created_unix_s",
     )
     assert len(commands) >= len(trials)
     for earlier, later in itertools.pairwise(commands):
