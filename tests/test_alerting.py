@@ -340,9 +340,24 @@ def test_the_default_memory_leak_rule_ignores_a_single_jump(jump_at_s: int) -> N
             rss = 1e9 + (4e9 if now >= jump_at_s else 0.0) + 1e5 * (now % 3)
             series.add("rank_memory_rss_bytes", labels, float(now), rss)
         states.extend(_states(engine.evaluate(float(now), series, [])))
-    # The jump tilts the slope (pending) but not for as long as the rule's `for`.
-    assert ("Memory Leak", "pending") in states
-    assert ("Memory Leak", "firing") not in states
+    # The jump tilts the slope, but it rises once between flat points: not steady.
+    assert not [s for s in states if s[0] == "Memory Leak"]
+
+
+def test_the_default_memory_leak_rule_fires_within_ten_seconds_of_a_steady_leak() -> None:
+    engine = AlertEngine(default_rules())
+    series = SeriesStore()
+    labels = labelset(job="j", rank="0", node="n")
+    fired_at = None
+    for now in range(0, 120):
+        # Flat (with sampling noise) for 60 s, then leaking 30 MB/s, one sample a second.
+        rss = 1e9 + 1e5 * (now % 3) + 30e6 * max(0, now - 60)
+        series.add("rank_memory_rss_bytes", labels, float(now), rss)
+        states = _states(engine.evaluate(float(now), series, []))
+        if ("Memory Leak", "firing") in states:
+            fired_at = now
+            break
+    assert fired_at is not None and fired_at - 60 <= 10
 
 
 def test_rate_needs_points_spanning_half_the_window() -> None:

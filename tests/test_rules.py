@@ -86,9 +86,27 @@ def test_default_rules_encode_the_design_table() -> None:
     assert by_name["Non-finite Loss"].kind == "nonfinite"
     leak = by_name["Memory Leak"]
     assert (leak.kind, leak.metric, leak.threshold) == ("rate", "rank_memory_rss_bytes", 10e6)
-    # A one-off jump stays inside the window for less than `for` (see the rule's comment).
-    assert leak.for_s > leak.window_s
+    # A one-off jump rises once: not steady (see the rule's comment); about 8 s to fire.
+    assert (leak.window_s, leak.steady, leak.for_s) == (10.0, 0.8, 5.0)
     assert rules.source == "default_rules.yaml"
+
+
+def test_steady_is_a_fraction_of_a_rate_rules_intervals() -> None:
+    text = """rules:
+  - name: Leak
+    kind: rate
+    metric: rank_memory_rss_bytes
+    op: ">"
+    value: 1
+    steady: {steady}
+"""
+    assert next(iter(load_rules_text(text.format(steady=0.5), source="r.yaml"))).steady == 0.5
+    with pytest.raises(RuleError, match=r"r.yaml:7: rules\[0\].steady: must be a fraction"):
+        load_rules_text(text.format(steady=1.5), source="r.yaml")
+    with pytest.raises(RuleError, match=r"rules\[0\].steady: not allowed for kind 'threshold'"):
+        load_rules_text(
+            text.replace("kind: rate", "kind: threshold").format(steady=0.5), source="r"
+        )
 
 
 def test_good_file_parses_every_kind_and_form() -> None:

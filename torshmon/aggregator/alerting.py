@@ -34,6 +34,7 @@ it returns the same transitions in the same order (rules in file order).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import statistics
@@ -199,8 +200,9 @@ class AlertEngine:
             for key, last_s in series.last_seen(metric).items():
                 if last_s < fresh_after or not matchers.issubset(key):
                     continue
-                slope = _slope(series.points(metric, key, window_start), rule.window_s / 2)
-                if slope is not None:
+                points = series.points(metric, key, window_start)
+                slope = _slope(points, rule.window_s / 2)
+                if slope is not None and (rule.steady is None or _rising(points) >= rule.steady):
                     values.append((key, slope))
         else:
             values = [
@@ -366,6 +368,15 @@ def _slope(points: Sequence[tuple[float, float]], min_span_s: float) -> float | 
         return None
     sxy = math.fsum((ts - mean_t) * (value - mean_v) for ts, value in finite)
     return sxy / sxx
+
+
+def _rising(points: Sequence[tuple[float, float]]) -> float:
+    """The fraction of consecutive finite points where the value rose."""
+    finite = [value for _, value in points if math.isfinite(value)]
+    if len(finite) < 2:
+        return 0.0
+    rises = sum(1 for a, b in itertools.pairwise(finite) if b > a)
+    return rises / (len(finite) - 1)
 
 
 def _resolved_orphan(alert: Alert, now: float) -> Alert:

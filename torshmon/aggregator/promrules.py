@@ -7,7 +7,9 @@ expressions over the aggregator's job-level ``/metrics``:
   ``avg by (job) (torshmon_<m>) > v``. ``step_duration_seconds`` is a histogram,
   so its value is ``rate(_sum[1m]) / rate(_count[1m])`` (a mean by group divides
   the summed rates, which weighs every step equally).
-- rate: ``deriv(torshmon_<m>[window]) > v``.
+- rate: ``deriv(torshmon_<m>[window]) > v``; with ``steady``, ``and`` the rises
+  (``changes - resets``: resets counts every decrease) at least that fraction of the
+  window's intervals.
 - nonfinite: ``torshmon_<m> != torshmon_<m>`` (true only for NaN) ``or`` an
   infinite absolute value.
 - anomaly: ``torshmon_anomaly_active{metric="<m>"} > 0``; straggler:
@@ -108,7 +110,15 @@ def expression(rule: Rule) -> str:
             inner = f"deriv(({_value(rule)})[{window}:])"
         else:
             inner = f"deriv({_PREFIX}{metric}{_matchers(rule.matchers)}[{window}])"
-        return f"{_aggregated(rule, inner)} {comparison}"
+        expr = f"{_aggregated(rule, inner)} {comparison}"
+        if rule.steady is not None and rule.aggregate is None and metric not in _HISTOGRAMS:
+            # Rises = value changes - decreases (resets() counts every decrease).
+            series = f"{_PREFIX}{metric}{_matchers(rule.matchers)}[{window}]"
+            expr += (
+                f" and (changes({series}) - resets({series})) >= "
+                f"{rule.steady!r} * (count_over_time({series}) - 1)"
+            )
+        return expr
     if rule.aggregate == "mean" and metric in _HISTOGRAMS:
         by = _by(rule)
         selector = _PREFIX + metric

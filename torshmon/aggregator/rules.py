@@ -25,7 +25,9 @@ Kinds (what makes the condition true, per series or per ``by`` group):
   least-squares slope of the points, compared with ``value``. A slope needs at
   least 3 points spanning half the window. A single jump (a process start or an
   evaluation pass allocating its working set) tilts the slope for as long as it
-  is inside the window, so give such rules a ``for`` longer than the window.
+  is inside the window, so give such rules a ``for`` longer than the window, or
+  ``steady``: the fraction of consecutive points in the window that must rise (0.8:
+  a steady climb such as a leak, where one jump between flat points rises once).
 - ``nonfinite``: the newest value of ``metric`` is NaN or infinite (a diverged
   loss; the aggregator stores a non-finite loss as NaN). Threshold comparisons
   are never true for NaN, which is why this is a kind of its own.
@@ -148,7 +150,7 @@ _COMMON_KEYS: Final = frozenset(
 )
 _KIND_KEYS: Final[Mapping[str, frozenset[str]]] = {
     "threshold": frozenset({"metric", "op", "value", "aggregate", "by"}),
-    "rate": frozenset({"metric", "op", "value", "window", "aggregate", "by"}),
+    "rate": frozenset({"metric", "op", "value", "window", "steady", "aggregate", "by"}),
     "nonfinite": frozenset({"metric"}),
     "absent": frozenset({"metric"}),
     "anomaly": frozenset({"metric"}),
@@ -212,6 +214,8 @@ class Rule:
     for_s: float = 0.0
     cooldown_s: float = 0.0
     window_s: float = _DEFAULT_WINDOW_S
+    #: ``rate`` only: the fraction of the window's consecutive points that must rise.
+    steady: float | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
     actions: tuple[str, ...] = ("notify",)
@@ -475,6 +479,7 @@ class _Parser:
         for_s = self.with_node(get("for"), self.duration)
         cooldown_s = self.with_node(get("cooldown"), self.duration)
         window_s = self.with_node(get("window"), self.duration)
+        steady = self.with_node(get("steady"), self.number)
         labels = self.with_node(get("labels"), self.string_map)
         annotations = self.with_node(get("annotations"), self.string_map)
         actions = self.with_node(get("actions"), self.actions)
@@ -494,6 +499,7 @@ class _Parser:
             for_s=for_s or 0.0,
             cooldown_s=cooldown_s or 0.0,
             window_s=_DEFAULT_WINDOW_S if window_s is None else window_s,
+            steady=steady,
             labels=labels or {},
             annotations=annotations or {},
             actions=tuple(actions) if actions is not None else ("notify",),
@@ -549,6 +555,12 @@ class _Parser:
             self.error(at("for"), f"{path}.for", "an absent rule needs a positive duration")
         if rule.kind == "rate" and "window" in entries and rule.window_s <= 0:
             self.error(at("window"), f"{path}.window", "must be a positive duration")
+        if rule.steady is not None and not 0 < rule.steady <= 1:
+            self.error(
+                at("steady"),
+                f"{path}.steady",
+                f"must be a fraction of the window's intervals in (0, 1], got {rule.steady:g}",
+            )
         for label in rule.labels:
             label_path = f"{path}.labels.{label}"
             if not _LABEL_NAME.match(label):
