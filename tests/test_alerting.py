@@ -218,6 +218,21 @@ def test_nonfinite_loss_fires_with_no_value_in_the_record() -> None:
     assert engine.evaluate(12.0, series, []) == []
 
 
+def test_nonfinite_loss_sees_a_nan_followed_by_finite_steps_and_resolves_a_window_later() -> None:
+    """One ingested batch can carry a NaN step and the finite steps after it."""
+    engine = AlertEngine(default_rules())
+    series = SeriesStore()
+    for ts, loss in ((10.0, 2.5), (10.1, math.nan), (10.2, 2.4), (10.3, 2.4)):
+        series.add("loss", RANK0, ts, loss)
+    [firing] = engine.evaluate(10.5, series, [])
+    assert (firing.rule, firing.state, firing.labels["rank"]) == ("Non-finite Loss", "firing", "0")
+    series.add("loss", RANK0, 15.0, 2.3)
+    assert engine.evaluate(15.0, series, []) == []  # still firing: the NaN is in the window
+    series.add("loss", RANK0, 20.5, 2.3)
+    [resolved] = engine.evaluate(20.5, series, [])
+    assert resolved.state == "resolved"
+
+
 def test_finding_rules_take_labels_value_and_texts_from_the_finding() -> None:
     engine = AlertEngine(default_rules())
     series = SeriesStore()

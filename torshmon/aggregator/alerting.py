@@ -194,6 +194,17 @@ class AlertEngine:
                 if age_s >= rule.for_s and matchers.issubset(key):
                     hits[key] = _Hit(age_s, last_s + rule.for_s, None)
             return hits
+        if rule.kind == "nonfinite":
+            # Any value of the window: one ingested batch can hold a NaN step and the
+            # finite steps after it, so the newest value alone would miss it.
+            start = now - rule.window_s
+            return {
+                key: _Hit(math.nan, now, None)
+                for key, last_s in series.last_seen(metric).items()
+                if last_s >= start
+                and matchers.issubset(key)
+                and any(not math.isfinite(v) for _, v in series.points(metric, key, start))
+            }
         if rule.kind == "rate":
             window_start = now - rule.window_s
             values = []
@@ -210,10 +221,6 @@ class AlertEngine:
                 for key, ts_s, value in series.latest(metric)
                 if ts_s >= fresh_after and matchers.issubset(key)
             ]
-        if rule.kind == "nonfinite":
-            return {
-                key: _Hit(value, now, None) for key, value in values if not math.isfinite(value)
-            }
         if rule.aggregate is not None:
             values = _aggregate(rule, values)
         return {key: _Hit(value, now, None) for key, value in values if rule.compare(value)}

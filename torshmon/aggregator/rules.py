@@ -28,9 +28,11 @@ Kinds (what makes the condition true, per series or per ``by`` group):
   is inside the window, so give such rules a ``for`` longer than the window, or
   ``steady``: the fraction of consecutive points in the window that must rise (0.8:
   a steady climb such as a leak, where one jump between flat points rises once).
-- ``nonfinite``: the newest value of ``metric`` is NaN or infinite (a diverged
-  loss; the aggregator stores a non-finite loss as NaN). Threshold comparisons
-  are never true for NaN, which is why this is a kind of its own.
+- ``nonfinite``: a value of ``metric`` within ``window`` (default 60s) is NaN or
+  infinite (a diverged loss; the aggregator stores a non-finite loss as NaN). Any
+  value of the window, not only the newest: one ingested batch can hold a NaN step
+  and finite steps after it. The alert resolves a window after the last such value.
+  Threshold comparisons are never true for NaN, which is why this is a kind of its own.
 - ``anomaly``: an active anomaly Finding whose ``metric`` label is the rule's metric.
 - ``straggler``, ``hang``: an active Finding of that kind.
 - ``slow_link``: an active Finding of the link checker, which names the rank whose
@@ -151,7 +153,7 @@ _COMMON_KEYS: Final = frozenset(
 _KIND_KEYS: Final[Mapping[str, frozenset[str]]] = {
     "threshold": frozenset({"metric", "op", "value", "aggregate", "by"}),
     "rate": frozenset({"metric", "op", "value", "window", "steady", "aggregate", "by"}),
-    "nonfinite": frozenset({"metric"}),
+    "nonfinite": frozenset({"metric", "window"}),
     "absent": frozenset({"metric"}),
     "anomaly": frozenset({"metric"}),
     "straggler": frozenset(),
@@ -553,7 +555,7 @@ class _Parser:
                     )
         if rule.kind == "absent" and "for" in entries and rule.for_s <= 0:
             self.error(at("for"), f"{path}.for", "an absent rule needs a positive duration")
-        if rule.kind == "rate" and "window" in entries and rule.window_s <= 0:
+        if rule.kind in ("rate", "nonfinite") and "window" in entries and rule.window_s <= 0:
             self.error(at("window"), f"{path}.window", "must be a positive duration")
         if rule.steady is not None and not 0 < rule.steady <= 1:
             self.error(
