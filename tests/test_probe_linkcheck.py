@@ -91,3 +91,10 @@ def test_a_config_too_large_is_refused_by_name() -> None:
 def test_bad_requests_name_the_field(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LinkCheckRequest(**kwargs)  # type: ignore[arg-type]
+
+
+def test_repeats_travel_in_the_payload_and_are_bounded() -> None:
+    check = LinkCheckRequest(id="r", size_bytes=MIN_SIZE_BYTES, repeats=3)
+    assert decode_payload(encode_payload(None, check)) == (None, check)
+    with pytest.raises(ValueError, match="repeats must be in 1..16, got 0"):
+        LinkCheckRequest(id="r", repeats=0)

@@ -353,7 +353,8 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
 
     ``kind`` "config": ``args`` are ``request_config`` keyword arguments.
     ``kind`` "link_check": every rank runs a pairwise link check at the same step;
-    ``args`` may set ``size_bytes`` (sent each way per pair). Results come back as
+    ``args`` may set ``size_bytes`` (sent each way per pair) and ``repeats`` (exchanges
+    per pair, the fastest counts). Results come back as
     ``LinkCheckResult`` records, one per rank, with the command's id.
     """
 

@@ -34,7 +34,12 @@ def _check_beside_a_config(rank: int, world: int, sock: str) -> dict[str, Any]:
         monitor._on_commands(
             [
                 Command(id="cfg", job="lc", kind="config", args={"codec": "fp16"}),
-                Command(id="lc1", job="lc", kind="link_check", args={"size_bytes": SIZE_BYTES}),
+                Command(
+                    id="lc1",
+                    job="lc",
+                    kind="link_check",
+                    args={"size_bytes": SIZE_BYTES, "repeats": 2},
+                ),
                 Command(id="lc2", job="lc", kind="link_check", args={}),
                 Command(id="bad", job="lc", kind="link_check", args={"size_bytes": 1}),
                 Command(id="odd", job="lc", kind="link_check", args={"rate": 1}),

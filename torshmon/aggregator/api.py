@@ -180,12 +180,14 @@ class _Handlers:
         self._auth(request)
         job = request.match_info["job"]
         body = await _json_body(request) if request.can_read_body else {}
-        unknown = sorted(set(body) - {"size_bytes"})
+        unknown = sorted(set(body) - {"size_bytes", "repeats"})
         if unknown:
-            return error(400, f"unknown field(s) {', '.join(unknown)}; allowed: size_bytes")
-        size = body.get("size_bytes")
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
-            return error(400, f"size_bytes must be an integer, got {size!r}")
+            allowed = "size_bytes, repeats"
+            return error(400, f"unknown field(s) {', '.join(unknown)}; allowed: {allowed}")
+        for name in ("size_bytes", "repeats"):
+            value = body.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                return error(400, f"{name} must be an integer, got {value!r}")
         try:
             status = await self.a.request_link_check(job, dict(body))
         except CommandError as exc:
@@ -529,7 +531,11 @@ def openapi_document() -> dict[str, Any]:
                                     "size_bytes": {
                                         "type": "integer",
                                         "description": "bytes each rank of a pair sends",
-                                    }
+                                    },
+                                    "repeats": {
+                                        "type": "integer",
+                                        "description": "exchanges per pair; the fastest counts",
+                                    },
                                 },
                             }
                         }

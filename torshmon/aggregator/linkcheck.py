@@ -24,9 +24,17 @@ is compared with the median estimate over the ranks; a rank below ``slow_ratio``
 of it is slow. Taking the best pair means noise (a busy CPU only ever slows an
 exchange) flags a rank only if it slows every pair of that rank. At world size 2
 there is one pair and a pairwise test cannot say which end is slow: the pair is
-compared with the best it reached in this job's earlier checks, and the finding's
-``rank`` label names both ends, ``"0-1"``. With every link of the job equally
+compared with the median it reached in this job's earlier checks that found
+nothing slow (the reference check after warm-up is the first), a slow reading is
+confirmed by a second check at once, and the finding's ``rank`` label names both
+ends, ``"0-1"``. With every link of the job equally
 slow, nothing stands out and nothing is named.
+
+Noise: each pair exchanges ``repeats`` times and its fastest exchange counts. A
+check prompted by the job's timings (communication rose) names a rank at once; a
+naming by any other check (the reference check, a recheck naming a new rank, a
+check asked for by hand, any check of a 2-rank job) stands only once the next
+check, sent at once, names the same.
 """
 
 from __future__ import annotations
@@ -69,6 +77,10 @@ class LinkCheckSettings:
     max_unexplained: int = 3
     reference_check: bool = True
     size_bytes: int | None = None  # None: the probe's default
+    #: Exchanges per pair (the fastest counts: a busy host or a TCP window reopening
+    #: after a congested spell slows one); more at world size 2, where one pair is all.
+    repeats: int = 2
+    repeats_two_ranks: int = 3
 
     def __post_init__(self) -> None:
         for name in ("min_interval_s", "recheck_s", "timeout_s", "min_comm_rise_s"):
@@ -80,7 +92,13 @@ class LinkCheckSettings:
         for name in ("comm_rise", "compute_flat"):
             if not getattr(self, name) > 1:
                 raise ValueError(f"{name} must be > 1, got {getattr(self, name)}")
-        for name in ("recent_steps", "min_baseline_steps", "max_unexplained"):
+        for name in (
+            "recent_steps",
+            "min_baseline_steps",
+            "max_unexplained",
+            "repeats",
+            "repeats_two_ranks",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.baseline_steps < self.min_baseline_steps:
@@ -122,12 +140,12 @@ def localize(
     pairs: Mapping[Pair, float],
     *,
     slow_ratio: float = 0.5,
-    best_pair: Mapping[Pair, float] | None = None,
+    reference_pair: Mapping[Pair, float] | None = None,
 ) -> Localization:
     """Name the slow ranks of one check (see the module docstring for the method).
 
-    ``best_pair`` (world size 2 only) holds the best bandwidth of each pair in
-    earlier checks of the job.
+    ``reference_pair`` (world size 2 only) holds what each pair reached in earlier
+    checks of the job that found nothing slow.
     """
     by_rank: dict[int, float] = {}
     for (a, b), bandwidth in pairs.items():
@@ -135,7 +153,7 @@ def localize(
             by_rank[rank] = max(by_rank.get(rank, 0.0), bandwidth)
     if world_size == 2:
         pair = (0, 1)
-        reference = (best_pair or {}).get(pair)
+        reference = (reference_pair or {}).get(pair)
         slow: tuple[int, ...] = ()
         if pair in pairs and reference is not None and pairs[pair] < slow_ratio * reference:
             slow = pair
@@ -172,7 +190,8 @@ class _Job:
     pending: str | None = None  # a reason: due, not yet sent
     checks: dict[str, _Check] = field(default_factory=dict)
     findings: dict[str, Finding] = field(default_factory=dict)
-    best_pair: dict[Pair, float] = field(default_factory=dict)
+    healthy_pairs: dict[Pair, deque[float]] = field(default_factory=dict)
+    suspects: set[str] = field(default_factory=set)  # named once, awaiting confirmation
     last: Localization | None = None
     referenced: bool = False
     unexplained: int = 0
@@ -264,10 +283,17 @@ class LinkChecker:
         if reason == "reference":
             state.referenced = True
 
-    def check_args(self) -> dict[str, object]:
-        """Arguments of the link_check command the service sends."""
-        size = self.settings.size_bytes
-        return {} if size is None else {"size_bytes": size}
+    def check_args(self, job: str) -> dict[str, object]:
+        """Arguments of the link_check command the service sends to ``job``."""
+        args: dict[str, object] = {}
+        if self.settings.size_bytes is not None:
+            args["size_bytes"] = self.settings.size_bytes
+        state = self._jobs.get(job)
+        two = state is not None and state.world_size == 2
+        repeats = self.settings.repeats_two_ranks if two else self.settings.repeats
+        if repeats > 1:
+            args["repeats"] = repeats
+        return args
 
     def evaluate(self, now_s: float) -> None:
         """Read every check whose results are all in, or that waited ``timeout_s``."""
@@ -305,6 +331,8 @@ class LinkChecker:
             return None
         if state.findings:
             return "recheck" if now_s - state.last_check_s >= s.recheck_s else None
+        if state.suspects:
+            return "confirm"
         if s.reference_check and not state.referenced and self._warm(state):
             # Behind the rate limit too: a refused reference check is not retried at once.
             return "reference" if now_s - state.last_check_s >= s.min_interval_s else None
@@ -359,25 +387,39 @@ class LinkChecker:
 
     def _read(self, job: str, state: _Job, check: _Check, now_s: float) -> None:
         pairs = pair_bandwidths(check.results.values())
+        reference = {p: statistics.median(v) for p, v in state.healthy_pairs.items() if v}
         reading = localize(
-            state.world_size, pairs, slow_ratio=self.settings.slow_ratio, best_pair=state.best_pair
+            state.world_size, pairs, slow_ratio=self.settings.slow_ratio, reference_pair=reference
         )
-        for pair, bandwidth in pairs.items():
-            state.best_pair[pair] = max(state.best_pair.get(pair, 0.0), bandwidth)
+        if not reading.slow:
+            for pair, bandwidth in pairs.items():
+                state.healthy_pairs.setdefault(pair, deque(maxlen=5)).append(bandwidth)
         state.last = replace(reading, duration_s=max(r.duration_s for r in check.results.values()))
         state.rejections = 0
         step = max((r.step for r in check.results.values()), default=0)
-        findings = {}
-        if state.world_size == 2 and reading.slow:
-            label = "0-1"
-            findings[label] = self._pair_finding(job, state, reading, check, step)
-        else:
-            for rank in reading.slow:
-                findings[str(rank)] = self._rank_finding(job, state, reading, rank, check, step)
-        state.findings = findings
-        if findings or check.reason == "reference":
+        named = (
+            ["0-1"] if state.world_size == 2 and reading.slow else [str(r) for r in reading.slow]
+        )
+        # A check the job's own timings asked for (communication rose) is believed at
+        # once at 3+ ranks; any other naming (a reference check, a recheck naming a new
+        # rank, any check of a 2-rank job, whose single pair a busy host can halve once)
+        # stands only when the next check, sent at once, names the same.
+        believed = state.world_size > 2 and check.reason not in _UNPROMPTED
+        findings, suspects = {}, set()
+        for label in named:
+            if believed or label in state.findings or label in state.suspects:
+                if label == "0-1":
+                    findings[label] = self._pair_finding(job, state, reading, check, step)
+                else:
+                    findings[label] = self._rank_finding(
+                        job, state, reading, int(label), check, step
+                    )
+            else:
+                suspects.add(label)
+        state.findings, state.suspects = findings, suspects
+        if findings or suspects or check.reason == "reference":
             state.unexplained = 0
-        elif check.reason != "recheck":
+        elif check.reason not in ("recheck", "confirm"):
             state.unexplained += 1
             if state.unexplained >= self.settings.max_unexplained:
                 # The rise is no slow link: take it as the job's new normal.
@@ -447,6 +489,10 @@ class LinkChecker:
             severity="high",
             details=self._details(reading, check, step),
         )
+
+
+#: Checks not prompted by the job's timings.
+_UNPROMPTED = frozenset({"reference", "recheck", "confirm", "requested"})
 
 
 def _median_comm(steps: Iterable[tuple[float, float]]) -> float:

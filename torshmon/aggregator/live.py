@@ -307,6 +307,10 @@ class LiveState:
         with self._lock:
             return self.links.due(now_unix_s)
 
+    def link_check_args(self, job: str) -> dict[str, object]:
+        with self._lock:
+            return self.links.check_args(job)
+
     def link_check_sent(self, job: str, check_id: str, reason: str, now_unix_s: float) -> None:
         with self._lock:
             self.links.sent(job, check_id, reason, now_unix_s)

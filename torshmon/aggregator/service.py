@@ -465,7 +465,8 @@ class Aggregator:
     async def _send_link_checks(self, now: float) -> None:
         for job, reason in self.live.link_checks_due(now):
             try:
-                status = await self.request_link_check(job, self.live.links.check_args(), reason)
+                args = self.live.link_check_args(job)
+                status = await self.request_link_check(job, args, reason)
             except Exception:
                 log.exception("could not send a link check to job %s", job)
                 continue

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 #: What a "config" command may set: ``request_config``'s arguments.
 _CONFIG_ARGS = frozenset({"bucket_cap_mb", "first_bucket_cap_mb", "codec", "codec_params"})
 #: What a "link_check" command may set.
-_LINK_CHECK_ARGS = frozenset({"size_bytes"})
+_LINK_CHECK_ARGS = frozenset({"size_bytes", "repeats"})
 _COMMAND_KINDS = "config, link_check"
 
 #: Steps during which every parameter's gradient is watched to find the last one;
@@ -391,14 +391,16 @@ class Monitor:
             allowed = ", ".join(sorted(_LINK_CHECK_ARGS))
             raise ConfigError(f"unknown link_check field {unknown[0]!r}; allowed: {allowed}")
         size = command.args.get("size_bytes", DEFAULT_SIZE_BYTES)
-        if not isinstance(size, int) or isinstance(size, bool):
-            raise ConfigError(f"size_bytes must be an integer, got {size!r}")
+        repeats = command.args.get("repeats", 1)
+        for name, value in (("size_bytes", size), ("repeats", repeats)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be an integer, got {value!r}")
         if self._reconfig is None:
             raise RuntimeError(
                 "link checks need a DDP module whose process group spans the whole job "
                 "(they run on the config consensus's gloo group)"
             )
-        request = LinkCheckRequest(id=command.id, size_bytes=size)
+        request = LinkCheckRequest(id=command.id, size_bytes=size, repeats=repeats)  # type: ignore[arg-type]
 
         def queued() -> None:
             # Before the check can run: its "applied" must never come first.

@@ -65,7 +65,8 @@ def encode_payload(config: CommConfig | None, check: LinkCheckRequest | None) ->
         raise ConfigError(f"config too large to send ({len(data)} > {MAX_CONFIG_BYTES} bytes)")
     tail = b""
     if check is not None:
-        tail = json.dumps({"id": check.id, "size_bytes": check.size_bytes}).encode()
+        fields = {"id": check.id, "size_bytes": check.size_bytes, "repeats": check.repeats}
+        tail = json.dumps(fields).encode()
         if len(tail) > LINK_CHECK_BYTES - 4:
             raise ConfigError(f"link check id too long to send: {check.id!r}")
     framed = len(data).to_bytes(4, "big") + data + len(tail).to_bytes(4, "big") + tail
@@ -86,7 +87,11 @@ def decode_payload(raw: bytes) -> tuple[CommConfig | None, LinkCheckRequest | No
     if check_length:
         try:
             fields = json.loads(raw[at + 4 : at + 4 + check_length])
-            check = LinkCheckRequest(id=str(fields["id"]), size_bytes=int(fields["size_bytes"]))
+            check = LinkCheckRequest(
+                id=str(fields["id"]),
+                size_bytes=int(fields["size_bytes"]),
+                repeats=int(fields.get("repeats", 1)),
+            )
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("torshmon: unreadable link check in the consensus payload: %s", exc)
     return config, check
@@ -255,7 +260,9 @@ class Reconfigurator:
         # Not guarded, like the consensus itself: every rank is inside the same
         # exchanges, and a failure is a broken side group the job would see anyway.
         started = time.perf_counter()
-        timings = run_link_check(self._group, self._rank, self._group.size(), check.size_bytes)
+        timings = run_link_check(
+            self._group, self._rank, self._group.size(), check.size_bytes, check.repeats
+        )
         done = LinkCheckDone(check, step, time.perf_counter() - started, tuple(timings))
         self._checks_done.append(done)
 
