@@ -333,9 +333,12 @@ class _Autotune:
         self.stopping = False
 
     async def tick(self, aggregator: Aggregator) -> None:
+        from torshmon.aggregator.tuner import TunerError
         from torshmon.aggregator.tuning import TuningConflict, TuningUnavailable
 
         tuning, job = aggregator.tuning, self.config.job
+        if self.stopping:
+            return
         if self.session is None:
             if tuning.active(job) is None:  # else: resumed from this history file
                 try:
@@ -348,11 +351,19 @@ class _Autotune:
                     return  # the job has not reported its config yet
                 except TuningConflict:
                     pass  # an alert's autotune action was first: follow that session
+                except TunerError as exc:  # e.g. the job runs a config outside the space
+                    log.error("autotune: cannot tune job %s: %s", job, exc)
+                    self._stop()
+                    return
             self.session = tuning.session(job)
-        elif tuning.active(job) is None and not self.stopping:
+        elif tuning.active(job) is None:
+            self._stop()
+
+    def _stop(self) -> None:
+        """Have the ranks stop at their next agreed step."""
+        if not self.stopping and self.config.stop_file is not None:
             self.stopping = True
-            if self.config.stop_file is not None:
-                Path(self.config.stop_file).touch()
+            Path(self.config.stop_file).touch()
 
     async def close(self, aggregator: Aggregator) -> None:
         """The job is over: a session still running can never finish."""
@@ -547,7 +558,7 @@ def summary(config: DemoConfig, result: DemoResult) -> str:
     if result.tuning is not None:
         lines.append(tuning_summary(result.tuning))
     elif config.autotune:
-        lines.append("autotune: no session started (the job never reported its config)")
+        lines.append("autotune: no session started (see the log above)")
     lines += [
         f"history: {config.db} (SQLite); try:",
         f"  torshmon query --db {config.db_url} "
