@@ -96,5 +96,5 @@ def test_bad_requests_name_the_field(kwargs: dict[str, object], message: str) ->
 def test_repeats_travel_in_the_payload_and_are_bounded() -> None:
     check = LinkCheckRequest(id="r", size_bytes=MIN_SIZE_BYTES, repeats=3)
     assert decode_payload(encode_payload(None, check)) == (None, check)
-    with pytest.raises(ValueError, match="repeats must be in 1..16, got 0"):
+    with pytest.raises(ValueError, match=r"repeats must be in 1\.\.16, got 0"):
         LinkCheckRequest(id="r", repeats=0)
