@@ -16,8 +16,11 @@ cores with the aggregator): single steps' compute scattered by 20-50 %, rank 0 c
 plain rule named it.
 
 - Each rank is scored on the median of its last ``smoothing`` compute times, so one
-  noisy step never counts; with ``smoothing=3`` and ``persistence=2`` a rank must be
-  slow on three steps in a row before it is named (three steps after onset).
+  noisy step never counts. A rank is named after ``persistence`` (4) flagged smoothed
+  steps, about five slow steps; one at least ``1 + fast_slowdown`` (3x) slower than
+  its peers after ``fast_persistence`` (2), three slow steps. On 2 shared cores
+  contention made single ranks 1.5-2x slower for up to four steps in a row; a
+  sustained straggler lasts longer, a severe one is obvious sooner.
 - A rank must also be slower than its own history: above the median of its last
   ``history_steps`` unflagged (smoothed) compute times by ``min_slowdown`` and by
   ``z_threshold`` robust standard deviations of that history, so the bar rises with
@@ -186,7 +189,9 @@ class StragglerDetector:
         *,
         z_threshold: float = 3.5,
         min_slowdown: float = 0.10,
-        persistence: int = 2,
+        persistence: int = 4,
+        fast_persistence: int = 2,
+        fast_slowdown: float = 2.0,
         window_steps: int = 500,
         pair_min_slowdown: float = 0.20,
         mad_floor_ratio: float = 0.01,
@@ -206,8 +211,11 @@ class StragglerDetector:
         ):
             if not (math.isfinite(ratio) and ratio > 0):
                 raise ValueError(f"{name} must be a positive fraction (0.1 = 10 %), got {ratio}")
+        if not (math.isfinite(fast_slowdown) and fast_slowdown > 0):
+            raise ValueError(f"fast_slowdown must be a positive fraction, got {fast_slowdown}")
         for name, steps, least in (
             ("persistence", persistence, 1),
+            ("fast_persistence", fast_persistence, 1),
             ("smoothing", smoothing, 1),
             ("warmup_steps", warmup_steps, 0),
             ("history_steps", history_steps, 1),
@@ -223,6 +231,8 @@ class StragglerDetector:
         self._pair_min_slowdown = pair_min_slowdown
         self._mad_floor_ratio = mad_floor_ratio
         self._persistence = persistence
+        self._fast_persistence = min(fast_persistence, persistence)
+        self._fast_slowdown = fast_slowdown
         self._window_steps = window_steps
         self._smoothing = smoothing
         self._warmup_steps = warmup_steps
@@ -370,12 +380,18 @@ class StragglerDetector:
         state.flagged_streak += 1
         if state.active:
             state.active_steps += 1
-        elif state.flagged_streak >= self._persistence:
+        elif state.flagged_streak >= self._required_streak(score):
             state.active = True
             state.active_steps = state.flagged_streak
         else:
             return
         state.finding = self._finding(job, step, state, score)
+
+    def _required_streak(self, score: _Score) -> int:
+        """Flagged steps in a row before a finding: fewer for a rank far slower."""
+        if score.slowdown_ratio >= 1 + self._fast_slowdown:
+            return self._fast_persistence
+        return self._persistence
 
     def _finding(self, job: str, step: int, state: _RankState, score: _Score) -> Finding:
         rank = score.rank
