@@ -95,9 +95,9 @@ def test_persistence_interrupted_starts_over() -> None:
 
 
 def test_world_size_two_uses_the_higher_pair_bar() -> None:
-    det = StragglerDetector(persistence=1, **RAW)
+    det = StragglerDetector(persistence=1, pair_min_slowdown=0.2, **RAW)
     assert det.observe_step("demo", 1, {0: 0.100, 1: 0.115}, 1.0) == []
-    det = StragglerDetector(persistence=1, **RAW)  # 0.115 s would be rank 1's normal
+    det = StragglerDetector(persistence=1, pair_min_slowdown=0.2, **RAW)  # a fresh history
     (finding,) = det.observe_step("demo", 2, {0: 0.100, 1: 0.125}, 2.0)
     assert finding.labels["rank"] == "1"
     assert finding.score == pytest.approx(1.25)
@@ -282,4 +282,6 @@ def test_short_contention_bursts_are_not_a_straggler() -> None:
     calm = [[0.008, 0.008]] * 20
     burst = [[0.008, 0.016]] * 3
     rows = calm + burst + calm + [[0.015, 0.008]] * 3 + calm
+    # and a 1.34x episode of six steps, below the pair bar (seen in a clean demo run)
+    rows += [[0.0061, 0.0082]] * 6 + calm
     assert _steps(det, rows) == [[]] * len(rows)
