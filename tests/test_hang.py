@@ -256,3 +256,29 @@ def test_bad_input_is_rejected_by_name() -> None:
         det.observe("demo", 2, NOW, [])
     with pytest.raises(ValueError, match="rank"):
         HangDetector().observe("demo", -1, NOW, [])
+
+
+def test_short_steps_shorten_the_collective_timeout_down_to_its_floor() -> None:
+    det = _detector(world=2)
+    assert det.collective_timeout_s("demo") == 5.0  # no step seen yet
+    det.observe("demo", 0, NOW, [_op(50, 2.5)])
+    det.observe("demo", 1, NOW, [])
+    assert det.evaluate(NOW) == []
+    for _ in range(50):
+        det.observe_step_duration("demo", 0.012)  # 20 x 12 ms is under the 2 s floor
+    assert det.collective_timeout_s("demo") == 2.0
+    [finding] = det.evaluate(NOW)
+    assert (finding.labels["rank"], finding.details["reason"]) == ("1", "never_joined")
+
+
+def test_long_steps_keep_the_configured_timeout_and_bad_durations_are_ignored() -> None:
+    det = _detector(world=2)
+    det.observe_step_duration("demo", float("nan"))
+    det.observe_step_duration("demo", -1.0)
+    assert det.collective_timeout_s("demo") == 5.0
+    det.observe_step_duration("demo", 0.15)
+    assert det.collective_timeout_s("demo") == pytest.approx(3.0)
+    det.observe_step_duration("demo", 10.0)
+    assert det.collective_timeout_s("demo") == 5.0  # capped by timeout_s
+    with pytest.raises(ValueError, match="step_multiple"):
+        HangDetector(step_multiple=0)

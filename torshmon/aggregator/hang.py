@@ -22,6 +22,13 @@ Membership: the default group ("default") holds ranks ``0..world_size-1`` once
 ranks seen in flight on them so far; a member that was never seen on its group cannot
 be named missing (only a lagging or silent one).
 
+Timeouts: a collective counts as hung after ``timeout_s`` (5 s), or sooner in a job
+whose steps are short: ``step_multiple`` (20) times its typical step duration (fed by
+``observe_step_duration``), but never under ``min_timeout_s`` (2 s). A job of 100 ms
+steps whose peers have waited 2 s for one rank is stuck, not slow; one of 1 s steps
+keeps 5 s. A rank that stopped reporting is judged on ``timeout_s`` alone (its
+reports come every second at best).
+
 Ages: an op's age at evaluation is its reported ``age_s`` plus the time since the
 report, so ``ts_unix_s`` given to ``observe`` must be on the clock of ``now_unix_s``
 (the aggregator's receive time is best). Only ranks that reported within
@@ -102,6 +109,8 @@ class _Job:
     # Non-default groups: ranks ever seen in flight on them.
     members: dict[str, set[int]] = field(default_factory=dict)
     since: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
+    #: Moving average of the job's step durations (None until one is observed).
+    step_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +131,20 @@ class HangDetector:
     thread-safe; the aggregator drives it from one task.
     """
 
-    def __init__(self, *, timeout_s: float = 5.0) -> None:
-        """Raises ValueError unless timeout_s is a positive number of seconds."""
-        if not (math.isfinite(timeout_s) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+    def __init__(
+        self, *, timeout_s: float = 5.0, min_timeout_s: float = 2.0, step_multiple: float = 20.0
+    ) -> None:
+        """Raises ValueError naming a setting that is not a positive number."""
+        for name, value in (
+            ("timeout_s", timeout_s),
+            ("min_timeout_s", min_timeout_s),
+            ("step_multiple", step_multiple),
+        ):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value}")
         self._timeout_s = timeout_s
+        self._min_timeout_s = min(min_timeout_s, timeout_s)
+        self._step_multiple = step_multiple
         self._jobs: dict[str, _Job] = {}
 
     def set_world(self, job: str, world_size: int) -> None:
@@ -163,6 +181,26 @@ class HangDetector:
         for op in ops:
             if op.peer is None and op.pg != DEFAULT_PG:
                 state.members.setdefault(op.pg, set()).add(rank)
+
+    def observe_step_duration(self, job: str, duration_s: float) -> None:
+        """Feed one step duration of ``job`` (seconds); non-finite or negative ones are
+        ignored. Short steps shorten the job's collective timeout (see the module doc)."""
+        if not (math.isfinite(duration_s) and duration_s >= 0):
+            return
+        state = self._job(job)
+        held = state.step_s
+        state.step_s = duration_s if held is None else held + 0.1 * (duration_s - held)
+
+    def collective_timeout_s(self, job: str) -> float:
+        """How long ``job``'s peers may wait in a collective before it counts as hung."""
+        state = self._jobs.get(job)
+        return self._timeout_s if state is None else self._collective_timeout(state)
+
+    def _collective_timeout(self, state: _Job) -> float:
+        if state.step_s is None:
+            return self._timeout_s
+        scaled = self._step_multiple * state.step_s
+        return min(self._timeout_s, max(self._min_timeout_s, scaled))
 
     def evaluate(self, now_unix_s: float) -> list[Finding]:
         """Every hang at ``now_unix_s`` (Unix seconds), ordered by job and ``Finding.key()``."""
@@ -220,7 +258,7 @@ class HangDetector:
         members: set[int],
         found: dict[tuple[str, tuple[tuple[str, str], ...]], Finding],
     ) -> None:
-        timeout = self._timeout_s
+        timeout = self._collective_timeout(state)
         stuck_seqs = {e.seq for e in entries.values() if e.age_s > timeout}
         if not stuck_seqs:
             return
@@ -253,7 +291,7 @@ class HangDetector:
         pairs: dict[tuple[str, int, int], _Entry],
         found: dict[tuple[str, tuple[tuple[str, str], ...]], Finding],
     ) -> None:
-        timeout = self._timeout_s
+        timeout = self._collective_timeout(state)
         for (pg, rank, peer), entry in sorted(pairs.items()):
             if entry.age_s <= timeout:
                 continue

@@ -250,6 +250,7 @@ class LiveState:
         hist.sum = total_s
         hist.count += len(batch.steps)
         last = batch.steps[-1]
+        self.hang.observe_step_duration(batch.job, last.duration_s)
         r.last_step = last.step
         r.steps_total += len(batch.steps)
         r.duration_s = last.duration_s
