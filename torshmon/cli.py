@@ -73,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KIND[:k=v,...]",
-        help="inject a fault, e.g. straggler:rank=1,slowdown=0.5,from=40,to=120 (repeatable)",
+        help=(
+            "inject a fault for real (repeatable): straggler, regression, hang, memory-leak, "
+            "loss-spike or slow-link, e.g. straggler:rank=1,slowdown=0.5,from=40,to=120; "
+            "see docs/faults.md"
+        ),
     )
     agent = commands.add_parser(
         "agent", help="the per-node daemon: serves the probes, spools, forwards, /metrics"
