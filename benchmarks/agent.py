@@ -478,9 +478,7 @@ async def measure(plan: Plan, ranks: int, repeat: int) -> RunResult:
             ]
             if plan.scrape_interval_s > 0:
                 url = f"http://127.0.0.1:{metrics_port}/metrics"
-                scraper = asyncio.create_task(
-                    _scrape_forever(url, plan.scrape_interval_s, scraped)
-                )
+                scraper = asyncio.create_task(_scrape_forever(url, plan.scrape_interval_s, scraped))
             await asyncio.sleep(plan.warmup_s)
             window = await _window(process, plan.window_s)
             stop.set()

@@ -532,9 +532,7 @@ def test_many_steps_fold_into_the_same_histogram_counts() -> None:
                 seq * 100 + i,
                 0.1,
                 0.01,
-                collectives=[
-                    _allreduce(_hist(b3=1, b6=i % 3), size=1, duration=0.5, busbw=1.0)
-                ],
+                collectives=[_allreduce(_hist(b3=1, b6=i % 3), size=1, duration=0.5, busbw=1.0)],
             )
             for i in range(30)
         ]

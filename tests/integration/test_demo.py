@@ -124,6 +124,7 @@ async def test_injected_straggler_fires_names_the_rank_notifies_slack_and_resolv
     assert len(messages) >= 2, [m["text"] for _, m in received]
     for message in messages:
         check_block_kit(message)
+
     def names_rank_1(text: str) -> bool:
         return "rank 1" in text or "rank: 1" in text.lower()
 

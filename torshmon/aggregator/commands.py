@@ -125,9 +125,7 @@ class CommandBook:
         expired = []
         with self._lock:
             for command_id, status in self._status.items():
-                if not status.done and (
-                    now - status.created_unix_s > self.timeout_s
-                ):
+                if not status.done and (now - status.created_unix_s > self.timeout_s):
                     status = replace(
                         status,
                         status="expired",
