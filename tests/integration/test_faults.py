@@ -102,9 +102,7 @@ async def test_a_slow_link_fires_slow_link_naming_the_rank(tmp_path: Path) -> No
     ok, reason = available()
     if not ok:
         pytest.skip(f"link shaping unavailable: {reason}")
-    result = await _run(
-        tmp_path, 160, "slow-link:rank=2,rate=100mbit,from=50,to=100", world_size=3
-    )
+    result = await _run(tmp_path, 160, "slow-link:rank=2,rate=100mbit,from=50,to=100", world_size=3)
     assert result.fault_events["fault0_onset_step"] == 50.0
     assert "fault0_end_unix_s" in result.fault_events
     alert = _one(result, "Slow Link")
