@@ -18,12 +18,13 @@ Per run:
   seen from the onset step on when the alert fired (0 for a hang: no step completes);
 - **resolved**: the alert resolved after the fault stopped;
 - **false alerts**: alerts that fired and are neither the kind's rule naming the right
-  rank nor a symptom rule (a slower job legitimately shows Step Time Anomaly and
-  High Communication Overhead for straggler, regression, hang and slow-link).
+  rank after the onset nor a symptom rule after the onset (a slower job legitimately
+  shows Step Time Anomaly and High Communication Overhead for straggler, regression,
+  hang and slow-link); anything that fired before the onset is false.
 
 A clean run of ``--clean-steps`` steps (2 000 by default) counts every alert that fires.
 
-``precision`` = diagnostic alerts that were right / all diagnostic and false alerts,
+``precision`` = right alerts / (right alerts + false alerts), counted in alerts,
 over the fault runs and the clean run (symptom alerts are left out of it);
 ``recall`` = detected runs / runs; ``attribution`` = named / detected runs of kinds
 with a rank. Prints a table per run, a summary, then one JSON object (the last line).
@@ -91,6 +92,7 @@ class RunResult:
     slack_latency_s: float | None = None
     latency_steps: int | None = None
     resolved: bool = False
+    right_alerts: int = 0
     false_alerts: list[str] = field(default_factory=list)
     symptom_alerts: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -208,26 +210,26 @@ async def run_one(
     expected = EXPECTED.get(kind or "", ())
     symptoms = SYMPTOMS.get(kind or "", ())
     first = None
+    wrong_rank = False
     for alert in fired:
         rank = alert["rank"]
         name = f"{alert['rule']}" + (f" (rank {rank})" if rank is not None else "")
         right_rank = fault is None or fault.rank is None or rank == fault.rank
         after_onset = onset_s is not None and alert["fired_at_unix_s"] >= onset_s - 0.5
         if alert["rule"] in expected and after_onset and right_rank:
+            run.right_alerts += 1
             if first is None or alert["fired_at_unix_s"] < first["fired_at_unix_s"]:
                 first = alert
-        elif alert["rule"] in expected and after_onset and kind not in JOB_WIDE:
-            run.false_alerts.append(name)  # the right rule naming the wrong rank
         elif alert["rule"] in symptoms and after_onset:
             run.symptom_alerts.append(name)
-        elif alert["rule"] not in expected:
+        else:
+            # another rule, anything before the onset, or the right rule naming the
+            # wrong rank
+            wrong_rank = wrong_rank or (alert["rule"] in expected and after_onset)
             run.false_alerts.append(name)
-    if first is None and fault is not None:
-        wrong = [a for a in fired if a["rule"] in expected]
-        run.detected = bool(wrong)
-        run.named = False if wrong and kind not in JOB_WIDE else None
-        return run, result.alerts
     if first is None:
+        run.detected = wrong_rank  # caught, but blamed on the wrong rank
+        run.named = False if wrong_rank else None
         return run, result.alerts
     assert onset_s is not None
     run.detected = True
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     latencies = [r.latency_s for r in detected if r.latency_s is not None]
     slack = [r.slack_latency_s for r in detected if r.slack_latency_s is not None]
     steps = [r.latency_steps for r in detected if r.latency_steps is not None]
-    right = sum(1 for r in detected if r.named is not False)
+    right = sum(r.right_alerts for r in runs)
     false = sum(len(r.false_alerts) for r in runs) + (len(clean.false_alerts) if clean else 0)
     per_kind = {
         kind: {
