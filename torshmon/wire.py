@@ -20,7 +20,7 @@ into the oldest generation, bring on) full collections over its whole heap.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any, Final, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -76,9 +76,11 @@ STEP_DURATION_BUCKETS_S: Final[tuple[float, ...]] = (
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Rank = Annotated[int, Meta(ge=0, le=2**31 - 1)]
-Name = Annotated[str, Meta(max_length=200)]
+NAME_MAX_CHARS = 200
+TEXT_MAX_CHARS = 4000
+Name = Annotated[str, Meta(max_length=NAME_MAX_CHARS)]
 Label = Annotated[str, Meta(max_length=64)]
-Text = Annotated[str, Meta(max_length=4000)]
+Text = Annotated[str, Meta(max_length=TEXT_MAX_CHARS)]
 
 
 class WireError(ValueError):
@@ -237,7 +239,7 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="hello", ta
     session: Label
     job: Name
     rank: Rank
-    world_size: Rank
+    world_size: Annotated[int, Meta(ge=1, le=2**31 - 1)]
     local_rank: Rank
     node: Name
     pid: Count
@@ -364,6 +366,10 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     args: dict[str, object] = {}
 
 
+#: What a probe may answer about a command.
+AckStatus = Literal["accepted", "applied", "rejected"]
+
+
 class CommandAck(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What became of a command: ``applied`` (with the config version and the step
     from which it applies; for a link check, no version and the step it ran at),
@@ -371,7 +377,7 @@ class CommandAck(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     id: Label
     job: Name
-    status: Label
+    status: AckStatus
     reason: Text = ""
     version: Count | None = None
     effective_step: Count | None = None

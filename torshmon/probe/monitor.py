@@ -31,7 +31,10 @@ from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkChec
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
 from torshmon.probe.shipper import Outbox, Shipper
 from torshmon.wire import (
+    NAME_MAX_CHARS,
     SCHEMA_VERSION,
+    TEXT_MAX_CHARS,
+    AckStatus,
     AppliedConfig,
     Command,
     CommandAck,
@@ -115,6 +118,11 @@ class Monitor:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.job = job or os.environ.get("TORSHMON_JOB") or "default"
+        if len(self.job) > NAME_MAX_CHARS:
+            # The agent would reject every frame of this job, and nothing would say why.
+            raise ValueError(
+                f"job name must be at most {NAME_MAX_CHARS} characters, got {len(self.job)}"
+            )
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.agent_socket = agent_socket or default_agent_socket()
@@ -436,16 +444,22 @@ class Monitor:
             raise ConfigError(f"unknown config field {unknown[0]!r}; allowed: {allowed}")
         return self.request_config(**command.args)  # type: ignore[arg-type]
 
-    def _ack_command(self, command: Command, status: str, **details: Any) -> None:
+    def _ack_command(self, command: Command, status: AckStatus, **details: Any) -> None:
+        if "reason" in details:
+            details["reason"] = details["reason"][:TEXT_MAX_CHARS]
         ack = CommandAck(id=command.id, job=command.job, status=status, **details)
         self._shipper.command_acks.put(ack)
 
     def _ack_superseded(self, version: int) -> None:
         """Commands queued before ``version`` were replaced by it (a later request
         replaces a queued one): they get their final answer now, not never."""
-        for older in sorted(v for v in self._commands_by_version if v < version):
+        # list(): the shipper thread adds commands while the training thread is here.
+        for older in sorted(v for v in list(self._commands_by_version) if v < version):
+            command = self._commands_by_version.pop(older, None)
+            if command is None:
+                continue
             self._ack_command(
-                self._commands_by_version.pop(older),
+                command,
                 "rejected",
                 reason=f"superseded by config version {version} before it was applied",
             )
@@ -465,11 +479,13 @@ class Monitor:
         # will see in its own next collective; swallowing it could desync ranks.
         outcome = self._reconfig.sync(self._step)
         rejected = [
-            ConfigRejection(version=r.version, reason=r.reason)
+            ConfigRejection(version=r.version, reason=r.reason[:TEXT_MAX_CHARS])
             for r in self._reconfig.take_rejections()
         ]
         if isinstance(outcome, Rejected):
-            rejected.append(ConfigRejection(version=outcome.version, reason=outcome.reason))
+            rejected.append(
+                ConfigRejection(version=outcome.version, reason=outcome.reason[:TEXT_MAX_CHARS])
+            )
             self._ack_superseded(outcome.version)
             command = self._commands_by_version.pop(outcome.version, None)
             if command is not None:

@@ -209,6 +209,8 @@ class Reconfigurator:
 
     def take_link_checks(self) -> list[LinkCheckDone]:
         """Link checks this rank ran since the last call."""
+        if not self._checks_done:
+            return []  # every step: no allocation for the usual case
         out, self._checks_done = self._checks_done, []
         return out
 
