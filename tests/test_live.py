@@ -40,3 +40,20 @@ def test_heartbeats_of_a_stuck_job_keep_it_alive() -> None:
     live.observe(_stored(steps=False), now_unix_s=1050.0)
     live.expire(1100.0)
     assert "j" in live.jobs
+
+
+def test_a_finding_that_starts_and_clears_inside_one_batch_is_evaluated_once() -> None:
+    """A 3-step loss spike inside one ingested batch: the detector is active and clear
+    again before any evaluation; findings() must still show it once."""
+    live = LiveState(idle_s=60.0)
+    hello = wf.hello("j", 0, 1)
+    losses = [1.0 + 0.001 * (i % 3) for i in range(20)] + [50.0] * 3 + [1.0] * 4
+    steps = [wf.step(i + 1, loss=loss) for i, loss in enumerate(losses)]
+    live.observe(
+        Stored(acked_seq=1, hellos=[hello], batches=[(wf.batch(hello, 1, steps), "n")]),
+        now_unix_s=1000.0,
+    )
+    assert live.loss_z.active() == []  # cleared inside the batch
+    found = [f for f in live.findings(1000.5) if f.labels.get("metric") == "loss"]
+    assert [(f.kind, f.labels["rank"]) for f in found] == [("anomaly", "0")]
+    assert [f for f in live.findings(1001.0) if f.labels.get("metric") == "loss"] == []

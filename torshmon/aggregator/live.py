@@ -178,7 +178,8 @@ class LiveState:
         if batch.steps:
             self._observe_steps(batch, job, r)
         if job.world_size is None or batch.rank < job.world_size:
-            self.hang.observe(batch.job, batch.rank, batch.sent_unix_ns / 1e9, batch.inflight)
+            # The receive time, not the probe's clock: ages are judged against ``now``.
+            self.hang.observe(batch.job, batch.rank, now_unix_s, batch.inflight)
         for result in batch.link_checks:
             self.links.observe_result(result, now_unix_s)
 
@@ -286,14 +287,14 @@ class LiveState:
             )
 
     def _latch(self, finding: Finding) -> None:
-        self._latched[_finding_key(finding)] = finding
+        self._latched[finding.key()] = finding
 
     # -- conclusions ---------------------------------------------------------------------
     def findings(self, now_unix_s: float) -> list[Finding]:
         """Every active finding of every detector."""
         with self._lock:
             out = self.step_z.active() + self.loss_z.active() + self.straggler.active()
-            current = {_finding_key(f) for f in out}
+            current = {f.key() for f in out}
             out.extend(f for key, f in self._latched.items() if key not in current)
             self._latched.clear()
             self._hangs = self.hang.evaluate(now_unix_s)
@@ -734,7 +735,3 @@ class _LiveCollector:
         for key, n in sorted(counts.items()):
             firing.add_metric(list(key), float(n))
         yield from (anomaly, zscore, straggler, score, hang, slow_link, link_bw, firing)
-
-
-def _finding_key(finding: Finding) -> tuple[str, tuple[tuple[str, str], ...]]:
-    return finding.kind, tuple(sorted(finding.labels.items()))

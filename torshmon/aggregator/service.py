@@ -58,7 +58,6 @@ T = TypeVar("T")
 _T = Base.metadata.tables
 
 INGEST_PATH = "/api/v1/ingest"
-AGGREGATOR_KEY = web.AppKey("aggregator", object)
 
 #: Called with each alert transition that has the ``autotune`` action (the tuner hooks here).
 ActionHook = Callable[[Alert], None]
@@ -102,7 +101,12 @@ class Aggregator:
             series_retention_s=_series_retention_s(self.rules, self.alerts.stale_after_s),
             link_check=link_check,
         )
-        self.notifier = Notifier(list(targets) if targets is not None else targets_from_env())
+        self.notifier = Notifier(
+            list(targets) if targets is not None else targets_from_env(),
+            external_url=settings.external_url,
+        )
+        self._unwritten_findings: list[Finding] = []
+        self._unwritten_alerts: list[Alert] = []
         self.tracer = otel.Tracing(settings.otlp_endpoint, service_instance=settings.aggregator_id)
         self.store: IngestStore | None = None
         self.action_hooks: dict[str, list[ActionHook]] = {}
@@ -163,7 +167,6 @@ class Aggregator:
             client_max_size=self.settings.max_body_bytes,
             middlewares=[api.error_middleware],
         )
-        app[AGGREGATOR_KEY] = self
         app.router.add_post(INGEST_PATH, self._ingest)
         api.add_routes(app, self)
         self._runner = web.AppRunner(app, access_log=None)
@@ -309,8 +312,19 @@ class Aggregator:
         new_findings = [f for f in findings if f.key() not in self._finding_keys]
         self._finding_keys = {f.key() for f in findings}
         self.live.set_alerts(self.alerts.active())
-        if new_findings or transitions:
-            await self.write(self._persist, new_findings, transitions, now)
+        # Transitions happen once: if their write fails they are kept and written with the
+        # next tick's, and notifications and actions below still go out now.
+        self._unwritten_findings += new_findings
+        self._unwritten_alerts += transitions
+        if self._unwritten_findings or self._unwritten_alerts:
+            try:
+                await self.write(
+                    self._persist, self._unwritten_findings, self._unwritten_alerts, now
+                )
+            except Exception:
+                log.exception("storing findings and alert transitions failed; retrying next tick")
+            else:
+                self._unwritten_findings, self._unwritten_alerts = [], []
         to_send = [a for a in transitions if "notify" in a.actions]
         if to_send:
             self.notifier.submit(to_send)
