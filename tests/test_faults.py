@@ -25,7 +25,7 @@ def test_every_kind_parses_with_its_defaults() -> None:
     assert parse_fault("regression:slowdown=1,from=30,to=40") == Fault(
         "regression", None, 30, 40, 1.0
     )
-    assert parse_fault("hang:rank=0,from=5") == Fault("hang", 0, 5, None, 8.0)
+    assert parse_fault("hang:rank=0,from=5") == Fault("hang", 0, 5, 6, 8.0)
     assert parse_fault("memory-leak:mb=2.5") == Fault("memory-leak", 1, 20, None, 2.5)
     spike = parse_fault("loss-spike:rank=0,from=10,nan=1")
     assert (spike.stop_step, spike.nan, spike.amount) == (15, True, 10.0)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 #: Every kind, and the parameters each takes.
@@ -68,10 +68,6 @@ class Fault:
     nan: bool = False
     rate: str | None = None
 
-    @property
-    def slowdown(self) -> float:
-        return self.amount if self.kind in ("straggler", "regression") else 0.0
-
     def active(self, step: int) -> bool:
         return step >= self.start_step and (self.stop_step is None or step < self.stop_step)
 
@@ -79,7 +75,8 @@ class Fault:
         return self.rank is None or self.rank == rank
 
     def describe(self) -> str:
-        until = f" until step {self.stop_step}" if self.stop_step is not None else ""
+        once = self.kind == "hang"
+        until = f" until step {self.stop_step}" if self.stop_step is not None and not once else ""
         who = f"rank {self.rank}" if self.rank is not None else "every rank"
         what = {
             "straggler": f"computes {1 + self.amount:g}x slower",
@@ -116,6 +113,8 @@ def parse_fault(spec: str) -> Fault:
     stop: int | None = _int(params, "to", 0, spec) if "to" in params else None
     if kind == "loss-spike" and stop is None:
         stop = start + LOSS_SPIKE_STEPS
+    if kind == "hang":
+        stop = start + 1  # it stops once, before that step
     if stop is not None and stop <= start:
         raise FaultError(f"'to' ({stop}) must be after 'from' ({start}) in {spec!r}")
     rank = None if kind == "regression" else _int(params, "rank", 1, spec)
@@ -131,7 +130,7 @@ def parse_fault(spec: str) -> Fault:
         if nan not in (0, 1):
             raise FaultError(f"nan must be 0 or 1 in {spec!r}, got {nan}")
         fault = _with_amount(fault, params, "factor", 10.0, spec)
-        return _replace(fault, nan=bool(nan))
+        return replace(fault, nan=bool(nan))
     rate = params.get("rate", "100mbit")
     from torshmon.linkshape import parse_rate
 
@@ -139,7 +138,7 @@ def parse_fault(spec: str) -> Fault:
         parse_rate(rate)
     except ValueError as exc:
         raise FaultError(f"rate in {spec!r}: {exc}") from None
-    return _replace(fault, rate=rate)
+    return replace(fault, rate=rate)
 
 
 def _with_amount(
@@ -148,13 +147,7 @@ def _with_amount(
     amount = _float(params, key, default, spec)
     if not amount > 0:
         raise FaultError(f"{key} must be > 0 in {spec!r}, got {amount:g}")
-    return _replace(fault, amount=amount)
-
-
-def _replace(fault: Fault, **changes: Any) -> Fault:
-    from dataclasses import replace
-
-    return replace(fault, **changes)
+    return replace(fault, amount=amount)
 
 
 def _int(params: dict[str, str], key: str, default: int, spec: str) -> int:
@@ -228,7 +221,8 @@ class FaultRunner:
                 self.events[f"fault{index}_end_unix_s"] = time.time()
         now = time.perf_counter()
         # The interval just ended is the previous step's: normal only if no fault hit it.
-        normal = not any(f.active(step - 1) for _, f in self._mine(tuple(PARAMS)))
+        # Any rank's fault counts: in a synchronous job a peer's fault slows this rank too.
+        normal = not any(f.active(step - 1) for f in self.faults)
         if self._step_started and normal and len(self._intervals_s) < 50:
             self._intervals_s.append(now - self._step_started)
         self._step_started = now

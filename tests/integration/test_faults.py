@@ -37,8 +37,12 @@ def _fired(result: DemoResult) -> list[dict[str, Any]]:
 
 
 def _one(result: DemoResult, rule: str) -> dict[str, Any]:
+    """The rule's first alert; it must have fired after the fault started, and no alert
+    of the rule may have fired before."""
     matching = [a for a in _fired(result) if a["rule"] == rule]
     assert matching, f"{rule} did not fire; fired: {[a['rule'] for a in _fired(result)]}"
+    onset = _onset(result)
+    assert all(a["fired_at_unix_s"] >= onset - 0.5 for a in matching), (onset, matching)
     return matching[0]
 
 
