@@ -333,13 +333,19 @@ def _run_tune(args: argparse.Namespace) -> int:
     printed: set[int] = set()
     while True:
         try:
-            _, trials = _http_json(
+            trials_status, trials = _http_json(
                 "GET", f"{base}/api/v1/tuning/trials?session_id={session_id}&limit=1000", token
             )
-            _, sessions = _http_json("GET", f"{base}/api/v1/tuning/sessions?job={job}", token)
+            sessions_status, sessions = _http_json(
+                "GET", f"{base}/api/v1/tuning/sessions?job={job}", token
+            )
         except (urllib.error.URLError, OSError) as exc:
             print(f"torshmon tune: lost {base}: {exc}", file=sys.stderr)
             return 1
+        for status, reply in ((trials_status, trials), (sessions_status, sessions)):
+            if status != 200:  # else a failing aggregator would be polled forever
+                print(f"torshmon tune: {reply.get('error', f'HTTP {status}')}", file=sys.stderr)
+                return 1
         rows = trials.get("trials", [])
         for trial in sorted(rows if isinstance(rows, list) else [], key=lambda t: t["trial_index"]):
             if trial["decision"] is None or trial["trial_index"] in printed:
