@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from tests.integration import wire_factory as wf
@@ -57,3 +58,38 @@ def test_a_finding_that_starts_and_clears_inside_one_batch_is_evaluated_once() -
     found = [f for f in live.findings(1000.5) if f.labels.get("metric") == "loss"]
     assert [(f.kind, f.labels["rank"]) for f in found] == [("anomaly", "0")]
     assert [f for f in live.findings(1001.0) if f.labels.get("metric") == "loss"] == []
+
+
+def _loss_batch(live: LiveState, first: int, losses: list[float], now: float) -> None:
+    hello = wf.hello("j", 0, 1)
+    steps = [wf.step(first + i, loss=loss) for i, loss in enumerate(losses)]
+    live.observe(
+        Stored(acked_seq=first, hellos=[hello], batches=[(wf.batch(hello, first, steps), "n")]),
+        now_unix_s=now,
+    )
+
+
+def test_only_a_finding_not_yet_evaluated_asks_for_an_evaluation() -> None:
+    live = LiveState(idle_s=60.0)
+    normal = [1.0 + 0.001 * (i % 3) for i in range(20)]
+    _loss_batch(live, 1, normal, 1000.0)
+    assert not live.take_fresh()
+    _loss_batch(live, 21, [50.0] * 3, 1000.5)
+    assert live.take_fresh()
+    assert not live.take_fresh()  # taken
+    live.findings(1000.6)
+    # Still active, but the last evaluation saw it: no new evaluation is asked for.
+    _loss_batch(live, 24, [50.0] * 2, 1000.7)
+    assert not live.take_fresh()
+
+
+def test_a_non_finite_loss_asks_for_an_evaluation() -> None:
+    live = LiveState(idle_s=60.0)
+    hello = wf.hello("j", 0, 1)
+    nan = msgspec.structs.replace(wf.step(2, loss=None), loss_nonfinite=True)
+    steps = [wf.step(1, loss=1.0), nan]
+    live.observe(
+        Stored(acked_seq=1, hellos=[hello], batches=[(wf.batch(hello, 1, steps), "n")]),
+        now_unix_s=1000.0,
+    )
+    assert live.take_fresh()

@@ -73,7 +73,12 @@ def _rows(url: str) -> list[tuple[object, ...]]:
 def test_a_firing_alert_survives_a_restart_and_resolves_once(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'h.db'}"
     settings = AggregatorSettings(
-        port=0, db_url=url, token="t", aggregator_id="a1", eval_interval_s=60
+        port=0,
+        db_url=url,
+        token="t",
+        aggregator_id="a1",
+        eval_interval_s=60,
+        eval_on_finding=False,  # the test evaluates when it chooses
     )
     hellos = [
         wf.hello("j", 0, 3, session="s0"),
@@ -115,6 +120,7 @@ def test_steps_and_alerts_become_opentelemetry_spans(tmp_path: Path) -> None:
         token="t",
         aggregator_id="a1",
         eval_interval_s=60,
+        eval_on_finding=False,
     )
     hellos = [wf.hello("j", 0, 3), wf.hello("j", 1, 3), wf.hello("j", 2, 3)]
     with AggregatorThread(settings) as agg:
@@ -131,3 +137,24 @@ def test_steps_and_alerts_become_opentelemetry_spans(tmp_path: Path) -> None:
     assert phases and phases[0].parent is not None
     fired = [s for s in spans if s.name == "alert.firing"]
     assert fired and fired[0].attributes["torshmon.label.rank"] == "2"
+
+
+def test_a_new_finding_is_evaluated_at_once_not_on_the_timer(tmp_path: Path) -> None:
+    settings = AggregatorSettings(
+        port=0,
+        db_url=f"sqlite:///{tmp_path / 'h.db'}",
+        token="t",
+        aggregator_id="a1",
+        eval_interval_s=60,  # the timer never comes within the test
+    )
+    hellos = [wf.hello("j", 0, 3), wf.hello("j", 1, 3), wf.hello("j", 2, 3)]
+    with AggregatorThread(settings) as agg:
+        agg.post_ingest(wf.ingest_body("agent", [(1, wf.record(*hellos))]))
+        seq = _steps(agg, hellos, 1, 10, None, 2)
+        assert agg.aggregator.alerts.active() == []
+        _steps(agg, hellos, 11, 6, 1, seq)
+        deadline = time.monotonic() + 5.0
+        while not agg.aggregator.alerts.active() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fired = [(a.rule, a.state, a.labels.get("rank")) for a in agg.aggregator.alerts.active()]
+    assert fired == [("Straggler", "firing", "1")]

@@ -134,6 +134,10 @@ class LiveState:
         # active and clear inside it, between two rule evaluations. Latched here, each is
         # evaluated at least once (it fires, then resolves at the next evaluation).
         self._latched: dict[tuple[str, tuple[tuple[str, str], ...]], Finding] = {}
+        # What the last ``findings()`` returned, and whether something not among it has
+        # appeared since: the service then evaluates at once instead of on its timer.
+        self._evaluated: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+        self._fresh = False
         self._lock = threading.Lock()
 
     def register(self, registry: CollectorRegistry) -> None:
@@ -182,6 +186,7 @@ class LiveState:
             self.hang.observe(batch.job, batch.rank, now_unix_s, batch.inflight)
         for result in batch.link_checks:
             self.links.observe_result(result, now_unix_s)
+            self._fresh = True
 
     def _observe_steps(self, batch: Batch, job: JobState, r: RankState) -> None:
         """Every step of ``batch`` into the series, detectors and ``r``, in step order."""
@@ -218,6 +223,7 @@ class LiveState:
             if s.batch_size is not None:
                 r.samples_total += s.batch_size
             if s.loss_nonfinite:
+                self._fresh = True  # the Non-finite Loss rule reads the series
                 r.nonfinite_loss_total += 1
                 r.loss = math.nan
                 add("loss", labels, ts, math.nan)
@@ -287,7 +293,17 @@ class LiveState:
             )
 
     def _latch(self, finding: Finding) -> None:
-        self._latched[finding.key()] = finding
+        key = finding.key()
+        self._latched[key] = finding
+        if key not in self._evaluated:
+            self._fresh = True
+
+    def take_fresh(self) -> bool:
+        """Whether a finding (or a non-finite loss, or a link check result) appeared
+        since the last ``findings()`` or ``take_fresh()``; clears the mark."""
+        with self._lock:
+            fresh, self._fresh = self._fresh, False
+        return fresh
 
     # -- conclusions ---------------------------------------------------------------------
     def findings(self, now_unix_s: float) -> list[Finding]:
@@ -301,6 +317,8 @@ class LiveState:
             out.extend(self._hangs)
             self.links.evaluate(now_unix_s)
             out.extend(self.links.active())
+            self._evaluated = {f.key() for f in out}
+            self._fresh = False
         return out
 
     # -- link checks (the service sends the commands) --------------------------------------

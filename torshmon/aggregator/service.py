@@ -2,10 +2,11 @@
 
 One event loop serves HTTP; one writer thread owns every write to the history
 database (SQLite allows one writer, and one ordered writer keeps ingest
-idempotent); reads run on the default executor. Every ``eval_interval_s`` the
-evaluation tick asks the live state for its findings, runs the rules engine,
-stores findings and alert transitions, hands alerts to the notifier, which
-never blocks this loop, and sends the link checks the live state asks for.
+idempotent); reads run on the default executor. Every ``eval_interval_s``, and at
+once after an ingest that brought a new finding, the evaluation tick asks the live
+state for its findings, runs the rules engine, stores findings and alert
+transitions, hands alerts to the notifier, which never blocks this loop, and sends
+the link checks the live state asks for.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class Aggregator:
         self._finding_keys: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._eval_wanted = asyncio.Event()
         self._closed = False
         self._started = False
         self.port: int | None = None
@@ -275,6 +277,8 @@ class Aggregator:
         self.m_duplicates.inc(stored.duplicates)
         self.m_samples.inc(stored.samples)
         self._observe(stored)
+        if self.live.take_fresh() and self.settings.eval_on_finding:
+            self._eval_wanted.set()
         reply = IngestReply(v=SCHEMA_VERSION, acked_seq=stored.acked_seq, commands=stored.commands)
         return web.Response(body=encode_json(reply), content_type="application/json")
 
@@ -297,12 +301,23 @@ class Aggregator:
 
     # -- evaluation ----------------------------------------------------------------------
     async def _evaluate_forever(self) -> None:
+        """Evaluate every ``eval_interval_s``, and at once when an ingest brought a new
+        finding (an alert then costs no timer wait). Early evaluations keep a gap of at
+        least ``eval_min_gap_s`` and of the last evaluation's own duration, so a storm
+        of findings can take at most half of the loop."""
+        settings = self.settings
+        took = 0.0
         while True:
-            await asyncio.sleep(self.settings.eval_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._eval_wanted.wait(), settings.eval_interval_s)
+            self._eval_wanted.clear()
+            started = time.perf_counter()
             try:
                 await self.evaluate()
             except Exception:
                 log.exception("evaluation failed; retrying next tick")
+            took = time.perf_counter() - started
+            await asyncio.sleep(max(settings.eval_min_gap_s, took))
 
     async def evaluate(self) -> list[Alert]:
         """One evaluation tick: findings, rules, storage, notifications. Returns transitions."""

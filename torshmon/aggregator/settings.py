@@ -44,6 +44,10 @@ class AggregatorSettings:
     rules_path: str | None = None
     aggregator_id: str = ""
     eval_interval_s: float = 0.5
+    #: Evaluate at once when an ingest brings a new finding, not only on the timer.
+    eval_on_finding: bool = True
+    #: The least time between an evaluation and one brought forward by a new finding.
+    eval_min_gap_s: float = 0.05
     retention_interval_s: float = 300.0
     raw_retention_s: float = 86400.0
     rollup_retention_s: float = 30 * 86400.0
@@ -58,6 +62,7 @@ class AggregatorSettings:
             raise SettingsError(f"port must be in 0..65535, got {self.port}")
         for name in (
             "eval_interval_s",
+            "eval_min_gap_s",
             "retention_interval_s",
             "raw_retention_s",
             "rollup_retention_s",
@@ -126,6 +131,8 @@ def _read_config(path: Path, known: Mapping[str, object]) -> dict[str, Any]:
 
 
 def _coerce(name: str, type_name: str, value: Any) -> Any:
+    if type_name == "bool":
+        return _boolean(name, value)
     try:
         if type_name == "int":
             return int(value)
@@ -136,3 +143,14 @@ def _coerce(name: str, type_name: str, value: Any) -> Any:
     if type_name in ("str", "str | None") and not isinstance(value, str):
         raise SettingsError(f"{name} must be a string, got {value!r}")
     return value
+
+
+def _boolean(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name} must be true or false, got {value!r}")
