@@ -255,7 +255,9 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", ta
     drop (no agent, or a slow one); it is cumulative so a lost batch loses no count.
     A batch with no steps is a heartbeat; it still carries ``inflight``, which is
     how a rank stuck inside a collective is seen. ``link_checks`` are this rank's
-    results of link checks run since the previous batch.
+    results of link checks run since the previous batch. ``urgent``: the probe's fast
+    lane is open (a step out of line with the rank's recent ones); the agent forwards
+    it without waiting to gather more.
     """
 
     v: int
@@ -269,6 +271,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", ta
     inflight: list[InflightOp] = []
     command_acks: list[CommandAck] = []
     link_checks: list[LinkCheckResult] = []
+    urgent: bool = False
 
 
 class Ack(msgspec.Struct, frozen=True, kw_only=True, tag="ack", tag_field="kind"):

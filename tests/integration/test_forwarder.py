@@ -284,6 +284,28 @@ async def test_commands_arrive_with_data_replies(spool: Spool, aggregator: FakeA
     assert replies[0].acked_seq == 1 and replies[0].commands[0].id == "c2"
 
 
+async def test_an_urgent_record_skips_the_gathering_wait(
+    spool: Spool, aggregator: FakeAggregator
+) -> None:
+    """After a POST the forwarder gathers records for ``min_interval_s``; a record
+    marked urgent (a probe's fast lane) goes at once, a plain one waits."""
+    loop = asyncio.get_running_loop()
+    spool.append(record(1))
+    async with make_forwarder(spool, aggregator, min_interval_s=5.0) as fwd:
+        await wait_until(lambda: len(aggregator.records) == 1)
+        await asyncio.sleep(0.05)  # the forwarder is now in its gathering wait
+        spool.append(record(2))
+        fwd.notify()
+        await asyncio.sleep(0.5)
+        assert len(aggregator.records) == 1  # a plain record waits out the interval
+        started = loop.time()
+        spool.append(record(3))
+        fwd.notify(urgent=True)
+        await wait_until(lambda: len(aggregator.records) == 3, timeout_s=2.0)
+        assert loop.time() - started < 1.0
+    assert_delivered_exactly(aggregator, 3)
+
+
 async def test_413_halves_the_batch_size(spool: Spool, aggregator: FakeAggregator) -> None:
     aggregator.max_records_per_request = 2
     for i in range(1, 21):

@@ -12,6 +12,7 @@ import pytest
 
 from tests.integration.conftest import ReceiverThread
 from torshmon.launch import run_ranks
+from torshmon.wire import Batch
 
 pytestmark = pytest.mark.integration
 
@@ -438,3 +439,54 @@ def test_a_rank_waiting_inside_ddp_reduction_shows_it_in_flight(
     assert {(op.op, op.seq, op.pg) for op in waiting} == {("ddp_reduce", 5, "default")}
     assert [op for b in receiver.batches(1) for op in b.inflight if op.age_s >= 0.5] == []
     assert receiver.batches(0)[-1].inflight == []
+
+
+# -- the fast lane --------------------------------------------------------------------------
+
+SLOW_STEP = 15
+
+
+def _one_slow_step(rank: int, world: int, sock: str) -> float:
+    """20 ms steps with a 5 s flush; step SLOW_STEP takes 150 ms on every rank (a
+    job-wide slowdown). Returns when that step ended (wall clock)."""
+    import torch
+    import torch.distributed as dist
+
+    import torshmon
+
+    monitor = torshmon.attach(None, job="lane", agent_socket=sock, flush_interval_s=5.0)
+    slow_end = 0.0
+    for step in range(1, SLOW_STEP + 11):
+        with monitor.step():
+            time.sleep(0.15 if step == SLOW_STEP else 0.02)
+            dist.all_reduce(torch.ones(10))
+        if step == SLOW_STEP:
+            slow_end = time.time()
+    time.sleep(1.0)  # the flush (5 s) is not due: only the fast lane can have sent them
+    monitor.close()
+    return slow_end
+
+
+def test_a_slow_step_is_sent_at_once_marked_urgent(tmp_path: Path) -> None:
+    arrivals: list[tuple[float, Any]] = []
+
+    class Timed(ReceiverThread):
+        def _observe(self, message: Any) -> None:
+            arrivals.append((time.time(), message))
+            super()._observe(message)
+
+    receiver = Timed(tmp_path / "agent.sock").start()
+    try:
+        ends = run_ranks(_one_slow_step, 2, str(receiver.socket_path), timeout_s=TIMEOUT_S)
+    finally:
+        receiver.stop()
+    for rank, slow_end in enumerate(ends):
+        mine = [(t, m) for t, m in arrivals if isinstance(m, Batch) and m.rank == rank]
+        [(arrived, batch)] = [(t, m) for t, m in mine if SLOW_STEP in [s.step for s in m.steps]]
+        assert batch.urgent
+        assert arrived - slow_end < 0.5, f"rank {rank}: {arrived - slow_end:.2f} s"
+        # The steps before it travelled with it (nothing was due); the lane stayed open
+        # for the steps after it, each sent at once.
+        assert batch.steps[0].step == 1
+        after = [m for _t, m in mine if m.steps and m.steps[0].step > SLOW_STEP]
+        assert after and all(m.urgent for m in after[:-1])

@@ -125,6 +125,7 @@ class Agent:
             lambda: deque(maxlen=MAX_QUEUED_COMMANDS)
         )
         self._pending: list[bytes] = []
+        self._pending_urgent = False
         self._pending_done: asyncio.Future[None] | None = None
         self._commit_handle: asyncio.Handle | None = None
         self._sampler_task: asyncio.Task[None] | None = None
@@ -204,6 +205,8 @@ class Agent:
         record as it came: decoding was needed to validate it, re-encoding is not.
         """
         self._pending.append(payload)
+        if isinstance(message, Batch) and message.urgent:
+            self._pending_urgent = True
         done = self._pending_done
         if done is None:
             loop = asyncio.get_running_loop()
@@ -228,13 +231,14 @@ class Agent:
 
     def _flush_pending_now(self) -> None:
         messages, self._pending = self._pending, []
+        urgent, self._pending_urgent = self._pending_urgent, False
         done, self._pending_done = self._pending_done, None
         if not messages:
             if done is not None and not done.done():
                 done.set_result(None)
             return
         try:
-            self._append_raw(b'{"messages":[%s]}' % b",".join(messages))
+            self._append_raw(b'{"messages":[%s]}' % b",".join(messages), urgent=urgent)
         except Exception as exc:
             if done is not None and not done.done():
                 done.set_exception(exc)
@@ -245,11 +249,12 @@ class Agent:
     def _append(self, record: SpoolRecord) -> None:
         self._append_raw(encode_json(record))
 
-    def _append_raw(self, record_json: bytes) -> None:
-        """Append one SpoolRecord's JSON durably and wake the forwarder."""
+    def _append_raw(self, record_json: bytes, *, urgent: bool = False) -> None:
+        """Append one SpoolRecord's JSON durably and wake the forwarder (at once, not
+        after its gathering wait, when a probe marked a batch urgent)."""
         self.spool.append(record_json)
         if self.forwarder is not None:
-            self.forwarder.notify()
+            self.forwarder.notify(urgent=urgent)
 
     def _commands_for(self, hello: Hello) -> list[Command]:
         if hello.rank != 0 or hello.job not in self._commands:

@@ -126,6 +126,8 @@ class Forwarder:
         self._min_interval_s = min_interval_s
         self._rng = rng if rng is not None else random.Random()
         self._wake = asyncio.Event()
+        self._urgent = asyncio.Event()
+        self._pacing = False
         self._closing = False
         self._poll_due = False
         self._task: asyncio.Task[None] | None = None
@@ -184,9 +186,12 @@ class Forwarder:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def notify(self) -> None:
-        """New records were appended: send now rather than at the next poll."""
+    def notify(self, *, urgent: bool = False) -> None:
+        """New records were appended: send now rather than at the next poll, and when
+        ``urgent`` also without waiting out ``min_interval_s`` to gather more."""
         self._wake.set()
+        if urgent:
+            self._urgent.set()
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -202,12 +207,19 @@ class Forwarder:
                 delay = self._backoff_s()
             if delay is None:
                 return
-            if delay > 0:
+            if delay > 0 and self._pacing:
+                # Gathering records between POSTs: an urgent record cuts it short. A
+                # backoff after a failure is never cut short.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._urgent.wait(), delay)
+            elif delay > 0:
                 await asyncio.sleep(delay)
 
     async def _step(self) -> float | None:
         """One attempt; the seconds to wait before the next one, or None to stop."""
         self._wake.clear()
+        self._urgent.clear()
+        self._pacing = False
         prepared = await asyncio.to_thread(self._prepare)
         if prepared.count == 0:
             if self._closing:
@@ -224,7 +236,10 @@ class Forwarder:
             # (the next record may simply not have fitted): go on at once.
             full = 2 * prepared.raw_bytes >= self.batch_max_bytes
             full = full or prepared.count >= _MAX_RECORDS_PER_BATCH
-            return 0.0 if full or self._closing else self._min_interval_s
+            if full or self._closing:
+                return 0.0
+            self._pacing = True
+            return self._min_interval_s
         self._failed(outcome)
         return outcome.delay_s if outcome.delay_s is not None else self._backoff_s()
 

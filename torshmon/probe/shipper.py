@@ -5,6 +5,10 @@ else (summarising, batching, socket I/O, reconnecting) happens on the shipper's
 daemon thread, so a missing or slow agent can never block training. While the
 agent is away, batches wait in a bounded buffer; past the bound the oldest are
 dropped and counted, and the count travels in every later batch.
+
+Steps are summarised every ``poll_s`` and sent every ``flush_interval_s``, or at
+once, marked urgent, while the fast lane is open (``fastlane``: a step out of line
+with the rank's recent ones opens it).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from torshmon.probe.events import RawStep
+from torshmon.probe.fastlane import FastLane
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.summary import summarize_step
 from torshmon.wire import (
@@ -92,18 +97,24 @@ class Shipper:
         outbox: Outbox[RawStep],
         inflight: InflightTable,
         flush_interval_s: float = 0.5,
+        poll_s: float = 0.05,
         heartbeat_interval_s: float = 1.0,
         max_buffered_steps: int = 10_000,
         max_steps_per_batch: int = 256,
         io_timeout_s: float = 2.0,
         reconnect_max_s: float = 5.0,
         on_commands: Callable[[list[Command]], None] | None = None,
+        fast_lane: FastLane | None = None,
     ) -> None:
         self._socket_path = socket_path
         self._hello = hello
         self._outbox = outbox
         self._inflight = inflight
         self._flush_interval_s = flush_interval_s
+        self._poll_s = min(poll_s, flush_interval_s)
+        self.fast_lane = fast_lane if fast_lane is not None else FastLane()
+        self._pending: list[StepRecord] = []
+        self._next_flush = 0.0
         self._heartbeat_interval_s = heartbeat_interval_s
         self._max_buffered_steps = max_buffered_steps
         self._max_steps_per_batch = max_steps_per_batch
@@ -144,10 +155,11 @@ class Shipper:
     # -- the thread -------------------------------------------------------------------
     def _run(self) -> None:
         failures = 0
+        self._next_flush = time.monotonic() + self._flush_interval_s
         while True:
-            stopping = self._stop.wait(self._flush_interval_s)
+            stopping = self._stop.wait(self._poll_s)
             try:
-                self._cycle(final=stopping)
+                self._poll(final=stopping)
             except Exception:
                 failures += 1
                 if failures == 1:
@@ -156,10 +168,22 @@ class Shipper:
                 break
         self._disconnect()
 
-    def _cycle(self, *, final: bool) -> None:
+    def _poll(self, *, final: bool) -> None:
+        """Summarise new steps; send when the flush is due or the fast lane is open."""
         steps = [summarize_step(raw) for raw in self._outbox.drain()]
+        now = time.monotonic()
+        if steps:
+            self._pending += steps
+            self.fast_lane.observe(steps, now)
+        urgent = bool(self._pending) and self.fast_lane.is_open(now)
+        if final or urgent or now >= self._next_flush:
+            self._next_flush = now + self._flush_interval_s
+            self._cycle(final=final, urgent=urgent)
+
+    def _cycle(self, *, final: bool, urgent: bool = False) -> None:
+        steps, self._pending = self._pending, []
         for start in range(0, len(steps), self._max_steps_per_batch):
-            self._enqueue(steps[start : start + self._max_steps_per_batch])
+            self._enqueue(steps[start : start + self._max_steps_per_batch], urgent=urgent)
         now = time.monotonic()
         if self._sock is None and (final or now >= self._next_connect):
             self._connect()
@@ -170,7 +194,7 @@ class Shipper:
             self._enqueue([])  # heartbeat: carries in-flight ops of a stuck rank
         self._send_unacked()
 
-    def _enqueue(self, steps: list[StepRecord]) -> None:
+    def _enqueue(self, steps: list[StepRecord], *, urgent: bool = False) -> None:
         # Make room first, so the count stamped on this batch includes what it evicts.
         excess = self._buffered_steps + len(steps) - self._max_buffered_steps
         while excess > 0 and self._unacked:
@@ -194,6 +218,7 @@ class Shipper:
             inflight=self._inflight.oldest(),
             command_acks=self.command_acks.drain(),
             link_checks=self.link_checks.drain(),
+            urgent=urgent,
         )
         self._unacked.append(batch)
         self._buffered_steps += len(steps)

@@ -1,0 +1,77 @@
+"""The probe's fast lane: which steps skip the batching wait, and for how long."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from tests.integration import wire_factory as wf
+from torshmon.probe.fastlane import FastLane
+from torshmon.wire import StepRecord
+
+
+def _step(n: int, duration_s: float = 0.1, loss: float | None = 1.0) -> StepRecord:
+    return wf.step(n, duration_s=duration_s, comm_wait_s=duration_s / 5, loss=loss)
+
+
+def _warm(lane: FastLane, n: int = 10) -> None:
+    for i in range(n):
+        assert not lane.observe([_step(i, 0.1 * (1 + 0.02 * (i % 3)))], now=float(i))
+
+
+def test_nothing_is_notable_before_there_is_a_history() -> None:
+    lane = FastLane(min_history=8)
+    assert not lane.observe([_step(1, 0.1), _step(2, 5.0), _step(3, 0.1, loss=100.0)], now=0.0)
+    assert not lane.is_open(0.0)
+
+
+def test_a_slow_step_opens_the_lane_for_open_s() -> None:
+    lane = FastLane(open_s=2.0)
+    _warm(lane)
+    assert lane.observe([_step(20, 0.2)], now=100.0)
+    assert lane.is_open(100.0) and lane.is_open(101.9) and not lane.is_open(102.0)
+    # Each notable step keeps it open; one episode counts once.
+    assert lane.observe([_step(21, 0.2)], now=101.0)
+    assert lane.is_open(102.5) and lane.opened_total == 1
+
+
+def test_normal_jitter_does_not_open_it() -> None:
+    lane = FastLane()
+    _warm(lane)
+    assert not lane.observe([_step(20, 0.115), _step(21, 0.09)], now=100.0)
+
+
+@pytest.mark.parametrize("loss", [2.5, math.nan])
+def test_a_loss_jump_or_a_non_finite_loss_opens_it(loss: float) -> None:
+    lane = FastLane()
+    _warm(lane)
+    step = _step(20, loss=None if math.isnan(loss) else loss)
+    if math.isnan(loss):
+        step = msgspec.structs.replace(step, loss_nonfinite=True)
+    assert lane.observe([step], now=100.0)
+
+
+def test_a_falling_or_negative_loss_is_not_a_jump() -> None:
+    lane = FastLane()
+    for i in range(10):
+        lane.observe([_step(i, loss=-5.0)], now=float(i))
+    assert not lane.observe([_step(10, loss=-6.0), _step(11, loss=-4.0)], now=10.0)
+    assert lane.observe([_step(12, loss=0.5)], now=11.0)  # up by more than |median|
+
+
+def test_a_new_normal_stops_being_notable() -> None:
+    lane = FastLane(window=16)
+    _warm(lane, 16)
+    notable = [lane.observe([_step(100 + i, 0.3)], now=100.0 + i) for i in range(16)]
+    assert notable[0] and not notable[-1]
+
+
+def test_bad_settings_are_named() -> None:
+    with pytest.raises(ValueError, match="loss_ratio must be > 1"):
+        FastLane(loss_ratio=1.0)
+    with pytest.raises(ValueError, match=r"min_history must be in 1\.\.window"):
+        FastLane(window=4, min_history=8)
+    with pytest.raises(ValueError, match="open_s must be > 0"):
+        FastLane(open_s=0)

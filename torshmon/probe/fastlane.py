@@ -1,0 +1,95 @@
+"""The probe's fast lane: steps out of line with a rank's recent ones skip the batching wait.
+
+Steps normally travel in batches every ``flush_interval_s`` (0.5 s), and the agent
+gathers records for as long again before it POSTs: cheap, but up to a second old
+when they arrive. When something goes wrong, that second is most of the time to an
+alert. So the shipper judges each step as it summarises it (on its own thread,
+never the training thread) and, when one is notable, sends it at once and keeps
+sending every step at once for ``open_s``, long enough for the aggregator's
+detectors to see the few steps their persistence asks for. The batch is marked
+``urgent`` and the agent forwards it without its own wait.
+
+A step is notable when its duration or compute time is at least ``time_ratio``
+times the median of the rank's last ``window`` steps, or its loss is non-finite or
+at least ``loss_ratio`` times the median of the recent finite losses. The bar is
+deliberately low: a false judgement only costs an early, small batch; the
+aggregator decides what is wrong. Notable steps enter the history too, so a new
+normal (a slower phase of training) stops being notable within half a window.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+from torshmon.wire import StepRecord
+
+
+class FastLane:
+    """Judges summarised steps and says whether the lane is open (shipper thread only)."""
+
+    def __init__(
+        self,
+        *,
+        open_s: float = 2.0,
+        window: int = 32,
+        min_history: int = 8,
+        time_ratio: float = 1.3,
+        loss_ratio: float = 2.0,
+    ) -> None:
+        for name, value in (("open_s", open_s), ("time_ratio", time_ratio)):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if loss_ratio <= 1:
+            raise ValueError(f"loss_ratio must be > 1, got {loss_ratio}")
+        if not 1 <= min_history <= window:
+            raise ValueError(f"min_history must be in 1..window ({window}), got {min_history}")
+        self.open_s = open_s
+        self.min_history = min_history
+        self.time_ratio = time_ratio
+        self.loss_ratio = loss_ratio
+        self._durations: deque[float] = deque(maxlen=window)
+        self._computes: deque[float] = deque(maxlen=window)
+        self._losses: deque[float] = deque(maxlen=window)
+        self._open_until = -math.inf
+        self.opened_total = 0
+
+    def observe(self, steps: list[StepRecord], now: float) -> bool:
+        """Take in newly summarised steps; True if one was notable (the lane opens)."""
+        notable = False
+        for s in steps:
+            notable = self._notable(s) or notable
+        if notable:
+            if now >= self._open_until:
+                self.opened_total += 1
+            self._open_until = now + self.open_s
+        return notable
+
+    def is_open(self, now: float) -> bool:
+        return now < self._open_until
+
+    def _notable(self, s: StepRecord) -> bool:
+        notable = self._above(self._durations, s.duration_s, self.time_ratio)
+        notable = self._above(self._computes, s.compute_s, self.time_ratio) or notable
+        if s.loss_nonfinite:
+            notable = True
+        elif s.loss is not None and math.isfinite(s.loss):
+            # Losses can be negative (log-likelihoods): judge the size of a move up.
+            notable = self._loss_jumped(s.loss) or notable
+            self._losses.append(s.loss)
+        return notable
+
+    def _above(self, history: deque[float], value: float, ratio: float) -> bool:
+        out = False
+        if len(history) >= self.min_history:
+            median = statistics.median(history)
+            out = median > 0.0 and value >= ratio * median
+        history.append(value)
+        return out
+
+    def _loss_jumped(self, loss: float) -> bool:
+        if len(self._losses) < self.min_history:
+            return False
+        median = statistics.median(self._losses)
+        return loss - median >= (self.loss_ratio - 1.0) * max(abs(median), 1e-12)
