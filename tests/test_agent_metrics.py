@@ -184,6 +184,7 @@ def _feed(metrics: AgentMetrics) -> None:
             2,
             [second],
             dropped=5,
+            urgent=True,
             inflight=[
                 InflightOp(
                     pg="default", seq=9, op="all_reduce", size_bytes=8, start_unix_ns=0, age_s=1.5
@@ -380,6 +381,9 @@ async def test_rank_metrics(serve: Callable[[CollectorRegistry], Any]) -> None:
 
     assert _value(families["torshmon_steps"], "torshmon_steps_total", **r0) == 2
     assert _value(families["torshmon_steps"], "torshmon_steps_total", job="train", rank="1") == 1
+    urgent = families["torshmon_probe_urgent_steps"]
+    assert _value(urgent, "torshmon_probe_urgent_steps_total", **r0) == 1
+    assert _value(urgent, "torshmon_probe_urgent_steps_total", job="train", rank="1") == 0
     gauge = {
         name: _value(families[name], name, **r0)
         for name in (

@@ -149,6 +149,7 @@ class _RankState:
     session: str = ""
     step_duration: _Histogram = field(default_factory=lambda: _Histogram(STEP_DURATION_BUCKETS_S))
     steps_total: int = 0
+    urgent_steps_total: int = 0
     communication_time_ratio: float | None = None
     training_efficiency_ratio: float | None = None
     throughput_samples_per_s: float | None = None
@@ -165,6 +166,7 @@ class _RankState:
             session=self.session,
             step_duration=self.step_duration.copy(),
             steps_total=self.steps_total,
+            urgent_steps_total=self.urgent_steps_total,
             communication_time_ratio=self.communication_time_ratio,
             training_efficiency_ratio=self.training_efficiency_ratio,
             throughput_samples_per_s=self.throughput_samples_per_s,
@@ -227,6 +229,8 @@ class AgentMetrics:
                 state.dropped_records_total = batch.dropped_records_total
             if batch.steps:
                 self._observe_steps(state, batch.steps)
+                if batch.urgent:
+                    state.urgent_steps_total += len(batch.steps)
             state.inflight_oldest_age_s = max((op.age_s for op in batch.inflight), default=0.0)
 
     def forget_rank(self, job: str, rank: int) -> None:
@@ -437,6 +441,13 @@ def _rank_families(ranks: dict[tuple[str, int], _RankState]) -> Iterator[Metric]
         "Training steps reported.",
         _RANK_LABELS,
         [(labels, s.steps_total) for labels, s in items],
+    )
+    yield _counter(
+        "probe_urgent_steps_total",
+        "Steps the probe sent at once through its fast lane (out of line with the rank's "
+        "recent steps) rather than with the next batch.",
+        _RANK_LABELS,
+        [(labels, s.urgent_steps_total) for labels, s in items],
     )
     yield _counter(
         "probe_dropped_records_total",
