@@ -37,7 +37,12 @@ Decisions:
   higher bar than ``min_slowdown`` because with one peer there is no majority to say
   which rank is normal, and because clean demo runs on 2 shared cores showed 1.3x
   episodes lasting five steps) and by ``z_threshold`` robust standard deviations of
-  that history. Score: the move, as a factor.
+  that history. Score: the move, as a factor. The rank must also be slower than its
+  own history by the same ``pair_min_slowdown`` (unless it is ``standalone_slowdown``
+  slower than its peer now): when one rank recovers from a long slow phase (a memory
+  leak made a rank 1.3-2x slower for 120 steps in the detection benchmark), the ratio
+  swings the peer's way against a history the slow phase had shifted, and the peer,
+  no slower than ever, was named.
 - A permanently slower rank keeps its finding: synchronous data-parallel training
   runs at its slowest rank's pace, so the slowdown costs every step. Once the finding
   has been active for ``window_steps`` steps it is marked ``chronic`` and its
@@ -291,15 +296,15 @@ class StragglerDetector:
 
     def _new_for_rank(self, state: _RankState, score: _Score) -> bool:
         """Whether a rank slower than its peers is also slower than its own normal: by
-        ``min_slowdown`` and by ``z_threshold`` times the spread of its own history."""
-        if score.mad_s is None:
-            return True  # a pair: the pair's own history was the baseline (``_pair``)
+        ``min_slowdown`` (``pair_min_slowdown`` in a pair) and by ``z_threshold`` times
+        the spread of its own history."""
         if score.slowdown_ratio >= 1 + self._standalone_slowdown:
             return True
         if len(state.history) < _MIN_HISTORY or score.compute_s <= 0:
             return True
         normal, spread = _center_spread([math.log(x) for x in state.history if x > 0])
-        bar = max(math.log1p(self._min_slowdown), self._z_threshold * spread)
+        least = self._min_slowdown if score.mad_s is not None else self._pair_min_slowdown
+        bar = max(math.log1p(least), self._z_threshold * spread)
         return math.log(score.compute_s) - normal >= bar
 
     def active(self) -> list[Finding]:
