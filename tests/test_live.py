@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry
 from tests.integration import wire_factory as wf
 from torshmon.aggregator.ingest import Stored
 from torshmon.aggregator.live import LiveState
+from torshmon.wire import StepRecord
 
 
 def _stored(*, steps: bool) -> Stored:
@@ -93,3 +94,61 @@ def test_a_non_finite_loss_asks_for_an_evaluation() -> None:
         now_unix_s=1000.0,
     )
     assert live.take_fresh()
+
+
+def _steps_of_rank(rank: int) -> list[StepRecord]:
+    """40 steps: a loss spike at 12-14, a step-time spike at 16-18 (both found and
+    cleared inside a batch of 40), rank 2 computing 3x slower from step 20, a
+    non-finite loss at 30, no loss at 31, no throughput at 32, a zero-length step at 33."""
+    out = []
+    for n in range(1, 41):
+        duration = 0.1 + 0.001 * (n % 3)
+        if rank == 2 and n >= 20:
+            duration *= 3
+        if 16 <= n <= 18:
+            duration *= 4
+        loss: float | None = 2.0 + 0.01 * (n % 2) + (30.0 if 12 <= n <= 14 else 0.0)
+        if n == 31:
+            loss = None
+        step = wf.step(n, duration_s=duration, comm_wait_s=0.02, end_unix_ns=n * 10**8, loss=loss)
+        if n == 30:
+            step = msgspec.structs.replace(step, loss=None, loss_nonfinite=True)
+        if n == 32:
+            step = msgspec.structs.replace(step, samples_per_s=None)
+        if n == 33:
+            step = msgspec.structs.replace(step, duration_s=0.0, comm_wait_s=0.0, compute_s=0.0)
+        out.append(step)
+    return out
+
+
+def _feed(*, one_step_per_batch: bool) -> LiveState:
+    """Three ranks' steps, rank after rank: in one batch each, or one batch per step."""
+    live = LiveState(idle_s=60.0)
+    hellos = [wf.hello("j", rank, 3) for rank in range(3)]
+    live.observe(Stored(acked_seq=0, hellos=hellos), now_unix_s=1000.0)
+    for h in hellos:
+        steps = _steps_of_rank(h.rank)
+        chunks = [[s] for s in steps] if one_step_per_batch else [steps]
+        for seq, chunk in enumerate(chunks, start=1):
+            batch = wf.batch(h, seq, chunk)
+            live.observe(Stored(acked_seq=0, batches=[(batch, "n")]), now_unix_s=1000.0)
+    return live
+
+
+def test_a_batch_of_many_steps_is_observed_as_one_step_at_a_time() -> None:
+    """The batched hot path (columns per batch) against batches of one step."""
+    one, many = _feed(one_step_per_batch=True), _feed(one_step_per_batch=False)
+    found = [(f.kind, f.labels, f.summary) for f in many.findings(1001.0)]
+    assert found == [(f.kind, f.labels, f.summary) for f in one.findings(1001.0)]
+    # What the scenario must show: the straggler, its step time, the loss spike (latched).
+    assert {(kind, labels.get("metric")) for kind, labels, _ in found} == {
+        ("straggler", None),
+        ("anomaly", "step_duration_seconds"),
+        ("anomaly", "loss"),
+    }
+    for metric in sorted(one.series.metrics()):
+        for labels in one.series.last_seen(metric):
+            expected = one.series.points(metric, labels, 0.0)
+            assert repr(many.series.points(metric, labels, 0.0)) == repr(expected), metric
+    for rank, state in one.jobs["j"].ranks.items():
+        assert repr(many.jobs["j"].ranks[rank]) == repr(state)

@@ -4,6 +4,8 @@ import math
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torshmon.aggregator.series import SeriesStore, labelset, labelset_from
 
@@ -136,3 +138,81 @@ def test_a_hundred_thousand_adds_cost_well_under_300_ms_of_cpu() -> None:
     elapsed_s = time.process_time() - started
     assert store.series_count() == len(ranks) * len(metrics)
     assert elapsed_s < 0.3, f"{elapsed_s:.3f} s of CPU for ~10^5 adds"
+
+
+def _one_by_one_and_many(
+    store_a: SeriesStore, store_b: SeriesStore, batches: list[list[tuple[float, float]]]
+) -> None:
+    labels = labelset(job="j", rank="0")
+    for batch in batches:
+        for ts, value in batch:
+            store_a.add("loss", labels, ts, value)
+            store_a.add("compute_seconds", labels, ts, 2 * value)
+        times = [ts for ts, _ in batch]
+        values = [value for _, value in batch]
+        store_b.add_many(
+            labels, times, {"loss": values, "compute_seconds": [2 * v for v in values]}
+        )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    batches=st.lists(
+        st.lists(
+            st.tuples(st.integers(0, 60).map(float), st.floats(allow_nan=True, width=32)),
+            max_size=6,
+        ),
+        max_size=12,
+    ),
+    max_points=st.integers(1, 9),
+)
+def test_add_many_is_add_one_by_one(
+    batches: list[list[tuple[float, float]]], max_points: int
+) -> None:
+    one, many = SeriesStore(max_points=max_points), SeriesStore(max_points=max_points)
+    _one_by_one_and_many(one, many, batches)
+    for metric in ("loss", "compute_seconds"):
+        assert repr(many.latest(metric)) == repr(one.latest(metric))
+        for labels in one.last_seen(metric):
+            assert repr(many.points(metric, labels, -1.0)) == repr(one.points(metric, labels, -1.0))
+    assert many.out_of_order_total == one.out_of_order_total
+    assert many.series_count() == one.series_count()
+
+
+def test_add_many_refuses_values_that_do_not_match_the_times() -> None:
+    with pytest.raises(ValueError, match="2 times but 1 values of loss"):
+        SeriesStore().add_many(labelset(node="n"), [1.0, 2.0], {"loss": [1.0]})
+
+
+def test_a_long_series_keeps_max_points_across_compactions() -> None:
+    store = SeriesStore(max_points=100)
+    labels = labelset(node="n")
+    for ts in range(0, 1000, 5):
+        store.add_many(labels, [float(t) for t in range(ts, ts + 5)], {"x": [1.0] * 5})
+    assert [ts for ts, _ in store.points("x", labels, 0.0)] == [float(t) for t in range(900, 1000)]
+
+
+def test_windows_keep_points_of_the_named_metrics_and_the_newest_of_the_others() -> None:
+    store = SeriesStore(retention_s=300.0, windows_s={"loss": 10.0})
+    labels = labelset(job="j", rank="0")
+    for ts in range(0, 100):
+        store.add_many(labels, [float(ts)], {"loss": [float(ts)], "compute_seconds": [2.0 * ts]})
+    assert store.points("compute_seconds", labels, 0.0) == [(99.0, 198.0)]
+    assert store.latest("compute_seconds") == [(labels, 99.0, 198.0)]
+    store.add("compute_seconds", labels, 98.0, 0.0)  # out of order: dropped
+    assert store.out_of_order_total == 1
+    assert len(store.points("loss", labels, 0.0)) == 100
+    assert store.expire(now_unix_s=100.0) == 90  # loss keeps 90..99, the window
+    assert [ts for ts, _ in store.points("loss", labels, 0.0)] == [float(t) for t in range(90, 100)]
+    assert store.last_seen("compute_seconds") == {labels: 99.0}
+    # Past the window only the newest point stays (threshold rules read it) ...
+    assert store.expire(now_unix_s=200.0) == 9
+    assert store.points("loss", labels, 0.0) == [(99.0, 99.0)]
+    # ... until the retention drops the series.
+    assert store.expire(now_unix_s=400.0) == 2
+    assert store.series_count() == 0
+
+
+def test_a_window_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="window of loss"):
+        SeriesStore(windows_s={"loss": 0.0})

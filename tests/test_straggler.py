@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 from typing import Any
 
@@ -285,3 +286,36 @@ def test_short_contention_bursts_are_not_a_straggler() -> None:
     # and a 1.34x episode of six steps, below the pair bar (seen in a clean demo run)
     rows += [[0.0061, 0.0082]] * 6 + calm
     assert _steps(det, rows) == [[]] * len(rows)
+
+
+def test_add_many_is_add_one_by_one() -> None:
+    """Ranks report runs of steps, with gaps, repeats and a bound on pending steps."""
+    rng = random.Random(5)
+    one = StepCollector(4, max_pending_steps=8)
+    many = StepCollector(4, max_pending_steps=8)
+    next_step = [0, 0, 0, 0]
+    completed = 0
+    for turn in range(400):
+        rank = turn % 4
+        steps = []
+        while next_step[rank] < turn // 4 * 3 + rng.randint(-4, 4):
+            next_step[rank] += rng.choice([1] * 12 + [2, 0])
+            steps.append(next_step[rank])
+        if not steps:
+            continue
+        compute = [rng.random() for _ in steps]
+        ts = [float(s) for s in steps]
+        expected = [
+            (i, found)
+            for i, (s, c, t) in enumerate(zip(steps, compute, ts, strict=True))
+            if (found := one.add("j", s, rank, c, t)) is not None
+        ]
+        assert many.add_many("j", rank, steps, compute, ts) == expected
+        assert many.pending_steps("j") == one.pending_steps("j")
+        completed += len(expected)
+    assert completed > 20
+
+
+def test_add_many_refuses_a_rank_outside_the_world() -> None:
+    with pytest.raises(ValueError, match=r"rank must be in 0\.\.1"):
+        StepCollector(2).add_many("j", 2, [1], [0.1], [1.0])

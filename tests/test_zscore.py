@@ -223,3 +223,65 @@ def test_labels_without_job_are_rejected() -> None:
 def test_bad_settings_are_rejected_by_name(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ZScoreDetector(**kwargs)  # type: ignore[arg-type]
+
+
+_VALUES = st.one_of(
+    st.floats(min_value=0.05, max_value=2.0),
+    st.sampled_from([0.2, 0.2001, 0.1999, math.nan, math.inf, 5.0]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    direction=st.sampled_from(["up", "down", "both"]),
+    persistence=st.integers(1, 4),
+    chunks=st.lists(st.lists(_VALUES, min_size=1, max_size=7), max_size=25),
+)
+def test_observe_many_is_observe_one_by_one(
+    direction: str, persistence: int, chunks: list[list[float]]
+) -> None:
+    kwargs = {"window": 12, "min_samples": 4, "persistence": persistence, "direction": direction}
+    one, many = ZScoreDetector(**kwargs), ZScoreDetector(**kwargs)  # type: ignore[arg-type]
+    ts = 0.0
+    for chunk in chunks:
+        times = [ts + i for i in range(len(chunk))]
+        ts += len(chunk)
+        expected = [
+            (i, one.observe(LABELS, t, v))
+            for i, (t, v) in enumerate(zip(times, chunk, strict=True))
+        ]
+        got = many.observe_many(LABELS, times, chunk)
+        assert [(i, f.summary, f.details) for i, f in got] == [
+            (i, f.summary, f.details) for i, f in expected if f is not None
+        ]
+    assert [f.summary for f in many.active()] == [f.summary for f in one.active()]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    window=st.integers(min_value=2, max_value=9),
+    values=st.lists(st.floats(min_value=-1e3, max_value=1e3), min_size=1, max_size=60),
+    threshold=st.floats(min_value=0.5, max_value=4.0),
+)
+def test_add_in_band_is_add_while_in_band(
+    window: int, values: list[float], threshold: float
+) -> None:
+    """Bit for bit: the fast path keeps the same mean and std as ``add``."""
+    fast, slow = RollingStats(window), RollingStats(window)
+    start = 0
+    while start < len(values):
+        stop = fast.add_in_band(values, start, threshold, 1e-3)
+        for value in values[start:stop]:
+            slow.add(value)
+        assert (fast.mean, fast.std, len(fast)) == (slow.mean, slow.std, len(slow))
+        if stop < len(values):
+            mean, std = slow.mean, max(slow.std, 1e-3 * abs(slow.mean), 1e-12)
+            assert (values[stop] - mean) / std > threshold  # it stopped for a reason
+            fast.add(values[stop])
+            slow.add(values[stop])
+        start = stop + 1
+
+
+def test_observe_many_refuses_times_and_values_of_different_lengths() -> None:
+    with pytest.raises(ValueError, match="2 times but 1 values"):
+        ZScoreDetector().observe_many(LABELS, [1.0, 2.0], [0.2])

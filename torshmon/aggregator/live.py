@@ -10,13 +10,15 @@ Prometheus collector copies what it needs under a lock at scrape time.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
+import operator
 import statistics
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import (
@@ -51,6 +53,22 @@ _STEP_LE = [_go_float(b) for b in STEP_DURATION_BUCKETS_S] + ["+Inf"]
 _COLL_LE = [_go_float(b) for b in DURATION_BUCKETS_S] + ["+Inf"]
 #: How many recent steps the job-level means (bottleneck report, summaries) cover.
 _RECENT = 50
+#: A step record's fields that ``_observe_steps`` reads as columns, one C call per step.
+_STEP_COLUMNS: Callable[[StepRecord], tuple[Any, ...]] = operator.attrgetter(
+    "end_unix_ns",
+    "duration_s",
+    "comm_wait_s",
+    "compute_s",
+    "communication_time_ratio",
+    "samples_per_s",
+    "batch_size",
+    "loss",
+    "loss_nonfinite",
+    "step",
+)
+#: ``x > 0`` as a C call (False for NaN, as the comparison is).
+_POSITIVE: Callable[[float], bool] = functools.partial(operator.lt, 0.0)
+_first: Callable[[tuple[int, Finding]], int] = operator.itemgetter(0)
 
 
 @dataclass(slots=True)
@@ -111,14 +129,17 @@ class LiveState:
         hang_timeout_s: float = 5.0,
         idle_s: float = 900.0,
         series_retention_s: float = 900.0,
+        series_windows_s: Mapping[str, float] | None = None,
         link_check: LinkCheckSettings | None = None,
     ) -> None:
         """``idle_s``: a job (or node) that sent nothing for this long is dropped, with
         its series and detector state; a hung job still sends heartbeats, so it stays.
         ``series_retention_s``: how far back the rules can look (history is in SQL).
+        ``series_windows_s``: the metrics whose points the rules read, with how far back
+        (None: all of every metric); the others keep their newest point only.
         ``link_check``: when to run pairwise link checks and how to read them."""
         self.idle_s = idle_s
-        self.series = SeriesStore(retention_s=series_retention_s)
+        self.series = SeriesStore(retention_s=series_retention_s, windows_s=series_windows_s)
         self.jobs: dict[str, JobState] = {}
         self.nodes: dict[str, NodeSample] = {}
         self._node_seen: dict[str, float] = {}
@@ -190,58 +211,76 @@ class LiveState:
 
     def _observe_steps(self, batch: Batch, job: JobState, r: RankState) -> None:
         """Every step of ``batch`` into the series, detectors and ``r``, in step order."""
-        # The ingest hot path (one call per step of every rank): names are bound once per
-        # batch, and the rank's latest values are set from its last step only.
-        labels = r.labels
+        # The ingest hot path. Each consumer takes the batch's steps as columns in one
+        # call (series, detectors, collector), as it would step by step; the findings
+        # are latched in the per-step order: loss, step time, straggler.
+        steps = batch.steps
+        # Rows to columns: every row has the getter's 10 fields.
+        columns = zip(*map(_STEP_COLUMNS, steps), strict=True)
+        ends, durations, waits, computes, ratios, throughputs, sizes, losses, nonfinite, numbers = (
+            columns
+        )
+        ts = [end / 1e9 for end in ends]
         label_map = {"job": batch.job, "rank": str(batch.rank)}
-        add = self.series.add
-        observe_step_z = self.step_z.observe
-        observe_loss_z = self.loss_z.observe
-        latch = self._latch
-        observe_link_step = self.links.observe_step
-        collector = job.collector
-        if collector is not None and batch.rank >= collector.world_size:
-            collector = None
         hist = r.step_hist
         counts, total_s = hist.counts, hist.sum
-        recent = r.recent
-        for s in batch.steps:
-            ts = s.end_unix_ns / 1e9
-            duration_s, wait_s, compute_s = s.duration_s, s.comm_wait_s, s.compute_s
+        for duration_s in durations:
             counts[bisect.bisect_left(STEP_DURATION_BUCKETS_S, duration_s)] += 1
             total_s += duration_s
-            recent.append((duration_s, wait_s, compute_s))
-            add("step_duration_seconds", labels, ts, duration_s)
-            add("comm_wait_seconds", labels, ts, wait_s)
-            add("compute_seconds", labels, ts, compute_s)
-            add("communication_time_ratio", labels, ts, s.communication_time_ratio)
-            if duration_s > 0:
-                add("training_efficiency_ratio", labels, ts, compute_s / duration_s)
-            if s.samples_per_s is not None:
-                r.samples_per_s = s.samples_per_s
-                add("throughput_samples_per_second", labels, ts, s.samples_per_s)
-            if s.batch_size is not None:
-                r.samples_total += s.batch_size
-            if s.loss_nonfinite:
-                self._fresh = True  # the Non-finite Loss rule reads the series
-                r.nonfinite_loss_total += 1
-                r.loss = math.nan
-                add("loss", labels, ts, math.nan)
-            elif s.loss is not None:
-                r.loss = s.loss
-                add("loss", labels, ts, s.loss)
-                if (found := observe_loss_z(label_map, ts, s.loss)) is not None:
-                    latch(found)
-            if (found := observe_step_z(label_map, ts, duration_s)) is not None:
-                latch(found)
+        hist.sum = total_s
+        hist.count += len(steps)
+        r.recent.extend(zip(durations, waits, computes, strict=True))
+        columns_by_metric: dict[str, Sequence[float]] = {
+            "step_duration_seconds": durations,
+            "comm_wait_seconds": waits,
+            "compute_seconds": computes,
+            "communication_time_ratio": ratios,
+        }
+        if all(map(_POSITIVE, durations)):
+            columns_by_metric["training_efficiency_ratio"] = [
+                c / d for c, d in zip(computes, durations, strict=True)
+            ]
+        else:
+            kept = [i for i, d in enumerate(durations) if d > 0]
+            self.series.add_many(
+                r.labels,
+                [ts[i] for i in kept],
+                {"training_efficiency_ratio": [computes[i] / durations[i] for i in kept]},
+            )
+        if None not in throughputs:
+            r.samples_per_s = throughputs[-1]
+            columns_by_metric["throughput_samples_per_second"] = throughputs
+        else:
+            kept = [i for i, v in enumerate(throughputs) if v is not None]
+            if kept:
+                r.samples_per_s = throughputs[kept[-1]]
+                self.series.add_many(
+                    r.labels,
+                    [ts[i] for i in kept],
+                    {"throughput_samples_per_second": [throughputs[i] for i in kept]},
+                )
+        if True not in nonfinite and None not in losses:
+            columns_by_metric["loss"] = losses
+        self.series.add_many(r.labels, ts, columns_by_metric)
+        r.samples_total += sum(size for size in sizes if size is not None)
+        loss_found = self._observe_losses(label_map, r, ts, losses, nonfinite)
+        step_found = self.step_z.observe_many(label_map, ts, durations)
+        observe_link_step = self.links.observe_step
+        for wait_s, compute_s in zip(waits, computes, strict=True):
             observe_link_step(batch.job, batch.rank, wait_s, compute_s)
-            if collector is not None:
-                complete = collector.add(batch.job, s.step, batch.rank, compute_s, ts)
-                if complete is not None:
-                    for found in self.straggler.observe_step(
-                        complete.job, complete.step, complete.compute_s_by_rank, complete.ts_unix_s
-                    ):
-                        latch(found)
+        straggler_found: list[tuple[int, Finding]] = []
+        collector = job.collector
+        if collector is not None and batch.rank < collector.world_size:
+            for i, complete in collector.add_many(batch.job, batch.rank, numbers, computes, ts):
+                for found in self.straggler.observe_step(
+                    complete.job, complete.step, complete.compute_s_by_rank, complete.ts_unix_s
+                ):
+                    straggler_found.append((i, found))
+        if loss_found or step_found or straggler_found:
+            # Sorting is stable: within a step, loss before step time before straggler.
+            for _, found in sorted(loss_found + step_found + straggler_found, key=_first):
+                self._latch(found)
+        for s in steps:
             if s.collectives:
                 _observe_collectives(r, s)
             for b in s.buckets:
@@ -254,17 +293,53 @@ class LiveState:
             if s.applied_config is not None:
                 job.config = s.applied_config
                 job.bucket_cap_bytes = s.applied_config.bucket_cap_bytes
-        hist.sum = total_s
-        hist.count += len(batch.steps)
-        last = batch.steps[-1]
+        last = steps[-1]
         self.hang.observe_step_duration(batch.job, last.duration_s)
         r.last_step = last.step
-        r.steps_total += len(batch.steps)
+        r.steps_total += len(steps)
         r.duration_s = last.duration_s
         r.comm_wait_s = last.comm_wait_s
         r.compute_s = last.compute_s
         r.communication_time_ratio = last.communication_time_ratio
         r.config_version = last.config_version
+
+    def _observe_losses(
+        self,
+        label_map: dict[str, str],
+        r: RankState,
+        ts: list[float],
+        losses: tuple[float | None, ...],
+        nonfinite: tuple[bool, ...],
+    ) -> list[tuple[int, Finding]]:
+        """The steps' losses into the loss series and its z-score; the findings, by step.
+
+        A non-finite loss is stored as NaN and counted; a step without a loss adds none.
+        """
+        if True not in nonfinite and None not in losses:
+            # The common case; ``_observe_steps`` stored them with the other metrics.
+            finite = cast(tuple[float, ...], losses)
+            r.loss = finite[-1]
+            return self.loss_z.observe_many(label_map, ts, finite)
+        at: list[int] = []  # the steps whose loss the z-score judges
+        series_ts: list[float] = []
+        series_values: list[float] = []
+        for i, (loss, bad) in enumerate(zip(losses, nonfinite, strict=True)):
+            if bad:
+                self._fresh = True  # the Non-finite Loss rule reads the series
+                r.nonfinite_loss_total += 1
+                r.loss = math.nan
+                series_ts.append(ts[i])
+                series_values.append(math.nan)
+            elif loss is not None:
+                r.loss = loss
+                series_ts.append(ts[i])
+                series_values.append(loss)
+                at.append(i)
+        self.series.add_many(r.labels, series_ts, {"loss": series_values})
+        found = self.loss_z.observe_many(
+            label_map, [ts[i] for i in at], [cast(float, losses[i]) for i in at]
+        )
+        return [(at[j], finding) for j, finding in found]
 
     def _observe_node(self, sample: NodeSample) -> None:
         self.nodes[sample.node] = sample

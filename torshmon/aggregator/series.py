@@ -2,24 +2,29 @@
 
 The alert rules read from here; the history in SQL is separate. Metric names are
 the Prometheus names without the ``torshmon_`` prefix (``step_duration_seconds``).
-Each series is a bounded deque of ``(ts_unix_s, value)`` points in time order; a
-non-finite loss is stored as NaN.
+Each series holds its points in time order in two arrays of doubles (times, values):
+no Python object per point, so ingest appends in C and the garbage collector has
+nothing to walk. A non-finite loss is stored as NaN.
+
+How much of a series is kept is the readers' need: a store built with ``windows_s``
+keeps points for the metrics named there (the windows of the rules that read
+points, such as ``rate`` and ``nonfinite``) and only the newest point of every other
+metric (all that threshold and absence rules read).
 
 Thread safety: none. The aggregator owns one store on its event-loop thread.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Mapping
+import bisect
+from array import array
+from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
 __all__ = ["LabelSet", "SeriesStore", "labelset", "labelset_from"]
 
 #: Labels of one series as ``(name, value)`` pairs sorted by name: hashable, cheap to key.
 LabelSet: TypeAlias = tuple[tuple[str, str], ...]
-
-_Points: TypeAlias = deque[tuple[float, float]]
 
 
 def labelset(**labels: str) -> LabelSet:
@@ -34,52 +39,164 @@ def labelset_from(labels: Mapping[str, str] | LabelSet) -> LabelSet:
     return tuple(sorted(labels.items()))
 
 
+class _Series:
+    """One series: times and values from ``start`` on are its points, oldest first.
+
+    Points before ``start`` are dead (evicted by the point bound or expired); they are
+    cut off in one move once they outnumber the live ones, so appends stay O(1)
+    amortised. A ``newest_only`` series holds one point, overwritten in place.
+    """
+
+    __slots__ = ("newest_only", "start", "ts", "values")
+
+    def __init__(self, newest_only: bool) -> None:
+        self.ts = array("d")
+        self.values = array("d")
+        self.start = 0
+        self.newest_only = newest_only
+
+    def __len__(self) -> int:
+        return len(self.ts) - self.start
+
+    def put_newest(self, ts_unix_s: float, value: float) -> None:
+        """Make (ts, value) the only point (a ``newest_only`` series)."""
+        if self.ts:
+            self.ts[0] = ts_unix_s
+            self.values[0] = value
+        else:
+            self.ts.append(ts_unix_s)
+            self.values.append(value)
+
+    def trim(self, max_points: int) -> None:
+        """Keep the newest ``max_points`` points."""
+        end = len(self.ts)
+        if end - self.start > max_points:
+            self.start = end - max_points
+            self.compact()
+
+    def compact(self) -> None:
+        """Cut off the dead prefix once it is as long as the live points (each cut moves
+        at most as many points as it frees: O(1) amortised per point)."""
+        start = self.start
+        if start and 2 * start >= len(self.ts):
+            del self.ts[:start]
+            del self.values[:start]
+            self.start = 0
+
+
 class SeriesStore:
     """Recent points per (metric, label set), bounded in age and in count.
 
-    ``retention_s`` bounds the age ``expire`` keeps; ``max_points`` bounds each
-    series (the oldest points go first). Points are expected in time order per
-    series: a point older than the series' latest is dropped and counted in
-    ``out_of_order_total`` (rules read the newest points; history is in SQL).
-    Raises ValueError for a non-positive retention or point bound.
+    ``retention_s`` bounds the age ``expire`` keeps: a series whose newest point is
+    older goes. ``windows_s`` (None: every metric keeps all its points for
+    ``retention_s``) maps the metrics whose points are read to how far back they are
+    read (seconds before ``expire``'s now); every other metric keeps its newest point
+    only. ``max_points`` bounds each series (the oldest points go first). Points are
+    expected in time order per series: a point older than the series' latest is
+    dropped and counted in ``out_of_order_total`` (rules read the newest points;
+    history is in SQL). Raises ValueError for a non-positive retention, point bound or
+    window.
     """
 
-    __slots__ = ("_max_points", "_series", "out_of_order_total", "retention_s")
+    __slots__ = ("_max_points", "_series", "_windows_s", "out_of_order_total", "retention_s")
 
-    def __init__(self, *, retention_s: float = 900.0, max_points: int = 4096) -> None:
+    def __init__(
+        self,
+        *,
+        retention_s: float = 900.0,
+        max_points: int = 4096,
+        windows_s: Mapping[str, float] | None = None,
+    ) -> None:
         if not retention_s > 0:
             raise ValueError(f"retention_s must be positive, got {retention_s}")
         if max_points < 1:
             raise ValueError(f"max_points must be at least 1, got {max_points}")
+        for metric, window_s in (windows_s or {}).items():
+            if not window_s > 0:
+                raise ValueError(f"the window of {metric} must be positive, got {window_s}")
         self.retention_s = float(retention_s)
         self._max_points = max_points
-        self._series: dict[str, dict[LabelSet, _Points]] = {}
+        self._windows_s = None if windows_s is None else dict(windows_s)
+        self._series: dict[str, dict[LabelSet, _Series]] = {}
         self.out_of_order_total = 0
+
+    def _get(self, metric: str, labels: Mapping[str, str] | LabelSet) -> _Series:
+        key = labels if isinstance(labels, tuple) else tuple(sorted(labels.items()))
+        by_labels = self._series.get(metric)
+        if by_labels is None:
+            by_labels = self._series[metric] = {}
+        series = by_labels.get(key)
+        if series is None:
+            windows = self._windows_s
+            series = by_labels[key] = _Series(windows is not None and metric not in windows)
+        return series
 
     def add(
         self, metric: str, labels: Mapping[str, str] | LabelSet, ts_unix_s: float, value: float
     ) -> None:
         """Append one point. A tuple is taken as an already sorted LabelSet (``labelset()``)."""
-        # The hot path of ingest (~10^5 points/s): a tuple skips the sort, so callers
-        # that build a LabelSet once per rank pay only two dict lookups and an append.
-        key = labels if isinstance(labels, tuple) else tuple(sorted(labels.items()))
-        by_labels = self._series.get(metric)
-        if by_labels is None:
-            by_labels = self._series[metric] = {}
-        points = by_labels.get(key)
-        if points is None:
-            points = by_labels[key] = deque(maxlen=self._max_points)
-        elif ts_unix_s < points[-1][0]:
+        series = self._get(metric, labels)
+        ts = series.ts
+        if len(ts) > series.start and ts_unix_s < ts[-1]:
             self.out_of_order_total += 1
             return
-        points.append((ts_unix_s, value))
+        if series.newest_only:
+            series.put_newest(ts_unix_s, value)
+            return
+        ts.append(ts_unix_s)
+        series.values.append(value)
+        series.trim(self._max_points)
+
+    def add_many(
+        self,
+        labels: Mapping[str, str] | LabelSet,
+        ts_unix_s: Sequence[float],
+        values_by_metric: Mapping[str, Sequence[float]],
+    ) -> None:
+        """Append points at the times ``ts_unix_s`` to the series ``labels`` of each
+        metric, as ``add`` would one by one (same order, same out-of-order rule).
+
+        The hot path of ingest: one call per probe batch for all its step metrics.
+        Raises ValueError when a metric's values and the times differ in length.
+        """
+        n = len(ts_unix_s)
+        for metric, values in values_by_metric.items():
+            if len(values) != n:
+                raise ValueError(f"{n} times but {len(values)} values of {metric}")
+        if not n:
+            return
+        key = labels if isinstance(labels, tuple) else tuple(sorted(labels.items()))
+        in_order = True
+        previous = ts_unix_s[0]
+        for t in ts_unix_s:
+            if t < previous:
+                in_order = False
+                break
+            previous = t
+        first, last, max_points = ts_unix_s[0], ts_unix_s[-1], self._max_points
+        for metric, values in values_by_metric.items():
+            by_labels = self._series.get(metric)
+            series = by_labels.get(key) if by_labels is not None else None
+            if series is None:
+                series = self._get(metric, key)
+            ts = series.ts
+            if not in_order or (len(ts) > series.start and first < ts[-1]):
+                for t, v in zip(ts_unix_s, values, strict=True):
+                    self.add(metric, key, t, v)
+            elif series.newest_only:
+                series.put_newest(last, values[-1])
+            else:
+                ts.extend(ts_unix_s)
+                series.values.extend(values)
+                if len(ts) - series.start > max_points:
+                    series.trim(max_points)
 
     def latest(self, metric: str) -> list[tuple[LabelSet, float, float]]:
         """The newest point of every series of ``metric``: ``(labels, ts_unix_s, value)``."""
         by_labels = self._series.get(metric)
         if by_labels is None:
             return []
-        return [(key, *points[-1]) for key, points in by_labels.items()]
+        return [(key, s.ts[-1], s.values[-1]) for key, s in by_labels.items()]
 
     def points(
         self, metric: str, labels: Mapping[str, str] | LabelSet, since_unix_s: float
@@ -91,22 +208,16 @@ class SeriesStore:
         found = by_labels.get(labelset_from(labels))
         if found is None:
             return []
-        # Rules ask for a recent window: walk back from the newest point only as far
-        # as needed (indexing the middle of a deque is O(n)).
-        recent: list[tuple[float, float]] = []
-        for point in reversed(found):
-            if point[0] < since_unix_s:
-                break
-            recent.append(point)
-        recent.reverse()
-        return recent
+        ts = found.ts
+        first = bisect.bisect_left(ts, since_unix_s, found.start)
+        return list(zip(ts[first:], found.values[first:], strict=True))
 
     def last_seen(self, metric: str) -> dict[LabelSet, float]:
         """Time of the newest point of every series of ``metric`` (Unix seconds)."""
         by_labels = self._series.get(metric)
         if by_labels is None:
             return {}
-        return {key: points[-1][0] for key, points in by_labels.items()}
+        return {key: s.ts[-1] for key, s in by_labels.items()}
 
     def metrics(self) -> set[str]:
         """Names of the metrics that have at least one series."""
@@ -117,18 +228,30 @@ class SeriesStore:
         return sum(len(by_labels) for by_labels in self._series.values())
 
     def expire(self, now_unix_s: float) -> int:
-        """Drop points older than ``retention_s`` and series left empty; returns points dropped."""
+        """Drop series whose newest point is older than ``retention_s``, and points older
+        than their metric's window (``retention_s`` without ``windows_s``) but the newest;
+        returns the points dropped."""
         cutoff = now_unix_s - self.retention_s
+        windows = self._windows_s
         dropped = 0
         for metric in list(self._series):
             by_labels = self._series[metric]
+            window_s = None if windows is None else windows.get(metric)
+            points_cutoff = cutoff if window_s is None else max(cutoff, now_unix_s - window_s)
             for key in list(by_labels):
-                points = by_labels[key]
-                while points and points[0][0] < cutoff:
-                    points.popleft()
-                    dropped += 1
-                if not points:
+                series = by_labels[key]
+                ts = series.ts
+                if ts[-1] < cutoff:
+                    dropped += len(series)
                     del by_labels[key]
+                    continue
+                if ts[series.start] >= points_cutoff:
+                    continue
+                # The newest point stays: threshold and absence rules read it.
+                first = min(bisect.bisect_left(ts, points_cutoff, series.start), len(ts) - 1)
+                dropped += first - series.start
+                series.start = first
+                series.compact()
             if not by_labels:
                 del self._series[metric]
         return dropped

@@ -100,6 +100,7 @@ class Aggregator:
         self.live = LiveState(
             hang_timeout_s=settings.hang_timeout_s,
             series_retention_s=_series_retention_s(self.rules, self.alerts.stale_after_s),
+            series_windows_s=_series_windows_s(self.rules),
             link_check=link_check,
         )
         self.notifier = Notifier(
@@ -543,6 +544,16 @@ def _series_retention_s(rules: RuleSet, stale_after_s: float) -> float:
     needed += [r.window_s for r in rules if r.kind == "rate"]
     needed += [r.for_s for r in rules if r.kind == "absent"]
     return max(needed) + 60.0
+
+
+def _series_windows_s(rules: RuleSet) -> dict[str, float]:
+    """The metrics whose points ``rules`` read (rate and non-finite rules), each with its
+    longest window plus a minute; the rules read only the newest point of the others."""
+    windows: dict[str, float] = {}
+    for rule in rules:
+        if rule.kind in ("rate", "nonfinite") and rule.metric:
+            windows[rule.metric] = max(windows.get(rule.metric, 0.0), rule.window_s + 60.0)
+    return windows
 
 
 def _finding_row(f: Finding, now: float) -> dict[str, Any]:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -134,6 +134,48 @@ class StepCollector:
                 break
             del pending[oldest]
         return CompleteStep(job, step, by_rank, ts_unix_s)
+
+    def add_many(
+        self,
+        job: str,
+        rank: int,
+        steps: Sequence[int],
+        compute_s: Sequence[float],
+        ts_unix_s: Sequence[float],
+    ) -> list[tuple[int, CompleteStep]]:
+        """``add`` for consecutive reports of one rank, in order; ``(index, step)`` for
+        each report that completed a step (the ingest hot path: one call per batch).
+
+        Raises ValueError if ``rank`` is outside ``0..world_size-1`` or the lengths differ.
+        """
+        if not 0 <= rank < self._world_size:
+            raise ValueError(f"rank must be in 0..{self._world_size - 1}, got {rank}")
+        if not len(steps) == len(compute_s) == len(ts_unix_s):
+            raise ValueError(
+                f"{len(steps)} steps, {len(compute_s)} compute times, {len(ts_unix_s)} times"
+            )
+        pending = self._pending.get(job)
+        if pending is None:
+            pending = self._pending[job] = {}
+        world_size, max_pending = self._world_size, self._max_pending
+        out: list[tuple[int, CompleteStep]] = []
+        for i, step in enumerate(steps):
+            by_rank = pending.get(step)
+            if by_rank is None:
+                if len(pending) >= max_pending:
+                    del pending[next(iter(pending))]
+                by_rank = pending[step] = {}
+            by_rank[rank] = compute_s[i]
+            if len(by_rank) < world_size:
+                continue
+            del pending[step]
+            while pending:
+                oldest = next(iter(pending))
+                if oldest >= step:
+                    break
+                del pending[oldest]
+            out.append((i, CompleteStep(job, step, by_rank, ts_unix_s[i])))
+        return out
 
     def pending_steps(self, job: str) -> int:
         """How many incomplete steps of ``job`` are held."""
