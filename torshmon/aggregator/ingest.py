@@ -20,18 +20,20 @@ PostgreSQL, inside the same transaction as everything else.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import operator
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Final
 
-from sqlalchemy import Float, Table, and_, bindparam, func, select, update
+from sqlalchemy import JSON, Float, Table, and_, bindparam, func, select, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, Dialect, Engine
 from sqlalchemy.sql.dml import Insert, Update
 
 from torshmon.aggregator.commands import CommandBook
@@ -44,7 +46,6 @@ from torshmon.wire import (
     Hello,
     IngestBatch,
     NodeSample,
-    StepRecord,
 )
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,8 @@ STEP_SAMPLE_FIELDS: tuple[str, ...] = (
 SAMPLES_PER_COLLECTIVE: Final = 4
 SAMPLES_PER_BUCKET: Final = 4
 
-# The sample fields a step carries are those that are not None (a getter per field set).
-_sample_values: Callable[[StepRecord], tuple[Any, ...]] = operator.attrgetter(*STEP_SAMPLE_FIELDS)
+#: How many Nones a tuple holds (C-level, for ``map``).
+_count_none: Callable[[tuple[Any, ...]], int] = operator.methodcaller("count", None)
 
 #: A table's rows as (column names, value tuples).
 TableRows = tuple[tuple[str, ...], list[tuple[Any, ...]]]
@@ -81,10 +82,11 @@ class _BulkTable:
     read from one wire record by name (``renames``: column -> attribute where they differ).
 
     The column list comes from the model: a model column that no row provides, or a
-    name that is not a column, fails at import, naming them.
+    name that is not a column, fails at import, naming them. JSON columns are written
+    as JSON text (as SQLAlchemy's JSON type writes them).
     """
 
-    __slots__ = ("_float_at", "_floats", "_values", "columns", "name")
+    __slots__ = ("_float_at", "_floats", "_json_at", "_values", "columns", "name", "sample_at")
 
     def __init__(
         self,
@@ -110,17 +112,42 @@ class _BulkTable:
         float_at = [i for i, c in enumerate(record_columns) if isinstance(table.c[c].type, Float)]
         self._float_at = frozenset(float_at)
         self._floats = _tuple_getter(operator.itemgetter, float_at)
+        self._json_at = frozenset(
+            i for i, c in enumerate(record_columns) if isinstance(table.c[c].type, JSON)
+        )
+        #: The record's values of ``STEP_SAMPLE_FIELDS`` it has, by position.
+        self.sample_at = _tuple_getter(
+            operator.itemgetter,
+            [record_columns.index(f) for f in STEP_SAMPLE_FIELDS if f in record_columns],
+        )
 
     def row(self, context: tuple[Any, ...], record: Any) -> tuple[Any, ...]:
         """``context`` followed by the record's values; non-finite floats become None."""
-        values = self._values(record)
-        # The common case in one C-level pass: a finite sum means every float is finite
+        return self.rows(context, [self._values(record)])[0]
+
+    def values(self, records: Iterable[Any]) -> list[tuple[Any, ...]]:
+        """The records' values, as they are (``rows`` makes them storable)."""
+        return list(map(self._values, records))
+
+    def rows(
+        self, context: tuple[Any, ...], values: list[tuple[Any, ...]]
+    ) -> list[tuple[Any, ...]]:
+        """``context`` followed by each of ``values`` (from ``values``); non-finite floats
+        become None, JSON values JSON text."""
+        # The common case in C-level passes: a finite sum means every float is finite
         # (an infinity or NaN anywhere makes it non-finite; an overflow only costs the
-        # slow path, which decides value by value).
-        if not math.isfinite(sum(filter(None, self._floats(values)))):
-            float_at = self._float_at
-            values = tuple(_finite(v) if i in float_at else v for i, v in enumerate(values))
-        return context + values
+        # slow path, which decides value by value and leaves finite values as they are).
+        floats = chain.from_iterable(map(self._floats, values))
+        if self._json_at or not math.isfinite(sum(filter(None, floats))):
+            float_at, json_at = self._float_at, self._json_at
+            values = [
+                tuple(
+                    _finite(v) if i in float_at else json.dumps(v) if i in json_at else v
+                    for i, v in enumerate(row)
+                )
+                for row in values
+            ]
+        return list(map(context.__add__, values))
 
 
 def _tuple_getter(
@@ -190,6 +217,19 @@ _BUCKETS = _BulkTable(
     ),
     {"bucket_index": "index"},
 )
+_DDP = _BulkTable(
+    "ddp_stats",
+    ("job", "rank", "step", "end_unix_ns"),
+    (
+        "bucket_cap_bytes",
+        "bucket_sizes_bytes",
+        "num_buckets_reduced",
+        "avg_forward_compute_s",
+        "avg_backward_compute_s",
+        "avg_backward_comm_s",
+        "avg_backward_compute_comm_overlap_s",
+    ),
+)
 _INFLIGHT = _BulkTable(
     "inflight_reports",
     ("job", "rank", "sent_unix_ns"),
@@ -221,7 +261,17 @@ _RANK_SAMPLES = _BulkTable(
     "rank_samples", ("node", "ts_unix_ns"), ("job", "rank", "pid", "rss_bytes")
 )
 #: Insert order: the seqs first, so a concurrent duplicate fails before the bulk work.
-_BULK: Final = (_SEQS, _STEPS, _COLLECTIVES, _BUCKETS, _INFLIGHT, _NODES, _GPUS, _RANK_SAMPLES)
+_BULK: Final = (
+    _SEQS,
+    _STEPS,
+    _COLLECTIVES,
+    _BUCKETS,
+    _DDP,
+    _INFLIGHT,
+    _NODES,
+    _GPUS,
+    _RANK_SAMPLES,
+)
 
 
 @dataclass(slots=True)
@@ -447,7 +497,7 @@ class IngestStore:
         now_ns: int,
     ) -> None:
         if jobs:
-            conn.execute(_jobs_upsert(conn.dialect.name), list(jobs.values()))
+            _executemany(conn, _driver_sql("jobs_upsert", conn.dialect), list(jobs.values()))
         # Plain INSERT: a concurrent duplicate must fail the transaction, not vanish.
         _bulk_insert(conn, _SEQS, rows.bulk[_SEQS.name])
         new_sessions = rows.tables.pop("probe_sessions", [])
@@ -519,7 +569,7 @@ def _bulk_insert(conn: Connection, bulk: _BulkTable, rows: list[tuple[Any, ...]]
         return
     dialect = conn.dialect.name
     if dialect == "sqlite":
-        conn.exec_driver_sql(_insert_sql(bulk), rows)
+        _executemany(conn, _insert_sql(bulk), rows)
     elif dialect == "postgresql":
         _copy(conn, bulk, rows)
     else:
@@ -533,6 +583,26 @@ def _insert_sql(bulk: _BulkTable) -> str:
     return "INSERT INTO {} ({}) VALUES ({})".format(
         bulk.name, ", ".join(bulk.columns), ", ".join("?" * len(bulk.columns))
     )
+
+
+def _executemany(conn: Connection, sql: str, rows: Sequence[Any]) -> None:
+    """The DBAPI cursor's ``executemany`` on the connection's driver connection (its
+    transaction), without SQLAlchemy's per-statement work: the hot path of ingest.
+
+    Database errors are raised as SQLAlchemy's, as ``execute`` would raise them.
+    """
+    driver = conn.connection.driver_connection
+    if driver is None:
+        raise RuntimeError("the connection has no driver connection to execute on")
+    dbapi_error: type[Exception] = conn.dialect.loaded_dbapi.Error
+    try:
+        cursor = driver.cursor()
+        try:
+            cursor.executemany(sql, rows)
+        finally:
+            cursor.close()
+    except dbapi_error as exc:
+        raise sa_exc.DBAPIError.instance(sql, None, exc, dbapi_error, dialect=conn.dialect) from exc
 
 
 def _copy(conn: Connection, bulk: _BulkTable, rows: list[tuple[Any, ...]]) -> None:
@@ -553,6 +623,24 @@ def _copy(conn: Connection, bulk: _BulkTable, rows: list[tuple[Any, ...]]) -> No
                 write(row)
     except dbapi_error as exc:
         raise sa_exc.DBAPIError.instance(sql, None, exc, dbapi_error, dialect=conn.dialect) from exc
+
+
+@functools.cache
+def _driver_sql(statement: str, dialect: Dialect) -> str:
+    """The SQL of one of ingest's per-request statements for the DBAPI driver of
+    ``dialect``, with named parameters (``:name`` for sqlite3, ``%(name)s`` for psycopg),
+    compiled once per engine by SQLAlchemy from the models.
+
+    Raises RuntimeError if a parameter needs SQLAlchemy's conversion on its way in (the
+    driver would then get the wrong value): such a statement must go through ``execute``.
+    """
+    compiler_dialect = sqlite.dialect(paramstyle="named") if dialect.name == "sqlite" else dialect
+    built = _jobs_upsert(dialect.name) if statement == "jobs_upsert" else _SESSION_PROGRESS
+    compiled = built.compile(dialect=compiler_dialect)
+    for name, bind in compiled.binds.items():
+        if bind.type.bind_processor(compiler_dialect) is not None:
+            raise RuntimeError(f"parameter {name} of {statement} needs SQLAlchemy's conversion")
+    return compiled.string
 
 
 @functools.cache
@@ -660,7 +748,7 @@ def _write_session_progress(conn: Connection, sessions: dict[str, _Session], now
     if missing:
         conn.execute(insert_ignore(conn, _T["probe_sessions"]), missing)
     if progress:
-        conn.execute(_SESSION_PROGRESS, progress)
+        _executemany(conn, _driver_sql("session_progress", conn.dialect), progress)
 
 
 def _apply_acks(conn: Connection, acks: Iterable[CommandAck], now_ns: int) -> None:
@@ -702,42 +790,27 @@ def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
     """Rows of one probe batch; returns the number of measurements (samples) stored."""
     job, rank = batch.job, batch.rank
     bulk = rows.bulk
-    steps, collectives, buckets = bulk["steps"], bulk["collectives"], bulk["buckets"]
-    step_row, collective_row, bucket_row = _STEPS.row, _COLLECTIVES.row, _BUCKETS.row
-    head = (job, rank, node)
-    samples = 0
-    for step in batch.steps:
-        steps.append(step_row(head, step))
-        values = _sample_values(step)
-        samples += len(values) - values.count(None)
+    steps = batch.steps
+    values = _STEPS.values(steps)
+    # Samples are the wire values present (a non-finite one counts, stored as NULL).
+    samples = len(values) * len(STEP_SAMPLE_FIELDS) - sum(
+        map(_count_none, map(_STEPS.sample_at, values))
+    )
+    bulk["steps"].extend(_STEPS.rows((job, rank, node), values))
+    for step in steps:
         if step.collectives or step.buckets:
             at = (job, rank, step.step, step.end_unix_ns)
-            for c in step.collectives:
-                collectives.append(collective_row(at, c))
-            for b in step.buckets:
-                buckets.append(bucket_row(at, b))
-            samples += SAMPLES_PER_COLLECTIVE * len(step.collectives)
-            samples += SAMPLES_PER_BUCKET * len(step.buckets)
+            if step.collectives:
+                bulk["collectives"].extend(
+                    _COLLECTIVES.rows(at, _COLLECTIVES.values(step.collectives))
+                )
+                samples += SAMPLES_PER_COLLECTIVE * len(step.collectives)
+            if step.buckets:
+                bulk["buckets"].extend(_BUCKETS.rows(at, _BUCKETS.values(step.buckets)))
+                samples += SAMPLES_PER_BUCKET * len(step.buckets)
         if step.ddp is not None:
-            d = step.ddp
-            rows.add(
-                "ddp_stats",
-                {
-                    "job": job,
-                    "rank": rank,
-                    "step": step.step,
-                    "end_unix_ns": step.end_unix_ns,
-                    "bucket_cap_bytes": d.bucket_cap_bytes,
-                    "bucket_sizes_bytes": list(d.bucket_sizes_bytes),
-                    "num_buckets_reduced": d.num_buckets_reduced,
-                    "avg_forward_compute_s": _finite(d.avg_forward_compute_s),
-                    "avg_backward_compute_s": _finite(d.avg_backward_compute_s),
-                    "avg_backward_comm_s": _finite(d.avg_backward_comm_s),
-                    "avg_backward_compute_comm_overlap_s": _finite(
-                        d.avg_backward_compute_comm_overlap_s
-                    ),
-                },
-            )
+            at = (job, rank, step.step, step.end_unix_ns)
+            bulk["ddp_stats"].append(_DDP.row(at, step.ddp))
         applied = step.applied_config
         if applied is not None and rank == 0:
             rows.add(
@@ -754,10 +827,9 @@ def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
                 },
             )
     if batch.inflight:
-        sent = (job, rank, batch.sent_unix_ns)
-        inflight = bulk["inflight_reports"]
-        for op in batch.inflight:
-            inflight.append(_INFLIGHT.row(sent, op))
+        bulk["inflight_reports"].extend(
+            _INFLIGHT.rows((job, rank, batch.sent_unix_ns), _INFLIGHT.values(batch.inflight))
+        )
     return samples
 
 
@@ -765,7 +837,5 @@ def _node_rows(sample: NodeSample, rows: _Rows) -> None:
     bulk = rows.bulk
     bulk["node_samples"].append(_NODES.row((), sample))
     at = (sample.node, sample.ts_unix_ns)
-    for gpu in sample.gpus:
-        bulk["gpu_samples"].append(_GPUS.row(at, gpu))
-    for proc in sample.ranks:
-        bulk["rank_samples"].append(_RANK_SAMPLES.row(at, proc))
+    bulk["gpu_samples"].extend(_GPUS.rows(at, _GPUS.values(sample.gpus)))
+    bulk["rank_samples"].extend(_RANK_SAMPLES.rows(at, _RANK_SAMPLES.values(sample.ranks)))

@@ -1,0 +1,84 @@
+"""Ingest's row building and writes: what a batch leaves in SQL (SQLite here; the same
+writes on PostgreSQL run in tests/integration/test_aggregator_pg.py)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+
+from tests.integration import wire_factory as wf
+from torshmon.aggregator.ingest import IngestStore, insert_rows
+from torshmon.history.db import make_engine, upgrade
+from torshmon.history.models import Base
+from torshmon.wire import SCHEMA_VERSION, DdpStats, IngestBatch, IngestRecord, SpoolRecord
+
+T = Base.metadata.tables
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[Engine]:
+    url = f"sqlite:///{tmp_path / 'history.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    yield engine
+    engine.dispose()
+
+
+def _batch() -> IngestBatch:
+    hello = wf.hello("j", 0, 1)
+    ddp = DdpStats(
+        bucket_cap_bytes=25 << 20,
+        bucket_sizes_bytes=[25 << 20, 1234],
+        num_buckets_reduced=2,
+        avg_forward_compute_s=0.01,
+        avg_backward_compute_s=math.inf,
+        avg_backward_comm_s=0.02,
+        avg_backward_compute_comm_overlap_s=0.005,
+    )
+    steps = [
+        wf.step(1, end_unix_ns=10**18),
+        msgspec.structs.replace(wf.step(2, end_unix_ns=10**18 + 1), ddp=ddp, forward_s=math.inf),
+        msgspec.structs.replace(wf.step(3, end_unix_ns=10**18 + 2, collectives=False), loss=None),
+    ]
+    record = SpoolRecord(messages=[hello, wf.batch(hello, 1, steps)], node_samples=[])
+    return IngestBatch(
+        v=SCHEMA_VERSION, agent_id="a", node="node-a", records=[IngestRecord(seq=1, record=record)]
+    )
+
+
+def test_steps_collectives_and_ddp_statistics_are_stored_as_sent(engine: Engine) -> None:
+    stored = IngestStore(engine, aggregator_id="t").store(_batch())
+    # 10 + 10 + 9 (no loss) step values, 4 per collective: an infinite value is a
+    # measurement too, stored as NULL (SQL has no portable infinity).
+    assert stored.samples == 29 + 2 * 4
+    with engine.connect() as conn:
+        steps = conn.execute(select(T["steps"]).order_by(T["steps"].c.step)).mappings().all()
+        ddp = conn.execute(select(T["ddp_stats"])).mappings().one()
+        collectives = conn.execute(select(T["collectives"].c.step)).scalars().all()
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert [s["forward_s"] for s in steps] == [0.03, None, 0.03]
+    assert steps[2]["loss"] is None
+    assert sorted(collectives) == [1, 2]
+    assert ddp["step"] == 2 and ddp["rank"] == 0
+    assert ddp["bucket_sizes_bytes"] == [25 << 20, 1234]  # JSON, read back as a list
+    assert ddp["avg_backward_compute_s"] is None
+    assert ddp["avg_forward_compute_s"] == 0.01
+
+
+def test_insert_rows_are_the_rows_store_writes(engine: Engine) -> None:
+    batch = _batch()
+    rows = insert_rows(batch, 5)
+    IngestStore(engine, aggregator_id="t", clock_ns=lambda: 5).store(batch)
+    with engine.connect() as conn:
+        for table, (columns, expected) in rows.items():
+            got = conn.execute(select(*(T[table].c[c] for c in columns))).all()
+            if table == "ddp_stats":
+                got = [(*r[:5], msgspec.json.encode(r[5]).decode(), *r[6:]) for r in got]
+                expected = [(*r[:5], r[5].replace(" ", ""), *r[6:]) for r in expected]
+            assert sorted(map(tuple, got)) == sorted(expected), table
