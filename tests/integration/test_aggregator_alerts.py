@@ -158,3 +158,28 @@ def test_a_new_finding_is_evaluated_at_once_not_on_the_timer(tmp_path: Path) -> 
             time.sleep(0.02)
         fired = [(a.rule, a.state, a.labels.get("rank")) for a in agg.aggregator.alerts.active()]
     assert fired == [("Straggler", "firing", "1")]
+
+
+def test_after_a_restart_running_jobs_keep_their_straggler_detection(tmp_path: Path) -> None:
+    """The probes said hello to the old process only; the new one takes the job's world
+    size from SQL, so a straggler after the restart is still named."""
+    settings = AggregatorSettings(
+        port=0,
+        db_url=f"sqlite:///{tmp_path / 'h.db'}",
+        token="t",
+        aggregator_id="a1",
+        eval_interval_s=0.1,
+    )
+    hellos = [wf.hello("j", 0, 3), wf.hello("j", 1, 3), wf.hello("j", 2, 3)]
+    with AggregatorThread(settings) as agg:
+        agg.post_ingest(wf.ingest_body("agent", [(1, wf.record(*hellos))]))
+        seq = _steps(agg, hellos, 1, 5, None, 2)
+    with AggregatorThread(settings) as agg:
+        assert agg.aggregator.live.jobs["j"].world_size == 3
+        seq = _steps(agg, hellos, 6, 10, None, seq)
+        _steps(agg, hellos, 16, 6, 2, seq)
+        deadline = time.monotonic() + 5.0
+        while not agg.aggregator.alerts.active() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fired = [(a.rule, a.labels.get("rank")) for a in agg.aggregator.alerts.active()]
+    assert fired == [("Straggler", "2")]

@@ -171,16 +171,32 @@ class LiveState:
             for hello in stored.hellos:
                 job = self._job(hello.job)
                 if job.world_size != hello.world_size:
-                    job.world_size = hello.world_size
-                    job.collector = StepCollector(hello.world_size)
-                    self.hang.set_world(hello.job, hello.world_size)
-                    self.links.set_world(hello.job, hello.world_size)
+                    self._set_world(hello.job, job, hello.world_size)
                 self._rank(hello.job, job, hello.rank).node = hello.node
             for batch, node in stored.batches:
                 self._observe_batch(batch, node, now_unix_s)
             for sample in stored.node_samples:
                 self._observe_node(sample)
                 self._node_seen[sample.node] = now_unix_s
+
+    def restore_job(self, name: str, world_size: int, last_seen_unix_s: float) -> None:
+        """A job this aggregator served before it restarted. Its probes said hello once,
+        to the old process, and will not again: without the world size from SQL the
+        straggler, hang and link checks would stay off for the job. Its ranks count as
+        seen at ``last_seen_unix_s``, so the job expires as it would have."""
+        with self._lock:
+            job = self._job(name)
+            if job.world_size is None:
+                self._set_world(name, job, world_size)
+            for rank in range(world_size):
+                r = self._rank(name, job, rank)
+                r.last_seen_unix_s = max(r.last_seen_unix_s, last_seen_unix_s)
+
+    def _set_world(self, name: str, job: JobState, world_size: int) -> None:
+        job.world_size = world_size
+        job.collector = StepCollector(world_size)
+        self.hang.set_world(name, world_size)
+        self.links.set_world(name, world_size)
 
     def _job(self, name: str) -> JobState:
         job = self.jobs.get(name)

@@ -164,6 +164,7 @@ class Aggregator:
             self.engine, aggregator_id=self.settings.aggregator_id, commands=self.commands
         )
         await loop.run_in_executor(self.writer, self._restore_alerts)
+        await loop.run_in_executor(self.writer, self._restore_jobs)
         await self.tuning.start()
         await self.notifier.start()
         app = web.Application(
@@ -442,6 +443,26 @@ class Aggregator:
         if alerts:
             self.alerts.restore(alerts)
             log.info("resumed %d pending or firing alerts", len(alerts))
+
+    def _restore_jobs(self) -> None:
+        """Give the live state the world size of the jobs this aggregator served until it
+        stopped (and that were not idle yet): their probes will not say hello again."""
+        if self.engine is None:
+            return
+        table = _T["jobs"]
+        since_ns = int((self.clock() - self.live.idle_s) * 1e9)
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(table.c.job, table.c.world_size, table.c.last_seen_unix_ns).where(
+                    table.c.aggregator_id == self.settings.aggregator_id,
+                    table.c.world_size.is_not(None),
+                    table.c.last_seen_unix_ns >= since_ns,
+                )
+            ).all()
+        for job, world_size, last_seen_ns in rows:
+            self.live.restore_job(job, int(world_size), last_seen_ns / 1e9)
+        if rows:
+            log.info("resumed %d running jobs from the history", len(rows))
 
     # -- commands ------------------------------------------------------------------------
     async def submit_command(self, job: str, kind: str, args: dict[str, object]) -> CommandStatus:
