@@ -70,6 +70,10 @@ _MAD_TO_SIGMA: Final = 1.4826
 _MIN_HISTORY: Final = 5
 
 
+def _rank_of(item: tuple[int, Finding | None]) -> int:
+    return item[0]
+
+
 @dataclass(frozen=True, slots=True)
 class CompleteStep:
     """One step of one job with a compute time from every rank; ``ts_unix_s`` is the
@@ -302,10 +306,13 @@ class StragglerDetector:
         if state is None:
             state = self._jobs[job] = _JobState(pair_history=deque(maxlen=self._history_steps))
         if len(values) >= 2:
-            ranks = {rank: state.ranks.get(rank) or self._new_rank(state, rank) for rank in values}
+            known = state.ranks.get
+            ranks: dict[int, _RankState] = {}
+            smoothed: dict[int, float] = {}
             for rank, x in values.items():
-                ranks[rank].recent.append(x)
-            smoothed = {rank: ranks[rank].smoothed() for rank in values}
+                rank_state = ranks[rank] = known(rank) or self._new_rank(state, rank)
+                rank_state.recent.append(x)
+                smoothed[rank] = _median(sorted(rank_state.recent))
             state.complete_steps += 1
             warming_up = state.complete_steps <= self._warmup_steps
             if len(values) == 2:
@@ -318,17 +325,23 @@ class StragglerDetector:
             else:
                 for rank, x in smoothed.items():
                     rank_state = ranks[rank]
-                    score = flagged.get(rank)
+                    score = flagged.get(rank) if flagged else None
                     if score is not None and not self._new_for_rank(rank_state, score):
                         score = None
                     if score is None:
                         rank_state.history.append(x)
+                        if not rank_state.active:
+                            rank_state.flagged_streak = 0  # all ``_advance`` would do
+                            continue
                     self._advance(job, step, ts_unix_s, rank_state, score)
-        return [
-            rank_state.finding
-            for _, rank_state in sorted(state.ranks.items())
+        # Sorting only the active ranks (usually none) keeps this O(world size).
+        active = [
+            (rank, rank_state.finding)
+            for rank, rank_state in state.ranks.items()
             if rank_state.active and rank_state.finding is not None
         ]
+        active.sort(key=_rank_of)
+        return [finding for _, finding in active]
 
     def _new_rank(self, state: _JobState, rank: int) -> _RankState:
         created = state.ranks[rank] = _RankState(
