@@ -9,7 +9,8 @@ itself keeps in ``torshmon_ingest_samples_total``. Node samples are ingested too
 agents send them) but not counted.
 
 Pipeline run: a real aggregator process (fresh database, default rules, evaluation
-every 0.5 s) on a loopback port. This process plays ``world_size / ranks_per_agent``
+every 0.5 s, the garbage collector set up as ``torshmon aggregator`` sets it) on a
+loopback port. This process plays ``world_size / ranks_per_agent``
 agents of one job: each POST is one agent's gzipped ``IngestBatch`` (at the agent's
 ``GZIP_LEVEL``, as it sends them) of ``records_per_post`` spool records, each holding a
 probe batch of ``steps_per_batch`` steps from every rank of the agent, and a node sample (8 GPUs).
@@ -380,7 +381,7 @@ class SimulatedAgent:
 _AGGREGATOR = """
 import asyncio, cProfile, gc, json, signal, sys, time
 from prometheus_client import CollectorRegistry
-from torshmon.aggregator.service import Aggregator
+from torshmon.aggregator.service import Aggregator, tune_gc_for_daemon
 from torshmon.aggregator.settings import AggregatorSettings
 
 gc_s = [0.0, 0.0]  # CPU seconds in total, at the start of the running collection
@@ -404,6 +405,7 @@ async def main(db_url, token, profile):
     gc.callbacks.append(on_gc)
     agg = Aggregator(settings, registry=CollectorRegistry(), targets=[])
     async with agg:
+        tune_gc_for_daemon()  # as `torshmon aggregator` (run_aggregator) does once started
         profilers = []
         if profile:
             main_p = cProfile.Profile(time.thread_time)
