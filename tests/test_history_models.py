@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 from alembic.script import ScriptDirectory
-from sqlalchemy import Float, create_mock_engine, insert, select, text
+from sqlalchemy import Float, create_mock_engine, func, insert, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
 from torshmon.history.db import (
     DEFAULT_DB_URL,
     DatabaseConfigError,
+    WriterConnection,
     alembic_dir,
     begin_write,
     db_url,
@@ -474,6 +475,33 @@ def test_begin_write_takes_the_sqlite_write_lock_at_begin(db: str, engine: Engin
         other.execute("ROLLBACK")
     finally:
         other.close()
+
+
+def test_writer_connection_keeps_one_connection_and_replaces_it_after_a_failure(
+    db: str, engine: Engine
+) -> None:
+    jobs = Base.metadata.tables["jobs"]
+    row = {"job": "j", "first_seen_unix_ns": 1, "last_seen_unix_ns": 1, "aggregator_id": "a"}
+    writer = WriterConnection(engine)
+    with writer.begin() as first:
+        first.execute(jobs.insert(), [row])
+    with writer.begin() as second:
+        assert second is first  # kept, not checked out again
+        path = db.removeprefix("sqlite:///")
+        other = sqlite3.connect(path, timeout=0, isolation_level=None)
+        try:  # a write transaction as begin_write's: the lock is taken at BEGIN
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                other.execute("BEGIN IMMEDIATE")
+        finally:
+            other.close()
+    with pytest.raises(IntegrityError), writer.begin() as conn:
+        conn.execute(jobs.insert(), [row])  # the same job again
+    assert first.closed
+    with writer.begin() as fresh:
+        assert fresh is not first
+        assert fresh.execute(select(func.count()).select_from(jobs)).scalar_one() == 1
+    writer.close()
+    writer.close()
 
 
 def test_db_url_prefers_explicit_then_environment_then_default(

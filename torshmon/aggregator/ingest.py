@@ -37,7 +37,7 @@ from sqlalchemy.engine import Connection, Dialect, Engine
 from sqlalchemy.sql.dml import Insert, Update
 
 from torshmon.aggregator.commands import CommandBook
-from torshmon.history.db import DatabaseConfigError, begin_write, insert_ignore, upsert
+from torshmon.history.db import DatabaseConfigError, WriterConnection, insert_ignore, upsert
 from torshmon.history.models import Base
 from torshmon.wire import (
     Batch,
@@ -318,6 +318,9 @@ class _Rows:
 class IngestStore:
     """Writes agent batches to the history database; not thread-safe (one writer thread).
 
+    It keeps one connection for its transactions (``WriterConnection``); ``close``
+    closes it.
+
     Pending commands of the jobs whose rank 0 the posting agent serves go back in
     the reply; they are marked ``sent`` in the same transaction that stores the
     batch, and in the command book once it commits.
@@ -332,6 +335,7 @@ class IngestStore:
         clock_ns: Callable[[], int] = time.time_ns,
     ) -> None:
         self.engine = engine
+        self._writer = WriterConnection(engine)
         self.aggregator_id = aggregator_id
         self._commands = commands
         self._clock_ns = clock_ns
@@ -347,7 +351,7 @@ class IngestStore:
         them to HTTP answers); on an error nothing of this batch is stored.
         """
         now_ns = self._clock_ns()
-        with begin_write(self.engine) as conn:
+        with self._writer.begin() as conn:
             seen = self._seen_seqs(conn, batch)
             sessions = self._load_sessions(conn, batch)
             rows = _Rows()
@@ -393,6 +397,10 @@ class IngestStore:
             for ack in stored.command_acks:
                 self._commands.acked(ack)
         return stored
+
+    def close(self) -> None:
+        """Close the connection ``store`` keeps (on the writer thread; safe to repeat)."""
+        self._writer.close()
 
     # -- reads ---------------------------------------------------------------------------
     def _seen_seqs(self, conn: Connection, batch: IngestBatch) -> set[int]:

@@ -212,6 +212,9 @@ class Aggregator:
                 await part()
             except Exception as exc:  # reported together below
                 errors.append(exc)
+        if self.store is not None:
+            # On the writer thread, after every write queued before it.
+            self.writer.submit(self.store.close)
         self.writer.shutdown(wait=True)
         self.tracer.shutdown()
         if self.engine is not None:
