@@ -484,9 +484,10 @@ def test_a_slow_step_is_sent_at_once_marked_urgent(tmp_path: Path) -> None:
         mine = [(t, m) for t, m in arrivals if isinstance(m, Batch) and m.rank == rank]
         [(arrived, batch)] = [(t, m) for t, m in mine if SLOW_STEP in [s.step for s in m.steps]]
         assert batch.urgent
-        assert arrived - slow_end < 0.5, f"rank {rank}: {arrived - slow_end:.2f} s"
-        # The steps before it travelled with it (nothing was due); the lane stayed open
-        # for the steps after it, each sent at once.
-        assert batch.steps[0].step == 1
+        # (the close flush would come 1.3 s after it)
+        assert arrived - slow_end < 0.8, f"rank {rank}: {arrived - slow_end:.2f} s"
+        # Every step arrived once (earlier ones may have opened the lane already: the
+        # first steps' times scatter); the lane stayed open for the steps after it.
+        assert sorted(s.step for _t, m in mine for s in m.steps) == list(range(1, SLOW_STEP + 11))
         after = [m for _t, m in mine if m.steps and m.steps[0].step > SLOW_STEP]
         assert after and all(m.urgent for m in after[:-1])
