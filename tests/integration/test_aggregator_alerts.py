@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -53,6 +54,12 @@ def _steps(
     return seq
 
 
+def _settings(tmp_path: Path, **overrides: Any) -> AggregatorSettings:
+    """Aggregator ``a1`` on any free port, its history in ``tmp_path/h.db``."""
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    return AggregatorSettings(port=0, db_url=url, token="t", aggregator_id="a1", **overrides)
+
+
 def _rows(url: str) -> list[tuple[object, ...]]:
     engine = create_engine(url)
     try:
@@ -72,14 +79,8 @@ def _rows(url: str) -> list[tuple[object, ...]]:
 
 def test_a_firing_alert_survives_a_restart_and_resolves_once(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'h.db'}"
-    settings = AggregatorSettings(
-        port=0,
-        db_url=url,
-        token="t",
-        aggregator_id="a1",
-        eval_interval_s=60,
-        eval_on_finding=False,  # the test evaluates when it chooses
-    )
+    # The test evaluates when it chooses.
+    settings = _settings(tmp_path, eval_interval_s=60, eval_on_finding=False)
     hellos = [
         wf.hello("j", 0, 3, session="s0"),
         wf.hello("j", 1, 3, session="s1"),
@@ -114,14 +115,7 @@ def test_a_firing_alert_survives_a_restart_and_resolves_once(tmp_path: Path) -> 
 
 def test_steps_and_alerts_become_opentelemetry_spans(tmp_path: Path) -> None:
     exporter = InMemorySpanExporter()
-    settings = AggregatorSettings(
-        port=0,
-        db_url=f"sqlite:///{tmp_path / 'h.db'}",
-        token="t",
-        aggregator_id="a1",
-        eval_interval_s=60,
-        eval_on_finding=False,
-    )
+    settings = _settings(tmp_path, eval_interval_s=60, eval_on_finding=False)
     hellos = [wf.hello("j", 0, 3), wf.hello("j", 1, 3), wf.hello("j", 2, 3)]
     with AggregatorThread(settings) as agg:
         agg.aggregator.tracer = otel.Tracing(None, processor=SimpleSpanProcessor(exporter))
@@ -140,13 +134,7 @@ def test_steps_and_alerts_become_opentelemetry_spans(tmp_path: Path) -> None:
 
 
 def test_a_new_finding_is_evaluated_at_once_not_on_the_timer(tmp_path: Path) -> None:
-    settings = AggregatorSettings(
-        port=0,
-        db_url=f"sqlite:///{tmp_path / 'h.db'}",
-        token="t",
-        aggregator_id="a1",
-        eval_interval_s=60,  # the timer never comes within the test
-    )
+    settings = _settings(tmp_path, eval_interval_s=60)  # the timer never comes in the test
     hellos = [wf.hello("j", 0, 3), wf.hello("j", 1, 3), wf.hello("j", 2, 3)]
     with AggregatorThread(settings) as agg:
         agg.post_ingest(wf.ingest_body("agent", [(1, wf.record(*hellos))]))
@@ -163,13 +151,7 @@ def test_a_new_finding_is_evaluated_at_once_not_on_the_timer(tmp_path: Path) -> 
 def test_after_a_restart_running_jobs_keep_their_straggler_detection(tmp_path: Path) -> None:
     """The probes said hello to the old process only; the new one takes the job's world
     size from SQL, so a straggler after the restart is still named."""
-    settings = AggregatorSettings(
-        port=0,
-        db_url=f"sqlite:///{tmp_path / 'h.db'}",
-        token="t",
-        aggregator_id="a1",
-        eval_interval_s=0.1,
-    )
+    settings = _settings(tmp_path, eval_interval_s=0.1)
     hellos = [wf.hello("j", 0, 3), wf.hello("j", 1, 3), wf.hello("j", 2, 3)]
     with AggregatorThread(settings) as agg:
         agg.post_ingest(wf.ingest_body("agent", [(1, wf.record(*hellos))]))

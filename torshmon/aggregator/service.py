@@ -312,18 +312,19 @@ class Aggregator:
         least ``eval_min_gap_s`` and of the last evaluation's own duration, so a storm
         of findings can take at most half of the loop."""
         settings = self.settings
-        took = 0.0
+        gap = 0.0
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._eval_wanted.wait(), settings.eval_interval_s)
+                timeout = max(0.0, settings.eval_interval_s - gap)
+                await asyncio.wait_for(self._eval_wanted.wait(), timeout)
             self._eval_wanted.clear()
             started = time.perf_counter()
             try:
                 await self.evaluate()
             except Exception:
                 log.exception("evaluation failed; retrying next tick")
-            took = time.perf_counter() - started
-            await asyncio.sleep(max(settings.eval_min_gap_s, took))
+            gap = max(settings.eval_min_gap_s, time.perf_counter() - started)
+            await asyncio.sleep(gap)
 
     async def evaluate(self) -> list[Alert]:
         """One evaluation tick: findings, rules, storage, notifications. Returns transitions."""

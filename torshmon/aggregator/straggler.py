@@ -118,26 +118,8 @@ class StepCollector:
         A repeated report of the same (job, step, rank) replaces the earlier one.
         Raises ValueError if ``rank`` is outside ``0..world_size-1``.
         """
-        if not 0 <= rank < self._world_size:
-            raise ValueError(f"rank must be in 0..{self._world_size - 1}, got {rank}")
-        pending = self._pending.get(job)
-        if pending is None:
-            pending = self._pending[job] = {}
-        by_rank = pending.get(step)
-        if by_rank is None:
-            if len(pending) >= self._max_pending:
-                del pending[next(iter(pending))]
-            by_rank = pending[step] = {}
-        by_rank[rank] = compute_s
-        if len(by_rank) < self._world_size:
-            return None
-        del pending[step]
-        while pending:
-            oldest = next(iter(pending))
-            if oldest >= step:
-                break
-            del pending[oldest]
-        return CompleteStep(job, step, by_rank, ts_unix_s)
+        done = self.add_many(job, rank, (step,), (compute_s,), (ts_unix_s,))
+        return done[0][1] if done else None
 
     def add_many(
         self,

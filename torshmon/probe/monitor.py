@@ -398,17 +398,14 @@ class Monitor:
         if unknown:
             allowed = ", ".join(sorted(_LINK_CHECK_ARGS))
             raise ConfigError(f"unknown link_check field {unknown[0]!r}; allowed: {allowed}")
-        size = command.args.get("size_bytes", DEFAULT_SIZE_BYTES)
-        repeats = command.args.get("repeats", 1)
-        for name, value in (("size_bytes", size), ("repeats", repeats)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"{name} must be an integer, got {value!r}")
+        size = _int_arg(command, "size_bytes", DEFAULT_SIZE_BYTES)
+        repeats = _int_arg(command, "repeats", 1)
         if self._reconfig is None:
             raise RuntimeError(
                 "link checks need a DDP module whose process group spans the whole job "
                 "(they run on the config consensus's gloo group)"
             )
-        request = LinkCheckRequest(id=command.id, size_bytes=size, repeats=repeats)  # type: ignore[arg-type]
+        request = LinkCheckRequest(id=command.id, size_bytes=size, repeats=repeats)
 
         def queued() -> None:
             # Before the check can run: its "applied" must never come first.
@@ -536,3 +533,10 @@ def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Mon
     already attached in this process, TypeError for a module that is not DDP.
     """
     return Monitor(module, job=job, **options)
+
+
+def _int_arg(command: Command, name: str, default: int) -> int:
+    value = command.args.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    return value
