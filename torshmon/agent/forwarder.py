@@ -33,6 +33,8 @@ from torshmon.wire import SCHEMA_VERSION, IngestReply, WireError, decode_json
 log = logging.getLogger(__name__)
 
 _MAX_RECORDS_PER_BATCH: Final = 10_000
+#: The least time between POSTs when urgent records cut the gathering wait short.
+URGENT_MIN_INTERVAL_S: Final = 0.1
 _MAX_LOGGED_BODY_CHARS: Final = 500
 #: zlib level 1: about half the CPU of the default 6 on the agent's JSON, which
 #: still shrinks it more than tenfold (the agent's budget is CPU, not bandwidth).
@@ -208,10 +210,15 @@ class Forwarder:
             if delay is None:
                 return
             if delay > 0 and self._pacing:
-                # Gathering records between POSTs: an urgent record cuts it short. A
-                # backoff after a failure is never cut short.
+                # Gathering records between POSTs: an urgent record cuts it short, to
+                # URGENT_MIN_INTERVAL_S at the least (a node of busy ranks would POST per
+                # step otherwise). A backoff after a failure is never cut short.
+                waited = time.monotonic()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._urgent.wait(), delay)
+                rest = URGENT_MIN_INTERVAL_S - (time.monotonic() - waited)
+                if rest > 0:
+                    await asyncio.sleep(rest)
             elif delay > 0:
                 await asyncio.sleep(delay)
 
