@@ -22,7 +22,8 @@ POST (with its ranks' hellos) was answered, then ``warmup_s`` more. Throughput c
 the samples of the POSTs answered inside the window. Afterwards SQL must hold every
 step and sample sent, exactly once ("stored ok").
 
-Columns: ``agg cores`` is the aggregator process's CPU (all threads) over the window,
+Columns: ``agg cores`` is the aggregator's CPU (all threads, and its child processes:
+the ingest process that stores, unless ``--ingest thread``) over the window,
 in cores; ``loop`` its event-loop thread's share; ``gc`` the CPU its garbage
 collector took; ``samples/cpu-s`` samples per second of aggregator CPU, the figure
 to compare across runs on a shared machine (the others move with the CPU the
@@ -148,6 +149,7 @@ class Plan:
     bare_s: float
     connections: int
     profile_dir: Path | None
+    ingest: str
 
 
 QUICK = {"repeats": 1, "warmup_s": 3.0, "window_s": 10.0, "bare_s": 4.0, "world_size": 1024}
@@ -393,9 +395,14 @@ def on_gc(phase, info):
     else:
         gc_s[0] += time.thread_time() - gc_s[1]
 
-async def main(db_url, token, profile):
+async def main(db_url, token, ingest, profile):
     settings = AggregatorSettings(
-        port=0, db_url=db_url, token=token, aggregator_id="bench", eval_interval_s=0.5
+        port=0,
+        db_url=db_url,
+        token=token,
+        aggregator_id="bench",
+        eval_interval_s=0.5,
+        ingest_process=ingest == "process",
     )
     stop = asyncio.Event()
     marks = []
@@ -422,15 +429,15 @@ async def main(db_url, token, profile):
                 p.dump_stats(path)
     print("MARKS", json.dumps(marks), flush=True)
 
-asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else ""))
+asyncio.run(main(*sys.argv[1:4], sys.argv[4] if len(sys.argv) > 4 else ""))
 """
 
 
 class AggregatorProcess:
     """``async with AggregatorProcess(url, profile)``: a real aggregator on a free port."""
 
-    def __init__(self, db_url: str, profile: Path | None) -> None:
-        self._args = [sys.executable, "-c", _AGGREGATOR, db_url, TOKEN]
+    def __init__(self, db_url: str, ingest: str, profile: Path | None) -> None:
+        self._args = [sys.executable, "-c", _AGGREGATOR, db_url, TOKEN, ingest]
         if profile is not None:
             self._args.append(str(profile))
         self._process: asyncio.subprocess.Process | None = None
@@ -559,11 +566,17 @@ class LoadGenerator:
 
 
 def _cpu(process: psutil.Process) -> tuple[float, float, float]:
-    times = process.cpu_times()
+    """CPU seconds so far of the aggregator with its child processes (the ingest process),
+    of its event-loop thread, and of this process (the simulated agents)."""
+    total = 0.0
+    for p in (process, *process.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = p.cpu_times()
+            total += times.user + times.system
     main = next((t for t in process.threads() if t.id == process.pid), None)
     main_s = main.user_time + main.system_time if main is not None else float("nan")
     own = psutil.Process().cpu_times()
-    return float(times.user + times.system), float(main_s), float(own.user + own.system)
+    return total, float(main_s), float(own.user + own.system)
 
 
 @dataclass(frozen=True, slots=True)
@@ -597,7 +610,7 @@ async def measure_pipeline(plan: Plan, backend: str, db_url: str, repeat: int) -
     profile = None
     if plan.profile_dir is not None:
         profile = plan.profile_dir / f"aggregator-{backend}-{repeat}.prof"
-    async with AggregatorProcess(db_url, profile) as agg:
+    async with AggregatorProcess(db_url, plan.ingest, profile) as agg:
         process = psutil.Process(agg.pid)
         load = LoadGenerator(plan.workload, agg.url, plan.connections)
         stop = asyncio.Event()
@@ -927,6 +940,12 @@ def parse_plan(argv: Sequence[str] | None = None) -> Plan:
     parser.add_argument("--window-s", type=_positive(float), help="measurement window, seconds")
     parser.add_argument("--bare-s", type=_positive(float), help="bare insert run, seconds")
     parser.add_argument("--profile", type=Path, help="cProfile the aggregator into this folder")
+    parser.add_argument(
+        "--ingest",
+        choices=("process", "thread"),
+        default="process",
+        help="where the aggregator stores ingest (its ingest_process setting): process",
+    )
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
     world_size = args.world_size or int(preset["world_size"])
@@ -953,6 +972,7 @@ def parse_plan(argv: Sequence[str] | None = None) -> Plan:
         bare_s=args.bare_s or preset["bare_s"],
         connections=args.connections,
         profile_dir=args.profile,
+        ingest=args.ingest,
     )
 
 
@@ -981,6 +1001,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "non-null STEP_SAMPLE_FIELDS of a step + 4 per collective + 4 per bucket"
         ),
         profiled=plan.profile_dir is not None,
+        ingest=plan.ingest,
         cpus=os.cpu_count(),
         load_average_before=round(load_before, 2),
         wall_s=round(time.perf_counter() - started, 1),

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from tests.integration import wire_factory as wf
-from torshmon.aggregator.ingest import IngestStore, insert_rows
+from torshmon.aggregator.ingest import IngestStore, insert_rows, rebuild
 from torshmon.history.db import make_engine, upgrade
 from torshmon.history.models import Base
 from torshmon.wire import SCHEMA_VERSION, DdpStats, IngestBatch, IngestRecord, SpoolRecord
@@ -82,3 +82,47 @@ def test_insert_rows_are_the_rows_store_writes(engine: Engine) -> None:
                 got = [(*r[:5], msgspec.json.encode(r[5]).decode(), *r[6:]) for r in got]
                 expected = [(*r[:5], r[5].replace(" ", ""), *r[6:]) for r in expected]
             assert sorted(map(tuple, got)) == sorted(expected), table
+
+
+def test_rebuild_from_the_summary_is_what_store_returned(engine: Engine) -> None:
+    """The ingest process sends back a summary; the loop rebuilds ``Stored`` from it and
+    its own decoded batch: the same messages, in the same order, duplicates left out."""
+    h0, h1 = wf.hello("j", 0, 2), wf.hello("j", 1, 2)
+    first = IngestBatch(
+        v=SCHEMA_VERSION,
+        agent_id="a",
+        node="n",
+        records=[
+            IngestRecord(seq=1, record=wf.record(h0, h1, wf.batch(h0, 1, [wf.step(1)]))),
+            IngestRecord(seq=2, record=wf.record(wf.batch(h1, 1, [wf.step(1)]))),
+        ],
+    )
+    store = IngestStore(engine, aggregator_id="t")
+    store.store(first)
+    # Record 1 again (skipped whole); a new record holding h0's batch 1 again (a resend
+    # after an agent restart: skipped) and new batches of both ranks with a node sample.
+    again = IngestBatch(
+        v=SCHEMA_VERSION,
+        agent_id="a",
+        node="n",
+        records=[
+            first.records[0],
+            IngestRecord(
+                seq=3,
+                record=wf.record(
+                    wf.batch(h0, 1, [wf.step(1)]),
+                    wf.batch(h0, 2, [wf.step(2)]),
+                    h1,
+                    wf.batch(h1, 2, [wf.step(2)]),
+                    samples=[wf.node_sample("j", 2)],
+                ),
+            ),
+        ],
+    )
+    stored = store.store(again)
+    assert stored.skipped_records == [0]
+    assert stored.skipped_batches == [(1, 0)]
+    assert stored.duplicates == 2 and stored.records == 1
+    rebuilt = rebuild(again, stored.summary())
+    assert rebuilt == stored
+    assert [(b.rank, b.seq) for b, _ in rebuilt.batches] == [(0, 2), (1, 2)]

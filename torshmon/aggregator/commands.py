@@ -5,7 +5,7 @@ waits here until the agent serving that rank posts its next batch; it goes back 
 the ingest reply, and the probe's acknowledgement (accepted, applied at step N, or
 rejected with a reason) comes back in a later batch. A command sent but never
 acknowledged (the reply was lost, the job ended) expires after ``timeout_s``.
-Thread-safe: the writer thread and the event loop both use it.
+Thread-safe.
 """
 
 from __future__ import annotations
@@ -79,10 +79,28 @@ class CommandBook:
         self._changed(status)
         return status
 
-    def pending(self, jobs: Iterable[str]) -> list[Command]:
-        """Commands of ``jobs`` not yet sent, oldest first (they stay pending)."""
+    def reserve(self, jobs: Iterable[str]) -> list[Command]:
+        """Take the commands of ``jobs`` not yet sent out of their queues, oldest first,
+        for one ingest reply: ``sent`` once it is committed, ``release`` if it fails.
+        Until then no other reply takes them."""
         with self._lock:
-            return [self._status[i].command for job in jobs for i in self._pending.get(job, ())]
+            out: list[Command] = []
+            for job in jobs:
+                queue = self._pending.pop(job, None)
+                if queue:
+                    out.extend(self._status[i].command for i in queue)
+            return out
+
+    def release(self, ids: Iterable[str]) -> None:
+        """Reserved commands whose reply failed: first in their queues again."""
+        with self._lock:
+            for command_id in reversed(list(ids)):
+                status = self._status.get(command_id)
+                if status is None or status.status != "pending":
+                    continue
+                queue = self._pending.setdefault(status.command.job, [])
+                if command_id not in queue:
+                    queue.insert(0, command_id)
 
     def sent(self, ids: Iterable[str]) -> None:
         """Those commands went out in a committed ingest reply."""

@@ -36,7 +36,6 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Dialect, Engine
 from sqlalchemy.sql.dml import Insert, Update
 
-from torshmon.aggregator.commands import CommandBook
 from torshmon.history.db import DatabaseConfigError, WriterConnection, insert_ignore, upsert
 from torshmon.history.models import Base
 from torshmon.wire import (
@@ -297,6 +296,64 @@ class Stored:
     duplicates: int = 0  # records and probe batches seen before
     records: int = 0  # new agent records stored
     samples: int = 0
+    #: Positions in the ``IngestBatch`` of what was seen before: records, and probe
+    #: batches (record, message) of new records. ``rebuild`` needs no more than these.
+    skipped_records: list[int] = field(default_factory=list)
+    skipped_batches: list[tuple[int, int]] = field(default_factory=list)
+
+    def summary(self) -> StoreSummary:
+        """What ``rebuild`` needs besides the ``IngestBatch``: small, to send back from
+        the ingest process."""
+        return StoreSummary(
+            acked_seq=self.acked_seq,
+            commands=self.commands,
+            duplicates=self.duplicates,
+            records=self.records,
+            samples=self.samples,
+            skipped_records=self.skipped_records,
+            skipped_batches=self.skipped_batches,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSummary:
+    """``Stored`` without the messages, which the ``IngestBatch`` holds."""
+
+    acked_seq: int
+    commands: list[Command]
+    duplicates: int
+    records: int
+    samples: int
+    skipped_records: list[int]
+    skipped_batches: list[tuple[int, int]]
+
+
+def rebuild(batch: IngestBatch, summary: StoreSummary) -> Stored:
+    """The ``Stored`` that ``IngestStore.store(batch)`` returned with ``summary``: its
+    new messages taken from ``batch`` in the same order."""
+    stored = Stored(
+        acked_seq=summary.acked_seq,
+        commands=summary.commands,
+        duplicates=summary.duplicates,
+        records=summary.records,
+        samples=summary.samples,
+        skipped_records=summary.skipped_records,
+        skipped_batches=summary.skipped_batches,
+    )
+    skipped_records = set(summary.skipped_records)
+    skipped_batches = set(summary.skipped_batches)
+    node = batch.node
+    for i, item in enumerate(batch.records):
+        if i in skipped_records:
+            continue
+        for j, message in enumerate(item.record.messages):
+            if isinstance(message, Hello):
+                stored.hellos.append(message)
+            elif (i, j) not in skipped_batches:
+                stored.batches.append((message, node))
+                stored.command_acks.extend(message.command_acks)
+        stored.node_samples.extend(item.record.node_samples)
+    return stored
 
 
 @dataclass(slots=True)
@@ -316,14 +373,11 @@ class _Rows:
 
 
 class IngestStore:
-    """Writes agent batches to the history database; not thread-safe (one writer thread).
+    """Writes agent batches to the history database; not thread-safe (one writer).
 
     It keeps one connection for its transactions (``WriterConnection``); ``close``
-    closes it.
-
-    Pending commands of the jobs whose rank 0 the posting agent serves go back in
-    the reply; they are marked ``sent`` in the same transaction that stores the
-    batch, and in the command book once it commits.
+    closes it. It runs on the aggregator's writer thread, or alone in the ingest
+    process (``torshmon.aggregator.writer``).
     """
 
     def __init__(
@@ -331,24 +385,22 @@ class IngestStore:
         engine: Engine,
         *,
         aggregator_id: str,
-        commands: CommandBook | None = None,
         clock_ns: Callable[[], int] = time.time_ns,
     ) -> None:
         self.engine = engine
         self._writer = WriterConnection(engine)
         self.aggregator_id = aggregator_id
-        self._commands = commands
         self._clock_ns = clock_ns
         self._session_seq: dict[str, int] = {}
         self._agent_max_seq: dict[str, int] = {}
-        #: job -> the agent that last delivered its rank 0's batches (commands go there)
-        self.rank0_agent: dict[str, str] = {}
 
-    def store(self, batch: IngestBatch) -> Stored:
+    def store(self, batch: IngestBatch, handed: Sequence[Command] = ()) -> Stored:
         """Store the records of ``batch`` not stored before; one transaction.
 
-        Raises SQLAlchemy errors from the database as they come (the caller maps
-        them to HTTP answers); on an error nothing of this batch is stored.
+        ``handed`` are the commands going back in the reply to this POST: they are
+        marked sent in the same transaction. Raises SQLAlchemy errors from the database
+        as they come (the caller maps them to HTTP answers); on an error nothing of
+        this batch is stored.
         """
         now_ns = self._clock_ns()
         with self._writer.begin() as conn:
@@ -357,14 +409,15 @@ class IngestStore:
             rows = _Rows()
             seq_rows = rows.bulk[_SEQS.name]
             stored = Stored(acked_seq=self._agent_max_seq.get(batch.agent_id, 0))
-            for item in batch.records:
+            for i, item in enumerate(batch.records):
                 if item.seq in seen:
                     stored.duplicates += 1
+                    stored.skipped_records.append(i)
                     continue
                 seen.add(item.seq)
                 stored.records += 1
                 seq_rows.append((batch.agent_id, item.seq, batch.node, now_ns))
-                self._flatten(item.record.messages, batch.node, sessions, rows, stored)
+                self._flatten(i, item.record.messages, batch.node, sessions, rows, stored)
                 for sample in item.record.node_samples:
                     _node_rows(sample, rows)
                     stored.node_samples.append(sample)
@@ -376,26 +429,12 @@ class IngestStore:
                 stored.acked_seq = max(stored.acked_seq, max(r.seq for r in batch.records))
             else:
                 stored.acked_seq = self._max_seq(conn, batch.agent_id)
-            for hello in stored.hellos:
-                if hello.rank == 0:
-                    self.rank0_agent[hello.job] = batch.agent_id
-            for probe_batch, _node in stored.batches:
-                if probe_batch.rank == 0:
-                    self.rank0_agent[probe_batch.job] = batch.agent_id
-            if self._commands is not None:
-                jobs_served = {j for j, a in self.rank0_agent.items() if a == batch.agent_id}
-                if jobs_served:
-                    stored.commands = self._commands.pending(jobs_served)
-                    _mark_sent(conn, stored.commands, now_ns)
+            stored.commands = list(handed)
+            _mark_sent(conn, stored.commands, now_ns)
         # Only now, with the transaction committed, may the caches move on.
         self._agent_max_seq[batch.agent_id] = stored.acked_seq
         for session, info in sessions.items():
             self._session_seq[session] = info.last_seq
-        if self._commands is not None:
-            if stored.commands:
-                self._commands.sent([c.id for c in stored.commands])
-            for ack in stored.command_acks:
-                self._commands.acked(ack)
         return stored
 
     def close(self) -> None:
@@ -457,13 +496,14 @@ class IngestStore:
     # -- flattening ----------------------------------------------------------------------
     def _flatten(
         self,
+        record_at: int,
         messages: Iterable[Hello | Batch],
         node: str,
         sessions: dict[str, _Session],
         rows: _Rows,
         stored: Stored,
     ) -> None:
-        for message in messages:
+        for j, message in enumerate(messages):
             info = sessions.get(message.session)
             if info is None:
                 info = sessions[message.session] = _Session(0, exists=False)
@@ -472,6 +512,7 @@ class IngestStore:
                 continue
             if message.seq <= info.last_seq:
                 stored.duplicates += 1
+                stored.skipped_batches.append((record_at, j))
                 continue
             info.last_seq = message.seq
             info.batch = message

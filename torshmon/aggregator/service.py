@@ -1,8 +1,10 @@
 """``torshmon aggregator``: the HTTP service around ingest, detection, rules and history.
 
-One event loop serves HTTP; one writer thread owns every write to the history
-database (SQLite allows one writer, and one ordered writer keeps ingest
-idempotent); reads run on the default executor. Every ``eval_interval_s``, and at
+One event loop serves HTTP. Ingest is stored by the ingest process, one ordered
+writer that keeps it idempotent (``torshmon.aggregator.writer``; the writer thread
+instead where ``ingest_process`` is off or the database is in memory); one writer
+thread owns the aggregator's other writes (alerts, findings, commands, retention);
+reads run on the default executor. Every ``eval_interval_s``, and at
 once after an ingest that brought a new finding, the evaluation tick asks the live
 state for its findings, runs the rules engine, stores findings and alert
 transitions, hands alerts to the notifier, which never blocks this loop, and sends
@@ -26,9 +28,8 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from sqlalchemy import exc as sa_exc
 from sqlalchemy import select, update
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 
 from torshmon.aggregator import api, otel
 from torshmon.aggregator.alert import Alert
@@ -43,10 +44,18 @@ from torshmon.aggregator.rules import RuleSet, default_rules, load_rules
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.aggregator.tuner import TunerSettings
 from torshmon.aggregator.tuning import TuningManager
-from torshmon.history.db import make_engine, upgrade
+from torshmon.aggregator.writer import (
+    IngestWriter,
+    ProcessIngest,
+    StoreRefused,
+    StoreUnavailable,
+    ThreadIngest,
+)
+from torshmon.history.db import make_engine, normalize_url, sqlite_path, upgrade
 from torshmon.history.models import Base
 from torshmon.wire import (
     SCHEMA_VERSION,
+    Command,
     IngestBatch,
     IngestReply,
     WireError,
@@ -111,7 +120,9 @@ class Aggregator:
         self._unwritten_findings: list[Finding] = []
         self._unwritten_alerts: list[Alert] = []
         self.tracer = otel.Tracing(settings.otlp_endpoint, service_instance=settings.aggregator_id)
-        self.store: IngestStore | None = None
+        self.ingest: IngestWriter | None = None
+        #: job -> the agent that last delivered its rank 0's data (commands go there)
+        self.rank0_agent: dict[str, str] = {}
         self.action_hooks: dict[str, list[ActionHook]] = {}
         self.command_hooks: list[Callable[[CommandStatus], None]] = [self._link_check_status]
         self._alert_rows: dict[str, int] = {}
@@ -146,7 +157,7 @@ class Aggregator:
         )
         self.m_ingest_seconds = Histogram(
             "torshmon_ingest_duration_seconds",
-            "Time to store one ingest request (writer thread, including its queue wait)",
+            "Time to store one ingest request (including its wait for the writer)",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
             registry=r,
         )
@@ -161,9 +172,13 @@ class Aggregator:
         if self._migrate:
             await loop.run_in_executor(self.writer, upgrade, url)
         self.engine = make_engine(url)
-        self.store = IngestStore(
-            self.engine, aggregator_id=self.settings.aggregator_id, commands=self.commands
-        )
+        if self.settings.ingest_process and _other_process_can_open(url):
+            ingest = ProcessIngest(url, self.settings.aggregator_id)
+            await ingest.start()
+            self.ingest = ingest
+        else:
+            store = IngestStore(self.engine, aggregator_id=self.settings.aggregator_id)
+            self.ingest = ThreadIngest(store, self.writer)
         await loop.run_in_executor(self.writer, self._restore_alerts)
         await loop.run_in_executor(self.writer, self._restore_jobs)
         await self.tuning.start()
@@ -212,9 +227,11 @@ class Aggregator:
                 await part()
             except Exception as exc:  # reported together below
                 errors.append(exc)
-        if self.store is not None:
-            # On the writer thread, after every write queued before it.
-            self.writer.submit(self.store.close)
+        if self.ingest is not None:
+            try:
+                await self.ingest.aclose()
+            except Exception as exc:
+                errors.append(exc)
         self.writer.shutdown(wait=True)
         self.tracer.shutdown()
         if self.engine is not None:
@@ -266,18 +283,29 @@ class Aggregator:
             self.m_batches.labels("invalid").inc()
             api.log_rejection(request, str(exc))
             return api.error(400, str(exc))
+        if self.ingest is None:
+            return api.error(503, "the aggregator is starting or stopping; retry later")
         started = time.perf_counter()
+        handed = self._hand_out(batch)
         try:
-            stored = await self.write(self._store, batch)
-        except sa_exc.DataError as exc:
-            # Values the schema let through but the database refused: bad input, 4xx.
+            stored = await self.ingest.store(body, batch, handed)
+        except StoreRefused as exc:
+            self.commands.release([c.id for c in handed])
             self.m_batches.labels("invalid").inc()
-            return api.error(400, f"the database refused a value: {exc.orig}")
-        except sa_exc.OperationalError as exc:
+            return api.error(400, str(exc))
+        except StoreUnavailable as exc:
+            self.commands.release([c.id for c in handed])
             self.m_batches.labels("unavailable").inc()
-            log.error("history database unavailable: %s", exc.orig)
+            log.error("%s", exc)
             return api.error(503, "history database unavailable; retry later")
+        except BaseException:
+            self.commands.release([c.id for c in handed])
+            raise
         self.m_ingest_seconds.observe(time.perf_counter() - started)
+        if stored.commands:
+            self.commands.sent([c.id for c in stored.commands])
+        for ack in stored.command_acks:
+            self.commands.acked(ack)
         self.m_batches.labels("stored").inc()
         self.m_records.inc(stored.records)
         self.m_duplicates.inc(stored.duplicates)
@@ -288,10 +316,16 @@ class Aggregator:
         reply = IngestReply(v=SCHEMA_VERSION, acked_seq=stored.acked_seq, commands=stored.commands)
         return web.Response(body=encode_json(reply), content_type="application/json")
 
-    def _store(self, batch: IngestBatch) -> Stored:
-        if self.store is None:
-            raise RuntimeError("aggregator not started")
-        return self.store.store(batch)
+    def _hand_out(self, batch: IngestBatch) -> list[Command]:
+        """The pending commands that go back to the agent posting ``batch``: those of
+        the jobs whose rank 0 it serves (reserved until its store commits or fails)."""
+        agent = batch.agent_id
+        for item in batch.records:
+            for message in item.record.messages:
+                if message.rank == 0:
+                    self.rank0_agent[message.job] = agent
+        jobs = [job for job, a in self.rank0_agent.items() if a == agent]
+        return self.commands.reserve(jobs) if jobs else []
 
     def _observe(self, stored: Stored) -> None:
         """Feed the live state; a bug there must never fail an ingest already stored."""
@@ -561,6 +595,14 @@ class Aggregator:
             raw_retention_s=self.settings.raw_retention_s,
             rollup_retention_s=self.settings.rollup_retention_s,
         )
+
+
+def _other_process_can_open(url: str) -> bool:
+    """Whether an ingest process can open the database at ``url``: not so for an
+    in-memory SQLite database (nor a ``file:`` URI, which may name one)."""
+    return make_url(normalize_url(url)).get_backend_name() != "sqlite" or (
+        sqlite_path(url) is not None
+    )
 
 
 def _series_retention_s(rules: RuleSet, stale_after_s: float) -> float:

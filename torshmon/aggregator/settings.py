@@ -48,6 +48,9 @@ class AggregatorSettings:
     eval_on_finding: bool = True
     #: The least time between an evaluation and one brought forward by a new finding.
     eval_min_gap_s: float = 0.05
+    #: Store ingest in a process of its own (torshmon.aggregator.writer), not on the
+    #: writer thread: SQL then runs beside detection and HTTP, on a core of its own.
+    ingest_process: bool = True
     retention_interval_s: float = 300.0
     raw_retention_s: float = 86400.0
     rollup_retention_s: float = 30 * 86400.0

@@ -1,0 +1,136 @@
+"""The ingest process (torshmon.aggregator.writer): the aggregator stores in a child
+process, a crashed child costs a 503 and a retry, not data, and it stops with the
+aggregator."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from sqlalchemy import create_engine, func, select
+
+from tests.integration import wire_factory as wf
+from tests.integration.aggregator_thread import AggregatorThread
+from torshmon.aggregator.service import _other_process_can_open
+from torshmon.aggregator.settings import AggregatorSettings
+from torshmon.aggregator.writer import ProcessIngest, ThreadIngest
+from torshmon.history.models import Base
+
+pytestmark = pytest.mark.integration
+
+
+def _settings(url: str, **overrides: object) -> AggregatorSettings:
+    values: dict[str, object] = {
+        "port": 0,
+        "db_url": url,
+        "token": "t",
+        "aggregator_id": "agg-test",
+        "eval_interval_s": 0.1,
+    }
+    values.update(overrides)
+    return AggregatorSettings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def agg(tmp_path: Path) -> Iterator[AggregatorThread]:
+    with AggregatorThread(_settings(f"sqlite:///{tmp_path / 'history.db'}")) as thread:
+        yield thread
+
+
+def _steps(url: str) -> int:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            table = Base.metadata.tables["steps"]
+            return int(conn.execute(select(func.count()).select_from(table)).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def _body(agent: str, seq: int, step: int) -> bytes:
+    hello = wf.hello("j", 0, 1)
+    messages = [hello] if seq == 1 else []
+    return wf.ingest_body(
+        agent, [(seq, wf.record(*messages, wf.batch(hello, seq, [wf.step(step)])))]
+    )
+
+
+def _ingest_pid(agg: AggregatorThread) -> int:
+    ingest = agg.aggregator.ingest
+    assert isinstance(ingest, ProcessIngest)
+    assert ingest.pid is not None
+    return ingest.pid
+
+
+def test_a_file_database_is_stored_by_a_child_process(agg: AggregatorThread) -> None:
+    pid = _ingest_pid(agg)
+    assert pid != os.getpid()
+    child = psutil.Process(pid)
+    assert child.is_running()
+    status, reply = agg.post_ingest(_body("a", 1, 1))
+    assert status == 200 and reply["acked_seq"] == 1, reply
+    assert _steps(agg.settings.db_url) == 1
+    # The live state saw it: the rank's step, from the summary the child sent back.
+    rank = agg.aggregator.live.jobs["j"].ranks[0]
+    assert rank.last_step == 1 and rank.steps_total == 1
+
+
+def test_a_killed_ingest_process_costs_a_retry_not_data(agg: AggregatorThread) -> None:
+    assert agg.post_ingest(_body("a", 1, 1))[0] == 200
+    first = _ingest_pid(agg)
+    os.kill(first, signal.SIGKILL)
+    psutil.Process(first).wait(10)
+    # The POST that finds the child gone is answered 503 (the agent keeps it and
+    # retries) or is stored by the child started for it; never lost, never a 500.
+    status, reply = agg.post_ingest(_body("a", 2, 2))
+    assert status in (200, 503), reply
+    if status == 503:
+        status, reply = agg.post_ingest(_body("a", 2, 2))
+    assert status == 200 and reply["acked_seq"] == 2, reply
+    second = _ingest_pid(agg)
+    assert second != first
+    assert _steps(agg.settings.db_url) == 2
+    # The new child knows what the first one stored: a resend is de-duplicated.
+    assert agg.post_ingest(_body("a", 1, 1))[0] == 200
+    assert _steps(agg.settings.db_url) == 2
+    ingest = agg.aggregator.ingest
+    assert isinstance(ingest, ProcessIngest) and ingest.starts == 2
+
+
+def test_the_ingest_process_stops_with_the_aggregator(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'history.db'}"
+    with AggregatorThread(_settings(url)) as thread:
+        pid = _ingest_pid(thread)
+        assert thread.post_ingest(_body("a", 1, 1))[0] == 200
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the ingest process outlived the aggregator"
+        time.sleep(0.05)
+
+
+def test_the_writer_thread_stores_with_the_setting_off(tmp_path: Path) -> None:
+    settings = _settings(f"sqlite:///{tmp_path / 'history.db'}", ingest_process=False)
+    with AggregatorThread(settings) as thread:
+        assert isinstance(thread.aggregator.ingest, ThreadIngest)
+        status, reply = thread.post_ingest(_body("a", 1, 1))
+        assert status == 200 and reply["acked_seq"] == 1, reply
+
+
+@pytest.mark.parametrize(
+    ("url", "can"),
+    [
+        ("sqlite:///history.db", True),
+        ("postgresql+psycopg://localhost/test", True),
+        ("sqlite://", False),
+        ("sqlite:///:memory:", False),
+    ],
+)
+def test_only_a_database_another_process_can_open_gets_an_ingest_process(
+    url: str, can: bool
+) -> None:
+    assert _other_process_can_open(url) is can
