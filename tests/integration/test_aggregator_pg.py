@@ -50,6 +50,12 @@ def test_ingest_and_read_only_query_on_postgresql(pg_url: str) -> None:  # noqa:
         long_name = wf.hello("p" * 300, 0, 1)
         status, reply = agg.post_ingest(wf.ingest_body("agent-pg", [(3, wf.record(long_name))]))
         assert status == 400 and "job" in reply["error"]
+        # A value the schema lets through but PostgreSQL refuses (text cannot hold NUL):
+        # the ingest process answers it as bad input, 400, and keeps storing.
+        nul = wf.hello("pg\x00job", 0, 1)
+        status, reply = agg.post_ingest(wf.ingest_body("agent-pg", [(3, wf.record(nul))]))
+        assert status == 400 and "refused a value" in reply["error"], reply
+        assert agg.post_ingest(body)[0] == 200
 
         status, result = agg.post_json(
             "/api/v1/query",
