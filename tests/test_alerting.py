@@ -1,16 +1,19 @@
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torshmon.aggregator.alert import Alert, fingerprint
 from torshmon.aggregator.alerting import AlertEngine
 from torshmon.aggregator.findings import Finding
 from torshmon.aggregator.rules import RuleSet, default_rules, load_rules_text
-from torshmon.aggregator.series import SeriesStore, labelset
+from torshmon.aggregator.series import LabelSet, SeriesStore, labelset
 
 RANK0 = labelset(job="j", rank="0")
 
@@ -553,3 +556,129 @@ def test_evaluating_thousands_of_series_is_cheap() -> None:
     per_evaluation_s = (time.process_time() - started) / 5
     assert series.series_count() == 4000
     assert per_evaluation_s < 0.1, f"{per_evaluation_s:.3f} s of CPU per evaluation"
+
+
+EVERY_SERIES = """
+rules:
+  - name: Slope
+    kind: rate
+    metric: rank_memory_rss_bytes
+    op: ">"
+    value: -1.0e+300
+    window: 8s
+  - name: Steady Slope
+    kind: rate
+    metric: rank_memory_rss_bytes
+    op: ">"
+    value: -1.0e+300
+    window: 6s
+    steady: 0.5
+  - name: Node Growth
+    kind: rate
+    metric: rank_memory_rss_bytes
+    op: ">"
+    value: 0.0
+    window: 6s
+    aggregate: max
+    by: [node]
+  - name: Diverged
+    kind: nonfinite
+    metric: rank_memory_rss_bytes
+    window: 5s
+  - name: Mean By Node
+    kind: threshold
+    metric: rank_memory_rss_bytes
+    op: ">"
+    value: 1.0
+    aggregate: mean
+    by: [node]
+"""
+
+
+def _reference_slope(points: list[tuple[float, float]], min_span_s: float) -> float | None:
+    """The rate rule's slope as first written: a plain recompute from the window's points."""
+    finite = [(ts, value) for ts, value in points if math.isfinite(value)]
+    if len(finite) < 3 or finite[-1][0] - finite[0][0] < min_span_s:
+        return None
+    mean_t = math.fsum(ts for ts, _ in finite) / len(finite)
+    mean_v = math.fsum(value for _, value in finite) / len(finite)
+    sxx = math.fsum((ts - mean_t) ** 2 for ts, _ in finite)
+    if sxx <= 0:
+        return None
+    return math.fsum((ts - mean_t) * (value - mean_v) for ts, value in finite) / sxx
+
+
+def _reference_rising(points: list[tuple[float, float]]) -> float:
+    finite = [value for _, value in points if math.isfinite(value)]
+    if len(finite) < 2:
+        return 0.0
+    return sum(1 for a, b in itertools.pairwise(finite) if b > a) / (len(finite) - 1)
+
+
+def _series_labels(alert: Alert) -> LabelSet:
+    return labelset(**{name: alert.labels[name] for name in ("job", "node", "rank")})
+
+
+def _found(alerts: Sequence[Alert]) -> list[tuple[str, str, str]]:
+    return [(alert.rule, repr(sorted(alert.labels.items())), repr(alert.value)) for alert in alerts]
+
+
+def _copy(store: SeriesStore) -> SeriesStore:
+    """The same points in a new store: no series in it was ever seen by an engine."""
+    copy = SeriesStore(retention_s=store.retention_s)
+    for metric in store.metrics():
+        for labels in store.last_seen(metric):
+            for ts, value in store.points(metric, labels, -math.inf):
+                copy.add(metric, labels, ts, value)
+    return copy
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ticks=st.lists(
+        st.tuples(
+            st.lists(
+                st.tuples(
+                    st.integers(0, 3),
+                    st.sampled_from([0.0, 1.0, 2.0, 5.0, -3.0, 1e9, math.nan, math.inf]),
+                ),
+                max_size=5,
+            ),
+            st.sampled_from([0.0, 0.5, 1.0, 3.0]),
+            st.booleans(),
+        ),
+        max_size=30,
+    )
+)
+def test_kept_results_match_a_recompute_from_the_points(
+    ticks: list[tuple[list[tuple[int, float]], float, bool]],
+) -> None:
+    """The engine keeps per-series results (rate) and groups (aggregates) between
+    evaluations: each evaluation must find what a new engine finds in a copy of the store
+    (every rule has ``for: 0``, so what holds is what fires)."""
+    rules = _rules(EVERY_SERIES)
+    kept = AlertEngine(rules)
+    store = SeriesStore(retention_s=20.0)
+    now = 100.0
+    for points, advance_s, forget in ticks:
+        for rank, step in points:
+            labels = labelset(job="j", rank=str(rank), node=f"n{rank // 2}")
+            previous = store.points("rank_memory_rss_bytes", labels, -math.inf)
+            base = previous[-1][1] if previous and math.isfinite(previous[-1][1]) else 0.0
+            store.add("rank_memory_rss_bytes", labels, now, base + step)
+        if forget:
+            store.forget({"rank": "1"})
+        kept.evaluate(now, store, [])
+        fresh = AlertEngine(rules).evaluate(now, _copy(store), [])
+        assert {alert.state for alert in fresh} <= {"firing"}
+        assert sorted(_found(kept.active())) == sorted(_found(fresh))
+        for rule, window_s, steady in (("Slope", 8.0, None), ("Steady Slope", 6.0, 0.5)):
+            expected = {}
+            for labels in store.last_seen("rank_memory_rss_bytes"):
+                window = store.points("rank_memory_rss_bytes", labels, now - window_s)
+                slope = _reference_slope(window, window_s / 2)
+                if slope is not None and (steady is None or _reference_rising(window) >= steady):
+                    expected[labels] = slope
+            assert {_series_labels(a): a.value for a in kept.active() if a.rule == rule} == expected
+        store.expire(now)
+        now += advance_s

@@ -216,3 +216,79 @@ def test_windows_keep_points_of_the_named_metrics_and_the_newest_of_the_others()
 def test_a_window_must_be_positive() -> None:
     with pytest.raises(ValueError, match="window of loss"):
         SeriesStore(windows_s={"loss": 0.0})
+
+
+# Operations on a store: add one point, add a batch, expire at ``ts``, forget a rank.
+_Op = tuple[str, str, int, int, float, list[tuple[int, float]]]
+_VALUES = st.sampled_from([0.0, 1.0, 2.5, -1.0, math.nan, math.inf, -math.inf])
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "add_many", "add_many", "expire", "forget"]),
+        st.sampled_from(["loss", "compute_seconds"]),
+        st.integers(0, 2),
+        st.integers(0, 200),
+        _VALUES,
+        st.lists(st.tuples(st.integers(0, 80), _VALUES), min_size=1, max_size=6),
+    ),
+    max_size=40,
+)
+
+
+def _apply(store: SeriesStore, op: _Op) -> None:
+    kind, metric, rank, ts, value, points = op
+    labels = labelset(rank=str(rank))
+    if kind == "add":
+        store.add(metric, labels, float(ts % 81), value)
+    elif kind == "add_many":
+        times = [float(t) for t, _ in points]
+        values = [v for _, v in points]
+        store.add_many(labels, times, {"loss": values, "compute_seconds": values})
+    elif kind == "expire":
+        store.expire(float(ts))
+    else:
+        store.forget({"rank": str(rank)})
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_OPS, max_points=st.integers(1, 9), windowed=st.booleans())
+def test_newest_nonfinite_is_what_a_scan_of_the_points_finds(
+    ops: list[_Op], max_points: int, windowed: bool
+) -> None:
+    # With windows, compute_seconds keeps its newest point only.
+    windows = {"loss": 30.0} if windowed else None
+    store = SeriesStore(retention_s=100.0, max_points=max_points, windows_s=windows)
+    for op in ops:
+        _apply(store, op)
+        for metric in ("loss", "compute_seconds"):
+            scanned = {}
+            for labels in store.last_seen(metric):
+                bad = [ts for ts, v in store.points(metric, labels, -1.0) if not math.isfinite(v)]
+                if bad:
+                    scanned[labels] = bad[-1]
+            assert list(store.newest_nonfinite(metric).items()) == list(scanned.items())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=_OPS,
+    max_points=st.integers(1, 9),
+    windowed=st.booleans(),
+    since=st.lists(st.integers(0, 90), min_size=1, max_size=3),
+)
+def test_equal_spans_hold_equal_points(
+    ops: list[_Op], max_points: int, windowed: bool, since: list[int]
+) -> None:
+    windows = {"loss": 30.0} if windowed else None
+    store = SeriesStore(retention_s=100.0, max_points=max_points, windows_s=windows)
+    seen: dict[object, str] = {}
+    for op in ops:
+        _apply(store, op)
+        for metric in ("loss", "compute_seconds"):
+            for start in since:
+                spans = store.spans(metric, float(start))
+                assert [(k, ts) for k, ts, _ in spans] == list(store.last_seen(metric).items())
+                for labels, _, span in spans:
+                    ts, values = store.columns(metric, labels, float(start))
+                    points = repr(list(zip(ts, values, strict=True)))
+                    assert points == repr(store.points(metric, labels, float(start)))
+                    assert seen.setdefault(span, points) == points

@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import operator
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from typing import Final, Literal, NamedTuple
 from torshmon.aggregator.alert import Alert, AlertState
 from torshmon.aggregator.findings import Finding
 from torshmon.aggregator.rules import FINDING_KINDS, Rule, RuleSet, default_summary
-from torshmon.aggregator.series import LabelSet, SeriesStore, labelset_from
+from torshmon.aggregator.series import LabelSet, SeriesStore, Span, labelset_from
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,10 @@ class AlertEngine:
         self._orphans: dict[str, Alert] = {}
         self._templates = {rule.name: _templates(rule) for rule in rules}
         self._render_failed: set[tuple[str, str]] = set()
+        # Per rate rule: each series' span and result at the last evaluation.
+        self._rate_memo: dict[str, dict[LabelSet, tuple[Span, float | None]]] = {}
+        # Per aggregating rule: the ``by`` group of each series seen at the last evaluation.
+        self._groups: dict[str, dict[LabelSet, LabelSet]] = {}
 
     # -- evaluation -----------------------------------------------------------------------
 
@@ -186,12 +191,13 @@ class AlertEngine:
             return _finding_hits(rule, findings.get(rule.kind, ()), now)
         metric = rule.metric or ""
         fresh_after = now - self.stale_after_s
+        # Tested as `not matchers or ...`: issubset builds a set of each key it is given.
         matchers = frozenset(rule.matchers.items())
         if rule.kind == "absent":
             hits: dict[LabelSet, _Hit] = {}
             for key, last_s in series.last_seen(metric).items():
                 age_s = now - last_s
-                if age_s >= rule.for_s and matchers.issubset(key):
+                if age_s >= rule.for_s and (not matchers or matchers.issubset(key)):
                     hits[key] = _Hit(age_s, last_s + rule.for_s, None)
             return hits
         if rule.kind == "nonfinite":
@@ -200,30 +206,78 @@ class AlertEngine:
             start = now - rule.window_s
             return {
                 key: _Hit(math.nan, now, None)
-                for key, last_s in series.last_seen(metric).items()
-                if last_s >= start
-                and matchers.issubset(key)
-                and any(not math.isfinite(v) for _, v in series.points(metric, key, start))
+                for key, nonfinite_s in series.newest_nonfinite(metric).items()
+                if nonfinite_s >= start and (not matchers or matchers.issubset(key))
             }
         if rule.kind == "rate":
-            window_start = now - rule.window_s
-            values = []
-            for key, last_s in series.last_seen(metric).items():
-                if last_s < fresh_after or not matchers.issubset(key):
-                    continue
-                points = series.points(metric, key, window_start)
-                slope = _slope(points, rule.window_s / 2)
-                if slope is not None and (rule.steady is None or _rising(points) >= rule.steady):
-                    values.append((key, slope))
+            values = self._rates(rule, now, series, fresh_after, matchers)
         else:
             values = [
                 (key, value)
                 for key, ts_s, value in series.latest(metric)
-                if ts_s >= fresh_after and matchers.issubset(key)
+                if ts_s >= fresh_after and (not matchers or matchers.issubset(key))
             ]
         if rule.aggregate is not None:
-            values = _aggregate(rule, values)
+            values = self._aggregate(rule, values)
         return {key: _Hit(value, now, None) for key, value in values if rule.compare(value)}
+
+    def _rates(
+        self,
+        rule: Rule,
+        now: float,
+        series: SeriesStore,
+        fresh_after: float,
+        matchers: frozenset[tuple[str, str]],
+    ) -> list[tuple[LabelSet, float]]:
+        """The slope of every fresh matching series of a ``rate`` rule that has one and
+        rises steadily enough. A series' result is kept while its window holds the same
+        points (the agents sample about once a second, the engine evaluates more often)."""
+        metric = rule.metric or ""
+        window_start = now - rule.window_s
+        min_span_s = rule.window_s / 2
+        kept = self._rate_memo.get(rule.name, {})
+        memo: dict[LabelSet, tuple[Span, float | None]] = {}
+        values = []
+        for key, last_s, span in series.spans(metric, window_start):
+            if last_s < fresh_after or (matchers and not matchers.issubset(key)):
+                continue
+            known = kept.get(key)
+            if known is not None and known[0] == span:
+                slope = known[1]
+            else:
+                ts, vs = series.columns(metric, key, window_start)
+                slope = _steady_slope(ts, vs, min_span_s, rule.steady)
+            memo[key] = (span, slope)
+            if slope is not None:
+                values.append((key, slope))
+        self._rate_memo[rule.name] = memo
+        return values
+
+    def _aggregate(
+        self, rule: Rule, values: list[tuple[LabelSet, float]]
+    ) -> list[tuple[LabelSet, float]]:
+        """Combine values per ``by`` group (NaN values are left out)."""
+        names = sorted(rule.by)
+        # Each series' group, kept from the last evaluation (the same series come back).
+        known = self._groups.get(rule.name, {})
+        seen: dict[LabelSet, LabelSet] = {}
+        groups: dict[LabelSet, list[float]] = {}
+        for key, value in values:
+            if math.isnan(value):
+                continue
+            group = known.get(key)
+            if group is None:
+                labels = dict(key)
+                group = tuple((name, labels[name]) for name in names if name in labels)
+            seen[key] = group
+            members = groups.get(group)
+            if members is None:
+                groups[group] = [value]
+            else:
+                members.append(value)
+        self._groups[rule.name] = seen
+        combine = _AGGREGATE[rule.aggregate or "mean"]
+        return [(group, float(combine(members))) for group, members in groups.items()]
 
     # -- records --------------------------------------------------------------------------
 
@@ -347,43 +401,42 @@ def _finding_hits(rule: Rule, findings: Iterable[Finding], now: float) -> dict[L
     return hits
 
 
-def _aggregate(rule: Rule, values: list[tuple[LabelSet, float]]) -> list[tuple[LabelSet, float]]:
-    """Combine values per ``by`` group (NaN values are left out)."""
-    names = sorted(rule.by)
-    groups: dict[LabelSet, list[float]] = {}
-    for key, value in values:
-        if math.isnan(value):
-            continue
-        labels = dict(key)
-        group = tuple((name, labels[name]) for name in names if name in labels)
-        groups.setdefault(group, []).append(value)
-    combine = _AGGREGATE[rule.aggregate or "mean"]
-    return [(group, float(combine(members))) for group, members in groups.items()]
+def _steady_slope(
+    ts: Sequence[float], values: Sequence[float], min_span_s: float, steady: float | None
+) -> float | None:
+    """``_slope`` of the finite points, or None as well when they rise between fewer
+    than ``steady`` of consecutive points (``_rising``)."""
+    if not math.isfinite(sum(values)):  # finite only if every value is
+        finite = [(t, v) for t, v in zip(ts, values, strict=True) if math.isfinite(v)]
+        ts, values = [t for t, _ in finite], [v for _, v in finite]
+    # The cheap test first: most series (no leak) stop here.
+    if steady is not None and _rising(values) < steady:
+        return None
+    return _slope(ts, values, min_span_s)
 
 
-def _slope(points: Sequence[tuple[float, float]], min_span_s: float) -> float | None:
-    """Least-squares slope (value per second) of the finite points, or None with fewer
-    than 3 of them or a span shorter than ``min_span_s``."""
-    finite = [(ts, value) for ts, value in points if math.isfinite(value)]
-    if len(finite) < 3 or finite[-1][0] - finite[0][0] < min_span_s:
+def _slope(ts: Sequence[float], values: Sequence[float], min_span_s: float) -> float | None:
+    """Least-squares slope (value per second) of finite points, or None with fewer than
+    3 of them or a span shorter than ``min_span_s``."""
+    n = len(ts)
+    if n < 3 or ts[-1] - ts[0] < min_span_s:
         return None
     # Centre the times: Unix seconds squared would lose the precision of the slope.
-    mean_t = math.fsum(ts for ts, _ in finite) / len(finite)
-    mean_v = math.fsum(value for _, value in finite) / len(finite)
-    sxx = math.fsum((ts - mean_t) ** 2 for ts, _ in finite)
+    mean_t = math.fsum(ts) / n
+    mean_v = math.fsum(values) / n
+    dts = [t - mean_t for t in ts]
+    sxx = math.fsum([dt**2 for dt in dts])
     if sxx <= 0:
         return None
-    sxy = math.fsum((ts - mean_t) * (value - mean_v) for ts, value in finite)
-    return sxy / sxx
+    return math.fsum([dt * (v - mean_v) for dt, v in zip(dts, values, strict=True)]) / sxx
 
 
-def _rising(points: Sequence[tuple[float, float]]) -> float:
-    """The fraction of consecutive finite points where the value rose."""
-    finite = [value for _, value in points if math.isfinite(value)]
-    if len(finite) < 2:
+def _rising(values: Sequence[float]) -> float:
+    """The fraction of consecutive values (finite ones) where the value rose."""
+    if len(values) < 2:
         return 0.0
-    rises = sum(1 for a, b in itertools.pairwise(finite) if b > a)
-    return rises / (len(finite) - 1)
+    rises: int = sum(map(operator.lt, values, itertools.islice(values, 1, None)))
+    return rises / (len(values) - 1)
 
 
 def _resolved_orphan(alert: Alert, now: float) -> Alert:

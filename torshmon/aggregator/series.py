@@ -4,7 +4,8 @@ The alert rules read from here; the history in SQL is separate. Metric names are
 the Prometheus names without the ``torshmon_`` prefix (``step_duration_seconds``).
 Each series holds its points in time order in two arrays of doubles (times, values):
 no Python object per point, so ingest appends in C and the garbage collector has
-nothing to walk. A non-finite loss is stored as NaN.
+nothing to walk. A non-finite loss is stored as NaN; each series notes where its
+newest non-finite value is, so the ``nonfinite`` rule reads no points.
 
 How much of a series is kept is the readers' need: a store built with ``windows_s``
 keeps points for the metrics named there (the windows of the rules that read
@@ -17,14 +18,21 @@ Thread safety: none. The aggregator owns one store on its event-loop thread.
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
 from array import array
 from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
-__all__ = ["LabelSet", "SeriesStore", "labelset", "labelset_from"]
+__all__ = ["LabelSet", "SeriesStore", "Span", "labelset", "labelset_from"]
 
 #: Labels of one series as ``(name, value)`` pairs sorted by name: hashable, cheap to key.
 LabelSet: TypeAlias = tuple[tuple[str, str], ...]
+
+#: Which points of which series (``SeriesStore.spans``): equal spans, equal points.
+Span: TypeAlias = tuple[int, int, int]
+
+_serials = itertools.count()
 
 
 def labelset(**labels: str) -> LabelSet:
@@ -45,18 +53,43 @@ class _Series:
     Points before ``start`` are dead (evicted by the point bound or expired); they are
     cut off in one move once they outnumber the live ones, so appends stay O(1)
     amortised. A ``newest_only`` series holds one point, overwritten in place.
+
+    ``cut`` counts the points cut off the front of the arrays, so ``cut + i`` numbers
+    the point at index ``i`` for the series' whole life; ``serial`` tells series apart,
+    in every store. ``nonfinite_at`` is the index of the newest NaN or infinite value
+    (-1: none); it is a point of the series while it is at least ``start``. A
+    ``newest_only`` series keeps neither (its one point is read instead), so
+    ``put_newest``, the hot path of most metrics, does no more than store the point.
     """
 
-    __slots__ = ("newest_only", "start", "ts", "values")
+    __slots__ = ("cut", "newest_only", "nonfinite_at", "serial", "start", "ts", "values")
 
     def __init__(self, newest_only: bool) -> None:
         self.ts = array("d")
         self.values = array("d")
         self.start = 0
         self.newest_only = newest_only
+        self.cut = 0
+        self.nonfinite_at = -1
+        self.serial = next(_serials)
 
     def __len__(self) -> int:
         return len(self.ts) - self.start
+
+    def append(self, ts_unix_s: float, value: float) -> None:
+        self.ts.append(ts_unix_s)
+        self.values.append(value)
+        if not math.isfinite(value):
+            self.nonfinite_at = len(self.values) - 1
+
+    def extended(self, values: Sequence[float]) -> None:
+        """Note the ``values`` just appended (the hot path has tested their sum: finite
+        only if every value is, as NaN and infinities carry through it)."""
+        end = len(self.values)
+        for back, value in enumerate(reversed(values), 1):
+            if not math.isfinite(value):
+                self.nonfinite_at = end - back
+                return
 
     def put_newest(self, ts_unix_s: float, value: float) -> None:
         """Make (ts, value) the only point (a ``newest_only`` series)."""
@@ -82,6 +115,8 @@ class _Series:
             del self.ts[:start]
             del self.values[:start]
             self.start = 0
+            self.cut += start
+            self.nonfinite_at = max(self.nonfinite_at - start, -1)
 
 
 class SeriesStore:
@@ -143,8 +178,7 @@ class SeriesStore:
         if series.newest_only:
             series.put_newest(ts_unix_s, value)
             return
-        ts.append(ts_unix_s)
-        series.values.append(value)
+        series.append(ts_unix_s, value)
         series.trim(self._max_points)
 
     def add_many(
@@ -174,6 +208,7 @@ class SeriesStore:
                 break
             previous = t
         first, last, max_points = ts_unix_s[0], ts_unix_s[-1], self._max_points
+        isfinite = math.isfinite
         for metric, values in values_by_metric.items():
             by_labels = self._series.get(metric)
             series = by_labels.get(key) if by_labels is not None else None
@@ -188,6 +223,8 @@ class SeriesStore:
             else:
                 ts.extend(ts_unix_s)
                 series.values.extend(values)
+                if not isfinite(sum(values)):
+                    series.extended(values)
                 if len(ts) - series.start > max_points:
                     series.trim(max_points)
 
@@ -211,6 +248,54 @@ class SeriesStore:
         ts = found.ts
         first = bisect.bisect_left(ts, since_unix_s, found.start)
         return list(zip(ts[first:], found.values[first:], strict=True))
+
+    def spans(self, metric: str, since_unix_s: float) -> list[tuple[LabelSet, float, Span]]:
+        """Every series of ``metric``: ``(labels, ts_unix_s of its newest point, span)``,
+        where the span names the points at or after ``since_unix_s``.
+
+        Two equal spans hold the same points (a span is never reused, not even by a
+        series that expired and came back), so a reader may keep what it computed from
+        a series' points until their span changes; ``columns`` reads them.
+        """
+        by_labels = self._series.get(metric)
+        if by_labels is None:
+            return []
+        bisect_left = bisect.bisect_left
+        out = []
+        for key, s in by_labels.items():
+            ts = s.ts
+            if s.newest_only:
+                # Overwritten in place: a span of its own each time, never equal to another.
+                span = (s.serial, -1, next(_serials))
+            else:
+                span = (s.serial, s.cut + bisect_left(ts, since_unix_s, s.start), s.cut + len(ts))
+            out.append((key, ts[-1], span))
+        return out
+
+    def columns(
+        self, metric: str, labels: LabelSet, since_unix_s: float
+    ) -> tuple[array[float], array[float]]:
+        """Times and values of the points of one series at or after ``since_unix_s``
+        (copies, oldest first; empty if the series is unknown). ``labels`` is sorted."""
+        found = self._series.get(metric, {}).get(labels)
+        if found is None:
+            return array("d"), array("d")
+        first = bisect.bisect_left(found.ts, since_unix_s, found.start)
+        return found.ts[first:], found.values[first:]
+
+    def newest_nonfinite(self, metric: str) -> dict[LabelSet, float]:
+        """Time of the newest NaN or infinite point of every series of ``metric`` that
+        holds one (Unix seconds). O(series): each series keeps track as points come."""
+        by_labels = self._series.get(metric)
+        if by_labels is None:
+            return {}
+        out = {}
+        for key, s in by_labels.items():
+            if s.nonfinite_at >= s.start:
+                out[key] = s.ts[s.nonfinite_at]
+            elif s.newest_only and not math.isfinite(s.values[0]):
+                out[key] = s.ts[0]
+        return out
 
     def last_seen(self, metric: str) -> dict[LabelSet, float]:
         """Time of the newest point of every series of ``metric`` (Unix seconds)."""
