@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
+import statistics
 from pathlib import Path
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from torshmon.aggregator.alerting import AlertEngine
 from torshmon.aggregator.linkcheck import (
     LinkChecker,
     LinkCheckSettings,
+    _Baseline,
     localize,
     pair_bandwidths,
 )
@@ -357,3 +362,35 @@ def test_slow_link_findings_fit_the_migrated_history(tmp_path: Path) -> None:
             conn.execute(insert(findings), [{**row, "kind": "slow_lnk"}])
     finally:
         engine.dispose()
+
+
+_TIMES = st.sampled_from([0.0, -0.0, -0.5, 0.01, 0.02, 0.5, math.inf, math.nan])
+_ZEROS = [(0.0, 0.0), (-0.0, -0.0), (math.inf, math.inf), (-0.5, -0.5)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    maxlen=st.integers(1, 8),
+    batches=st.lists(
+        st.one_of(st.none(), st.lists(st.tuples(_TIMES, _TIMES), max_size=6)), max_size=20
+    ),
+)
+# The step that leaves is the oldest of its equals: 0.0 goes, -0.0 is the median.
+@example(maxlen=3, batches=[_ZEROS])
+def test_baseline_medians_are_statistics_median_of_the_window(
+    maxlen: int, batches: list[list[tuple[float, float]] | None]
+) -> None:
+    """The baseline keeps each column sorted as steps come and go (None: cleared)."""
+    baseline = _Baseline(maxlen)
+    for batch in batches:
+        if batch is None:
+            baseline.clear()
+        else:
+            baseline.extend(batch)
+        assert len(baseline) == len(baseline.steps) <= maxlen
+        if baseline.steps:
+            comm = statistics.median(c for c, _ in baseline.steps)
+            compute = statistics.median(c for _, c in baseline.steps)
+            # repr: NaN equals nothing, and -0.0 == 0.0.
+            assert repr(baseline.median_comm()) == repr(comm)
+            assert repr(baseline.median_compute()) == repr(compute)

@@ -39,8 +39,10 @@ check, sent at once, names the same.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
+from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -165,11 +167,76 @@ def localize(
     return Localization(dict(pairs), by_rank, reference, slow)
 
 
+class _Baseline:
+    """A rank's baseline steps, the newest ``maxlen`` ``(comm_wait_s, compute_s)``, with
+    each column also kept sorted in an array of doubles: its median costs no sort
+    (``_roll_baselines`` and ``_comm_rose`` read them twice a second for every rank).
+
+    A median is ``statistics.median``'s, bit for bit: equal values keep their arrival
+    order in a sorted column (as a stable sort keeps them) and the step that leaves is
+    the oldest, the first of its equals. NaN, which orders against nothing, is only
+    counted; while one is in the window that column's median sorts the window.
+    """
+
+    __slots__ = ("comm", "compute", "nan_comm", "nan_compute", "steps")
+
+    def __init__(self, maxlen: int) -> None:
+        self.steps: deque[tuple[float, float]] = deque(maxlen=maxlen)
+        self.comm = array("d")
+        self.compute = array("d")
+        self.nan_comm = 0
+        self.nan_compute = 0
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def extend(self, new_steps: Iterable[tuple[float, float]]) -> None:
+        steps, comm, compute = self.steps, self.comm, self.compute
+        insort, bisect_left, isnan = bisect.insort_right, bisect.bisect_left, math.isnan
+        for step in new_steps:
+            if len(steps) == steps.maxlen:
+                old_comm_s, old_compute_s = steps[0]
+                if isnan(old_comm_s):
+                    self.nan_comm -= 1
+                else:
+                    del comm[bisect_left(comm, old_comm_s)]
+                if isnan(old_compute_s):
+                    self.nan_compute -= 1
+                else:
+                    del compute[bisect_left(compute, old_compute_s)]
+            steps.append(step)
+            comm_s, compute_s = step
+            if isnan(comm_s):
+                self.nan_comm += 1
+            else:
+                insort(comm, comm_s)
+            if isnan(compute_s):
+                self.nan_compute += 1
+            else:
+                insort(compute, compute_s)
+
+    def clear(self) -> None:
+        self.steps.clear()
+        del self.comm[:]
+        del self.compute[:]
+        self.nan_comm = self.nan_compute = 0
+
+    def median_comm(self) -> float:
+        if self.nan_comm:
+            return statistics.median(c for c, _ in self.steps)
+        return _median_sorted(self.comm)
+
+    def median_compute(self) -> float:
+        if self.nan_compute:
+            return statistics.median(c for _, c in self.steps)
+        return _median_sorted(self.compute)
+
+
 @dataclass(slots=True)
 class _RankSteps:
     recent: deque[tuple[float, float]]
     older: deque[tuple[float, float]]
-    baseline: deque[tuple[float, float]]
+    baseline: _Baseline
 
 
 @dataclass(slots=True)
@@ -228,7 +295,7 @@ class LinkChecker:
             steps = state.ranks[rank] = _RankSteps(
                 deque(maxlen=s.recent_steps),
                 deque(maxlen=s.baseline_steps),
-                deque(maxlen=s.baseline_steps),
+                _Baseline(s.baseline_steps),
             )
         recent = steps.recent
         if len(recent) == recent.maxlen:
@@ -353,14 +420,12 @@ class LinkChecker:
         for steps in state.ranks.values():
             if not steps.older:
                 continue
-            base = (
-                _median_comm(steps.baseline)
-                if len(steps.baseline) >= s.min_baseline_steps
-                else None
-            )
-            for comm, compute in steps.older:
-                if base is None or comm <= s.comm_rise * base + s.min_comm_rise_s:
-                    steps.baseline.append((comm, compute))
+            baseline = steps.baseline
+            if len(baseline) < s.min_baseline_steps:
+                baseline.extend(steps.older)
+            else:
+                limit_s = s.comm_rise * baseline.median_comm() + s.min_comm_rise_s
+                baseline.extend(step for step in steps.older if step[0] <= limit_s)
             steps.older.clear()
 
     def _comm_rose(self, state: _Job) -> bool:
@@ -369,8 +434,8 @@ class LinkChecker:
         for steps in state.ranks.values():
             if len(steps.baseline) < s.min_baseline_steps or len(steps.recent) < s.recent_steps:
                 continue
-            base_comm = _median_comm(steps.baseline)
-            base_compute = statistics.median(c for _, c in steps.baseline)
+            base_comm = steps.baseline.median_comm()
+            base_compute = steps.baseline.median_compute()
             comm = _median_comm(steps.recent)
             compute = statistics.median(c for _, c in steps.recent)
             rises.append((comm - base_comm, comm / base_comm if base_comm > 0 else math.inf))
@@ -497,6 +562,17 @@ _UNPROMPTED = frozenset({"reference", "recheck", "confirm", "requested"})
 
 def _median_comm(steps: Iterable[tuple[float, float]]) -> float:
     return statistics.median(c for c, _ in steps)
+
+
+def _median_sorted(values: array[float]) -> float:
+    """``statistics.median`` of values already sorted."""
+    n = len(values)
+    if n == 0:
+        raise statistics.StatisticsError("no median for empty data")
+    if n % 2 == 1:
+        return values[n // 2]
+    i = n // 2
+    return (values[i - 1] + values[i]) / 2
 
 
 def _rate(bytes_per_s: float) -> str:
