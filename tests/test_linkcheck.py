@@ -380,7 +380,7 @@ _ZEROS = [(0.0, 0.0), (-0.0, -0.0), (math.inf, math.inf), (-0.5, -0.5)]
 def test_baseline_medians_are_statistics_median_of_the_window(
     maxlen: int, batches: list[list[tuple[float, float]] | None]
 ) -> None:
-    """The baseline keeps each column sorted as steps come and go (None: cleared)."""
+    """The baseline keeps its comm times sorted as steps come and go (None: cleared)."""
     baseline = _Baseline(maxlen)
     for batch in batches:
         if batch is None:

@@ -169,67 +169,55 @@ def localize(
 
 class _Baseline:
     """A rank's baseline steps, the newest ``maxlen`` ``(comm_wait_s, compute_s)``, with
-    each column also kept sorted in an array of doubles: its median costs no sort
-    (``_roll_baselines`` and ``_comm_rose`` read them twice a second for every rank).
+    their comm times also kept sorted in an array of doubles: the comm median, read for
+    every rank twice a second (``_roll_baselines``, ``_comm_rose``), costs no sort.
 
-    A median is ``statistics.median``'s, bit for bit: equal values keep their arrival
-    order in a sorted column (as a stable sort keeps them) and the step that leaves is
+    The median is ``statistics.median``'s, bit for bit: equal times keep their arrival
+    order in the sorted array (as a stable sort keeps them) and the step that leaves is
     the oldest, the first of its equals. NaN, which orders against nothing, is only
-    counted; while one is in the window that column's median sorts the window.
+    counted; while one is in the window the median sorts the window. The compute
+    median is read only once communication rose, and sorts.
     """
 
-    __slots__ = ("comm", "compute", "nan_comm", "nan_compute", "steps")
+    __slots__ = ("comm", "nan_comm", "steps")
 
     def __init__(self, maxlen: int) -> None:
         self.steps: deque[tuple[float, float]] = deque(maxlen=maxlen)
         self.comm = array("d")
-        self.compute = array("d")
         self.nan_comm = 0
-        self.nan_compute = 0
 
     def __len__(self) -> int:
         return len(self.steps)
 
     def extend(self, new_steps: Iterable[tuple[float, float]]) -> None:
-        steps, comm, compute = self.steps, self.comm, self.compute
+        steps, comm = self.steps, self.comm
         insort, bisect_left, isnan = bisect.insort_right, bisect.bisect_left, math.isnan
         for step in new_steps:
             if len(steps) == steps.maxlen:
-                old_comm_s, old_compute_s = steps[0]
+                old_comm_s = steps[0][0]
                 if isnan(old_comm_s):
                     self.nan_comm -= 1
                 else:
                     del comm[bisect_left(comm, old_comm_s)]
-                if isnan(old_compute_s):
-                    self.nan_compute -= 1
-                else:
-                    del compute[bisect_left(compute, old_compute_s)]
             steps.append(step)
-            comm_s, compute_s = step
+            comm_s = step[0]
             if isnan(comm_s):
                 self.nan_comm += 1
             else:
                 insort(comm, comm_s)
-            if isnan(compute_s):
-                self.nan_compute += 1
-            else:
-                insort(compute, compute_s)
 
     def clear(self) -> None:
         self.steps.clear()
         del self.comm[:]
-        del self.compute[:]
-        self.nan_comm = self.nan_compute = 0
+        self.nan_comm = 0
 
     def median_comm(self) -> float:
         if self.nan_comm:
-            return statistics.median(c for c, _ in self.steps)
+            return _median_comm(self.steps)
         return _median_sorted(self.comm)
 
     def median_compute(self) -> float:
-        if self.nan_compute:
-            return statistics.median(c for _, c in self.steps)
-        return _median_sorted(self.compute)
+        return statistics.median(c for _, c in self.steps)
 
 
 @dataclass(slots=True)
@@ -430,25 +418,27 @@ class LinkChecker:
 
     def _comm_rose(self, state: _Job) -> bool:
         s = self.settings
-        rises, compute_ratios = [], []
+        ready, rises = [], []
         for steps in state.ranks.values():
             if len(steps.baseline) < s.min_baseline_steps or len(steps.recent) < s.recent_steps:
                 continue
             base_comm = steps.baseline.median_comm()
-            base_compute = steps.baseline.median_compute()
             comm = _median_comm(steps.recent)
-            compute = statistics.median(c for _, c in steps.recent)
             rises.append((comm - base_comm, comm / base_comm if base_comm > 0 else math.inf))
-            compute_ratios.append(compute / base_compute if base_compute > 0 else 1.0)
+            ready.append(steps)
         if 2 * len(rises) < state.world_size or not rises:
             return False
         delta = statistics.median(d for d, _ in rises)
         ratio = statistics.median(r for _, r in rises)
-        return (
-            ratio >= s.comm_rise
-            and delta >= s.min_comm_rise_s
-            and max(compute_ratios) < s.compute_flat
-        )
+        if not (ratio >= s.comm_rise and delta >= s.min_comm_rise_s):  # NaN: no rise
+            return False
+        # Compute is read only now, once communication rose: the rare case.
+        compute_ratios = []
+        for steps in ready:
+            base_compute = steps.baseline.median_compute()
+            compute = statistics.median(c for _, c in steps.recent)
+            compute_ratios.append(compute / base_compute if base_compute > 0 else 1.0)
+        return max(compute_ratios) < s.compute_flat
 
     def _read(self, job: str, state: _Job, check: _Check, now_s: float) -> None:
         pairs = pair_bandwidths(check.results.values())
