@@ -1,14 +1,25 @@
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from torshmon.aggregator.straggler import CompleteStep, StepCollector, StragglerDetector
+from torshmon.aggregator.straggler import (
+    CompleteStep,
+    StepCollector,
+    StragglerDetector,
+    _JobState,
+    _mad,
+    _median,
+)
 
 DATA = Path(__file__).parent / "data" / "detection"
 #: Scores every step on its own values, from the first step: the plain cross-rank rule.
@@ -319,3 +330,102 @@ def test_add_many_is_add_one_by_one() -> None:
 def test_add_many_refuses_a_rank_outside_the_world() -> None:
     with pytest.raises(ValueError, match=r"rank must be in 0\.\.1"):
         StepCollector(2).add_many("j", 2, [1], [0.1], [1.0])
+
+
+# -- the per-step fast paths against the plain computations ------------------------------
+_TIMES = st.sampled_from([0.0, -0.0, 0.05, 0.1, 0.1, 0.2, 1e-300, 3.0]) | st.floats(0.0, 4.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(_TIMES, min_size=1, max_size=40), center=st.none() | st.floats(-1.0, 5.0))
+def test_mad_is_the_median_of_the_sorted_deviations(
+    values: list[float], center: float | None
+) -> None:
+    ordered = sorted(values)
+    middle = _median(ordered) if center is None else center
+    plain = _median(sorted(abs(x - middle) for x in ordered))
+    assert repr(_mad(ordered, middle)) == repr(plain)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(_TIMES, min_size=3, max_size=40),
+    z_threshold=st.sampled_from([0.01, 1.0, 3.5, 50.0]),
+    mad_floor_ratio=st.sampled_from([1e-9, 0.01, 0.5]),
+)
+def test_robust_scores_the_same_ranks_as_scoring_every_rank(
+    values: list[float], z_threshold: float, mad_floor_ratio: float
+) -> None:
+    """Only ranks above a cut are scored: the cut must never leave out a flagged one."""
+    det = StragglerDetector(z_threshold=z_threshold, mad_floor_ratio=mad_floor_ratio)
+    ranks = list(range(len(values)))
+    ordered = sorted(values)
+    median = _median(ordered)
+    mad = _median(sorted(abs(x - median) for x in ordered))
+    scale = max(mad, mad_floor_ratio * median, 1e-12)
+    plain = []
+    for rank, x in zip(ranks, values, strict=True):
+        z = 0.6745 * (x - median) / scale
+        peers = sorted(values[:rank] + values[rank + 1 :])
+        peer_median = _median(peers)
+        if z > z_threshold and peer_median > 0 and x >= peer_median * 1.1:
+            plain.append((rank, z, x / peer_median))
+    flagged = det._robust(ranks, values)
+    assert [(s.rank, s.score, s.slowdown_ratio) for s in flagged.values()] == plain
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    smoothing=st.integers(1, 4),
+    rows=st.lists(st.dictionaries(st.integers(0, 5), _TIMES, max_size=6), max_size=12),
+)
+def test_smoothed_values_are_the_median_of_each_recent_window(
+    smoothing: int, rows: list[dict[int, float]]
+) -> None:
+    """Ties resolve as sorting the window does, even between 0.0 and -0.0."""
+    det = StragglerDetector(smoothing=smoothing)
+    job = _JobState(pair_history=deque())
+    for row in rows:
+        states, smoothed = det._smooth(job, row)
+        assert states == [job.ranks[rank] for rank in row]
+        assert [repr(x) for x in smoothed] == [repr(_median(sorted(s.recent))) for s in states]
+        assert [list(s.recent)[-1] for s in states] == list(row.values())
+
+
+def test_the_median_of_three_breaks_ties_as_sorting_does() -> None:
+    det = StragglerDetector()
+    for window in itertools.product([0.0, -0.0, 1.0, 2.0], repeat=3):
+        job = _JobState(pair_history=deque())
+        for x in window:
+            _, (smoothed,) = det._smooth(job, {0: x})
+        assert repr(smoothed) == repr(sorted(window)[1]), window
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    world=st.integers(2, 7),
+    persistence=st.integers(1, 3),
+    plan=st.lists(
+        st.tuples(st.integers(0, 6), st.sampled_from([1.0, 1.0, 1.0, 1.5, 4.0, math.nan])),
+        min_size=10,
+        max_size=60,
+    ),
+)
+def test_busy_ranks_are_the_ranks_with_a_streak_or_a_finding(
+    world: int, persistence: int, plan: list[tuple[int, float]]
+) -> None:
+    """The busy set is what a step looks at beyond the flagged ranks: it must hold every
+    rank with a flagged streak or an active finding, and what ``observe_step`` returns
+    must be the active findings of all ranks."""
+    det = StragglerDetector(persistence=persistence, warmup_steps=2, history_steps=5)
+    factor = dict.fromkeys(range(world), 1.0)
+    for step, (rank, slowdown) in enumerate(plan):
+        factor[rank % world] = slowdown
+        row = {r: 0.1 * factor[r] * (1 + 0.01 * ((step + r) % 3)) for r in range(world)}
+        found = det.observe_step("j", step, row, float(step))
+        job = det._jobs["j"]
+        assert found == [
+            s.finding for _, s in sorted(job.ranks.items()) if s.active and s.finding is not None
+        ]
+        busy = {r for r, s in job.ranks.items() if s.flagged_streak or s.active}
+        assert set(job.busy) == busy

@@ -54,9 +54,11 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 from typing import Final
 
 from torshmon.aggregator.findings import Finding
@@ -72,6 +74,10 @@ _MIN_HISTORY: Final = 5
 
 def _rank_of(item: tuple[int, Finding | None]) -> int:
     return item[0]
+
+
+#: ``deque.append`` as a plain function, to append to many deques in one ``map``.
+_append: Callable[[deque[float], float], None] = deque.append
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +178,7 @@ class StepCollector:
         self._pending.pop(job, None)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _RankState:
     """Recent and normal compute times, persistence counters and the active finding of
     one rank."""
@@ -190,12 +196,19 @@ class _RankState:
         return _median(sorted(self.recent))
 
 
+_history_of: Callable[[_RankState], deque[float]] = operator.attrgetter("history")
+
+
 @dataclass(slots=True)
 class _JobState:
     #: World size 2: log(slower rank's / faster rank's compute) of unflagged steps.
     pair_history: deque[float]
     complete_steps: int = 0
     ranks: dict[int, _RankState] = field(default_factory=dict)
+    #: The ranks with a flagged streak or an active finding (usually none): a step
+    #: needs to look at these and at the ranks it flags, and the others only append
+    #: to their history.
+    busy: dict[int, _RankState] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,47 +296,106 @@ class StragglerDetector:
         or negative compute time are left out of this step; fewer than 2 usable ranks
         leave every rank's state unchanged.
         """
-        values = {rank: x for rank, x in compute_s_by_rank.items() if math.isfinite(x) and x >= 0}
+        values = _usable(compute_s_by_rank)
         state = self._jobs.get(job)
         if state is None:
             state = self._jobs[job] = _JobState(pair_history=deque(maxlen=self._history_steps))
         if len(values) >= 2:
-            known = state.ranks.get
-            ranks: dict[int, _RankState] = {}
-            smoothed: dict[int, float] = {}
-            for rank, x in values.items():
-                rank_state = ranks[rank] = known(rank) or self._new_rank(state, rank)
-                rank_state.recent.append(x)
-                smoothed[rank] = _median(sorted(rank_state.recent))
+            # Once per step for every rank of the job: after smoothing, the per-rank work
+            # is done in C (``map``, ``sorted``); only flagged and busy ranks get more.
+            ranks = list(values)
+            states, smoothed = self._smooth(state, values)
             state.complete_steps += 1
             warming_up = state.complete_steps <= self._warmup_steps
             if len(values) == 2:
-                flagged = self._pair(state, smoothed, warming_up=warming_up)
+                pair = dict(zip(ranks, smoothed, strict=True))
+                flagged = self._pair(state, pair, warming_up=warming_up)
             else:
-                flagged = {} if warming_up else self._robust(smoothed)
+                flagged = {} if warming_up else self._robust(ranks, smoothed)
             if warming_up:
-                for rank, x in smoothed.items():
-                    ranks[rank].history.append(x)
+                _consume(map(_append, map(_history_of, states), smoothed))
             else:
-                for rank, x in smoothed.items():
-                    rank_state = ranks[rank]
-                    score = flagged.get(rank) if flagged else None
-                    if score is not None and not self._new_for_rank(rank_state, score):
-                        score = None
-                    if score is None:
-                        rank_state.history.append(x)
-                        if not rank_state.active:
-                            rank_state.flagged_streak = 0  # all ``_advance`` would do
-                            continue
-                    self._advance(job, step, ts_unix_s, rank_state, score)
-        # Sorting only the active ranks (usually none) keeps this O(world size).
+                self._settle(job, step, ts_unix_s, state, values, states, smoothed, flagged)
+        # Active ranks are busy ranks: sorting those (usually none) keeps this cheap.
         active = [
             (rank, rank_state.finding)
-            for rank, rank_state in state.ranks.items()
+            for rank, rank_state in state.busy.items()
             if rank_state.active and rank_state.finding is not None
         ]
         active.sort(key=_rank_of)
         return [finding for _, finding in active]
+
+    def _smooth(
+        self, state: _JobState, values: Mapping[int, float]
+    ) -> tuple[list[_RankState], list[float]]:
+        """Each rank's state, with its value added to its recent ones, and the median of
+        those, in the order of ``values``."""
+        known = state.ranks.get
+        three = self._smoothing == 3
+        states: list[_RankState] = []
+        smoothed: list[float] = []
+        for rank, x in values.items():
+            rank_state = known(rank) or self._new_rank(state, rank)
+            states.append(rank_state)
+            recent = rank_state.recent
+            recent.append(x)
+            if three and len(recent) == 3:
+                # The default window: its median by comparisons, without sorting a copy.
+                # Ties resolve as the stable sort would (the same object, so even the
+                # sign of a zero is the same).
+                a, b, c = recent
+                if b < a:
+                    a, b = b, a
+                if c < b:
+                    b = a if c < a else c
+                smoothed.append(b)
+            else:
+                smoothed.append(_median(sorted(recent)))
+        return states, smoothed
+
+    def _settle(
+        self,
+        job: str,
+        step: int,
+        ts_unix_s: float,
+        state: _JobState,
+        values: Mapping[int, float],
+        states: list[_RankState],
+        smoothed: list[float],
+        flagged: dict[int, _Score],
+    ) -> None:
+        """After warm-up: the flagged ranks' scores (if also slower than their own
+        history), the histories of the others, and the streaks of both."""
+        scores: dict[int, _Score] = {}
+        for rank, score in flagged.items():
+            if self._new_for_rank(state.ranks[rank], score):
+                scores[rank] = score
+        histories = map(_history_of, states)
+        if scores:
+            # A scored step never enters the rank's history.
+            for rank, history, x in zip(values, histories, smoothed, strict=True):
+                if rank not in scores:
+                    history.append(x)
+        else:
+            _consume(map(_append, histories, smoothed))
+        busy = state.busy
+        if not (scores or busy):
+            return
+        # A rank neither scored nor busy has no streak to reset and nothing to advance.
+        touched: dict[int, _Score | None] = dict(scores)
+        for rank in busy:
+            if rank not in scores and rank in values:
+                touched[rank] = None
+        for rank, maybe in touched.items():
+            rank_state = state.ranks[rank]
+            if maybe is None and not rank_state.active:
+                rank_state.flagged_streak = 0
+            else:
+                self._advance(job, step, ts_unix_s, rank_state, maybe)
+            if rank_state.flagged_streak or rank_state.active:
+                busy[rank] = rank_state
+            else:
+                busy.pop(rank, None)
 
     def _new_rank(self, state: _JobState, rank: int) -> _RankState:
         created = state.ranks[rank] = _RankState(
@@ -357,13 +429,23 @@ class StragglerDetector:
         """Drop all state of a finished job (unknown jobs are ignored)."""
         self._jobs.pop(job, None)
 
-    def _robust(self, values: Mapping[int, float]) -> dict[int, _Score]:
-        ordered = sorted(values.values())
+    def _robust(self, ranks: list[int], values: list[float]) -> dict[int, _Score]:
+        """The ranks whose value (``values[i]`` is ``ranks[i]``'s) passes the robust
+        z-score and the minimum slowdown, in the order of ``ranks``."""
+        ordered = sorted(values)
         median = _median(ordered)
-        mad = _median(sorted(abs(x - median) for x in ordered))
+        mad = _mad(ordered, median)
         scale = max(mad, self._mad_floor_ratio * median, _TINY)
+        # A rank's z passes the threshold only if its value passes ``median + margin``
+        # (z > 0 needs x > median); half the margin leaves room for rounding, so only
+        # the ranks above ``cut`` (usually none) are scored.
+        margin = 0.5 * self._z_threshold * scale / _MAD_TO_Z
+        cut = median + margin if margin > 1e-9 * median else median
         flagged: dict[int, _Score] = {}
-        for rank, x in values.items():
+        if ordered[-1] <= cut:
+            return flagged
+        above = map(operator.lt, repeat(cut), values)
+        for rank, x in compress(zip(ranks, values, strict=True), above):
             z = _MAD_TO_Z * (x - median) / scale
             if z <= self._z_threshold:
                 continue
@@ -477,6 +559,60 @@ class StragglerDetector:
                 "chronic": chronic,
             },
         )
+
+
+def _usable(compute_s_by_rank: Mapping[int, float]) -> Mapping[int, float]:
+    """The finite, non-negative compute times (all of them, without a copy, as a rule)."""
+    values = compute_s_by_rank.values()
+    # A NaN or an infinity makes the sum non-finite (so may an overflow: then it is
+    # the filter that decides).
+    if values and math.isfinite(sum(values)) and min(values) >= 0:
+        return compute_s_by_rank
+    return {rank: x for rank, x in compute_s_by_rank.items() if math.isfinite(x) and x >= 0}
+
+
+def _mad(ordered: list[float], center: float) -> float:
+    """``_median(sorted(abs(x - center) for x in ordered))`` of a sorted, non-empty list,
+    without building and sorting the deviations.
+
+    The deviations of the values below ``center``, read downwards, and of the others,
+    read upwards, are two sorted runs (rounding is monotonic), so the k-th smallest
+    deviation is found by bisection over how many of it come from the lower run.
+    """
+    split = bisect.bisect_left(ordered, center)
+    above = len(ordered) - split
+
+    def low(i: int) -> float:  # the i-th smallest deviation below the center
+        return abs(ordered[split - 1 - i] - center)
+
+    def high(j: int) -> float:  # the j-th smallest deviation at or above the center
+        return abs(ordered[split + j] - center)
+
+    def kth(k: int) -> float:
+        # i of the k + 1 smallest are low ones: the least i whose next low deviation
+        # is not below the last high one taken.
+        first, last = max(0, k + 1 - above), min(k + 1, split)
+        i = bisect.bisect_left(
+            range(first, last + 1),
+            True,
+            key=lambda i: i == split or i == k + 1 or high(k - i) <= low(i),
+        )
+        i += first
+        taken = k + 1 - i
+        if i == 0:
+            return high(taken - 1)
+        if taken == 0:
+            return low(i - 1)
+        return max(low(i - 1), high(taken - 1))
+
+    n = len(ordered)
+    mid = n // 2
+    return kth(mid) if n % 2 else (kth(mid - 1) + kth(mid)) / 2
+
+
+def _consume(calls: Iterable[object]) -> None:
+    """Run an iterator of calls (a ``map``) to its end, in C."""
+    deque(calls, maxlen=0)
 
 
 def _center_spread(values: Iterable[float]) -> tuple[float, float]:
