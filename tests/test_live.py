@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 from tests.integration import wire_factory as wf
 from torshmon.aggregator.ingest import Stored
 from torshmon.aggregator.live import LiveState
-from torshmon.wire import StepRecord
+from torshmon.wire import AppliedConfig, BucketStat, DdpStats, StepRecord
 
 
 def _stored(*, steps: bool) -> Stored:
@@ -152,3 +152,72 @@ def test_a_batch_of_many_steps_is_observed_as_one_step_at_a_time() -> None:
             assert repr(many.series.points(metric, labels, 0.0)) == repr(expected), metric
     for rank, state in one.jobs["j"].ranks.items():
         assert repr(many.jobs["j"].ranks[rank]) == repr(state)
+
+
+def _extras(n: int) -> StepRecord:
+    """Step ``n`` with what a step may carry besides its timings: collectives (a
+    histogram shorter or longer than the aggregator's), buckets, DDP statistics and a
+    new config, on different steps."""
+    step = wf.step(n, end_unix_ns=n * 10**8, collectives=n % 2 == 0)
+    if n % 3 == 0:
+        hist = [1, 0, 2] if n % 2 else [0] * 14 + [1, 5]  # 3 and 16 buckets
+        coll = wf.step(n).collectives[0]
+        step = msgspec.structs.replace(
+            step, collectives=[msgspec.structs.replace(coll, duration_hist=hist)]
+        )
+    if n % 4 == 1:
+        buckets = [
+            BucketStat(
+                index=0,
+                size_bytes=100,
+                parameters=2,
+                duration_s=0.01,
+                codec=codec,
+                wire_bytes=10 * n,
+                compression_ratio=0.1 * n,
+                relative_error=None if n % 8 == 1 else 0.01 * n,
+            )
+            for codec in ("none", "fp16")
+        ]
+        step = msgspec.structs.replace(step, buckets=buckets)
+    if n % 5 in (2, 3):
+        ddp = DdpStats(
+            bucket_cap_bytes=1000 + n,
+            bucket_sizes_bytes=[n],
+            num_buckets_reduced=1,
+            avg_forward_compute_s=0.01,
+            avg_backward_compute_s=0.02,
+            avg_backward_comm_s=0.01,
+            avg_backward_compute_comm_overlap_s=0.0,
+        )
+        step = msgspec.structs.replace(step, ddp=ddp)
+    if n % 5 in (1, 3):
+        config = AppliedConfig(
+            version=n,
+            bucket_cap_bytes=2000 + n,
+            first_bucket_cap_bytes=1,
+            codec="none",
+            codec_params={},
+            effective_step=n,
+        )
+        step = msgspec.structs.replace(step, applied_config=config, config_version=n)
+    return step
+
+
+def test_the_extras_of_a_batch_of_steps_are_taken_as_step_by_step() -> None:
+    """A step's DDP statistics and the config applied at its end both set the bucket
+    cap: within a batch the later step wins, as it would step by step."""
+    for last in range(1, 16):
+        steps = [_extras(n) for n in range(1, last + 1)]
+        states = []
+        for chunks in ([[s] for s in steps], [steps]):
+            live = LiveState(idle_s=60.0)
+            hello = wf.hello("j", 0, 1)
+            live.observe(Stored(acked_seq=0, hellos=[hello]), now_unix_s=1000.0)
+            for seq, chunk in enumerate(chunks, start=1):
+                batch = wf.batch(hello, seq, chunk)
+                live.observe(Stored(acked_seq=seq, batches=[(batch, "n")]), now_unix_s=1000.0)
+            job = live.jobs["j"]
+            states.append((job.bucket_cap_bytes, job.config, repr(job.ranks[0])))
+        assert states[1] == states[0], last
+    assert states[0][0] == 2013 and states[0][2].count("fp16") >= 3

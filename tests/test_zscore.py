@@ -285,3 +285,22 @@ def test_add_in_band_is_add_while_in_band(
 def test_observe_many_refuses_times_and_values_of_different_lengths() -> None:
     with pytest.raises(ValueError, match="2 times but 1 values"):
         ZScoreDetector().observe_many(LABELS, [1.0, 2.0], [0.2])
+
+
+def test_a_label_set_tuple_is_the_series_of_its_dict() -> None:
+    """Sorted label pairs (the aggregator's LabelSet) find the series without sorting;
+    pairs out of order still find it, the long way."""
+    det, plain = ZScoreDetector(persistence=1), ZScoreDetector(persistence=1)
+    pairs = (("job", "demo"), ("rank", "1"))
+    values = [*_baseline(), 0.9, 0.9]
+    for i, v in enumerate(values):
+        labels = [pairs, LABELS, (("rank", "1"), ("job", "demo"))][i % 3]
+        got = det.observe_many(labels, [100.0 + i], [v])
+        expected = plain.observe_many(LABELS, [100.0 + i], [v])
+        assert [(j, f.labels, f.summary) for j, f in got] == [
+            (j, f.labels, f.summary) for j, f in expected
+        ]
+    assert [f.summary for f in det.active()] == [f.summary for f in plain.active()] != []
+    det.forget("demo")
+    assert det.active() == []
+    assert det.observe(pairs, 300.0, 0.9) is None  # forgotten: a new series, warming up

@@ -96,8 +96,10 @@ class _Op:
     peer: int | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class _Report:
+    """A rank's latest report; updated in place by the next (every batch brings one)."""
+
     ts_unix_s: float
     ops: tuple[_Op, ...]
 
@@ -176,8 +178,11 @@ class HangDetector:
         held = state.reports.get(rank)
         if held is not None and ts_unix_s < held.ts_unix_s:
             return
-        ops = tuple(_Op(o.pg, o.seq, o.op, o.age_s, o.peer) for o in inflight)
-        state.reports[rank] = _Report(ts_unix_s, ops)
+        ops = tuple(_Op(o.pg, o.seq, o.op, o.age_s, o.peer) for o in inflight) if inflight else ()
+        if held is None:
+            state.reports[rank] = _Report(ts_unix_s, ops)
+        else:
+            held.ts_unix_s, held.ops = ts_unix_s, ops
         for op in ops:
             if op.peer is None and op.pg != DEFAULT_PG:
                 state.members.setdefault(op.pg, set()).add(rank)

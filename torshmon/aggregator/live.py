@@ -18,8 +18,10 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import compress, repeat
 from typing import Any, cast
 
+import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -43,6 +45,7 @@ from torshmon.wire import (
     STEP_DURATION_BUCKETS_S,
     AppliedConfig,
     Batch,
+    CollectiveStat,
     NodeSample,
     StepRecord,
 )
@@ -53,8 +56,8 @@ _STEP_LE = [_go_float(b) for b in STEP_DURATION_BUCKETS_S] + ["+Inf"]
 _COLL_LE = [_go_float(b) for b in DURATION_BUCKETS_S] + ["+Inf"]
 #: How many recent steps the job-level means (bottleneck report, summaries) cover.
 _RECENT = 50
-#: A step record's fields that ``_observe_steps`` reads as columns, one C call per step.
-_STEP_COLUMNS: Callable[[StepRecord], tuple[Any, ...]] = operator.attrgetter(
+#: The fields of a batch's steps that ``_observe_steps`` reads, as columns.
+_STEP_FIELDS = (
     "end_unix_ns",
     "duration_s",
     "comm_wait_s",
@@ -65,6 +68,22 @@ _STEP_COLUMNS: Callable[[StepRecord], tuple[Any, ...]] = operator.attrgetter(
     "loss",
     "loss_nonfinite",
     "step",
+    "collectives",
+    "buckets",
+    "ddp",
+    "applied_config",
+    "config_version",
+)
+#: Those columns out of the ``zip`` of the steps' ``astuple`` (a step's fields in one C
+#: call, cheaper than fetching them one by one).
+_Row = tuple[Any, ...]
+_STEP_COLUMNS: Callable[[list[_Row]], tuple[_Row, ...]] = operator.itemgetter(
+    *map(StepRecord.__struct_fields__.index, _STEP_FIELDS)
+)
+_astuple: Callable[[StepRecord], tuple[Any, ...]] = msgspec.structs.astuple
+#: The step-duration histogram bucket of a duration (as ``_Histogram.counts`` indexes).
+_STEP_BUCKET: Callable[[float], int] = functools.partial(
+    bisect.bisect_left, STEP_DURATION_BUCKETS_S
 )
 #: ``x > 0`` as a C call (False for NaN, as the comparison is).
 _POSITIVE: Callable[[float], bool] = functools.partial(operator.lt, 0.0)
@@ -78,6 +97,20 @@ class _Histogram:
     counts: list[int]
     sum: float = 0.0
     count: int = 0
+
+
+@dataclass(slots=True)
+class _Recent:
+    """The last ``_RECENT`` steps' durations, communication waits and compute times
+    (seconds), as columns: a batch's steps go in without a tuple per step."""
+
+    duration_s: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))
+    wait_s: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))
+    compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))
+
+    def rows(self) -> Iterator[tuple[float, float, float]]:
+        """(duration, wait, compute) of each step, oldest first."""
+        return zip(self.duration_s, self.wait_s, self.compute_s, strict=True)
 
 
 @dataclass(slots=True)
@@ -105,9 +138,7 @@ class RankState:
     )
     collectives: dict[tuple[str, str], _Histogram] = field(default_factory=dict)
     busbw: dict[tuple[str, str], float] = field(default_factory=dict)
-    recent: deque[tuple[float, float, float]] = field(
-        default_factory=lambda: deque(maxlen=_RECENT)
-    )  # (duration, wait, compute) of the last steps
+    recent: _Recent = field(default_factory=_Recent)
     labels: LabelSet = ()
 
 
@@ -231,21 +262,35 @@ class LiveState:
         # call (series, detectors, collector), as it would step by step; the findings
         # are latched in the per-step order: loss, step time, straggler.
         steps = batch.steps
-        # Rows to columns: every row has the getter's 10 fields.
-        columns = zip(*map(_STEP_COLUMNS, steps), strict=True)
-        ends, durations, waits, computes, ratios, throughputs, sizes, losses, nonfinite, numbers = (
-            columns
-        )
-        ts = [end / 1e9 for end in ends]
-        label_map = {"job": batch.job, "rank": str(batch.rank)}
+        n = len(steps)
+        (
+            ends,
+            durations,
+            waits,
+            computes,
+            ratios,
+            throughputs,
+            sizes,
+            losses,
+            nonfinite,
+            numbers,
+            collectives,
+            buckets,
+            ddps,
+            applied,
+            config_versions,
+        ) = _STEP_COLUMNS(list(zip(*map(_astuple, steps), strict=True)))
+        ts = list(map(operator.truediv, ends, repeat(1e9)))
         hist = r.step_hist
-        counts, total_s = hist.counts, hist.sum
-        for duration_s in durations:
-            counts[bisect.bisect_left(STEP_DURATION_BUCKETS_S, duration_s)] += 1
-            total_s += duration_s
-        hist.sum = total_s
-        hist.count += len(steps)
-        r.recent.extend(zip(durations, waits, computes, strict=True))
+        counts = hist.counts
+        for bucket in map(_STEP_BUCKET, durations):
+            counts[bucket] += 1
+        hist.sum = functools.reduce(operator.add, durations, hist.sum)  # in step order
+        hist.count += n
+        recent = r.recent
+        recent.duration_s.extend(durations)
+        recent.wait_s.extend(waits)
+        recent.compute_s.extend(computes)
         columns_by_metric: dict[str, Sequence[float]] = {
             "step_duration_seconds": durations,
             "comm_wait_seconds": waits,
@@ -253,9 +298,9 @@ class LiveState:
             "communication_time_ratio": ratios,
         }
         if all(map(_POSITIVE, durations)):
-            columns_by_metric["training_efficiency_ratio"] = [
-                c / d for c, d in zip(computes, durations, strict=True)
-            ]
+            columns_by_metric["training_efficiency_ratio"] = list(
+                map(operator.truediv, computes, durations)
+            )
         else:
             kept = [i for i, d in enumerate(durations) if d > 0]
             self.series.add_many(
@@ -275,15 +320,22 @@ class LiveState:
                     [ts[i] for i in kept],
                     {"throughput_samples_per_second": [throughputs[i] for i in kept]},
                 )
-        if True not in nonfinite and None not in losses:
+        every_loss = True not in nonfinite and None not in losses
+        if every_loss:
             columns_by_metric["loss"] = losses
         self.series.add_many(r.labels, ts, columns_by_metric)
-        r.samples_total += sum(size for size in sizes if size is not None)
-        loss_found = self._observe_losses(label_map, r, ts, losses, nonfinite)
-        step_found = self.step_z.observe_many(label_map, ts, durations)
-        observe_link_step = self.links.observe_step
-        for wait_s, compute_s in zip(waits, computes, strict=True):
-            observe_link_step(batch.job, batch.rank, wait_s, compute_s)
+        if None in sizes:
+            sizes = tuple(size for size in sizes if size is not None)
+        r.samples_total += sum(sizes)  # integers: exact in any order
+        if every_loss:
+            r.loss = losses[-1]
+            loss_found = self.loss_z.observe_many(r.labels, ts, losses)
+        else:
+            loss_found = self._observe_losses(r, ts, losses, nonfinite)
+        step_found = self.step_z.observe_many(r.labels, ts, durations)
+        _consume(
+            map(self.links.observe_step, repeat(batch.job), repeat(batch.rank), waits, computes)
+        )
         straggler_found: list[tuple[int, Finding]] = []
         collector = job.collector
         if collector is not None and batch.rank < collector.world_size:
@@ -296,46 +348,48 @@ class LiveState:
             # Sorting is stable: within a step, loss before step time before straggler.
             for _, found in sorted(loss_found + step_found + straggler_found, key=_first):
                 self._latch(found)
-        for s in steps:
-            if s.collectives:
-                _observe_collectives(r, s)
-            for b in s.buckets:
-                r.compression[b.codec] = b.compression_ratio
-                r.wire_bytes_total[b.codec] = r.wire_bytes_total.get(b.codec, 0.0) + b.wire_bytes
-                if b.relative_error is not None:
-                    r.relative_error[b.codec] = b.relative_error
-            if s.ddp is not None:
-                job.bucket_cap_bytes = s.ddp.bucket_cap_bytes
-            if s.applied_config is not None:
-                job.config = s.applied_config
-                job.bucket_cap_bytes = s.applied_config.bucket_cap_bytes
-        last = steps[-1]
-        self.hang.observe_step_duration(batch.job, last.duration_s)
-        r.last_step = last.step
-        r.steps_total += len(steps)
-        r.duration_s = last.duration_s
-        r.comm_wait_s = last.comm_wait_s
-        r.compute_s = last.compute_s
-        r.communication_time_ratio = last.communication_time_ratio
-        r.config_version = last.config_version
+        # Each kind of step extra changes its own part of the state, so each is taken
+        # for the whole batch (usually none of a batch's steps has any).
+        if any(collectives):
+            for step_collectives in collectives:
+                if step_collectives:
+                    _observe_collectives(r, step_collectives)
+        if any(buckets):
+            for step_buckets in buckets:
+                for b in step_buckets:
+                    r.compression[b.codec] = b.compression_ratio
+                    total = r.wire_bytes_total.get(b.codec, 0.0)
+                    r.wire_bytes_total[b.codec] = total + b.wire_bytes
+                    if b.relative_error is not None:
+                        r.relative_error[b.codec] = b.relative_error
+        if ddps.count(None) < n or applied.count(None) < n:
+            for ddp, config in zip(ddps, applied, strict=True):
+                if ddp is not None:
+                    job.bucket_cap_bytes = ddp.bucket_cap_bytes
+                if config is not None:
+                    job.config = config
+                    job.bucket_cap_bytes = config.bucket_cap_bytes
+        self.hang.observe_step_duration(batch.job, durations[-1])
+        r.last_step = numbers[-1]
+        r.steps_total += n
+        r.duration_s = durations[-1]
+        r.comm_wait_s = waits[-1]
+        r.compute_s = computes[-1]
+        r.communication_time_ratio = ratios[-1]
+        r.config_version = config_versions[-1]
 
     def _observe_losses(
         self,
-        label_map: dict[str, str],
         r: RankState,
         ts: list[float],
         losses: tuple[float | None, ...],
         nonfinite: tuple[bool, ...],
     ) -> list[tuple[int, Finding]]:
-        """The steps' losses into the loss series and its z-score; the findings, by step.
+        """Steps' losses, some missing or non-finite, into the loss series and its
+        z-score; the findings, by step.
 
         A non-finite loss is stored as NaN and counted; a step without a loss adds none.
         """
-        if True not in nonfinite and None not in losses:
-            # The common case; ``_observe_steps`` stored them with the other metrics.
-            finite = cast(tuple[float, ...], losses)
-            r.loss = finite[-1]
-            return self.loss_z.observe_many(label_map, ts, finite)
         at: list[int] = []  # the steps whose loss the z-score judges
         series_ts: list[float] = []
         series_values: list[float] = []
@@ -353,7 +407,7 @@ class LiveState:
                 at.append(i)
         self.series.add_many(r.labels, series_ts, {"loss": series_values})
         found = self.loss_z.observe_many(
-            label_map, [ts[i] for i in at], [cast(float, losses[i]) for i in at]
+            r.labels, [ts[i] for i in at], [cast(float, losses[i]) for i in at]
         )
         return [(at[j], finding) for j, finding in found]
 
@@ -443,7 +497,7 @@ class LiveState:
     def _snapshot(self, job: JobState) -> JobSnapshot:
         ratios, efficiency = [], []
         for r in job.ranks.values():
-            for duration, wait, compute in r.recent:
+            for duration, wait, compute in r.recent.rows():
                 if duration > 0:
                     ratios.append(wait / duration)
                     efficiency.append(compute / duration)
@@ -493,7 +547,7 @@ class LiveState:
             if state is None:
                 return None
             ranks = list(state.ranks.values())
-            recent = [x for r in ranks for x in r.recent]
+            recent = [x for r in ranks for x in r.recent.rows()]
             return {
                 "world_size": state.world_size,
                 "ranks_reporting": len(ranks),
@@ -580,21 +634,28 @@ def _copy_rank(r: RankState) -> RankState:
             k: _Histogram(list(h.counts), h.sum, h.count) for k, h in r.collectives.items()
         },
         busbw=dict(r.busbw),
-        recent=deque(maxlen=r.recent.maxlen),
+        recent=_Recent(),
     )
 
 
-def _observe_collectives(r: RankState, s: StepRecord) -> None:
-    for c in s.collectives:
+def _observe_collectives(r: RankState, collectives: Sequence[CollectiveStat]) -> None:
+    for c in collectives:
         key = (c.op, c.pg)
         hist = r.collectives.get(key)
         if hist is None:
             hist = r.collectives[key] = _Histogram([0] * (len(DURATION_BUCKETS_S) + 1))
-        for i, n in enumerate(c.duration_hist[: len(hist.counts)]):
-            hist.counts[i] += n
+        counts, added = hist.counts, c.duration_hist
+        # Only the buckets the op fell in (usually one of them); extra buckets are ignored.
+        for i in compress(range(len(counts)), added):
+            counts[i] += added[i]
         hist.sum += c.duration_s
         hist.count += c.count
         r.busbw[key] = c.busbw_bytes_per_s
+
+
+def _consume(calls: Iterator[object]) -> None:
+    """Run an iterator of calls (a ``map``) to its end, in C."""
+    deque(calls, maxlen=0)
 
 
 def _mean(values: Sequence[float]) -> float | None:

@@ -265,6 +265,7 @@ class ZScoreDetector:
         self._std_floor_ratio = std_floor_ratio
         self._name, self._unit = _describe(metric)
         self._series: dict[str, dict[SeriesKey, _Series]] = {}
+        self._by_key: dict[SeriesKey, _Series] = {}  # the same series, found in one lookup
         self._active: dict[str, dict[SeriesKey, Finding]] = {}
 
     @property
@@ -272,18 +273,25 @@ class ZScoreDetector:
         """The metric this detector watches (the ``metric`` label of its findings)."""
         return self._metric
 
-    def observe(self, labels: Mapping[str, str], ts_unix_s: float, value: float) -> Finding | None:
+    def observe(
+        self, labels: Mapping[str, str] | SeriesKey, ts_unix_s: float, value: float
+    ) -> Finding | None:
         """Feed one value of the series ``labels``; the active Finding, or None.
 
-        ``labels`` must hold ``job``; ``ts_unix_s`` is the value's time (Unix seconds).
-        Non-finite values are ignored (the series' current state is returned).
+        ``labels`` must hold ``job``; a tuple is taken as the label pairs already sorted
+        by name (a ``SeriesStore`` LabelSet), which saves sorting them on every call.
+        ``ts_unix_s`` is the value's time (Unix seconds). Non-finite values are ignored
+        (the series' current state is returned).
         Raises ValueError if ``labels`` has no ``job``.
         """
         series, key = self._series_of(labels)
         return self._judge(series, key, ts_unix_s, value)
 
     def observe_many(
-        self, labels: Mapping[str, str], ts_unix_s: Sequence[float], values: Sequence[float]
+        self,
+        labels: Mapping[str, str] | SeriesKey,
+        ts_unix_s: Sequence[float],
+        values: Sequence[float],
     ) -> list[tuple[int, Finding]]:
         """Feed values of one series in time order, as ``observe`` would one by one.
 
@@ -319,19 +327,25 @@ class ZScoreDetector:
             i += 1
         return out
 
-    def _series_of(self, labels: Mapping[str, str]) -> tuple[_Series, SeriesKey]:
+    def _series_of(self, labels: Mapping[str, str] | SeriesKey) -> tuple[_Series, SeriesKey]:
+        if isinstance(labels, tuple):
+            known = self._by_key.get(labels)
+            if known is not None:
+                return known, labels
+            labels = dict(labels)  # a new series, or pairs not in order: the long way
         job = labels.get("job")
         if job is None:
             raise ValueError(f"labels must include 'job', got {dict(labels)!r}")
         key: SeriesKey = tuple(sorted(labels.items()))
-        by_key = self._series.get(job)
-        if by_key is None:
-            by_key = self._series[job] = {}
-        series = by_key.get(key)
+        series = self._by_key.get(key)
         if series is None:
             finding_labels = dict(labels)
             finding_labels["metric"] = self._metric
-            series = by_key[key] = _Series(finding_labels, RollingStats(self._window))
+            series = _Series(finding_labels, RollingStats(self._window))
+            by_job = self._series.get(job)
+            if by_job is None:
+                by_job = self._series[job] = {}
+            by_job[key] = self._by_key[key] = series
         return series, key
 
     def _judge(
@@ -366,7 +380,8 @@ class ZScoreDetector:
 
     def forget(self, job: str) -> None:
         """Drop all state of a finished job (unknown jobs are ignored)."""
-        self._series.pop(job, None)
+        for key in self._series.pop(job, {}):
+            del self._by_key[key]
         self._active.pop(job, None)
 
     def _out_of_band(
