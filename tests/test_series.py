@@ -292,3 +292,28 @@ def test_equal_spans_hold_equal_points(
                     points = repr(list(zip(ts, values, strict=True)))
                     assert points == repr(store.points(metric, labels, float(start)))
                     assert seen.setdefault(span, points) == points
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_OPS, max_points=st.integers(1, 9), windowed=st.booleans())
+def test_add_many_is_add_one_by_one_through_expiry_and_forgetting(
+    ops: list[_Op], max_points: int, windowed: bool
+) -> None:
+    windows = {"loss": 30.0} if windowed else None
+    many = SeriesStore(retention_s=100.0, max_points=max_points, windows_s=windows)
+    one = SeriesStore(retention_s=100.0, max_points=max_points, windows_s=windows)
+    for op in ops:
+        _apply(many, op)
+        kind, _, rank, _, _, points = op
+        if kind == "add_many":
+            for ts, value in points:
+                for metric in ("loss", "compute_seconds"):
+                    one.add(metric, labelset(rank=str(rank)), float(ts), value)
+        else:
+            _apply(one, op)
+        for metric in ("loss", "compute_seconds"):
+            assert repr(many.latest(metric)) == repr(one.latest(metric))
+            for labels in one.last_seen(metric):
+                assert repr(many.points(metric, labels, -1.0)) == repr(
+                    one.points(metric, labels, -1.0)
+                )

@@ -133,7 +133,14 @@ class SeriesStore:
     window.
     """
 
-    __slots__ = ("_max_points", "_series", "_windows_s", "out_of_order_total", "retention_s")
+    __slots__ = (
+        "_max_points",
+        "_rows",
+        "_series",
+        "_windows_s",
+        "out_of_order_total",
+        "retention_s",
+    )
 
     def __init__(
         self,
@@ -153,6 +160,8 @@ class SeriesStore:
         self._max_points = max_points
         self._windows_s = None if windows_s is None else dict(windows_s)
         self._series: dict[str, dict[LabelSet, _Series]] = {}
+        # The same series by label set, then metric: a batch hashes its labels once.
+        self._rows: dict[LabelSet, dict[str, _Series]] = {}
         self.out_of_order_total = 0
 
     def _get(self, metric: str, labels: Mapping[str, str] | LabelSet) -> _Series:
@@ -164,6 +173,7 @@ class SeriesStore:
         if series is None:
             windows = self._windows_s
             series = by_labels[key] = _Series(windows is not None and metric not in windows)
+            self._rows.setdefault(key, {})[metric] = series
         return series
 
     def add(
@@ -209,9 +219,9 @@ class SeriesStore:
             previous = t
         first, last, max_points = ts_unix_s[0], ts_unix_s[-1], self._max_points
         isfinite = math.isfinite
+        row = self._rows.get(key)
         for metric, values in values_by_metric.items():
-            by_labels = self._series.get(metric)
-            series = by_labels.get(key) if by_labels is not None else None
+            series = row.get(metric) if row is not None else None
             if series is None:
                 series = self._get(metric, key)
             ts = series.ts
@@ -329,6 +339,7 @@ class SeriesStore:
                 if ts[-1] < cutoff:
                     dropped += len(series)
                     del by_labels[key]
+                    self._unrow(key, metric)
                     continue
                 if ts[series.start] >= points_cutoff:
                     continue
@@ -340,6 +351,12 @@ class SeriesStore:
             if not by_labels:
                 del self._series[metric]
         return dropped
+
+    def _unrow(self, key: LabelSet, metric: str) -> None:
+        row = self._rows[key]
+        del row[metric]
+        if not row:
+            del self._rows[key]
 
     def forget(self, match: Mapping[str, str]) -> int:
         """Drop every series whose labels include all of ``match`` (e.g. a finished job).
@@ -355,6 +372,7 @@ class SeriesStore:
             by_labels = self._series[metric]
             for key in [key for key in by_labels if wanted.issubset(key)]:
                 del by_labels[key]
+                self._unrow(key, metric)
                 dropped += 1
             if not by_labels:
                 del self._series[metric]
