@@ -333,7 +333,13 @@ class SeriesStore:
             by_labels = self._series[metric]
             window_s = None if windows is None else windows.get(metric)
             points_cutoff = cutoff if window_s is None else max(cutoff, now_unix_s - window_s)
-            for key in list(by_labels):
+            # The series with anything to drop, found without hashing every label set.
+            todo = [
+                key
+                for key, s in by_labels.items()
+                if s.ts[-1] < cutoff or not s.ts[s.start] >= points_cutoff
+            ]
+            for key in todo:
                 series = by_labels[key]
                 ts = series.ts
                 if ts[-1] < cutoff:
