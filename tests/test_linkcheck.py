@@ -394,3 +394,38 @@ def test_baseline_medians_are_statistics_median_of_the_window(
             # repr: NaN equals nothing, and -0.0 == 0.0.
             assert repr(baseline.median_comm()) == repr(comm)
             assert repr(baseline.median_compute()) == repr(compute)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    recent_steps=st.integers(1, 6),
+    batches=st.lists(
+        st.tuples(st.integers(-1, 3), st.lists(st.tuples(_TIMES, _TIMES), max_size=9)),
+        max_size=20,
+    ),
+)
+def test_observe_steps_is_observe_step_one_by_one(
+    recent_steps: int, batches: list[tuple[int, list[tuple[float, float]]]]
+) -> None:
+    settings = LinkCheckSettings(recent_steps=recent_steps, baseline_steps=20)
+    one, many = LinkChecker(settings), LinkChecker(settings)
+    for checker in (one, many):
+        checker.set_world("j", 3)  # rank 3 and -1 are out of range
+    for i, (rank, steps) in enumerate(batches):
+        for comm, compute in steps:
+            one.observe_step("j", rank, comm, compute)
+        many.observe_steps("j", rank, [c for c, _ in steps], [c for _, c in steps])
+        assert repr(many.due(float(i))) == repr(one.due(float(i)))
+        ranks_one, ranks_many = one._jobs["j"].ranks, many._jobs["j"].ranks
+        assert ranks_many.keys() == ranks_one.keys()
+        for r, kept in ranks_one.items():
+            assert repr(list(ranks_many[r].recent)) == repr(list(kept.recent))
+            assert repr(list(ranks_many[r].older)) == repr(list(kept.older))
+            assert repr(list(ranks_many[r].baseline.steps)) == repr(list(kept.baseline.steps))
+
+
+def test_observe_steps_refuses_columns_of_different_lengths() -> None:
+    checker = LinkChecker()
+    checker.set_world("j", 2)
+    with pytest.raises(ValueError):
+        checker.observe_steps("j", 0, [0.1, 0.2], [0.1])

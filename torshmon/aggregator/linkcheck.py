@@ -40,11 +40,12 @@ check, sent at once, names the same.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import statistics
 from array import array
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from torshmon.aggregator.findings import Finding
@@ -279,16 +280,32 @@ class LinkChecker:
             return
         steps = state.ranks.get(rank)
         if steps is None:
-            s = self.settings
-            steps = state.ranks[rank] = _RankSteps(
-                deque(maxlen=s.recent_steps),
-                deque(maxlen=s.baseline_steps),
-                _Baseline(s.baseline_steps),
-            )
+            steps = self._new_rank(state, rank)
         recent = steps.recent
         if len(recent) == recent.maxlen:
             steps.older.append(recent[0])
         recent.append((comm_wait_s, compute_s))
+
+    def observe_steps(
+        self, job: str, rank: int, comm_wait_s: Sequence[float], compute_s: Sequence[float]
+    ) -> None:
+        """``observe_step`` of each step of one rank's batch, in one call (ingest's hot path).
+
+        Raises ValueError when the columns differ in length.
+        """
+        new = list(zip(comm_wait_s, compute_s, strict=True))
+        state = self._jobs.get(job)
+        if not new or state is None or not 0 <= rank < state.world_size:
+            return
+        steps = state.ranks.get(rank)
+        if steps is None:
+            steps = self._new_rank(state, rank)
+        recent = steps.recent
+        # The steps that the new ones push out of the recent window, oldest first.
+        out = len(recent) + len(new) - self.settings.recent_steps
+        if out > 0:
+            steps.older.extend(itertools.islice(itertools.chain(recent, new), out))
+        recent.extend(new)
 
     def observe_result(self, result: LinkCheckResult, now_s: float) -> None:
         """One rank's result; a check is read once every rank's result is in."""
@@ -373,6 +390,15 @@ class LinkChecker:
         self._jobs.pop(job, None)
 
     # -- internals ------------------------------------------------------------------------
+    def _new_rank(self, state: _Job, rank: int) -> _RankSteps:
+        s = self.settings
+        steps = state.ranks[rank] = _RankSteps(
+            deque(maxlen=s.recent_steps),
+            deque(maxlen=s.baseline_steps),
+            _Baseline(s.baseline_steps),
+        )
+        return steps
+
     def _job(self, name: str) -> _Job:
         state = self._jobs.get(name)
         if state is None:
