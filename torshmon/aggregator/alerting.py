@@ -111,7 +111,7 @@ class AlertEngine:
         self._templates = {rule.name: _templates(rule) for rule in rules}
         self._render_failed: set[tuple[str, str]] = set()
         # Per rate rule: each series' span and result at the last evaluation.
-        self._rate_memo: dict[str, dict[LabelSet, tuple[Span, float | None]]] = {}
+        self._rate_memo: dict[str, dict[int, tuple[Span, float | None]]] = {}
         # Per aggregating rule: the ``by`` group of each series seen at the last evaluation.
         self._groups: dict[str, dict[LabelSet, LabelSet]] = {}
 
@@ -236,18 +236,19 @@ class AlertEngine:
         window_start = now - rule.window_s
         min_span_s = rule.window_s / 2
         kept = self._rate_memo.get(rule.name, {})
-        memo: dict[LabelSet, tuple[Span, float | None]] = {}
+        # By the span's first number, which names the series: an int hashes at once.
+        memo: dict[int, tuple[Span, float | None]] = {}
         values = []
         for key, last_s, span in series.spans(metric, window_start):
             if last_s < fresh_after or (matchers and not matchers.issubset(key)):
                 continue
-            known = kept.get(key)
+            known = kept.get(span[0])
             if known is not None and known[0] == span:
                 slope = known[1]
             else:
                 ts, vs = series.columns(metric, key, window_start)
                 slope = _steady_slope(ts, vs, min_span_s, rule.steady)
-            memo[key] = (span, slope)
+            memo[span[0]] = (span, slope)
             if slope is not None:
                 values.append((key, slope))
         self._rate_memo[rule.name] = memo
