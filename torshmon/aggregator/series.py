@@ -29,7 +29,8 @@ __all__ = ["LabelSet", "SeriesStore", "Span", "labelset", "labelset_from"]
 #: Labels of one series as ``(name, value)`` pairs sorted by name: hashable, cheap to key.
 LabelSet: TypeAlias = tuple[tuple[str, str], ...]
 
-#: Which points of which series (``SeriesStore.spans``): equal spans, equal points.
+#: Which points of which series, ``(series, first, end)`` (``SeriesStore.spans``):
+#: equal spans, equal points.
 Span: TypeAlias = tuple[int, int, int]
 
 _serials = itertools.count()
@@ -263,9 +264,11 @@ class SeriesStore:
         """Every series of ``metric``: ``(labels, ts_unix_s of its newest point, span)``,
         where the span names the points at or after ``since_unix_s``.
 
-        Two equal spans hold the same points (a span is never reused, not even by a
-        series that expired and came back), so a reader may keep what it computed from
-        a series' points until their span changes; ``columns`` reads them.
+        A span is ``(series, first, end)``: a number for the series, never reused (not
+        even by a series that expired and came back), and the numbers of its first and
+        past-the-last points. Two equal spans hold the same points, so a reader may keep
+        what it computed from a series' points until their span changes; ``columns``
+        reads them.
         """
         by_labels = self._series.get(metric)
         if by_labels is None:
