@@ -54,6 +54,8 @@ from torshmon.wire import (
 _go_float: Callable[[float], str] = floatToGoString
 _STEP_LE = [_go_float(b) for b in STEP_DURATION_BUCKETS_S] + ["+Inf"]
 _COLL_LE = [_go_float(b) for b in DURATION_BUCKETS_S] + ["+Inf"]
+#: The buckets of a collective-duration histogram, by index.
+_COLL_BUCKETS = range(len(DURATION_BUCKETS_S) + 1)
 #: How many recent steps the job-level means (bottleneck report, summaries) cover.
 _RECENT = 50
 #: The fields of a batch's steps that ``_observe_steps`` reads, as columns.
@@ -639,18 +641,19 @@ def _copy_rank(r: RankState) -> RankState:
 
 
 def _observe_collectives(r: RankState, collectives: Sequence[CollectiveStat]) -> None:
+    by_key, busbw = r.collectives, r.busbw
     for c in collectives:
         key = (c.op, c.pg)
-        hist = r.collectives.get(key)
+        hist = by_key.get(key)
         if hist is None:
-            hist = r.collectives[key] = _Histogram([0] * (len(DURATION_BUCKETS_S) + 1))
+            hist = by_key[key] = _Histogram([0] * len(_COLL_BUCKETS))
         counts, added = hist.counts, c.duration_hist
         # Only the buckets the op fell in (usually one of them); extra buckets are ignored.
-        for i in compress(range(len(counts)), added):
+        for i in compress(_COLL_BUCKETS, added):
             counts[i] += added[i]
         hist.sum += c.duration_s
         hist.count += c.count
-        r.busbw[key] = c.busbw_bytes_per_s
+        busbw[key] = c.busbw_bytes_per_s
 
 
 def _consume(calls: Iterator[object]) -> None:
