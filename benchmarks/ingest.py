@@ -387,7 +387,8 @@ class SimulatedAgent:
 _AGGREGATOR = """
 import asyncio, cProfile, gc, json, signal, sys, time
 from prometheus_client import CollectorRegistry
-from torshmon.aggregator.service import Aggregator, tune_gc_for_daemon
+from torshmon.aggregator.service import Aggregator
+from torshmon.aggregator.writer import tune_gc_for_daemon
 from torshmon.aggregator.settings import AggregatorSettings
 
 gc_s = [0.0, 0.0]  # CPU seconds in total, at the start of the running collection

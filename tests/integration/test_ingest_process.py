@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,3 +136,44 @@ def test_only_a_database_another_process_can_open_gets_an_ingest_process(
     url: str, can: bool
 ) -> None:
     assert _other_process_can_open(url) is can
+
+
+_UNGUARDED_SCRIPT = """
+import asyncio, gzip, sys
+import aiohttp
+from prometheus_client import CollectorRegistry
+from tests.integration import wire_factory as wf
+from torshmon.aggregator.service import INGEST_PATH, Aggregator
+from torshmon.aggregator.settings import AggregatorSettings
+
+async def main():
+    settings = AggregatorSettings(port=0, db_url=sys.argv[1], aggregator_id="script")
+    async with Aggregator(settings, registry=CollectorRegistry(), targets=[]) as agg:
+        hello = wf.hello("j", 0, 1)
+        body = wf.ingest_body("a", [(1, wf.record(hello, wf.batch(hello, 1, [wf.step(1)])))])
+        headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        url = f"http://127.0.0.1:{agg.port}{INGEST_PATH}"
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url, data=gzip.compress(body), headers=headers) as resp:
+                print("status", resp.status, flush=True)
+
+asyncio.run(main())  # no __main__ guard, as many a user's script
+"""
+
+
+def test_a_script_without_a_main_guard_can_run_an_aggregator(tmp_path: Path) -> None:
+    """The ingest process is a fresh interpreter: it must not run the user's script."""
+    script = tmp_path / "embed.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(script), f"sqlite:///{tmp_path / 'history.db'}"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("status 200") == 1, done.stdout
+    assert _steps(f"sqlite:///{tmp_path / 'history.db'}") == 1

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import hmac
 import logging
 import signal
@@ -50,6 +49,7 @@ from torshmon.aggregator.writer import (
     StoreRefused,
     StoreUnavailable,
     ThreadIngest,
+    tune_gc_for_daemon,
 )
 from torshmon.history.db import make_engine, normalize_url, sqlite_path, upgrade
 from torshmon.history.models import Base
@@ -679,24 +679,6 @@ class _NotifierCollector:
             for stat, family in families.items():
                 family.add_metric([target], float(counts.get(stat, 0)))
         yield from families.values()
-
-
-#: Allocations between young collections for the daemon (CPython's default is 700).
-DAEMON_GC_THRESHOLD: Final = (10_000, 20, 20)
-
-
-def tune_gc_for_daemon() -> None:
-    """Process-wide garbage-collector settings for the aggregator daemon, once started.
-
-    What start-up left (modules, SQLAlchemy's compiled statements, the rules) is frozen
-    out of every later collection, and young collections run every 10 000 allocations
-    instead of 700: ingest allocates and frees many short-lived containers per request,
-    and at the default threshold the collector took 5-6 % of the aggregator's CPU under
-    load (benchmarks/ingest.py), about 1 % with these settings. For the daemon's process
-    only (``run_aggregator``): a library user's process keeps its own settings.
-    """
-    gc.freeze()
-    gc.set_threshold(*DAEMON_GC_THRESHOLD)
 
 
 async def run_aggregator(settings: AggregatorSettings) -> int:

@@ -23,13 +23,15 @@ process cannot open (in-memory SQLite), and for ``ingest_process: false``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import gc
 import logging
-import multiprocessing
+import os
 import pickle
 import signal
 import socket
 import struct
+import subprocess
+import sys
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -37,6 +39,7 @@ from typing import Any, Final, Protocol
 
 from sqlalchemy import exc as sa_exc
 
+import torshmon
 from torshmon.aggregator.ingest import IngestStore, Stored, StoreSummary, rebuild
 from torshmon.history.db import make_engine
 from torshmon.wire import Command, IngestBatch, decode_json
@@ -47,6 +50,23 @@ log = logging.getLogger(__name__)
 _HEADER: Final = struct.Struct("!I")
 #: How long ``aclose`` waits for the child to finish what it was given and exit.
 STOP_TIMEOUT_S: Final = 30.0
+#: Allocations between young collections for the daemons (CPython's default is 700).
+DAEMON_GC_THRESHOLD: Final = (10_000, 20, 20)
+
+
+def tune_gc_for_daemon() -> None:
+    """Process-wide garbage-collector settings for the aggregator daemon and its ingest
+    process, once started.
+
+    What start-up left (modules, SQLAlchemy's compiled statements, the rules) is frozen
+    out of every later collection, and young collections run every 10 000 allocations
+    instead of 700: ingest allocates and frees many short-lived containers per request,
+    and at the default threshold the collector took 5-6 % of the aggregator's CPU under
+    load (benchmarks/ingest.py), about 1 % with these settings. For the daemon's process
+    only (``run_aggregator``): a library user's process keeps its own settings.
+    """
+    gc.freeze()
+    gc.set_threshold(*DAEMON_GC_THRESHOLD)
 
 
 class StoreRefused(Exception):
@@ -114,25 +134,33 @@ def _send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(_HEADER.pack(len(payload)) + payload)
 
 
-def serve(sock: socket.socket, db_url: str, aggregator_id: str) -> None:
-    """The ingest process: store each request from ``sock`` and answer it, in order,
-    until the aggregator closes the socket."""
-    # Ctrl-C reaches the whole process group; the aggregator decides when this stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from torshmon.aggregator.service import tune_gc_for_daemon
+def _read_frame(sock: socket.socket) -> bytes | None:
+    """The next frame's payload; None when the aggregator closed the socket."""
+    header = _read_exact(sock, _HEADER.size)
+    if header is None:
+        return None
+    (size,) = _HEADER.unpack(header)
+    payload = _read_exact(sock, size)
+    if payload is None:
+        raise EOFError("the aggregator closed the ingest socket mid-frame")
+    return payload
 
+
+def serve(sock: socket.socket) -> None:
+    """The ingest process: read the database URL and aggregator id, then store each
+    request from ``sock`` and answer it, in order, until the aggregator closes it."""
+    config = _read_frame(sock)
+    if config is None:
+        return
+    db_url, aggregator_id = pickle.loads(config)
     engine = make_engine(db_url)
     store = IngestStore(engine, aggregator_id=aggregator_id)
     tune_gc_for_daemon()
     try:
         while True:
-            header = _read_exact(sock, _HEADER.size)
-            if header is None:
-                return
-            (size,) = _HEADER.unpack(header)
-            payload = _read_exact(sock, size)
+            payload = _read_frame(sock)
             if payload is None:
-                raise EOFError("the aggregator closed the ingest socket mid-frame")
+                return
             body, handed = pickle.loads(payload)
             reply: tuple[str, Any]
             try:
@@ -163,6 +191,12 @@ class _Channel(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+
+    def send(self, payload: bytes) -> None:
+        """A frame that gets no answer (the configuration)."""
+        if self.transport is None:
+            raise StoreUnavailable("the ingest process is not running")
+        self.transport.write(_HEADER.pack(len(payload)) + payload)
 
     def request(self, payload: bytes) -> asyncio.Future[bytes]:
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
@@ -205,7 +239,7 @@ class ProcessIngest:
     def __init__(self, db_url: str, aggregator_id: str) -> None:
         self._db_url = db_url
         self._aggregator_id = aggregator_id
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._process: subprocess.Popen[bytes] | None = None
         self._channel: _Channel | None = None
         self._starting: asyncio.Lock | None = None
         self._closed = False
@@ -221,24 +255,30 @@ class ProcessIngest:
         await self._spawn()
 
     async def _spawn(self) -> None:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
+        # A fresh interpreter, not multiprocessing: its spawn and forkserver children
+        # run the parent's main script again, which a library user's script without a
+        # __main__ guard does not survive. The same torshmon as this process's, first.
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(torshmon.__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (package_root, env.get("PYTHONPATH", "")) if p
+        )
         ours, theirs = socket.socketpair()
         try:
-            process = ctx.Process(
-                target=serve,
-                args=(theirs, self._db_url, self._aggregator_id),
-                name="torshmon-ingest",
-                daemon=True,
+            process = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
             )
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, process.start)
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
         _, channel = await asyncio.get_running_loop().create_unix_connection(_Channel, sock=ours)
+        # The URL goes over the socket: on the command line, ps would show its password.
+        channel.send(pickle.dumps((self._db_url, self._aggregator_id)))
         self._process, self._channel = process, channel
         self.starts += 1
         log.info("ingest process %s started", process.pid)
@@ -274,15 +314,13 @@ class ProcessIngest:
         process, self._process = self._process, None
         if process is None:
             return
-        await asyncio.get_running_loop().run_in_executor(None, process.join, 5.0)
-        if process.exitcode is None:
+        code = await _wait(process, 5.0)
+        if code is None:
             process.kill()
-            await asyncio.get_running_loop().run_in_executor(None, process.join, 5.0)
+            code = await _wait(process, 5.0)
         if not self._closed:
             log.error(
-                "ingest process %s ended (exit code %s); starting a new one",
-                process.pid,
-                process.exitcode,
+                "ingest process %s ended (exit code %s); starting a new one", process.pid, code
             )
 
     async def aclose(self) -> None:
@@ -296,12 +334,36 @@ class ProcessIngest:
         process, self._process = self._process, None
         if process is None:
             return
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, process.join, STOP_TIMEOUT_S)
-        if process.exitcode is None:
+        if await _wait(process, STOP_TIMEOUT_S) is None:
             log.error(
                 "ingest process %s did not stop in %.0f s; killed", process.pid, STOP_TIMEOUT_S
             )
             process.kill()
-            with contextlib.suppress(Exception):
-                await loop.run_in_executor(None, process.join, 5.0)
+            await _wait(process, 5.0)
+
+
+async def _wait(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
+    """``process``'s exit code, or None if it still runs after ``timeout_s``."""
+
+    def wait() -> int | None:
+        try:
+            return process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    return await asyncio.get_running_loop().run_in_executor(None, wait)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m torshmon.aggregator.writer FD``: the ingest process on socket FD."""
+    # Ctrl-C reaches the whole process group; the aggregator decides when this stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if len(argv) != 1 or not argv[0].isdigit():
+        print("usage: python -m torshmon.aggregator.writer FD (started by the aggregator)")
+        return 2
+    serve(socket.socket(fileno=int(argv[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
