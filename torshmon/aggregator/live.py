@@ -335,9 +335,7 @@ class LiveState:
         else:
             loss_found = self._observe_losses(r, ts, losses, nonfinite)
         step_found = self.step_z.observe_many(r.labels, ts, durations)
-        _consume(
-            map(self.links.observe_step, repeat(batch.job), repeat(batch.rank), waits, computes)
-        )
+        self.links.observe_steps(batch.job, batch.rank, waits, computes)
         straggler_found: list[tuple[int, Finding]] = []
         collector = job.collector
         if collector is not None and batch.rank < collector.world_size:
@@ -654,11 +652,6 @@ def _observe_collectives(r: RankState, collectives: Sequence[CollectiveStat]) ->
         hist.sum += c.duration_s
         hist.count += c.count
         busbw[key] = c.busbw_bytes_per_s
-
-
-def _consume(calls: Iterator[object]) -> None:
-    """Run an iterator of calls (a ``map``) to its end, in C."""
-    deque(calls, maxlen=0)
 
 
 def _mean(values: Sequence[float]) -> float | None:
