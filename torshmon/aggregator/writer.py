@@ -27,11 +27,13 @@ import gc
 import logging
 import os
 import pickle
+import queue
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -146,6 +148,17 @@ def _read_frame(sock: socket.socket) -> bytes | None:
     return payload
 
 
+def _drain(sock: socket.socket, requests: queue.SimpleQueue[bytes | None]) -> None:
+    """Put every frame from ``sock`` on ``requests``, then None (closed or broken)."""
+    try:
+        while (payload := _read_frame(sock)) is not None:
+            requests.put(payload)
+    except (OSError, EOFError) as exc:
+        log.error("ingest socket broke: %s", exc)
+    finally:
+        requests.put(None)
+
+
 def serve(sock: socket.socket) -> None:
     """The ingest process: read the database URL and aggregator id, then store each
     request from ``sock`` and answer it, in order, until the aggregator closes it."""
@@ -156,9 +169,14 @@ def serve(sock: socket.socket) -> None:
     engine = make_engine(db_url)
     store = IngestStore(engine, aggregator_id=aggregator_id)
     tune_gc_for_daemon()
+    # A thread drains the socket while the main thread stores: the aggregator's event
+    # loop only tops up a full socket buffer when it gets to it, which can be after a
+    # whole rule evaluation, and this process would wait idle in between.
+    requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    threading.Thread(target=_drain, args=(sock, requests), daemon=True).start()
     try:
         while True:
-            payload = _read_frame(sock)
+            payload = requests.get()
             if payload is None:
                 return
             body, handed = pickle.loads(payload)
