@@ -12,9 +12,11 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
+from sqlalchemy import create_engine, func, select
 
 from torshmon.aggregator.service import INGEST_PATH, Aggregator
 from torshmon.aggregator.settings import AggregatorSettings
+from torshmon.history.models import Base
 
 T = TypeVar("T")
 
@@ -87,3 +89,17 @@ def request(url: str, body: bytes | None, headers: dict[str, str]) -> tuple[int,
         return status, json.loads(raw)
     except ValueError:
         return status, {"raw": raw.decode(errors="replace")}
+
+
+def count(url: str, table: str) -> int:
+    """Rows of ``table`` in the history database at ``url``."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(
+                    select(func.count()).select_from(Base.metadata.tables[table])
+                ).scalar_one()
+            )
+    finally:
+        engine.dispose()

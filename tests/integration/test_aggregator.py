@@ -7,12 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import create_engine, text
 
 from tests.integration import wire_factory as wf
-from tests.integration.aggregator_thread import AggregatorThread, request
+from tests.integration.aggregator_thread import AggregatorThread, count, request
 from torshmon.aggregator.settings import AggregatorSettings
-from torshmon.history.models import Base
 from torshmon.wire import CommandAck
 
 pytestmark = pytest.mark.integration
@@ -31,19 +30,6 @@ def agg(tmp_path: Path) -> Iterator[AggregatorThread]:
     )
     with AggregatorThread(settings) as thread:
         yield thread
-
-
-def count(url: str, table: str) -> int:
-    engine = create_engine(url)
-    try:
-        with engine.connect() as conn:
-            return int(
-                conn.execute(
-                    select(func.count()).select_from(Base.metadata.tables[table])
-                ).scalar_one()
-            )
-    finally:
-        engine.dispose()
 
 
 def test_ingest_stores_every_row_once(agg: AggregatorThread) -> None:

@@ -10,12 +10,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import create_engine, func, select
 
 from tests.integration import wire_factory as wf
-from tests.integration.aggregator_thread import AggregatorThread
+from tests.integration.aggregator_thread import AggregatorThread, count
 from torshmon.aggregator.settings import AggregatorSettings
-from torshmon.history.models import Base
 
 pytestmark = pytest.mark.integration
 
@@ -103,16 +101,6 @@ def agg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AggregatorThread]:
         yield thread
 
 
-def _steps(url: str) -> int:
-    engine = create_engine(url)
-    try:
-        with engine.connect() as conn:
-            table = Base.metadata.tables["steps"]
-            return int(conn.execute(select(func.count()).select_from(table)).scalar_one())
-    finally:
-        engine.dispose()
-
-
 @settings(
     max_examples=150,
     deadline=None,
@@ -122,17 +110,17 @@ def _steps(url: str) -> int:
 def test_any_body_gets_a_4xx_or_is_stored_and_nothing_is_lost(
     agg: AggregatorThread, body: bytes
 ) -> None:
-    before = _steps(agg.settings.db_url)
+    before = count(agg.settings.db_url, "steps")
     status, reply = agg.post_ingest(body)
     assert status in (200, 400, 413), (status, reply)
     if status != 200:
         assert reply.get("error"), reply
-    assert _steps(agg.settings.db_url) >= before
+    assert count(agg.settings.db_url, "steps") >= before
     assert agg.get("/healthz")[0] == 200
 
 
 def test_replayed_sequences_are_deduplicated_after_the_fuzz(agg: AggregatorThread) -> None:
-    before = _steps(agg.settings.db_url)
+    before = count(agg.settings.db_url, "steps")
     status, reply = agg.post_ingest(json.dumps(VALID).encode())
     assert status == 200 and reply["acked_seq"] >= 2
-    assert _steps(agg.settings.db_url) == before
+    assert count(agg.settings.db_url, "steps") == before

@@ -14,14 +14,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from sqlalchemy import create_engine, func, select
 
 from tests.integration import wire_factory as wf
-from tests.integration.aggregator_thread import AggregatorThread
+from tests.integration.aggregator_thread import AggregatorThread, count
 from torshmon.aggregator.service import _other_process_can_open
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.aggregator.writer import ProcessIngest, ThreadIngest
-from torshmon.history.models import Base
 
 pytestmark = pytest.mark.integration
 
@@ -42,16 +40,6 @@ def _settings(url: str, **overrides: object) -> AggregatorSettings:
 def agg(tmp_path: Path) -> Iterator[AggregatorThread]:
     with AggregatorThread(_settings(f"sqlite:///{tmp_path / 'history.db'}")) as thread:
         yield thread
-
-
-def _steps(url: str) -> int:
-    engine = create_engine(url)
-    try:
-        with engine.connect() as conn:
-            table = Base.metadata.tables["steps"]
-            return int(conn.execute(select(func.count()).select_from(table)).scalar_one())
-    finally:
-        engine.dispose()
 
 
 def _body(agent: str, seq: int, step: int) -> bytes:
@@ -76,7 +64,7 @@ def test_a_file_database_is_stored_by_a_child_process(agg: AggregatorThread) -> 
     assert child.is_running()
     status, reply = agg.post_ingest(_body("a", 1, 1))
     assert status == 200 and reply["acked_seq"] == 1, reply
-    assert _steps(agg.settings.db_url) == 1
+    assert count(agg.settings.db_url, "steps") == 1
     # The live state saw it: the rank's step, from the summary the child sent back.
     rank = agg.aggregator.live.jobs["j"].ranks[0]
     assert rank.last_step == 1 and rank.steps_total == 1
@@ -96,10 +84,10 @@ def test_a_killed_ingest_process_costs_a_retry_not_data(agg: AggregatorThread) -
     assert status == 200 and reply["acked_seq"] == 2, reply
     second = _ingest_pid(agg)
     assert second != first
-    assert _steps(agg.settings.db_url) == 2
+    assert count(agg.settings.db_url, "steps") == 2
     # The new child knows what the first one stored: a resend is de-duplicated.
     assert agg.post_ingest(_body("a", 1, 1))[0] == 200
-    assert _steps(agg.settings.db_url) == 2
+    assert count(agg.settings.db_url, "steps") == 2
     ingest = agg.aggregator.ingest
     assert isinstance(ingest, ProcessIngest) and ingest.starts == 2
 
@@ -176,4 +164,4 @@ def test_a_script_without_a_main_guard_can_run_an_aggregator(tmp_path: Path) -> 
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("status 200") == 1, done.stdout
-    assert _steps(f"sqlite:///{tmp_path / 'history.db'}") == 1
+    assert count(f"sqlite:///{tmp_path / 'history.db'}", "steps") == 1
