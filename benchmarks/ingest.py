@@ -851,8 +851,13 @@ async def run_plan(plan: Plan) -> list[Run]:
     runs = []
     for repeat in range(plan.repeats):
         for backend in plan.backends:
+            # Each measurement starts with the disk's write-back of the one before done:
+            # the pipeline writes for a minute, and its dirty pages would otherwise be
+            # flushed during the bare insert (or the other way round).
+            os.sync()
             with fresh_database(backend) as url:
                 pipeline = await measure_pipeline(plan, backend, url, repeat)
+            os.sync()
             with fresh_database(backend) as url:
                 bare = measure_bare(plan, backend, url, repeat)
             runs.append(Run(pipeline, bare))
