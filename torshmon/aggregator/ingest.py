@@ -26,7 +26,7 @@ import math
 import operator
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import chain
 from typing import Any, Final
 
@@ -304,15 +304,7 @@ class Stored:
     def summary(self) -> StoreSummary:
         """What ``rebuild`` needs besides the ``IngestBatch``: small, to send back from
         the ingest process."""
-        return StoreSummary(
-            acked_seq=self.acked_seq,
-            commands=self.commands,
-            duplicates=self.duplicates,
-            records=self.records,
-            samples=self.samples,
-            skipped_records=self.skipped_records,
-            skipped_batches=self.skipped_batches,
-        )
+        return StoreSummary(**{name: getattr(self, name) for name in _SUMMARY_FIELDS})
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,18 +320,14 @@ class StoreSummary:
     skipped_batches: list[tuple[int, int]]
 
 
+#: The fields ``Stored`` and ``StoreSummary`` share: all of the summary's.
+_SUMMARY_FIELDS: Final = tuple(f.name for f in fields(StoreSummary))
+
+
 def rebuild(batch: IngestBatch, summary: StoreSummary) -> Stored:
     """The ``Stored`` that ``IngestStore.store(batch)`` returned with ``summary``: its
     new messages taken from ``batch`` in the same order."""
-    stored = Stored(
-        acked_seq=summary.acked_seq,
-        commands=summary.commands,
-        duplicates=summary.duplicates,
-        records=summary.records,
-        samples=summary.samples,
-        skipped_records=summary.skipped_records,
-        skipped_batches=summary.skipped_batches,
-    )
+    stored = Stored(**{name: getattr(summary, name) for name in _SUMMARY_FIELDS})
     skipped_records = set(summary.skipped_records)
     skipped_batches = set(summary.skipped_batches)
     node = batch.node

@@ -289,17 +289,15 @@ class Aggregator:
         handed = self._hand_out(batch)
         try:
             stored = await self.ingest.store(body, batch, handed)
-        except StoreRefused as exc:
+        except BaseException as exc:
             self.commands.release([c.id for c in handed])
-            self.m_batches.labels("invalid").inc()
-            return api.error(400, str(exc))
-        except StoreUnavailable as exc:
-            self.commands.release([c.id for c in handed])
-            self.m_batches.labels("unavailable").inc()
-            log.error("%s", exc)
-            return api.error(503, "history database unavailable; retry later")
-        except BaseException:
-            self.commands.release([c.id for c in handed])
+            if isinstance(exc, StoreRefused):
+                self.m_batches.labels("invalid").inc()
+                return api.error(400, str(exc))
+            if isinstance(exc, StoreUnavailable):
+                self.m_batches.labels("unavailable").inc()
+                log.error("%s", exc)
+                return api.error(503, "history database unavailable; retry later")
             raise
         self.m_ingest_seconds.observe(time.perf_counter() - started)
         if stored.commands:
