@@ -415,8 +415,8 @@ def test_busy_ranks_are_the_ranks_with_a_streak_or_a_finding(
     world: int, persistence: int, plan: list[tuple[int, float]]
 ) -> None:
     """The busy set is what a step looks at beyond the flagged ranks: it must hold every
-    rank with a flagged streak or an active finding, and what ``observe_step`` returns
-    must be the active findings of all ranks."""
+    rank with a flagged streak or an active finding, and what ``observe_step`` and
+    ``active`` return must be the active findings of all ranks."""
     det = StragglerDetector(persistence=persistence, warmup_steps=2, history_steps=5)
     factor = dict.fromkeys(range(world), 1.0)
     for step, (rank, slowdown) in enumerate(plan):
@@ -427,5 +427,6 @@ def test_busy_ranks_are_the_ranks_with_a_streak_or_a_finding(
         assert found == [
             s.finding for _, s in sorted(job.ranks.items()) if s.active and s.finding is not None
         ]
+        assert det.active() == found
         busy = {r for r, s in job.ranks.items() if s.flagged_streak or s.active}
         assert set(job.busy) == busy

@@ -226,10 +226,15 @@ class HangDetector:
 
     def _evaluate_job(self, job: str, state: _Job, now: float) -> list[Finding]:
         timeout = self._timeout_s
-        fresh = {r: rep for r, rep in state.reports.items() if now - rep.ts_unix_s <= timeout}
+        # Only reports with an op in flight give entries (usually few of a large job's).
+        fresh = [
+            (r, rep)
+            for r, rep in state.reports.items()
+            if rep.ops and now - rep.ts_unix_s <= timeout
+        ]
         groups: dict[str, dict[int, _Entry]] = {}
         pairs: dict[tuple[str, int, int], _Entry] = {}
-        for rank, report in fresh.items():
+        for rank, report in fresh:
             since_report = max(0.0, now - report.ts_unix_s)
             for op in report.ops:
                 entry = _Entry(rank, op.seq, op.op, op.age_s + since_report)

@@ -224,6 +224,18 @@ class _Score:
     mad_s: float | None
 
 
+def _active_findings(state: _JobState) -> list[Finding]:
+    """The job's active findings by rank. Active ranks are busy ranks (``_settle`` keeps
+    them there), so this sorts those (usually none), not the whole job."""
+    active = [
+        (rank, rank_state.finding)
+        for rank, rank_state in state.busy.items()
+        if rank_state.active and rank_state.finding is not None
+    ]
+    active.sort(key=_rank_of)
+    return [finding for _, finding in active]
+
+
 class StragglerDetector:
     """Names the rank whose compute time persistently lags its peers'.
 
@@ -316,14 +328,7 @@ class StragglerDetector:
                 _consume(map(_append, map(_history_of, states), smoothed))
             else:
                 self._settle(job, step, ts_unix_s, state, values, states, smoothed, flagged)
-        # Active ranks are busy ranks: sorting those (usually none) keeps this cheap.
-        active = [
-            (rank, rank_state.finding)
-            for rank, rank_state in state.busy.items()
-            if rank_state.active and rank_state.finding is not None
-        ]
-        active.sort(key=_rank_of)
-        return [finding for _, finding in active]
+        return _active_findings(state)
 
     def _smooth(
         self, state: _JobState, values: Mapping[int, float]
@@ -418,12 +423,7 @@ class StragglerDetector:
 
     def active(self) -> list[Finding]:
         """Every active finding, ordered by job and rank."""
-        return [
-            state.finding
-            for job in sorted(self._jobs)
-            for _, state in sorted(self._jobs[job].ranks.items())
-            if state.active and state.finding is not None
-        ]
+        return [f for job in sorted(self._jobs) for f in _active_findings(self._jobs[job])]
 
     def forget(self, job: str) -> None:
         """Drop all state of a finished job (unknown jobs are ignored)."""
