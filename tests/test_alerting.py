@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import time
 from collections.abc import Sequence
 
@@ -681,4 +682,155 @@ def test_kept_results_match_a_recompute_from_the_points(
                     expected[labels] = slope
             assert {_series_labels(a): a.value for a in kept.active() if a.rule == rule} == expected
         store.expire(now)
+        now += advance_s
+
+
+NEWEST_POINTS = """
+rules:
+  - name: Low
+    kind: threshold
+    metric: rank_memory_rss_bytes
+    op: "<"
+    value: 0.5
+  - name: Low For A While
+    kind: threshold
+    metric: rank_memory_rss_bytes
+    op: "<="
+    value: 0.5
+    for: 2s
+    cooldown: 3s
+  - name: Low In Job One
+    kind: threshold
+    metric: rank_memory_rss_bytes
+    op: "<"
+    value: 0.5
+    matchers: {job: j1}
+  - name: Mean By Job
+    kind: threshold
+    metric: rank_memory_rss_bytes
+    op: ">"
+    value: 0.2
+    aggregate: mean
+    by: [job]
+  - name: Max By Node
+    kind: threshold
+    metric: rank_memory_rss_bytes
+    op: ">="
+    value: 0.0
+    aggregate: max
+    by: [node]
+    for: 1s
+  - name: Sum Of Job One
+    kind: threshold
+    metric: rank_memory_rss_bytes
+    op: "<"
+    value: 10.0
+    aggregate: sum
+    by: [job]
+    matchers: {job: j1}
+"""
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ticks=st.lists(
+        st.tuples(
+            st.lists(
+                st.tuples(
+                    st.integers(0, 5),
+                    st.sampled_from([0.0, -0.0, 0.25, 0.5, 0.75, 1.0, math.nan, math.inf]),
+                ),
+                max_size=6,
+            ),
+            st.sampled_from([0.0, 0.5, 1.0, 2.5, -1.0]),
+            st.sampled_from(["", "", "", "forget", "expire"]),
+        ),
+        max_size=30,
+    )
+)
+def test_threshold_rules_find_what_a_read_of_every_series_finds(
+    ticks: list[tuple[list[tuple[int, float]], float, str]],
+) -> None:
+    """Threshold rules look only at the series whose newest point changed since the last
+    evaluation; an engine shown a new store each time reads every series. Both must
+    make the same transitions in the same order (staleness, ``for``, cooldowns, series
+    that go and come back, a clock that steps back)."""
+    rules = _rules(NEWEST_POINTS)
+    kept, rereading = AlertEngine(rules, stale_after_s=3.0), AlertEngine(rules, stale_after_s=3.0)
+    store = SeriesStore(retention_s=5.0)
+    now = 100.0
+    for points, advance_s, then in ticks:
+        for rank, value in points:
+            labels = labelset(job=f"j{rank % 2}", node=f"n{rank // 3}", rank=str(rank))
+            store.add("rank_memory_rss_bytes", labels, now, value)
+        expected = rereading.evaluate(now, _copy(store), [])
+        assert repr(kept.evaluate(now, store, [])) == repr(expected)
+        assert repr(kept.active()) == repr(rereading.active())
+        # And what a plain read of the newest points finds, for two of the rules.
+        fresh = [
+            (labels, value)
+            for labels, ts, value in store.latest("rank_memory_rss_bytes")
+            if ts >= now - 3.0
+        ]
+        low = {labels: value for labels, value in fresh if value < 0.5}
+        active = kept.active()
+        assert {_series_labels(a): a.value for a in active if a.rule == "Low"} == low
+        by_job: dict[str, list[float]] = {}
+        for labels, value in fresh:
+            if not math.isnan(value):
+                by_job.setdefault(dict(labels)["job"], []).append(value)
+        means = {job: statistics.fmean(values) for job, values in by_job.items()}
+        assert {a.labels["job"]: a.value for a in active if a.rule == "Mean By Job"} == {
+            job: (mean if math.isfinite(mean) else None)
+            for job, mean in means.items()
+            if mean > 0.2
+        }
+        if then == "forget":
+            store.forget({"rank": "1"})
+        elif then == "expire":
+            store.expire(now)
+        now += advance_s
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ticks=st.lists(
+        st.tuples(
+            st.lists(
+                st.tuples(
+                    st.integers(0, 3),
+                    st.sampled_from([0.0, 1.0, 2.0, 5.0, -3.0, 1e9, math.nan, math.inf]),
+                ),
+                max_size=5,
+            ),
+            st.sampled_from([0.0, 0.5, 1.0, 3.0, -1.0]),
+            st.sampled_from(["", "", "", "forget", "expire"]),
+        ),
+        max_size=30,
+    )
+)
+def test_rate_rules_find_what_a_read_of_every_series_finds(
+    ticks: list[tuple[list[tuple[int, float]], float, str]],
+) -> None:
+    """Rate rules compute a series' slope again only once its window holds other points;
+    an engine shown a new store each time computes every one. Both must make the same
+    transitions in the same order (points that leave the window, series that go stale,
+    go and come back, a clock that steps back)."""
+    rules = _rules(EVERY_SERIES)
+    kept, rereading = AlertEngine(rules, stale_after_s=4.0), AlertEngine(rules, stale_after_s=4.0)
+    store = SeriesStore(retention_s=20.0)
+    now = 100.0
+    for points, advance_s, then in ticks:
+        for rank, step in points:
+            labels = labelset(job="j", rank=str(rank), node=f"n{rank // 2}")
+            previous = store.points("rank_memory_rss_bytes", labels, -math.inf)
+            base = previous[-1][1] if previous and math.isfinite(previous[-1][1]) else 0.0
+            store.add("rank_memory_rss_bytes", labels, now, base + step)
+        expected = rereading.evaluate(now, _copy(store), [])
+        assert repr(kept.evaluate(now, store, [])) == repr(expected)
+        assert repr(kept.active()) == repr(rereading.active())
+        if then == "forget":
+            store.forget({"rank": "1"})
+        elif then == "expire":
+            store.expire(now)
         now += advance_s

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torshmon.aggregator.series import SeriesStore, labelset, labelset_from
+from torshmon.aggregator.series import Cursor, LabelSet, SeriesStore, labelset, labelset_from
 
 
 def test_labelset_is_sorted_whatever_the_input_order() -> None:
@@ -275,23 +275,19 @@ def test_newest_nonfinite_is_what_a_scan_of_the_points_finds(
     windowed=st.booleans(),
     since=st.lists(st.integers(0, 90), min_size=1, max_size=3),
 )
-def test_equal_spans_hold_equal_points(
+def test_columns_are_the_points(
     ops: list[_Op], max_points: int, windowed: bool, since: list[int]
 ) -> None:
     windows = {"loss": 30.0} if windowed else None
     store = SeriesStore(retention_s=100.0, max_points=max_points, windows_s=windows)
-    seen: dict[object, str] = {}
     for op in ops:
         _apply(store, op)
         for metric in ("loss", "compute_seconds"):
             for start in since:
-                spans = store.spans(metric, float(start))
-                assert [(k, ts) for k, ts, _ in spans] == list(store.last_seen(metric).items())
-                for labels, _, span in spans:
+                for labels in store.last_seen(metric):
                     ts, values = store.columns(metric, labels, float(start))
                     points = repr(list(zip(ts, values, strict=True)))
                     assert points == repr(store.points(metric, labels, float(start)))
-                    assert seen.setdefault(span, points) == points
 
 
 @settings(max_examples=300, deadline=None)
@@ -317,3 +313,157 @@ def test_add_many_is_add_one_by_one_through_expiry_and_forgetting(
                 assert repr(many.points(metric, labels, -1.0)) == repr(
                     one.points(metric, labels, -1.0)
                 )
+
+
+class _PlainStore:
+    """What a SeriesStore holds, kept the plain way: a list of points per series, and
+    ``expire`` looks at every one of them."""
+
+    def __init__(self, retention_s: float, max_points: int, windows_s: dict[str, float] | None):
+        self.retention_s, self.max_points, self.windows_s = retention_s, max_points, windows_s
+        self.series: dict[str, dict[tuple[tuple[str, str], ...], list[tuple[float, float]]]] = {}
+
+    def add(self, metric: str, labels: tuple[tuple[str, str], ...], ts: float, v: float) -> None:
+        points = self.series.setdefault(metric, {}).setdefault(labels, [])
+        if points and ts < points[-1][0]:
+            return
+        if self.windows_s is not None and metric not in self.windows_s:
+            points[:] = [(ts, v)]
+        else:
+            points.append((ts, v))
+            del points[: max(0, len(points) - self.max_points)]
+
+    def expire(self, now: float) -> int:
+        cutoff = now - self.retention_s
+        dropped = 0
+        for metric, by_labels in list(self.series.items()):
+            window_s = None if self.windows_s is None else self.windows_s.get(metric)
+            points_cutoff = cutoff if window_s is None else max(cutoff, now - window_s)
+            for labels, points in list(by_labels.items()):
+                if points[-1][0] < cutoff:
+                    dropped += len(points)
+                    del by_labels[labels]
+                    continue
+                kept = [p for p in points[:-1] if p[0] >= points_cutoff] + points[-1:]
+                dropped += len(points) - len(kept)
+                points[:] = kept
+            if not by_labels:
+                del self.series[metric]
+        return dropped
+
+    def forget(self, rank: str) -> None:
+        for metric, by_labels in list(self.series.items()):
+            for labels in [labels for labels in by_labels if ("rank", rank) in labels]:
+                del by_labels[labels]
+            if not by_labels:
+                del self.series[metric]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_OPS, max_points=st.integers(1, 9), windowed=st.booleans())
+def test_expire_drops_what_a_scan_of_every_series_drops(
+    ops: list[_Op], max_points: int, windowed: bool
+) -> None:
+    # Expire visits only the series that may have something to drop; the plain store
+    # looks at all of them, at times that go forwards and backwards.
+    # A short retention, so that expiry times often fall among the points' times.
+    windows = {"loss": 10.0} if windowed else None
+    store = SeriesStore(retention_s=30.0, max_points=max_points, windows_s=windows)
+    plain = _PlainStore(30.0, max_points, windows)
+    for op in ops:
+        kind, metric, rank, ts, value, points = op
+        labels = labelset(rank=str(rank))
+        if kind == "expire":
+            assert store.expire(float(ts)) == plain.expire(float(ts))
+        else:
+            _apply(store, op)
+            if kind == "add":
+                plain.add(metric, labels, float(ts % 81), value)
+            elif kind == "add_many":
+                for metric in ("loss", "compute_seconds"):
+                    for t, v in points:
+                        plain.add(metric, labels, float(t), v)
+            else:
+                plain.forget(str(rank))
+        assert store.metrics() == set(plain.series)
+        for metric, by_labels in plain.series.items():
+            assert list(store.last_seen(metric)) == list(by_labels)
+            for labels, expected in by_labels.items():
+                assert repr(store.points(metric, labels, -math.inf)) == repr(expected)
+
+
+def test_an_idle_series_goes_at_the_first_expire_past_its_retention() -> None:
+    store = SeriesStore(retention_s=30.0, windows_s={})  # newest points only
+    labels = labelset(node="n")
+    store.add("cpu_utilization_ratio", labels, 10.0, 0.5)
+    assert store.expire(now_unix_s=20.0) == 0
+    store.add("cpu_utilization_ratio", labels, 12.0, 0.5)  # newer than expire last saw
+    assert store.expire(now_unix_s=41.0) == 0
+    assert store.expire(now_unix_s=42.0) == 0  # the newest point is not older than 12
+    assert store.expire(now_unix_s=42.5) == 1
+    assert store.series_count() == 0
+    store.add("cpu_utilization_ratio", labels, 50.0, 0.5)  # back, as a new series
+    assert store.expire(now_unix_s=80.0) == 0
+    assert store.expire(now_unix_s=80.5) == 1
+
+
+def test_a_series_whose_newest_time_is_nan_stays_until_a_newer_point_ages() -> None:
+    store, plain = SeriesStore(retention_s=30.0), _PlainStore(30.0, 4096, None)
+    labels = labelset(node="n")
+    for ts, now in [(math.nan, 1000.0), (5.0, 20.0), (math.nan, 1000.0), (6.0, 1000.0)]:
+        store.add("cpu_utilization_ratio", labels, ts, 0.5)
+        plain.add("cpu_utilization_ratio", labels, ts, 0.5)
+        store.expire(now)  # (which points a NaN time keeps is bisect's business)
+        plain.expire(now)
+        assert store.series_count() == sum(map(len, plain.series.values()))
+    assert store.series_count() == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_OPS, max_points=st.integers(1, 9), windowed=st.booleans())
+def test_a_reader_of_changes_knows_every_newest_point(
+    ops: list[_Op], max_points: int, windowed: bool
+) -> None:
+    # A reader that keeps the newest points it was told of, by serial, has them all, and
+    # sorting by serial lists them as the store does.
+    windows = {"loss": 30.0} if windowed else None
+    store = SeriesStore(retention_s=100.0, max_points=max_points, windows_s=windows)
+    other = SeriesStore()
+    cursors: dict[str, Cursor | None] = {"loss": None, "compute_seconds": None}
+    known: dict[str, dict[int, tuple[LabelSet, float, float]]] = {m: {} for m in cursors}
+    for op in ops:
+        _apply(store, op)
+        for metric in cursors:
+            cursors[metric], every, changed = store.changes(metric, cursors[metric])
+            if every:
+                known[metric].clear()
+            for serial, labels, ts, value in changed:
+                known[metric][serial] = (labels, ts, value)
+            listed = [known[metric][serial] for serial in sorted(known[metric])]
+            assert repr(listed) == repr(store.latest(metric))
+            # Another store's cursor means nothing here, and the other way round.
+            assert store.changes(metric, other.changes(metric, None)[0])[1]
+            assert other.changes(metric, cursors[metric])[1]
+
+
+def test_a_reader_far_behind_the_change_log_reads_every_series() -> None:
+    store = SeriesStore()
+    labels = [labelset(node=str(n)) for n in range(3)]
+    cursor, every, changed = store.changes("cpu_utilization_ratio", None)
+    assert every and changed == []
+    store.add("cpu_utilization_ratio", labels[0], 0.0, 0.5)
+    cursor, every, changed = store.changes("cpu_utilization_ratio", cursor)
+    assert not every and [row[1:] for row in changed] == [(labels[0], 0.0, 0.5)]
+    for ts in range(1, 200):  # more changes than the log keeps
+        store.add("cpu_utilization_ratio", labels[ts % 3], float(ts), 0.25)
+        store.expire(float(ts))
+    cursor, every, changed = store.changes("cpu_utilization_ratio", cursor)
+    assert every and [row[1:] for row in changed] == [
+        (labels[0], 198.0, 0.25),
+        (labels[1], 199.0, 0.25),
+        (labels[2], 197.0, 0.25),
+    ]
+    store.add("cpu_utilization_ratio", labels[1], 200.0, 0.75)
+    store.add("cpu_utilization_ratio", labels[1], 201.0, 1.0)
+    _, every, changed = store.changes("cpu_utilization_ratio", cursor)
+    assert not every and [row[1:] for row in changed] == [(labels[1], 201.0, 1.0)]

@@ -34,19 +34,20 @@ it returns the same transitions in the same order (rules in file order).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
 import operator
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal, NamedTuple
 
 from torshmon.aggregator.alert import Alert, AlertState
 from torshmon.aggregator.findings import Finding
 from torshmon.aggregator.rules import FINDING_KINDS, Rule, RuleSet, default_summary
-from torshmon.aggregator.series import LabelSet, SeriesStore, Span, labelset_from
+from torshmon.aggregator.series import Cursor, LabelSet, SeriesStore, labelset_from
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,36 @@ class _Hit(NamedTuple):
     value: float
     since_s: float
     finding: Finding | None
+
+
+@dataclass(slots=True)
+class _Newest:
+    """A threshold rule's view of its metric's newest points, brought up to date at each
+    evaluation from ``SeriesStore.changes``: ``rows`` holds the matching series whose
+    newest value counts (meets the condition; with ``aggregate``, is a number) as
+    ``serial: (labels, ts_unix_s, value)``, ``order`` their serials sorted (the store's
+    order)."""
+
+    cursor: Cursor | None = None
+    rows: dict[int, tuple[LabelSet, float, float]] = field(default_factory=dict)
+    order: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Slopes:
+    """A rate rule's results, brought up to date at each evaluation: ``rows`` holds
+    every matching series as ``serial: (labels, ts_unix_s of its newest point, due,
+    slope)``; a result holds while the window keeps the same points, that is until a
+    new point comes (``SeriesStore.changes``) or the window's start passes ``due``, the
+    time of the oldest point in it (``dues``: a heap of ``(due, serial)``, entries
+    whose due is no longer the row's left to go by). ``order``: the serials of the rows
+    with a slope, sorted (the store's order)."""
+
+    cursor: Cursor | None = None
+    window_start_s: float = -math.inf
+    rows: dict[int, tuple[LabelSet, float, float, float | None]] = field(default_factory=dict)
+    dues: list[tuple[float, int]] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -110,10 +141,13 @@ class AlertEngine:
         self._orphans: dict[str, Alert] = {}
         self._templates = {rule.name: _templates(rule) for rule in rules}
         self._render_failed: set[tuple[str, str]] = set()
-        # Per rate rule: each series' span and result at the last evaluation.
-        self._rate_memo: dict[str, dict[int, tuple[Span, float | None]]] = {}
-        # Per aggregating rule: the ``by`` group of each series seen at the last evaluation.
-        self._groups: dict[str, dict[LabelSet, LabelSet]] = {}
+        # Per rate rule: each series' result and how long it holds.
+        self._slopes: dict[str, _Slopes] = {}
+        # Per aggregating rule: the ``by`` group of each series (by serial) seen at the
+        # last evaluation.
+        self._groups: dict[str, dict[int, LabelSet]] = {}
+        # Per threshold rule: what it knows of its series' newest points.
+        self._newest: dict[str, _Newest] = {}
 
     # -- evaluation -----------------------------------------------------------------------
 
@@ -212,14 +246,54 @@ class AlertEngine:
         if rule.kind == "rate":
             values = self._rates(rule, now, series, fresh_after, matchers)
         else:
-            values = [
-                (key, value)
-                for key, ts_s, value in series.latest(metric)
-                if ts_s >= fresh_after and (not matchers or matchers.issubset(key))
-            ]
-        if rule.aggregate is not None:
-            values = self._aggregate(rule, values)
-        return {key: _Hit(value, now, None) for key, value in values if rule.compare(value)}
+            values = self._fresh_newest(rule, series, fresh_after, matchers)
+            if rule.aggregate is None:
+                # Only the series whose value meets the condition are kept.
+                return {key: _Hit(value, now, None) for _, key, value in values}
+        if rule.aggregate is None:
+            return {key: _Hit(value, now, None) for _, key, value in values if rule.compare(value)}
+        return {
+            group: _Hit(value, now, None)
+            for group, value in self._aggregate(rule, values)
+            if rule.compare(value)
+        }
+
+    def _fresh_newest(
+        self,
+        rule: Rule,
+        series: SeriesStore,
+        fresh_after: float,
+        matchers: frozenset[tuple[str, str]],
+    ) -> list[tuple[int, LabelSet, float]]:
+        """``(serial, labels, value)`` of the newest point of every fresh matching series
+        of a threshold rule whose value counts (``_Newest``), in the store's order.
+
+        Only the series whose newest point changed since the last evaluation are looked
+        at (at 5 000 ranks most have not: the agents sample about once a second, the
+        engine evaluates more often); staleness is the one test of every kept series."""
+        view = self._newest.get(rule.name)
+        if view is None:
+            view = self._newest[rule.name] = _Newest()
+        view.cursor, every, changed = series.changes(rule.metric or "", view.cursor)
+        rows = view.rows
+        if every:
+            rows.clear()
+        counts = rule.compare if rule.aggregate is None else _is_number
+        reorder = every
+        for serial, key, ts_s, value in changed:
+            if counts(value) and (not matchers or matchers.issubset(key)):
+                if serial not in rows:
+                    reorder = True
+                rows[serial] = (key, ts_s, value)
+            elif rows.pop(serial, None) is not None:
+                reorder = True
+        if reorder:
+            view.order = sorted(rows)
+        return [
+            (serial, row[0], row[2])
+            for serial in view.order
+            if (row := rows[serial])[1] >= fresh_after
+        ]
 
     def _rates(
         self,
@@ -228,49 +302,84 @@ class AlertEngine:
         series: SeriesStore,
         fresh_after: float,
         matchers: frozenset[tuple[str, str]],
-    ) -> list[tuple[LabelSet, float]]:
-        """The slope of every fresh matching series of a ``rate`` rule that has one and
-        rises steadily enough. A series' result is kept while its window holds the same
-        points (the agents sample about once a second, the engine evaluates more often)."""
+    ) -> list[tuple[int, LabelSet, float]]:
+        """``(serial, labels, slope)`` of every fresh matching series of a ``rate`` rule
+        that has a slope and rises steadily enough, in the store's order.
+
+        A series' result is computed again only once its window holds other points
+        (``_Slopes``): the agents sample about once a second, the engine evaluates more
+        often, and most series have no new point and lost none since the last time."""
         metric = rule.metric or ""
         window_start = now - rule.window_s
+        view = self._slopes.get(rule.name)
+        if view is None:
+            view = self._slopes[rule.name] = _Slopes()
+        rows, dues = view.rows, view.dues
+        view.cursor, every, changed = series.changes(metric, view.cursor)
+        # Due times hold for a window that only moves forward: a clock that steps back
+        # starts again from every series.
+        if every or window_start < view.window_start_s:
+            known = [(serial, row[0], row[1]) for serial, row in rows.items()]
+            rows.clear()
+            dues.clear()
+            view.order = []
+        else:
+            known = []
+        view.window_start_s = window_start
+        todo: dict[int, tuple[LabelSet, float]] = {}
+        if not every:
+            for serial, key, last_s in known:
+                todo[serial] = (key, last_s)
+        for serial, key, last_s, _ in changed:
+            if not matchers or matchers.issubset(key):
+                todo[serial] = (key, last_s)
+        passed = set()  # the series whose entry in ``dues`` came out
+        while dues and dues[0][0] < window_start:
+            due, serial = heapq.heappop(dues)
+            row = rows.get(serial)
+            if row is not None and row[2] == due:
+                passed.add(serial)
+                todo.setdefault(serial, (row[0], row[1]))
         min_span_s = rule.window_s / 2
-        kept = self._rate_memo.get(rule.name, {})
-        # By the span's first number, which names the series: an int hashes at once.
-        memo: dict[int, tuple[Span, float | None]] = {}
+        reorder = False
+        for serial, (key, last_s) in todo.items():
+            ts, vs = series.columns(metric, key, window_start)
+            slope = _steady_slope(ts, vs, min_span_s, rule.steady)
+            due = ts[0] if ts else math.inf  # no point in the window: only new ones count
+            if due != due:
+                due = -math.inf  # a NaN time: due at every evaluation
+            old = rows.get(serial)
+            if (old is None or old[2] != due or serial in passed) and due < math.inf:
+                heapq.heappush(dues, (due, serial))
+            if (old is None or old[3] is None) != (slope is None):
+                reorder = True
+            rows[serial] = (key, last_s, due, slope)
+        if reorder:
+            view.order = sorted(serial for serial, row in rows.items() if row[3] is not None)
         values = []
-        for key, last_s, span in series.spans(metric, window_start):
-            if last_s < fresh_after or (matchers and not matchers.issubset(key)):
-                continue
-            known = kept.get(span[0])
-            if known is not None and known[0] == span:
-                slope = known[1]
-            else:
-                ts, vs = series.columns(metric, key, window_start)
-                slope = _steady_slope(ts, vs, min_span_s, rule.steady)
-            memo[span[0]] = (span, slope)
-            if slope is not None:
-                values.append((key, slope))
-        self._rate_memo[rule.name] = memo
+        for serial in view.order:
+            key, last_s, _, slope = rows[serial]
+            if last_s >= fresh_after and slope is not None:
+                values.append((serial, key, slope))
         return values
 
     def _aggregate(
-        self, rule: Rule, values: list[tuple[LabelSet, float]]
+        self, rule: Rule, values: list[tuple[int, LabelSet, float]]
     ) -> list[tuple[LabelSet, float]]:
         """Combine values per ``by`` group (NaN values are left out)."""
         names = sorted(rule.by)
         # Each series' group, kept from the last evaluation (the same series come back).
         known = self._groups.get(rule.name, {})
-        seen: dict[LabelSet, LabelSet] = {}
+        seen: dict[int, LabelSet] = {}
         groups: dict[LabelSet, list[float]] = {}
-        for key, value in values:
+        for serial, key, value in values:
             if math.isnan(value):
                 continue
-            group = known.get(key)
+            group = known.get(serial)
             if group is None:
                 labels = dict(key)
                 group = tuple((name, labels[name]) for name in names if name in labels)
-            seen[key] = group
+            seen[serial] = group
             members = groups.get(group)
             if members is None:
                 groups[group] = [value]
@@ -371,6 +480,10 @@ class AlertEngine:
                 finding=None,
                 base_annotations=dict(alert.annotations),
             )
+
+
+def _is_number(value: float) -> bool:
+    return not math.isnan(value)
 
 
 def _templates(rule: Rule) -> dict[str, str]:

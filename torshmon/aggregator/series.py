@@ -18,20 +18,25 @@ Thread safety: none. The aggregator owns one store on its event-loop thread.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 from array import array
 from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
-__all__ = ["LabelSet", "SeriesStore", "Span", "labelset", "labelset_from"]
+__all__ = ["Changes", "Cursor", "LabelSet", "SeriesStore", "labelset", "labelset_from"]
 
 #: Labels of one series as ``(name, value)`` pairs sorted by name: hashable, cheap to key.
 LabelSet: TypeAlias = tuple[tuple[str, str], ...]
 
-#: Which points of which series, ``(series, first, end)`` (``SeriesStore.spans``):
-#: equal spans, equal points.
-Span: TypeAlias = tuple[int, int, int]
+#: Where a reader of ``SeriesStore.changes`` got to in one metric: opaque.
+Cursor: TypeAlias = tuple[int, int, int]
+
+#: The series of a metric whose newest point changed, from ``SeriesStore.changes``:
+#: ``(serial, labels, ts_unix_s, value)`` of its newest point. The serial names the
+#: series and orders the series as the store lists them.
+Changes: TypeAlias = list[tuple[int, LabelSet, float, float]]
 
 _serials = itertools.count()
 
@@ -63,9 +68,21 @@ class _Series:
     ``put_newest``, the hot path of most metrics, does no more than store the point.
     """
 
-    __slots__ = ("cut", "newest_only", "nonfinite_at", "serial", "start", "ts", "values")
+    __slots__ = (
+        "changes",
+        "cut",
+        "key",
+        "newest_only",
+        "nonfinite_at",
+        "serial",
+        "start",
+        "ts",
+        "values",
+    )
 
-    def __init__(self, newest_only: bool) -> None:
+    def __init__(self, key: LabelSet, newest_only: bool, changes: list[_Series]) -> None:
+        self.key = key
+        self.changes = changes  # the metric's log of changed series
         self.ts = array("d")
         self.values = array("d")
         self.start = 0
@@ -135,7 +152,12 @@ class SeriesStore:
     """
 
     __slots__ = (
+        "_changes",
+        "_due",
+        "_id",
         "_max_points",
+        "_removals",
+        "_removed",
         "_rows",
         "_series",
         "_windows_s",
@@ -163,29 +185,50 @@ class SeriesStore:
         self._series: dict[str, dict[LabelSet, _Series]] = {}
         # The same series by label set, then metric: a batch hashes its labels once.
         self._rows: dict[LabelSet, dict[str, _Series]] = {}
+        # A heap of (a time at or before a series' newest point, serial, metric, labels),
+        # one entry per series: ``expire`` visits a series only once that time is past the
+        # retention, rather than every series on every call (the newest point only grows,
+        # so an entry is never late; a series that turns out newer goes back in).
+        self._due: list[tuple[float, int, str, LabelSet]] = []
+        # Per metric, a log of the series whose newest point changed, one entry per change
+        # (an append: the cheapest note ingest can take), as [number of its first entry,
+        # entries]; and the removal count when it last lost a series. ``changes`` reads
+        # the log from a reader's cursor on; ``expire`` cuts off the old part.
+        self._id = next(_serials)
+        self._changes: dict[str, tuple[list[int], list[_Series]]] = {}
+        self._removals = 0
+        self._removed: dict[str, int] = {}
         self.out_of_order_total = 0
 
-    def _get(self, metric: str, labels: Mapping[str, str] | LabelSet) -> _Series:
+    def _get(self, metric: str, labels: Mapping[str, str] | LabelSet, ts_unix_s: float) -> _Series:
+        """The series, made if new: its first point will be at ``ts_unix_s``."""
         key = labels if isinstance(labels, tuple) else tuple(sorted(labels.items()))
         by_labels = self._series.get(metric)
         if by_labels is None:
             by_labels = self._series[metric] = {}
+            self._changes.setdefault(metric, ([0], []))
         series = by_labels.get(key)
         if series is None:
             windows = self._windows_s
-            series = by_labels[key] = _Series(windows is not None and metric not in windows)
+            newest_only = windows is not None and metric not in windows
+            log = self._changes[metric][1]
+            series = by_labels[key] = _Series(key, newest_only, log)
             self._rows.setdefault(key, {})[metric] = series
+            # A NaN time is never older than anything: expire looks at it every call.
+            due = ts_unix_s if ts_unix_s == ts_unix_s else -math.inf
+            heapq.heappush(self._due, (due, series.serial, metric, key))
         return series
 
     def add(
         self, metric: str, labels: Mapping[str, str] | LabelSet, ts_unix_s: float, value: float
     ) -> None:
         """Append one point. A tuple is taken as an already sorted LabelSet (``labelset()``)."""
-        series = self._get(metric, labels)
+        series = self._get(metric, labels, ts_unix_s)
         ts = series.ts
         if len(ts) > series.start and ts_unix_s < ts[-1]:
             self.out_of_order_total += 1
             return
+        series.changes.append(series)
         if series.newest_only:
             series.put_newest(ts_unix_s, value)
             return
@@ -224,12 +267,14 @@ class SeriesStore:
         for metric, values in values_by_metric.items():
             series = row.get(metric) if row is not None else None
             if series is None:
-                series = self._get(metric, key)
+                series = self._get(metric, key, first)
             ts = series.ts
             if not in_order or (len(ts) > series.start and first < ts[-1]):
                 for t, v in zip(ts_unix_s, values, strict=True):
                     self.add(metric, key, t, v)
-            elif series.newest_only:
+                continue
+            series.changes.append(series)
+            if series.newest_only:
                 series.put_newest(last, values[-1])
             else:
                 ts.extend(ts_unix_s)
@@ -260,31 +305,6 @@ class SeriesStore:
         first = bisect.bisect_left(ts, since_unix_s, found.start)
         return list(zip(ts[first:], found.values[first:], strict=True))
 
-    def spans(self, metric: str, since_unix_s: float) -> list[tuple[LabelSet, float, Span]]:
-        """Every series of ``metric``: ``(labels, ts_unix_s of its newest point, span)``,
-        where the span names the points at or after ``since_unix_s``.
-
-        A span is ``(series, first, end)``: a number for the series, never reused (not
-        even by a series that expired and came back), and the numbers of its first and
-        past-the-last points. Two equal spans hold the same points, so a reader may keep
-        what it computed from a series' points until their span changes; ``columns``
-        reads them.
-        """
-        by_labels = self._series.get(metric)
-        if by_labels is None:
-            return []
-        bisect_left = bisect.bisect_left
-        out = []
-        for key, s in by_labels.items():
-            ts = s.ts
-            if s.newest_only:
-                # Overwritten in place: a span of its own each time, never equal to another.
-                span = (s.serial, -1, next(_serials))
-            else:
-                span = (s.serial, s.cut + bisect_left(ts, since_unix_s, s.start), s.cut + len(ts))
-            out.append((key, ts[-1], span))
-        return out
-
     def columns(
         self, metric: str, labels: LabelSet, since_unix_s: float
     ) -> tuple[array[float], array[float]]:
@@ -295,6 +315,42 @@ class SeriesStore:
             return array("d"), array("d")
         first = bisect.bisect_left(found.ts, since_unix_s, found.start)
         return found.ts[first:], found.values[first:]
+
+    def changes(self, metric: str, since: Cursor | None) -> tuple[Cursor, bool, Changes]:
+        """What changed in the newest points of ``metric`` since the cursor a reader got
+        from its last call: a new cursor, whether this is every series, and the series.
+
+        Usually the series whose newest point is new, in no order (O(changed series): a
+        rule can keep what it found for the others). Every series, in the store's order,
+        when one went (expired, forgotten), when ``since`` is None or another store's, or
+        when the reader is so far behind that the log no longer reaches back to it: the
+        reader starts again from these.
+        """
+        first, log = self._changes.get(metric, ([0], []))
+        cursor = (self._id, first[0] + len(log), self._removals)
+        if (
+            since is None
+            or since[0] != self._id
+            or since[1] < first[0]
+            or self._removed.get(metric, -1) >= since[2]
+        ):
+            every = self._series.get(metric, {}).values()
+            out = [(s.serial, s.key, s.ts[-1], s.values[-1]) for s in every]
+            self._cut_log(metric)
+            return cursor, True, out
+        new = dict.fromkeys(log[since[1] - first[0] :])
+        self._cut_log(metric)
+        return cursor, False, [(s.serial, s.key, s.ts[-1], s.values[-1]) for s in new]
+
+    def _cut_log(self, metric: str) -> None:
+        """Cut off the older half of a metric's change log once it holds over two changes
+        per series (a reader that far behind reads every series, no more than that)."""
+        first, log = self._changes.get(metric, ([0], []))
+        keep = len(self._series.get(metric, ())) + 64
+        if len(log) > 2 * keep:
+            cut = len(log) - keep
+            del log[:cut]
+            first[0] += cut
 
     def newest_nonfinite(self, metric: str) -> dict[LabelSet, float]:
         """Time of the newest NaN or infinite point of every series of ``metric`` that
@@ -330,42 +386,61 @@ class SeriesStore:
         than their metric's window (``retention_s`` without ``windows_s``) but the newest;
         returns the points dropped."""
         cutoff = now_unix_s - self.retention_s
+        dropped = self._drop_idle(cutoff)
+        for metric in self._changes:
+            self._cut_log(metric)
         windows = self._windows_s
-        dropped = 0
-        for metric in list(self._series):
-            by_labels = self._series[metric]
-            window_s = None if windows is None else windows.get(metric)
-            points_cutoff = cutoff if window_s is None else max(cutoff, now_unix_s - window_s)
+        for metric, by_labels in self._series.items():
+            if windows is None:
+                points_cutoff = cutoff
+            elif metric in windows:
+                points_cutoff = max(cutoff, now_unix_s - windows[metric])
+            else:
+                continue  # newest point only: nothing to trim
             # The series with anything to drop, found without hashing every label set.
-            todo = [
-                key
-                for key, s in by_labels.items()
-                if s.ts[-1] < cutoff or not s.ts[s.start] >= points_cutoff
-            ]
-            for key in todo:
-                series = by_labels[key]
-                ts = series.ts
-                if ts[-1] < cutoff:
-                    dropped += len(series)
-                    del by_labels[key]
-                    self._unrow(key, metric)
-                    continue
-                if ts[series.start] >= points_cutoff:
-                    continue
+            for series in [s for s in by_labels.values() if not s.ts[s.start] >= points_cutoff]:
                 # The newest point stays: threshold and absence rules read it.
+                ts = series.ts
                 first = min(bisect.bisect_left(ts, points_cutoff, series.start), len(ts) - 1)
                 dropped += first - series.start
                 series.start = first
                 series.compact()
-            if not by_labels:
-                del self._series[metric]
         return dropped
 
-    def _unrow(self, key: LabelSet, metric: str) -> None:
+    def _drop_idle(self, cutoff: float) -> int:
+        """Drop the series whose newest point is older than ``cutoff``; returns their points."""
+        due = self._due
+        dropped = 0
+        later = []
+        while due and due[0][0] < cutoff:
+            _, serial, metric, key = heapq.heappop(due)
+            by_labels = self._series.get(metric)
+            if by_labels is None:
+                continue  # forgotten
+            series = by_labels.get(key)
+            if series is None or series.serial != serial:
+                continue  # forgotten (and perhaps back as another series)
+            newest = series.ts[-1]
+            if newest < cutoff:
+                dropped += len(series)
+                self._remove(metric, by_labels, series)
+            else:
+                later.append((newest if newest == newest else -math.inf, serial, metric, key))
+        for entry in later:
+            heapq.heappush(due, entry)
+        return dropped
+
+    def _remove(self, metric: str, by_labels: dict[LabelSet, _Series], series: _Series) -> None:
+        key = series.key
+        del by_labels[key]
+        if not by_labels:
+            del self._series[metric]
         row = self._rows[key]
         del row[metric]
         if not row:
             del self._rows[key]
+        self._removed[metric] = self._removals
+        self._removals += 1
 
     def forget(self, match: Mapping[str, str]) -> int:
         """Drop every series whose labels include all of ``match`` (e.g. a finished job).
@@ -377,12 +452,8 @@ class SeriesStore:
             raise ValueError("forget() needs at least one label to match; an empty match is all")
         wanted = set(match.items())
         dropped = 0
-        for metric in list(self._series):
-            by_labels = self._series[metric]
-            for key in [key for key in by_labels if wanted.issubset(key)]:
-                del by_labels[key]
-                self._unrow(key, metric)
+        for metric, by_labels in list(self._series.items()):
+            for series in [s for key, s in by_labels.items() if wanted.issubset(key)]:
+                self._remove(metric, by_labels, series)
                 dropped += 1
-            if not by_labels:
-                del self._series[metric]
         return dropped
