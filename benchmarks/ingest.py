@@ -27,8 +27,14 @@ the ingest process that stores, unless ``--ingest thread``) over the window,
 in cores; ``loop`` its event-loop thread's share; ``gc`` the CPU its garbage
 collector took; ``samples/cpu-s`` samples per second of aggregator CPU, the figure
 to compare across runs on a shared machine (the others move with the CPU the
-aggregator got); ``load`` the 1-minute load average at the end of the window (this
-run included); ``client cores`` what the simulated agents cost this process.
+aggregator got), beside ``bare samples/cpu-s``, the same for the bare insert (its
+process's CPU, the database library's included; time waiting for the disk is not
+CPU); ``load`` the 1-minute load average at the end of the window (this run
+included); ``client cores`` what the simulated agents cost this process;
+``steal %`` and ``bare steal %`` the share of the machine's CPU time the hypervisor gave
+to other guests during the window and during the bare insert (on a shared host the bare
+insert, one thread with a core to itself, and the pipeline, processes that wait on each
+other, suffer it differently: read a ratio measured under steal with that in mind).
 
 Bare run: the rows ingest writes for the same kind of bodies (``insert_rows``:
 ingest seqs, steps, collectives, DDP statistics, node, GPU and rank samples) are
@@ -611,6 +617,22 @@ class HttpConnection:
         return status, await self._reader.readexactly(length)
 
 
+class StealMeter:
+    """The share of this machine's CPU time that the hypervisor gave to someone else
+    (``steal`` in /proc/stat) between ``__init__`` and ``share()``. On a shared host it
+    moves both figures of a ratio differently (the pipeline's processes wait on each
+    other, the bare insert does not), so each run reports it; 0.0 where not measured."""
+
+    def __init__(self) -> None:
+        self._start = psutil.cpu_times()
+
+    def share(self) -> float:
+        end = psutil.cpu_times()
+        steal = getattr(end, "steal", 0.0) - getattr(self._start, "steal", 0.0)
+        total = sum(end) - sum(self._start)
+        return steal / total if total > 0 else 0.0
+
+
 def _cpu(process: psutil.Process) -> tuple[float, float, float]:
     """CPU seconds so far of the aggregator with its child processes (the ingest process),
     of its event-loop thread, and of this process (the simulated agents)."""
@@ -644,6 +666,7 @@ class PipelineResult:
     samples_sent: int
     steps_stored: int
     samples_stored: int
+    steal: float
 
     @property
     def samples_per_cpu_s(self) -> float:
@@ -666,10 +689,10 @@ async def measure_pipeline(plan: Plan, backend: str, db_url: str, repeat: int) -
             # sessions, series and detector state), then the steady state settles.
             await _wait_unless_done(task, load.all_seen, ALL_AGENTS_TIMEOUT_S)
             await _sleep_unless_done(task, plan.warmup_s)
-            t0, cpu0 = time.perf_counter(), _cpu(process)
+            t0, cpu0, steal = time.perf_counter(), _cpu(process), StealMeter()
             agg.mark()
             await _sleep_unless_done(task, plan.window_s)
-            t1, cpu1 = time.perf_counter(), _cpu(process)
+            t1, cpu1, steal_share = time.perf_counter(), _cpu(process), steal.share()
             agg.mark()
             load_average = os.getloadavg()[0]
             rss_mb = process.memory_info().rss / (1024 * 1024)
@@ -701,6 +724,7 @@ async def measure_pipeline(plan: Plan, backend: str, db_url: str, repeat: int) -
         samples_sent=stats.samples,
         steps_stored=steps_stored,
         samples_stored=samples_stored,
+        steal=steal_share,
     )
 
 
@@ -751,6 +775,9 @@ class BareResult:
     samples_per_s: float
     steps_per_s: float
     posts: int
+    steal: float
+    #: Samples per CPU second of the inserting process (the database library runs in it).
+    samples_per_cpu_s: float
 
 
 PostRows = list[tuple[str, list[tuple[Any, ...]]]]  # (INSERT statement, rows) per table
@@ -798,7 +825,8 @@ def measure_bare(plan: Plan, backend: str, db_url: str, repeat: int) -> BareResu
     try:
         cursor = raw.cursor()
         inserted = steps = rounds = done = 0
-        started = time.perf_counter()
+        steal = StealMeter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         while time.perf_counter() - started < plan.bare_s:
             for post_rows in posts:
                 if dialect == "sqlite":
@@ -817,11 +845,15 @@ def measure_bare(plan: Plan, backend: str, db_url: str, repeat: int) -> BareResu
             inserted += samples_per_round
             steps += steps_per_round
         elapsed = time.perf_counter() - started
+        cpu_s = time.process_time() - cpu_started
+        steal_share = steal.share()
         cursor.close()
     finally:
         raw.close()
         engine.dispose()
-    return BareResult(backend, repeat, inserted / elapsed, steps / elapsed, done)
+    return BareResult(
+        backend, repeat, inserted / elapsed, steps / elapsed, done, steal_share, inserted / cpu_s
+    )
 
 
 # -- runs ------------------------------------------------------------------------------
@@ -884,11 +916,14 @@ COLUMNS: tuple[tuple[str, Callable[[Run], str]], ...] = (
     ("loop", lambda r: f"{r.pipeline.main_thread_cores:.2f}"),
     ("gc", lambda r: f"{r.pipeline.gc_cores:.2f}"),
     ("samples/cpu-s", lambda r: f"{r.pipeline.samples_per_cpu_s:,.0f}"),
+    ("bare samples/cpu-s", lambda r: f"{r.bare.samples_per_cpu_s:,.0f}"),
     ("client cores", lambda r: f"{r.pipeline.client_cores:.2f}"),
     ("load", lambda r: f"{r.pipeline.load_average:.1f}"),
     ("agg rss MB", lambda r: f"{r.pipeline.rss_mb:.0f}"),
     ("p50 ms", lambda r: f"{r.pipeline.latency_p50_s * 1e3:.1f}"),
     ("p99 ms", lambda r: f"{r.pipeline.latency_p99_s * 1e3:.1f}"),
+    ("steal %", lambda r: f"{r.pipeline.steal * 100:.0f}"),
+    ("bare steal %", lambda r: f"{r.bare.steal * 100:.0f}"),
     ("stored ok", lambda r: "yes" if _exactly_once(r.pipeline) else "NO"),
 )
 
@@ -918,6 +953,9 @@ def summary_json(plan: Plan, runs: Sequence[Run]) -> dict[str, Any]:
         out[f"samples_per_cpu_s_{backend}"] = round(
             statistics.median(r.pipeline.samples_per_cpu_s for r in mine)
         )
+        out[f"bare_samples_per_cpu_s_{backend}"] = round(
+            statistics.median(r.bare.samples_per_cpu_s for r in mine)
+        )
         out[f"aggregator_gc_cores_{backend}"] = round(
             statistics.median(r.pipeline.gc_cores for r in mine), 3
         )
@@ -925,6 +963,8 @@ def summary_json(plan: Plan, runs: Sequence[Run]) -> dict[str, Any]:
         out[f"latency_p99_ms_{backend}"] = round(
             statistics.median(r.pipeline.latency_p99_s for r in mine) * 1e3, 1
         )
+        out[f"cpu_steal_share_{backend}"] = round(max(r.pipeline.steal for r in mine), 3)
+        out[f"bare_cpu_steal_share_{backend}"] = round(max(r.bare.steal for r in mine), 3)
     out["exactly_once"] = all(_exactly_once(r.pipeline) for r in runs)
     return out
 
