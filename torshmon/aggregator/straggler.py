@@ -38,11 +38,17 @@ Decisions:
   which rank is normal, and because clean demo runs on 2 shared cores showed 1.3x
   episodes lasting five steps) and by ``z_threshold`` robust standard deviations of
   that history. Score: the move, as a factor. The rank must also be slower than its
-  own history by the same ``pair_min_slowdown`` (unless it is ``standalone_slowdown``
-  slower than its peer now): when one rank recovers from a long slow phase (a memory
-  leak made a rank 1.3-2x slower for 120 steps in the detection benchmark), the ratio
-  swings the peer's way against a history the slow phase had shifted, and the peer,
-  no slower than ever, was named.
+  own history by the same ``pair_min_slowdown`` (unless it is ``1 + fast_slowdown``,
+  3x, slower than its peer now): when one rank recovers from a long slow phase (a
+  memory leak made a rank 1.3-2x slower for 120 steps in the detection benchmark), the
+  ratio swings the peer's way against a history the slow phase had shifted, and the
+  peer, no slower than ever, was named. A pair does not take ``standalone_slowdown``
+  (50 %) as its bypass: that is the pair's own bar, so every flagged step would pass
+  it and the history check would guard nothing. It failed so after a job-wide
+  slowdown ended (CI, test_faults regression): the ranks' compute fell from ~180 ms
+  back to ~10 ms, where the shared cores' noise makes one rank 1.3-1.5x its peer for
+  several steps, against a pair history the slowdown had filled with ratios near 1;
+  that rank, far below its own (slowed) history, was named.
 - A permanently slower rank keeps its finding: synchronous data-parallel training
   runs at its slowest rank's pace, so the slowdown costs every step. Once the finding
   has been active for ``window_steps`` steps it is marked ``chronic`` and its
@@ -412,12 +418,13 @@ class StragglerDetector:
         """Whether a rank slower than its peers is also slower than its own normal: by
         ``min_slowdown`` (``pair_min_slowdown`` in a pair) and by ``z_threshold`` times
         the spread of its own history."""
-        if score.slowdown_ratio >= 1 + self._standalone_slowdown:
+        pair = score.mad_s is None
+        if score.slowdown_ratio >= 1 + (self._fast_slowdown if pair else self._standalone_slowdown):
             return True
         if len(state.history) < _MIN_HISTORY or score.compute_s <= 0:
             return True
         normal, spread = _center_spread([math.log(x) for x in state.history if x > 0])
-        least = self._min_slowdown if score.mad_s is not None else self._pair_min_slowdown
+        least = self._pair_min_slowdown if pair else self._min_slowdown
         bar = max(math.log1p(least), self._z_threshold * spread)
         return math.log(score.compute_s) - normal >= bar
 
