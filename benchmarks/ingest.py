@@ -16,11 +16,17 @@ agents of one job: each POST is one agent's gzipped ``IngestBatch`` (at the agen
 probe batch of ``steps_per_batch`` steps from every rank of the agent, and a node sample (8 GPUs).
 Step records look like the probe's default mode: phases, loss, throughput, no
 buckets, two collectives every ``collective_every`` steps, DDP statistics every 50
-steps. Agents take turns on ``connections`` concurrent connections, each agent with
-one POST in flight, its seqs in order. The warm-up lasts until every agent's first
-POST (with its ranks' hellos) was answered, then ``warmup_s`` more. Throughput counts
-the samples of the POSTs answered inside the window. Afterwards SQL must hold every
-step and sample sent, exactly once ("stored ok").
+steps. Agents take turns on ``connections`` concurrent connections (64: a real job's
+640 agents would keep up to 640 POSTs in flight; with 8 the aggregator waited on round
+trips, partly idle), each agent with one POST in flight, its seqs in order. The warm-up
+lasts until every agent's first POST (with its ranks' hellos) was answered, then
+``warmup_s`` more. Then sending pauses while the bodies of the window (and
+``SETTLE_S`` before it) are built, at the warm-up's rate with a margin, and resumes;
+the bare insert's rows are built before it is timed too, and real agents encode on the
+training nodes, not on the aggregator's cores (``--live-bodies`` builds each body as it
+is sent, the window included; ``prebuilt %`` is the share of the window's POSTs sent
+from the pool). Throughput counts the samples of the POSTs answered inside the window.
+Afterwards SQL must hold every step and sample sent, exactly once ("stored ok").
 
 Columns: ``agg cores`` is the aggregator's CPU (all threads, and its child processes:
 the ingest process that stores, unless ``--ingest thread``) over the window,
@@ -58,6 +64,7 @@ import asyncio
 import contextlib
 import gzip
 import json
+import math
 import operator
 import os
 import pstats
@@ -122,6 +129,12 @@ GPUS_PER_NODE = 8
 BACKENDS = ("sqlite", "postgres")
 #: The longest the warm-up waits for every agent's first POST to be answered.
 ALL_AGENTS_TIMEOUT_S = 180.0
+#: Prebuilt bodies: the rate is measured over the warm-up's last seconds, the pool holds
+#: this much more than that rate needs, sending settles this long before the window.
+RATE_SPAN_S = 3.0
+POOL_MARGIN = 1.4
+SETTLE_S = 2.0
+BUILD_COST_SAMPLE = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +170,8 @@ class Plan:
     connections: int
     profile_dir: Path | None
     ingest: str
+    #: Build the window's POST bodies before it (``LoadGenerator.prebuild``).
+    prebuild: bool
 
 
 QUICK = {"repeats": 1, "warmup_s": 3.0, "window_s": 10.0, "bare_s": 4.0, "world_size": 1024}
@@ -510,6 +525,8 @@ class Completion:
     latency_s: float
     steps: int
     samples: int
+    #: Its body was built when it was sent, not before the window (the pool ran dry).
+    built_live: bool
 
 
 @dataclass(slots=True)
@@ -521,11 +538,21 @@ class LoadStats:
 
 class LoadGenerator:
     """Every simulated agent in turn on ``connections`` connections, one POST in flight
-    per agent; a POST that is not answered 200 with its last seq fails the run."""
+    per agent; a POST that is not answered 200 with its last seq fails the run.
+
+    Bodies are built as they are sent until ``prebuild`` builds a pool of them ahead.
+    """
 
     def __init__(self, workload: Workload, url: str, connections: int) -> None:
         tag = uuid.uuid4().hex[:8]
+        self._workload = workload
         self._idle = deque(SimulatedAgent(i, workload, tag) for i in range(workload.agents))
+        #: Each agent's prebuilt bodies, in seq order.
+        self._pool: dict[str, deque[Post]] = {}
+        #: Cleared while ``prebuild`` waits for the POSTs in flight and builds the pool.
+        self._go = asyncio.Event()
+        self._go.set()
+        self._in_flight = 0
         self._url = url + INGEST_PATH
         # An agent has one POST in flight at a time: no more connections than agents.
         self._connections = min(connections, workload.agents)
@@ -544,18 +571,58 @@ class LoadGenerator:
             while not stop.is_set():
                 await self._post_once(http)
 
+    async def prebuild(self, seconds: float) -> int:
+        """Build the bodies of the next ``seconds`` of POSTs now, at the rate of the last
+        ``RATE_SPAN_S`` seconds (with a margin); the POSTs then send them. Returns how
+        many were built.
+
+        The bare insert's rows are built before it is timed; this does the same for the
+        pipeline's bodies, so the simulated agents' JSON encoding and gzip (~60 % of
+        their CPU, ~0.15 of this machine's 2 cores at full size), work real agents do on
+        the training nodes, does not take cores from the aggregator during the window.
+        Sending pauses while the pool is built. Each body's steps end at the time it is
+        expected to be sent (the measured rate from when building ends), as a live
+        agent's do.
+        """
+        now = time.perf_counter()
+        recent = sum(1 for c in self.stats.completions if c.done_s >= now - RATE_SPAN_S)
+        rate = max(recent / RATE_SPAN_S, 1.0)
+        count = math.ceil(rate * POOL_MARGIN * seconds)
+        self._go.clear()
+        try:
+            while self._in_flight:
+                await asyncio.sleep(0.005)
+            agents = list(self._idle)  # every agent, in the order they are sent
+            start_ns = time.time_ns() + int(count * _build_cost_s(self._workload) * 1e9)
+            for i in range(count):
+                agent = agents[i % len(agents)]
+                post = agent.next_post(start_ns + int(i / rate * 1e9))
+                self._pool.setdefault(agent.agent_id, deque()).append(post)
+        finally:
+            self._go.set()
+        return count
+
     async def _post_once(self, http: HttpConnection) -> None:
+        await self._go.wait()
         agent = self._idle.popleft()
-        post = agent.next_post(time.time_ns())
-        started = time.perf_counter()
-        status, body = await asyncio.wait_for(http.post(post.body_gz), 120)
+        pool = self._pool.get(agent.agent_id)
+        built_live = not pool
+        post = pool.popleft() if pool else agent.next_post(time.time_ns())
+        self._in_flight += 1
+        try:
+            started = time.perf_counter()
+            status, body = await asyncio.wait_for(http.post(post.body_gz), 120)
+        finally:
+            self._in_flight -= 1
         if status != 200:
             raise RuntimeError(f"ingest answered {status}: {body[:300]!r}")
         reply = decode_json(body, IngestReply)
         if reply.acked_seq != post.last_seq:
             raise RuntimeError(f"{agent.agent_id}: acked {reply.acked_seq}, sent {post.last_seq}")
         done = time.perf_counter()
-        self.stats.completions.append(Completion(done, done - started, post.steps, post.samples))
+        self.stats.completions.append(
+            Completion(done, done - started, post.steps, post.samples, built_live)
+        )
         self.stats.steps += post.steps
         self.stats.samples += post.samples
         self._idle.append(agent)
@@ -563,6 +630,16 @@ class LoadGenerator:
             self._agents_left -= 1
             if self._agents_left == 0:
                 self.all_seen.set()
+
+
+def _build_cost_s(workload: Workload) -> float:
+    """Seconds this process takes to build one POST body (agents of their own)."""
+    agent = SimulatedAgent(0, workload, "calibration")
+    agent.next_post(time.time_ns())  # the first one carries the hellos
+    started = time.perf_counter()
+    for i in range(BUILD_COST_SAMPLE):
+        agent.next_post(time.time_ns() + i)
+    return (time.perf_counter() - started) / BUILD_COST_SAMPLE
 
 
 class HttpConnection:
@@ -667,6 +744,8 @@ class PipelineResult:
     steps_stored: int
     samples_stored: int
     steal: float
+    #: The share of the window's POSTs whose bodies were built before the window.
+    prebuilt_share: float
 
     @property
     def samples_per_cpu_s(self) -> float:
@@ -689,6 +768,9 @@ async def measure_pipeline(plan: Plan, backend: str, db_url: str, repeat: int) -
             # sessions, series and detector state), then the steady state settles.
             await _wait_unless_done(task, load.all_seen, ALL_AGENTS_TIMEOUT_S)
             await _sleep_unless_done(task, plan.warmup_s)
+            if plan.prebuild:
+                await load.prebuild(plan.window_s + SETTLE_S)
+                await _sleep_unless_done(task, SETTLE_S)  # the pause's backlog clears
             t0, cpu0, steal = time.perf_counter(), _cpu(process), StealMeter()
             agg.mark()
             await _sleep_unless_done(task, plan.window_s)
@@ -725,6 +807,7 @@ async def measure_pipeline(plan: Plan, backend: str, db_url: str, repeat: int) -
         steps_stored=steps_stored,
         samples_stored=samples_stored,
         steal=steal_share,
+        prebuilt_share=sum(not c.built_live for c in inside) / len(inside) if inside else 0.0,
     )
 
 
@@ -918,6 +1001,7 @@ COLUMNS: tuple[tuple[str, Callable[[Run], str]], ...] = (
     ("samples/cpu-s", lambda r: f"{r.pipeline.samples_per_cpu_s:,.0f}"),
     ("bare samples/cpu-s", lambda r: f"{r.bare.samples_per_cpu_s:,.0f}"),
     ("client cores", lambda r: f"{r.pipeline.client_cores:.2f}"),
+    ("prebuilt %", lambda r: f"{r.pipeline.prebuilt_share * 100:.0f}"),
     ("load", lambda r: f"{r.pipeline.load_average:.1f}"),
     ("agg rss MB", lambda r: f"{r.pipeline.rss_mb:.0f}"),
     ("p50 ms", lambda r: f"{r.pipeline.latency_p50_s * 1e3:.1f}"),
@@ -965,6 +1049,9 @@ def summary_json(plan: Plan, runs: Sequence[Run]) -> dict[str, Any]:
         )
         out[f"cpu_steal_share_{backend}"] = round(max(r.pipeline.steal for r in mine), 3)
         out[f"bare_cpu_steal_share_{backend}"] = round(max(r.bare.steal for r in mine), 3)
+        out[f"bodies_prebuilt_share_{backend}"] = round(
+            min(r.pipeline.prebuilt_share for r in mine), 3
+        )
     out["exactly_once"] = all(_exactly_once(r.pipeline) for r in runs)
     return out
 
@@ -1025,7 +1112,7 @@ def parse_plan(argv: Sequence[str] | None = None) -> Plan:
     parser.add_argument(
         "--collective-every", type=_positive(int), default=5, help="steps between collectives (5)"
     )
-    parser.add_argument("--connections", type=_positive(int), default=8, help="(8)")
+    parser.add_argument("--connections", type=_positive(int), default=64, help="(64)")
     parser.add_argument("--repeats", type=_positive(int), help="runs per backend")
     parser.add_argument("--warmup-s", type=_positive(float), help="seconds before the window")
     parser.add_argument("--window-s", type=_positive(float), help="measurement window, seconds")
@@ -1036,6 +1123,12 @@ def parse_plan(argv: Sequence[str] | None = None) -> Plan:
         choices=("process", "thread"),
         default="process",
         help="where the aggregator stores ingest (its ingest_process setting): process",
+    )
+    parser.add_argument(
+        "--live-bodies",
+        action="store_true",
+        help="build each POST body as it is sent, in the window too (by default the "
+        "window's bodies are built before it, as the bare insert's rows are)",
     )
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
@@ -1064,6 +1157,7 @@ def parse_plan(argv: Sequence[str] | None = None) -> Plan:
         connections=args.connections,
         profile_dir=args.profile,
         ingest=args.ingest,
+        prebuild=not args.live_bodies,
     )
 
 
@@ -1093,6 +1187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         profiled=plan.profile_dir is not None,
         ingest=plan.ingest,
+        prebuilt_bodies=plan.prebuild,
         cpus=os.cpu_count(),
         load_average_before=round(load_before, 2),
         wall_s=round(time.perf_counter() - started, 1),
