@@ -578,7 +578,7 @@ class LoadGenerator:
 
         The bare insert's rows are built before it is timed; this does the same for the
         pipeline's bodies, so the simulated agents' JSON encoding and gzip (~60 % of
-        their CPU, ~0.15 of this machine's 2 cores at full size), work real agents do on
+        their CPU, ~0.2 of this machine's 2 cores at full size), work real agents do on
         the training nodes, does not take cores from the aggregator during the window.
         Sending pauses while the pool is built. Each body's steps end at the time it is
         expected to be sent (the measured rate from when building ends), as a live
