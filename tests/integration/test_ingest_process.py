@@ -165,3 +165,30 @@ def test_a_script_without_a_main_guard_can_run_an_aggregator(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("status 200") == 1, done.stdout
     assert count(f"sqlite:///{tmp_path / 'history.db'}", "steps") == 1
+
+
+async def test_a_failed_start_leaves_no_ingest_process_behind(tmp_path: Path) -> None:
+    """The port is taken: start raises, and the ingest process and writer thread it had
+    started are closed (a caller that got no aggregator has nothing to close)."""
+    import socket
+
+    from torshmon.aggregator.service import Aggregator
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        settings = _settings(f"sqlite:///{tmp_path / 'history.db'}", port=taken.getsockname()[1])
+        aggregator = Aggregator(settings)
+        with pytest.raises(OSError):
+            await aggregator.start()
+    assert isinstance(aggregator.ingest, ProcessIngest)  # it had been spawned
+    left = [
+        p
+        for p in me.children(recursive=True)
+        if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    ]
+    assert left == []
+    with pytest.raises(RuntimeError):
+        aggregator.writer.submit(int)  # shut down

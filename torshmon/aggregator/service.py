@@ -166,7 +166,19 @@ class Aggregator:
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        """Migrate the database, restore alert state, serve HTTP, start the loops."""
+        """Migrate the database, restore alert state, serve HTTP, start the loops.
+
+        If a step fails (the port is taken, the database is unreachable) what the earlier
+        steps started (the ingest process, the writer thread) is closed before the error
+        is raised: a caller that never got a started aggregator has nothing to close.
+        """
+        try:
+            await self._start()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         url = self.settings.db_url
         if self._migrate:
