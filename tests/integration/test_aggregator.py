@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -187,6 +188,26 @@ def test_query_api_is_read_only(agg: AggregatorThread) -> None:
     assert count(agg.settings.db_url, "steps") == 2
     status, reply = agg.post_json("/api/v1/query", {"sql": "SELECT 1", "format": "xml"})
     assert status == 400 and "format" in reply["error"]
+
+
+def test_query_api_answers_strict_json_for_any_value(agg: AggregatorThread) -> None:
+    """An infinity, a NaN, a blob: JSON has no infinity or NaN (null) and no bytes (hex),
+    as the CLI's json output has them; Python's own json would write Infinity."""
+    body = json.dumps({"sql": "SELECT 9e999 AS inf, -9e999 AS ninf, x'00ff' AS blob, 1.5 AS x"})
+    req = urllib.request.Request(
+        agg.url + "/api/v1/query",
+        data=body.encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        raw = resp.read()
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    reply = json.loads(raw, parse_constant=refuse)
+    assert reply["columns"] == ["inf", "ninf", "blob", "x"]
+    assert reply["rows"] == [[None, None, "00ff", 1.5]]
 
 
 def test_api_errors_and_openapi(agg: AggregatorThread) -> None:

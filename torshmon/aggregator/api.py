@@ -8,6 +8,7 @@ from the SQLAlchemy models, so the API, the tables and the OpenAPI description
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -24,7 +25,7 @@ from torshmon.aggregator.commands import CommandError, CommandStatus
 from torshmon.aggregator.tuner import TunerError
 from torshmon.aggregator.tuning import TuningConflict, TuningUnavailable
 from torshmon.history.models import Base
-from torshmon.history.query import QueryError, format_result, run_query
+from torshmon.history.query import QueryError, format_result, json_value, run_query
 from torshmon.wire import Command, IngestBatch, IngestReply
 
 if TYPE_CHECKING:
@@ -279,10 +280,10 @@ class _Handlers:
             return web.json_response(
                 {
                     "columns": list(result.columns),
-                    "rows": [list(r) for r in result.rows],
+                    "rows": [[json_value(v) for v in r] for r in result.rows],
                     "truncated": result.truncated,
                 },
-                dumps=lambda v: json.dumps(v, default=str),
+                dumps=functools.partial(json.dumps, allow_nan=False),
             )
         content_type = "text/csv" if fmt == "csv" else "text/plain"
         return web.Response(text=format_result(result, fmt), content_type=content_type)

@@ -31,6 +31,8 @@ The database is `--db`, else `TORSHMON_DB_URL`, else `sqlite:///torshmon.db`.
 Queries are read-only, enforced by the database itself: SQLite is opened read-only
 and refuses writes, `ATTACH` and pragma writes; PostgreSQL runs the query in a
 read-only transaction with a statement timeout. One statement per query.
+The same over HTTP: `POST /api/v1/query {"sql": "...", "format": "json"}`. JSON output,
+from either, is strict JSON: NaN and infinities come out as `null`, bytes as hex text.
 
 Times are Unix nanoseconds in `*_unix_ns` columns (probe and agent data) and Unix
 seconds in `*_unix_s` columns (aggregator data). To read them as dates use

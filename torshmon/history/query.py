@@ -267,7 +267,7 @@ def _format_csv(result: QueryResult) -> str:
 def _format_json(result: QueryResult) -> str:
     names = _unique_names(result.columns)
     objects = [
-        {name: _json_value(value) for name, value in zip(names, row, strict=True)}
+        {name: json_value(value) for name, value in zip(names, row, strict=True)}
         for row in result.rows
     ]
     return json.dumps(objects, indent=1, allow_nan=False) + "\n"
@@ -297,7 +297,9 @@ def _cell_text(value: object) -> str:
     return str(value)
 
 
-def _json_value(value: object) -> object:
+def json_value(value: object) -> object:
+    """A cell as strict JSON has it: NaN and infinities as null, bytes as hex, a
+    Decimal as a number, anything else as its text (the CLI's and the HTTP API's ``json``)."""
     if value is None or isinstance(value, (bool, int, str, dict, list)):
         return value
     if isinstance(value, float):
