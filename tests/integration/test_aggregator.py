@@ -210,6 +210,29 @@ def test_query_api_answers_strict_json_for_any_value(agg: AggregatorThread) -> N
     assert reply["rows"] == [[None, None, "00ff", 1.5]]
 
 
+def test_link_check_arguments_are_checked_on_either_endpoint(agg: AggregatorThread) -> None:
+    """The link-check endpoint and the generic commands endpoint refuse the same bad
+    arguments with the same 400, and queue nothing for them."""
+    bad = [
+        ({"size_bytes": "big"}, "size_bytes must be an integer, got 'big'"),
+        ({"repeats": True}, "repeats must be an integer, got True"),
+        ({"bogus": 1}, "unknown field(s) bogus; allowed: size_bytes, repeats"),
+    ]
+    for args, message in bad:
+        for path, payload in (
+            ("/api/v1/jobs/j/link-check", args),
+            ("/api/v1/jobs/j/commands", {"kind": "link_check", "args": args}),
+        ):
+            status, reply = agg.post_json(path, payload)
+            assert (status, reply["error"]) == (400, message), (path, args)
+    assert count(agg.settings.db_url, "commands") == 0
+    status, reply = agg.post_json(
+        "/api/v1/jobs/j/commands", {"kind": "link_check", "args": {"size_bytes": 1024}}
+    )
+    assert status == 202, reply
+    assert count(agg.settings.db_url, "commands") == 1
+
+
 def test_api_errors_and_openapi(agg: AggregatorThread) -> None:
     status, doc = request(agg.url + "/api/v1/openapi.json", None, {})
     assert status == 200 and doc["openapi"].startswith("3.")

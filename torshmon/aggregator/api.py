@@ -181,14 +181,6 @@ class _Handlers:
         self._auth(request)
         job = request.match_info["job"]
         body = await _json_body(request) if request.can_read_body else {}
-        unknown = sorted(set(body) - {"size_bytes", "repeats"})
-        if unknown:
-            allowed = "size_bytes, repeats"
-            return error(400, f"unknown field(s) {', '.join(unknown)}; allowed: {allowed}")
-        for name in ("size_bytes", "repeats"):
-            value = body.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                return error(400, f"{name} must be an integer, got {value!r}")
         try:
             status = await self.a.request_link_check(job, dict(body))
         except CommandError as exc:

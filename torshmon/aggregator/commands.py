@@ -67,6 +67,8 @@ class CommandBook:
             raise CommandError(f"unknown command kind {kind!r}; allowed: {sorted(KINDS)}")
         if not job or len(job) > 200:
             raise CommandError("job must be a non-empty name of at most 200 characters")
+        if kind == "link_check":
+            _check_link_check_args(args)
         return Command(id=uuid.uuid4().hex[:16], job=job, kind=kind, args=dict(args))
 
     def add(self, command: Command) -> CommandStatus:
@@ -173,3 +175,21 @@ class CommandBook:
     def _changed(self, status: CommandStatus) -> None:
         if self._on_change is not None:
             self._on_change(status)
+
+
+#: What a "link_check" command may set (the probe's ``_LINK_CHECK_ARGS``).
+LINK_CHECK_ARGS: Final = ("size_bytes", "repeats")
+
+
+def _check_link_check_args(args: Mapping[str, object]) -> None:
+    """CommandError naming an unknown field or a value that is not an integer: the API
+    answers 400 at once, whichever endpoint took it, instead of the probe rejecting it
+    a round trip later."""
+    unknown = sorted(set(args) - set(LINK_CHECK_ARGS))
+    if unknown:
+        allowed = ", ".join(LINK_CHECK_ARGS)
+        raise CommandError(f"unknown field(s) {', '.join(unknown)}; allowed: {allowed}")
+    for name in LINK_CHECK_ARGS:
+        value = args.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise CommandError(f"{name} must be an integer, got {value!r}")
