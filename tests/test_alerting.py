@@ -634,6 +634,15 @@ def _copy(store: SeriesStore) -> SeriesStore:
     return copy
 
 
+def _add_steps(store: SeriesStore, now: float, points: list[tuple[int, float]]) -> None:
+    """Each (rank, step): the rank's series moves by ``step`` from its newest finite value."""
+    for rank, step in points:
+        labels = labelset(job="j", rank=str(rank), node=f"n{rank // 2}")
+        previous = store.points("rank_memory_rss_bytes", labels, -math.inf)
+        base = previous[-1][1] if previous and math.isfinite(previous[-1][1]) else 0.0
+        store.add("rank_memory_rss_bytes", labels, now, base + step)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     ticks=st.lists(
@@ -662,11 +671,7 @@ def test_kept_results_match_a_recompute_from_the_points(
     store = SeriesStore(retention_s=20.0)
     now = 100.0
     for points, advance_s, forget in ticks:
-        for rank, step in points:
-            labels = labelset(job="j", rank=str(rank), node=f"n{rank // 2}")
-            previous = store.points("rank_memory_rss_bytes", labels, -math.inf)
-            base = previous[-1][1] if previous and math.isfinite(previous[-1][1]) else 0.0
-            store.add("rank_memory_rss_bytes", labels, now, base + step)
+        _add_steps(store, now, points)
         if forget:
             store.forget({"rank": "1"})
         kept.evaluate(now, store, [])
@@ -731,21 +736,25 @@ rules:
 """
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    ticks=st.lists(
+def _ticks(
+    ranks: int, values: list[float], advances: list[float]
+) -> st.SearchStrategy[list[tuple[list[tuple[int, float]], float, str]]]:
+    """Evaluation ticks: points (rank, value) added before it, how far the clock then
+    moves (back too), and what happens to the store after it."""
+    return st.lists(
         st.tuples(
-            st.lists(
-                st.tuples(
-                    st.integers(0, 5),
-                    st.sampled_from([0.0, -0.0, 0.25, 0.5, 0.75, 1.0, math.nan, math.inf]),
-                ),
-                max_size=6,
-            ),
-            st.sampled_from([0.0, 0.5, 1.0, 2.5, -1.0]),
+            st.lists(st.tuples(st.integers(0, ranks - 1), st.sampled_from(values)), max_size=ranks),
+            st.sampled_from(advances),
             st.sampled_from(["", "", "", "forget", "expire"]),
         ),
         max_size=30,
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ticks=_ticks(
+        6, [0.0, -0.0, 0.25, 0.5, 0.75, 1.0, math.nan, math.inf], [0.0, 0.5, 1.0, 2.5, -1.0]
     )
 )
 def test_threshold_rules_find_what_a_read_of_every_series_finds(
@@ -794,20 +803,7 @@ def test_threshold_rules_find_what_a_read_of_every_series_finds(
 
 @settings(max_examples=200, deadline=None)
 @given(
-    ticks=st.lists(
-        st.tuples(
-            st.lists(
-                st.tuples(
-                    st.integers(0, 3),
-                    st.sampled_from([0.0, 1.0, 2.0, 5.0, -3.0, 1e9, math.nan, math.inf]),
-                ),
-                max_size=5,
-            ),
-            st.sampled_from([0.0, 0.5, 1.0, 3.0, -1.0]),
-            st.sampled_from(["", "", "", "forget", "expire"]),
-        ),
-        max_size=30,
-    )
+    ticks=_ticks(4, [0.0, 1.0, 2.0, 5.0, -3.0, 1e9, math.nan, math.inf], [0.0, 0.5, 1.0, 3.0, -1.0])
 )
 def test_rate_rules_find_what_a_read_of_every_series_finds(
     ticks: list[tuple[list[tuple[int, float]], float, str]],
@@ -821,11 +817,7 @@ def test_rate_rules_find_what_a_read_of_every_series_finds(
     store = SeriesStore(retention_s=20.0)
     now = 100.0
     for points, advance_s, then in ticks:
-        for rank, step in points:
-            labels = labelset(job="j", rank=str(rank), node=f"n{rank // 2}")
-            previous = store.points("rank_memory_rss_bytes", labels, -math.inf)
-            base = previous[-1][1] if previous and math.isfinite(previous[-1][1]) else 0.0
-            store.add("rank_memory_rss_bytes", labels, now, base + step)
+        _add_steps(store, now, points)
         expected = rereading.evaluate(now, _copy(store), [])
         assert repr(kept.evaluate(now, store, [])) == repr(expected)
         assert repr(kept.active()) == repr(rereading.active())

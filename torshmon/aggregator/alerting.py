@@ -247,16 +247,11 @@ class AlertEngine:
             values = self._rates(rule, now, series, fresh_after, matchers)
         else:
             values = self._fresh_newest(rule, series, fresh_after, matchers)
-            if rule.aggregate is None:
-                # Only the series whose value meets the condition are kept.
-                return {key: _Hit(value, now, None) for _, key, value in values}
         if rule.aggregate is None:
-            return {key: _Hit(value, now, None) for _, key, value in values if rule.compare(value)}
-        return {
-            group: _Hit(value, now, None)
-            for group, value in self._aggregate(rule, values)
-            if rule.compare(value)
-        }
+            pairs = [(key, value) for _, key, value in values]
+        else:
+            pairs = self._aggregate(rule, values)
+        return {key: _Hit(value, now, None) for key, value in pairs if rule.compare(value)}
 
     def _fresh_newest(
         self,
@@ -316,20 +311,16 @@ class AlertEngine:
             view = self._slopes[rule.name] = _Slopes()
         rows, dues = view.rows, view.dues
         view.cursor, every, changed = series.changes(metric, view.cursor)
+        todo: dict[int, tuple[LabelSet, float]] = {}
         # Due times hold for a window that only moves forward: a clock that steps back
-        # starts again from every series.
+        # starts again from every series (``changed`` holds them all when ``every``).
         if every or window_start < view.window_start_s:
-            known = [(serial, row[0], row[1]) for serial, row in rows.items()]
+            if not every:
+                todo = {serial: (row[0], row[1]) for serial, row in rows.items()}
             rows.clear()
             dues.clear()
             view.order = []
-        else:
-            known = []
         view.window_start_s = window_start
-        todo: dict[int, tuple[LabelSet, float]] = {}
-        if not every:
-            for serial, key, last_s in known:
-                todo[serial] = (key, last_s)
         for serial, key, last_s, _ in changed:
             if not matchers or matchers.issubset(key):
                 todo[serial] = (key, last_s)

@@ -417,7 +417,8 @@ class StragglerDetector:
     def _new_for_rank(self, state: _RankState, score: _Score) -> bool:
         """Whether a rank slower than its peers is also slower than its own normal: by
         ``min_slowdown`` (``pair_min_slowdown`` in a pair) and by ``z_threshold`` times
-        the spread of its own history."""
+        the spread of its own history. Always, for a rank ``standalone_slowdown``
+        (``fast_slowdown`` in a pair) slower than its peers now."""
         pair = score.mad_s is None
         if score.slowdown_ratio >= 1 + (self._fast_slowdown if pair else self._standalone_slowdown):
             return True
