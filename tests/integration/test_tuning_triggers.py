@@ -200,7 +200,9 @@ async def test_high_communication_overhead_alert_starts_a_session(tmp_path: Path
     async with running_job(tmp_path, "alertjob", rules=HIGH_COMM_RULES) as run:
         deadline = time.monotonic() + SESSION_TIMEOUT_S
         session = None
-        while session is None or not session.done:
+        # Ended: its last decision is made (done) and stored, which is when the manager
+        # moves it from the active sessions to the ended ones (active() is None again).
+        while session is None or not session.done or run.aggregator.tuning.active("alertjob"):
             assert time.monotonic() < deadline, "no tuning session started and ended"
             await asyncio.sleep(0.2)
             session = run.aggregator.tuning.session("alertjob")
