@@ -35,6 +35,7 @@ from torshmon.aggregator.alert import Alert
 from torshmon.aggregator.alerting import AlertEngine
 from torshmon.aggregator.commands import CommandBook, CommandStatus
 from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.guard import ServerLog, log_rejection, read_body
 from torshmon.aggregator.ingest import IngestStore, Stored
 from torshmon.aggregator.linkcheck import LinkCheckSettings
 from torshmon.aggregator.live import LiveState
@@ -201,7 +202,11 @@ class Aggregator:
         )
         app.router.add_post(INGEST_PATH, self._ingest)
         api.add_routes(app, self)
-        self._runner = web.AppRunner(app, access_log=None)
+        # Bodies are inflated by read_body, which answers a broken or unknown content
+        # coding with a 4xx; aiohttp's own inflating logs them as unhandled errors.
+        self._runner = web.AppRunner(
+            app, access_log=None, auto_decompress=False, logger=ServerLog()
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
         await site.start()
@@ -288,12 +293,17 @@ class Aggregator:
         if not self.authorized(request):
             self.m_batches.labels("unauthorized").inc()
             return api.error(401, "missing or wrong bearer token")
-        body = await request.read()
+        try:
+            body = await read_body(request, self.settings.max_body_bytes)
+        except web.HTTPException as exc:
+            self.m_batches.labels("invalid").inc()
+            log_rejection(request, exc.text or exc.reason)
+            raise
         try:
             batch = decode_json(body, IngestBatch)
         except WireError as exc:
             self.m_batches.labels("invalid").inc()
-            api.log_rejection(request, str(exc))
+            log_rejection(request, str(exc))
             return api.error(400, str(exc))
         if self.ingest is None:
             return api.error(503, "the aggregator is starting or stopping; retry later")

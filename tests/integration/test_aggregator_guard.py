@@ -1,0 +1,218 @@
+"""The aggregator's HTTP API against malformed requests, on a real server.
+
+Whatever arrives, the answer is never a 5xx and nothing is logged as an error.
+"""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import logging
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.integration.aggregator_thread import AggregatorThread, count, request
+from torshmon.aggregator.settings import AggregatorSettings
+
+pytestmark = pytest.mark.integration
+
+JSON = {"Content-Type": "application/json"}
+
+
+def _settings(tmp_path: Path, **overrides: object) -> AggregatorSettings:
+    return AggregatorSettings(
+        port=0,
+        db_url=f"sqlite:///{tmp_path / 'history.db'}",
+        aggregator_id="agg-guard",
+        eval_interval_s=0.2,
+        **overrides,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def open_agg(tmp_path: Path) -> Iterator[AggregatorThread]:
+    """The default: loopback, no token."""
+    with AggregatorThread(_settings(tmp_path)) as thread:
+        yield thread
+
+
+def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        f"{r.levelname} {r.name}: {r.getMessage()}"
+        for r in caplog.records
+        if r.levelno >= logging.ERROR or r.exc_info
+    ]
+
+
+def test_malformed_bodies_are_a_4xx_naming_the_problem_and_log_no_error(
+    open_agg: AggregatorThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    plain = b'{"sql": "SELECT 1"}'
+    deep = b"[" * 100_000 + b"]" * 100_000
+    cases: list[tuple[bytes, dict[str, str], int, str]] = [
+        (b'{"kind": "config", "args": ' + deep + b"}", JSON, 400, "nested too deep"),
+        (b'{"kind": "config", "args": {"codec": "\xff"}}', JSON, 400, "not UTF-8"),
+        (b'{"sql": "\\ud800"}', JSON, 400, "not valid JSON"),  # a lone surrogate
+        (b'{"sql": NaN}', JSON, 400, "not valid JSON"),
+        (b"[1, 2]", JSON, 400, "must be a JSON object"),
+        (plain, {**JSON, "Content-Encoding": "gzip"}, 400, "not valid gzip"),
+        (gzip.compress(plain), {**JSON, "Content-Encoding": "deflate"}, 415, "deflate"),
+        (zlib.compress(plain), {**JSON, "Content-Encoding": "br"}, 415, "'br' is not supported"),
+        (gzip.compress(plain) + b"junk", {**JSON, "Content-Encoding": "gzip"}, 400, "follow"),
+        (gzip.compress(plain)[:-4], {**JSON, "Content-Encoding": "gzip"}, 400, "truncated"),
+        (gzip.compress(b"\0" * (80 << 20)), {**JSON, "Content-Encoding": "gzip"}, 413, "over"),
+    ]
+    for path in ("/api/v1/jobs/j/commands", "/api/v1/query", "/api/v1/ingest"):
+        for body, headers, status, reason in cases:
+            got, reply = request(open_agg.url + path, body, headers)
+            if path == "/api/v1/ingest" and "Content-Encoding" not in headers:
+                # The wire schema says what is wrong there (an IngestBatch is expected).
+                assert got == 400 and "IngestBatch" in reply["error"], (path, reason, reply)
+                continue
+            assert (got, reply["status"]) == (status, status), (path, reason, reply)
+            assert reason in reply["error"], (path, reply)
+    assert count(open_agg.settings.db_url, "commands") == 0
+    assert _errors(caplog) == []
+
+
+# -- fuzz ------------------------------------------------------------------------------
+
+PATHS = (
+    "/api/v1/ingest",
+    "/api/v1/jobs/j/commands",
+    "/api/v1/jobs/j/tune",
+    "/api/v1/jobs/j/link-check",
+    "/api/v1/query",
+    "/api/v1/jobs",
+    "/api/v1/alerts?limit=5",
+    "/metrics",
+    "/healthz",
+    "/nowhere",
+)
+header_text = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=12,
+)
+payloads = st.one_of(
+    json_values.map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries(
+        {"kind": st.sampled_from(["config", "link_check", "x"]), "args": json_values}
+    ).map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries({"sql": st.sampled_from(["SELECT 1", "DELETE FROM steps", "x"])}).map(
+        lambda v: json.dumps(v).encode()
+    ),
+    st.integers(1, 200_000).map(lambda n: b"[" * n + b"]" * n),
+    st.binary(max_size=200),
+    st.just(b""),
+)
+
+
+@st.composite
+def encoded(draw: st.DrawFn) -> tuple[bytes, str | None]:
+    """A payload and the Content-Encoding it is sent with (None: no header); the two
+    agree, disagree, or the bytes are damaged."""
+    body = draw(payloads)
+    how = draw(st.sampled_from(["plain", "gzip", "gzip-junk", "gzip-cut", "zlib", "gzip2"]))
+    if how == "gzip":
+        body = gzip.compress(body)
+    elif how == "gzip-junk":
+        body = gzip.compress(body) + draw(st.binary(min_size=1, max_size=20))
+    elif how == "gzip-cut":
+        packed = gzip.compress(body)
+        body = packed[: draw(st.integers(0, len(packed) - 1))]
+    elif how == "zlib":
+        body = zlib.compress(body)
+    elif how == "gzip2":
+        body = gzip.compress(gzip.compress(body))
+    coding = draw(
+        st.sampled_from([None, "gzip", "GZIP", "identity", "deflate", "br", "zstd", "gzip, br"])
+        | header_text
+    )
+    return body, coding
+
+
+@st.composite
+def http_requests(draw: st.DrawFn) -> tuple[str, str, bytes | None, dict[str, str]]:
+    method = draw(st.sampled_from(["POST", "POST", "POST", "GET", "PUT", "DELETE"]))
+    path = draw(st.sampled_from(PATHS))
+    headers: dict[str, str] = {}
+    body: bytes | None = None
+    if method != "GET" or draw(st.booleans()):
+        body, coding = draw(encoded())
+        if coding is not None:
+            headers["Content-Encoding"] = coding
+    content_type = draw(
+        st.sampled_from(
+            [
+                "application/json",
+                "application/json; charset=latin-1",
+                "application/json; charset=bogus",
+                "text/plain",
+                "application/x-www-form-urlencoded",
+                None,
+            ]
+        )
+        | header_text
+    )
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    optional = {
+        "Host": st.sampled_from(["127.0.0.1", "localhost:1", "evil.example", "[::1]", "", "a@b"])
+        | header_text,
+        "Origin": st.sampled_from(["null", "http://evil.example", "http://127.0.0.1"])
+        | header_text,
+        "Sec-Fetch-Site": st.sampled_from(["cross-site", "same-site", "same-origin", "none"]),
+        "Sec-Fetch-Mode": st.sampled_from(["navigate", "cors", "no-cors"]),
+        "Authorization": st.sampled_from(["Bearer x", "Basic Zm9v"]) | header_text,
+    }
+    for name, values in optional.items():
+        if draw(st.booleans()):
+            headers[name] = draw(values)
+    return method, path, body, headers
+
+
+def _send(port: int, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        # Headers go as drawn (a Host of their own, or none at all: skip_host).
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for name, value in headers.items():
+            conn.putheader(name, value)
+        if body is not None:
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def fuzz_agg(tmp_path: Path) -> Iterator[AggregatorThread]:
+    with AggregatorThread(_settings(tmp_path, max_body_bytes=1 << 20)) as thread:
+        yield thread
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(http_requests())
+def test_fuzzed_requests_never_get_a_5xx_nor_log_an_error(
+    fuzz_agg: AggregatorThread,
+    caplog: pytest.LogCaptureFixture,
+    drawn: tuple[str, str, bytes | None, dict[str, str]],
+) -> None:
+    caplog.clear()
+    method, path, body, headers = drawn
+    status = _send(fuzz_agg.aggregator.port or 0, method, path, body, headers)
+    assert status < 500, (status, drawn)
+    assert _errors(caplog) == [], drawn
