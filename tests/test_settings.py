@@ -28,3 +28,17 @@ def test_booleans_read_from_a_config_file_and_overrides(tmp_path: Path) -> None:
 def test_bad_values_are_named(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         load_settings(overrides, env={})
+
+
+def test_allowed_hosts_from_flags_the_environment_and_a_config_file(tmp_path: Path) -> None:
+    env = {"TORSHMON_ALLOWED_HOSTS": "a.example, B.example,"}
+    assert load_settings({}, env=env).allowed_hosts == ("a.example", "b.example")
+    assert load_settings({"allowed_hosts": ["c.example"]}, env=env).allowed_hosts == ("c.example",)
+    conf = tmp_path / "conf.yaml"
+    conf.write_text("allowed_hosts: [d.example, '[fd00::1]']\n")
+    settings = load_settings({}, config_file=conf, env={})
+    assert settings.allowed_hosts == ("d.example", "[fd00::1]")
+    with pytest.raises(SettingsError, match=r"without a port, got 'e\.example:9470'"):
+        load_settings({"allowed_hosts": ["e.example:9470"]}, env={})
+    with pytest.raises(SettingsError, match="allowed_hosts must be a list of strings"):
+        load_settings({"allowed_hosts": 7}, env={})

@@ -1,6 +1,8 @@
-"""The aggregator's HTTP API against malformed requests, on a real server.
+"""The aggregator's HTTP API against web pages and malformed requests, on a real server.
 
-Whatever arrives, the answer is never a 5xx and nothing is logged as an error.
+A page the operator opens can POST to 127.0.0.1 cross-site, and DNS rebinding lets it
+read the answers; neither may work without a token. Whatever arrives, the answer is
+never a 5xx and nothing is logged as an error.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.integration import wire_factory as wf
 from tests.integration.aggregator_thread import AggregatorThread, count, request
 from torshmon.aggregator.settings import AggregatorSettings
 
 pytestmark = pytest.mark.integration
 
+TOKEN = "guard-token"
 JSON = {"Content-Type": "application/json"}
+CONFIG = json.dumps({"kind": "config", "args": {"codec": "fp16"}}).encode()
 
 
 def _settings(tmp_path: Path, **overrides: object) -> AggregatorSettings:
@@ -48,6 +53,73 @@ def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
         for r in caplog.records
         if r.levelno >= logging.ERROR or r.exc_info
     ]
+
+
+def test_a_cross_site_post_queues_nothing(open_agg: AggregatorThread) -> None:
+    """What a page can send without a preflight: text/plain, a form, an empty body,
+    each with a foreign Origin or without one; nothing of it reaches the commands."""
+    url = open_agg.url + "/api/v1/jobs/j/commands"
+    for headers in (
+        {"Content-Type": "text/plain", "Origin": "http://evil.example"},
+        {"Content-Type": "text/plain"},
+        {"Content-Type": "application/x-www-form-urlencoded", "Sec-Fetch-Site": "cross-site"},
+        {**JSON, "Origin": "http://evil.example"},
+        {**JSON, "Origin": "null"},
+        {**JSON, "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"},
+    ):
+        status, reply = request(url, CONFIG, headers)
+        assert status in (403, 415), (headers, status, reply)
+        assert reply["status"] == status and reply["error"]
+    for path in ("/api/v1/jobs/j/tune", "/api/v1/jobs/j/link-check"):
+        status, reply = request(open_agg.url + path, b"", {"Content-Type": "text/plain"})
+        assert status == 415 and "application/json" in reply["error"], (path, reply)
+    status, reply = request(open_agg.url + "/api/v1/query", b'{"sql": "SELECT 1"}', {})
+    assert status == 415, reply
+    assert open_agg.aggregator.commands.reserve(["j"]) == []
+    assert count(open_agg.settings.db_url, "commands") == 0
+
+    # The same command from a non-browser client, or from the API's own origin, is queued.
+    own = {**JSON, "Origin": open_agg.url, "Sec-Fetch-Site": "same-origin"}
+    assert request(url, CONFIG, own)[0] == 202
+    assert request(url, CONFIG, JSON)[0] == 202
+    assert count(open_agg.settings.db_url, "commands") == 2
+
+
+def test_a_foreign_host_is_refused_and_the_token_vouches_for_agents(tmp_path: Path) -> None:
+    """DNS rebinding: the page's own name as Host. Refused without the token, on every
+    path; agents on other nodes name the aggregator as they like, with the token."""
+    (tmp_path / "open").mkdir()
+    with AggregatorThread(_settings(tmp_path / "open", allowed_hosts=("agg.lan",))) as agg:
+        port = agg.aggregator.port
+        for path in ("/api/v1/jobs", "/metrics", "/healthz"):
+            status, reply = request(agg.url + path, None, {"Host": f"evil.example:{port}"})
+            assert status == 421, (path, reply)
+        assert "--allowed-host evil.example" in reply["error"]
+        status, reply = request(
+            agg.url + "/api/v1/query",
+            b'{"sql": "SELECT 1"}',
+            {
+                **JSON,
+                "Host": f"rebound.evil.example:{port}",
+            },
+        )
+        assert status == 421, reply
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"agg.lan:{port}", "10.9.8.7"):
+            assert request(agg.url + "/api/v1/jobs", None, {"Host": host})[0] == 200, host
+
+    (tmp_path / "token").mkdir()
+    with AggregatorThread(_settings(tmp_path / "token", token=TOKEN)) as agg:
+        name = {"Host": f"aggregator.cluster:{agg.aggregator.port}"}
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        assert request(agg.url + "/api/v1/jobs", None, {**name, **bearer})[0] == 200
+        h0 = wf.hello("j", 0, 1)
+        body = wf.ingest_body("agent-1", [(1, wf.record(h0, wf.batch(h0, 1, [wf.step(1)])))])
+        ingest = {**name, **bearer, **JSON, "Content-Encoding": "gzip"}
+        status, reply = request(agg.url + "/api/v1/ingest", gzip.compress(body), ingest)
+        assert status == 200 and reply["acked_seq"] == 1
+        assert request(agg.url + "/metrics", None, name)[0] == 421
+        wrong = {**name, "Authorization": "Bearer guess"}
+        assert request(agg.url + "/api/v1/jobs", None, wrong)[0] == 421
 
 
 def test_malformed_bodies_are_a_4xx_naming_the_problem_and_log_no_error(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import time
@@ -35,7 +34,7 @@ from torshmon.aggregator.alert import Alert
 from torshmon.aggregator.alerting import AlertEngine
 from torshmon.aggregator.commands import CommandBook, CommandStatus
 from torshmon.aggregator.findings import Finding
-from torshmon.aggregator.guard import ServerLog, log_rejection, read_body
+from torshmon.aggregator.guard import RequestGuard, ServerLog, log_rejection, read_body
 from torshmon.aggregator.ingest import IngestStore, Stored
 from torshmon.aggregator.linkcheck import LinkCheckSettings
 from torshmon.aggregator.live import LiveState
@@ -99,6 +98,7 @@ class Aggregator:
     ) -> None:
         self.settings = settings
         self.clock = clock
+        self.guard = RequestGuard(settings)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._migrate = migrate
         self.rules = rules if rules is not None else self._load_rules()
@@ -198,7 +198,7 @@ class Aggregator:
         await self.notifier.start()
         app = web.Application(
             client_max_size=self.settings.max_body_bytes,
-            middlewares=[api.error_middleware],
+            middlewares=[api.error_middleware, self.guard.middleware()],
         )
         app.router.add_post(INGEST_PATH, self._ingest)
         api.add_routes(app, self)
@@ -282,11 +282,7 @@ class Aggregator:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     def authorized(self, request: web.Request) -> bool:
-        token = self.settings.token
-        if token is None:
-            return True
-        given = request.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+        return self.guard.authorized(request.headers)
 
     # -- ingest --------------------------------------------------------------------------
     async def _ingest(self, request: web.Request) -> web.Response:
