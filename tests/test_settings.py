@@ -30,6 +30,20 @@ def test_bad_values_are_named(overrides: dict[str, object], message: str) -> Non
         load_settings(overrides, env={})
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "", "::", "10.0.0.7", "agg.example"])
+def test_a_non_loopback_address_needs_a_token(host: str) -> None:
+    with pytest.raises(SettingsError) as refused:
+        load_settings({"host": host}, env={})
+    message = str(refused.value)
+    assert "\n" not in message and "--token-file" in message and "TORSHMON_TOKEN" in message
+    assert load_settings({"host": host}, env={"TORSHMON_TOKEN": "t0k"}).host == host
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.5", "localhost", "::1"])
+def test_loopback_addresses_need_no_token(host: str) -> None:
+    assert load_settings({"host": host}, env={}).token is None
+
+
 def test_allowed_hosts_from_flags_the_environment_and_a_config_file(tmp_path: Path) -> None:
     env = {"TORSHMON_ALLOWED_HOSTS": "a.example, B.example,"}
     assert load_settings({}, env=env).allowed_hosts == ("a.example", "b.example")

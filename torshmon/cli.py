@@ -101,7 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     aggregator.add_argument("--host", help="listen address (127.0.0.1)")
     aggregator.add_argument("--port", type=_port, help="listen port (9470)")
     aggregator.add_argument("--db", help="history database URL ($TORSHMON_DB_URL, ./torshmon.db)")
-    aggregator.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    aggregator.add_argument(
+        "--token-file",
+        type=Path,
+        help="file holding the bearer token ($TORSHMON_TOKEN); needed unless --host is loopback",
+    )
     aggregator.add_argument(
         "--allowed-host",
         dest="allowed_hosts",

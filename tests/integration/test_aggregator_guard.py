@@ -11,6 +11,9 @@ import gzip
 import http.client
 import json
 import logging
+import os
+import subprocess
+import sys
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +24,8 @@ from hypothesis import strategies as st
 
 from tests.integration import wire_factory as wf
 from tests.integration.aggregator_thread import AggregatorThread, count, request
-from torshmon.aggregator.settings import AggregatorSettings
+from torshmon.aggregator.service import Aggregator
+from torshmon.aggregator.settings import AggregatorSettings, SettingsError
 
 pytestmark = pytest.mark.integration
 
@@ -151,6 +155,26 @@ def test_malformed_bodies_are_a_4xx_naming_the_problem_and_log_no_error(
             assert reason in reply["error"], (path, reply)
     assert count(open_agg.settings.db_url, "commands") == 0
     assert _errors(caplog) == []
+
+
+def test_a_non_loopback_address_without_a_token_does_not_start(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORSHMON_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "torshmon.cli", "aggregator", "--host", "0.0.0.0", "--port", "0"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("torshmon aggregator: host '0.0.0.0'")
+    assert "--token-file" in lines[0] and "TORSHMON_TOKEN" in lines[0]
+    assert not (tmp_path / "torshmon.db").exists()
+    # The settings refuse, so no Aggregator can be built to listen there either.
+    with pytest.raises(SettingsError, match="TORSHMON_TOKEN"):
+        Aggregator(_settings(tmp_path, host="0.0.0.0"))
 
 
 # -- fuzz ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -97,6 +98,22 @@ class AggregatorSettings:
                     f"allowed_hosts entries are host names without a port, got {name!r}"
                 )
         object.__setattr__(self, "allowed_hosts", tuple(h.lower() for h in self.allowed_hosts))
+        if not self.token and not is_loopback(self.host):
+            raise SettingsError(
+                f"host {self.host!r} is not a loopback address and no token is set, so anyone "
+                "who reaches it could drive the API: set one with --token-file or TORSHMON_TOKEN "
+                "(or listen on 127.0.0.1)"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether the listen address ``host`` is loopback only ("" and 0.0.0.0 are not)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def load_settings(
