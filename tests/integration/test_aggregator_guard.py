@@ -12,6 +12,7 @@ import http.client
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import zlib
@@ -154,6 +155,25 @@ def test_malformed_bodies_are_a_4xx_naming_the_problem_and_log_no_error(
             assert (got, reply["status"]) == (status, status), (path, reason, reply)
             assert reason in reply["error"], (path, reply)
     assert count(open_agg.settings.db_url, "commands") == 0
+    assert _errors(caplog) == []
+
+
+def test_malformed_http_is_a_400_and_logs_no_error(
+    open_agg: AggregatorThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    """aiohttp answers these itself; its log said "Error handling request" with a
+    traceback for each (a client's fault, not the aggregator's)."""
+    port = open_agg.aggregator.port or 0
+    no_host = b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n"
+    bad_chunk = (
+        b"POST /api/v1/query HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+        b"\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"
+    )
+    for raw in (no_host, bad_chunk):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(raw)
+            answer = sock.recv(4096)
+        assert answer.split(b" ", 2)[1] == b"400", answer
     assert _errors(caplog) == []
 
 
