@@ -622,7 +622,16 @@ def openapi_document() -> dict[str, Any]:
     }
     return {
         "openapi": "3.1.0",
-        "info": {"title": "torshmon aggregator", "version": "1"},
+        "info": {
+            "title": "torshmon aggregator",
+            "version": "1",
+            "description": (
+                "Refused before any path: a Host that is not one of the aggregator's names "
+                "(421; a request with the bearer token may use any), another Origin or "
+                "Sec-Fetch-Site cross-site (403), a POST whose Content-Type is not "
+                "application/json (415), a Content-Encoding other than gzip (415)."
+            ),
+        },
         "components": {
             "schemas": schemas,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

@@ -204,6 +204,7 @@ class Aggregator:
         api.add_routes(app, self)
         # Bodies are inflated by read_body, which answers a broken or unknown content
         # coding with a 4xx; aiohttp's own inflating logs them as unhandled errors.
+        # ServerLog keeps aiohttp's 400s for malformed HTTP out of the error log.
         self._runner = web.AppRunner(
             app, access_log=None, auto_decompress=False, logger=ServerLog()
         )
