@@ -8,9 +8,11 @@ from torshmon.wire import (
     Ack,
     Batch,
     Hello,
+    IngestBatch,
     StepRecord,
     WireError,
     decode_ack,
+    decode_json,
     decode_probe_message,
     encode_frame,
     frame_length,
@@ -100,3 +102,17 @@ def test_oversized_frames_are_refused_both_ways() -> None:
     )
     with pytest.raises(WireError, match="exceeds"):
         encode_frame(huge)
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b'{"v": 1, "agent_id": "\xff", "node": "n", "records": []}', "not valid UTF-8"),
+        (b'{"v": 1, "agent_id": "a", "node": "n", "records": [], "x": ' + b"[" * 100_000, "deep"),
+    ],
+)
+def test_undecodable_json_is_a_wire_error(body: bytes, reason: str) -> None:
+    """Invalid UTF-8 and nesting deeper than the decoder recurses are bad input like any
+    other (msgspec raises UnicodeDecodeError and RecursionError for them)."""
+    with pytest.raises(WireError, match=reason):
+        decode_json(body, IngestBatch)

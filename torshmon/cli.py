@@ -101,7 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
     aggregator.add_argument("--host", help="listen address (127.0.0.1)")
     aggregator.add_argument("--port", type=_port, help="listen port (9470)")
     aggregator.add_argument("--db", help="history database URL ($TORSHMON_DB_URL, ./torshmon.db)")
-    aggregator.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    aggregator.add_argument(
+        "--token-file",
+        type=Path,
+        help="file holding the bearer token ($TORSHMON_TOKEN); needed unless --host is loopback",
+    )
+    aggregator.add_argument(
+        "--allowed-host",
+        dest="allowed_hosts",
+        action="append",
+        metavar="NAME",
+        help="a Host name the API answers to besides loopback, IP literals, --host and the "
+        "external URL's host (repeatable; $TORSHMON_ALLOWED_HOSTS, comma-separated)",
+    )
     aggregator.add_argument("--rules", help="alert rule file (the default rules otherwise)")
     aggregator.add_argument("--id", dest="aggregator_id", help="this aggregator's id (shard)")
     aggregator.add_argument("--config", type=Path, help="YAML file of settings")
@@ -241,6 +253,7 @@ def _run_aggregator(args: argparse.Namespace) -> int:
         "db_url": args.db,
         "rules_path": args.rules,
         "aggregator_id": args.aggregator_id,
+        "allowed_hosts": args.allowed_hosts,
     }
     overrides["token"] = _token(args)
     try:
@@ -290,9 +303,9 @@ def _http_json(
     import urllib.error
     import urllib.request
 
-    data = json.dumps(body).encode() if body is not None else None
+    data = json.dumps(body if body is not None else {}).encode() if method != "GET" else None
     request = urllib.request.Request(url, data=data, method=method)
-    if data is not None:
+    if data is not None:  # the aggregator refuses any other body (a web page could send it)
         request.add_header("Content-Type", "application/json")
     if token is not None:
         request.add_header("Authorization", f"Bearer {token}")

@@ -408,7 +408,8 @@ def encode_json(message: msgspec.Struct) -> bytes:
 def decode_json(payload: bytes, kind: type[T]) -> T:
     """Decode and validate one schema record of type ``kind`` (e.g. IngestBatch).
 
-    Raises WireError naming the offending field; checks ``v`` where the record has one.
+    Raises WireError naming the offending field (or invalid UTF-8, or nesting too deep for
+    the decoder); checks ``v`` where the record has one.
     """
     decoder = _decoders.get(kind)
     if decoder is None:
@@ -417,6 +418,10 @@ def decode_json(payload: bytes, kind: type[T]) -> T:
         value: T = decoder.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise WireError(f"invalid {kind.__name__}: {exc}") from exc
+    except UnicodeDecodeError:
+        raise WireError(f"invalid {kind.__name__}: a string is not valid UTF-8") from None
+    except RecursionError:
+        raise WireError(f"invalid {kind.__name__}: nested too deep") from None
     version = getattr(value, "v", SCHEMA_VERSION)
     _check_version(version)
     return value

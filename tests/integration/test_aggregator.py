@@ -103,7 +103,11 @@ def test_bad_input_is_a_clear_4xx_and_loses_nothing(agg: AggregatorThread) -> No
     assert status == 400 and "job" in reply["error"]
     status, reply = agg.post_ingest(b"\x1f\x8b not really gzip", compress=False)
     assert 400 <= status < 500
-    headers = {"Content-Encoding": "gzip", "Authorization": f"Bearer {TOKEN}"}
+    headers = {
+        "Content-Type": "application/json",
+        "Content-Encoding": "gzip",
+        "Authorization": f"Bearer {TOKEN}",
+    }
     status, reply = request(agg.url + "/api/v1/ingest", b"\x1f\x8b\x08\x00garbage", headers)
     assert 400 <= status < 500, reply
     huge = b'{"v":1,"agent_id":"a","node":"n","records":[' + b" " * (70 * 1024 * 1024) + b"]}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +21,7 @@ from sqlalchemy import Table, select
 from sqlalchemy import types as sa_types
 
 from torshmon.aggregator.commands import CommandError, CommandStatus
+from torshmon.aggregator.guard import read_body
 from torshmon.aggregator.tuner import TunerError
 from torshmon.aggregator.tuning import TuningConflict, TuningUnavailable
 from torshmon.history.models import Base
@@ -35,22 +35,12 @@ log = logging.getLogger(__name__)
 
 _T = Base.metadata.tables
 _MAX_LIMIT = 10_000
-_last_rejection_log = 0.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message, "status": status}, status=status)
-
-
-def log_rejection(request: web.Request, reason: str) -> None:
-    """Log a rejected request at most once per 10 s (a broken agent must not flood logs)."""
-    global _last_rejection_log
-    now = time.monotonic()
-    if now - _last_rejection_log >= 10.0:
-        _last_rejection_log = now
-        log.warning("rejected %s from %s: %s", request.path, request.remote, reason)
 
 
 @web.middleware
@@ -100,6 +90,9 @@ class _Handlers:
     def _auth(self, request: web.Request) -> None:
         if not self.a.authorized(request):
             raise web.HTTPUnauthorized(text="missing or wrong bearer token")
+
+    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        return await json_object(request, self.a.settings.max_body_bytes)
 
     async def healthz(self, _request: web.Request) -> web.Response:
         return web.json_response(
@@ -163,7 +156,7 @@ class _Handlers:
     async def post_command(self, request: web.Request) -> web.Response:
         self._auth(request)
         job = request.match_info["job"]
-        body = await _json_body(request)
+        body = await self._json_body(request)
         kind = body.get("kind", "config")
         args = body.get("args", {})
         if not isinstance(kind, str) or not isinstance(args, dict):
@@ -180,7 +173,7 @@ class _Handlers:
     async def link_check(self, request: web.Request) -> web.Response:
         self._auth(request)
         job = request.match_info["job"]
-        body = await _json_body(request) if request.can_read_body else {}
+        body = await self._json_body(request) if request.can_read_body else {}
         try:
             status = await self.a.request_link_check(job, dict(body))
         except CommandError as exc:
@@ -190,7 +183,7 @@ class _Handlers:
     async def tune(self, request: web.Request) -> web.Response:
         self._auth(request)
         job = request.match_info["job"]
-        body = await _json_body(request) if request.can_read_body else {}
+        body = await self._json_body(request) if request.can_read_body else {}
         unknown = sorted(set(body) - {"max_trials", "pinned"})
         if unknown:
             return error(400, f"unknown field(s) {', '.join(unknown)}; allowed: max_trials, pinned")
@@ -257,7 +250,7 @@ class _Handlers:
 
     async def query(self, request: web.Request) -> web.Response:
         self._auth(request)
-        body = await _json_body(request)
+        body = await self._json_body(request)
         sql = body.get("sql")
         fmt = body.get("format", "json")
         if not isinstance(sql, str) or not sql.strip():
@@ -322,14 +315,24 @@ def _filters(request: web.Request, names: tuple[str, ...]) -> dict[str, Any]:
     return {n: request.query[n] for n in names if n in request.query}
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
+async def json_object(request: web.Request, max_bytes: int) -> dict[str, Any]:
+    """The body of ``request``, a JSON object of at most ``max_bytes`` (inflated).
+
+    Raises a 4xx naming the problem: not JSON, not UTF-8, nested too deep, not an object
+    (``read_body`` adds those of size and content coding).
+    """
+    body = await read_body(request, max_bytes)
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise web.HTTPBadRequest(text="the body is not valid JSON") from None
-    if not isinstance(body, dict):
+        value = msgspec.json.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise web.HTTPBadRequest(text=f"the body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError:
+        raise web.HTTPBadRequest(text="the body is not valid JSON: a string is not UTF-8") from None
+    except RecursionError:
+        raise web.HTTPBadRequest(text="the body is not valid JSON: nested too deep") from None
+    if not isinstance(value, dict):
         raise web.HTTPBadRequest(text="the body must be a JSON object")
-    return body
+    return value
 
 
 def _command_json(status: CommandStatus) -> dict[str, Any]:
@@ -619,7 +622,16 @@ def openapi_document() -> dict[str, Any]:
     }
     return {
         "openapi": "3.1.0",
-        "info": {"title": "torshmon aggregator", "version": "1"},
+        "info": {
+            "title": "torshmon aggregator",
+            "version": "1",
+            "description": (
+                "Refused before any path: a Host that is not one of the aggregator's names "
+                "(421; a request with the bearer token may use any), another Origin or "
+                "Sec-Fetch-Site cross-site (403), a POST whose Content-Type is not "
+                "application/json (415), a Content-Encoding other than gzip (415)."
+            ),
+        },
         "components": {
             "schemas": schemas,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import time
@@ -35,6 +34,7 @@ from torshmon.aggregator.alert import Alert
 from torshmon.aggregator.alerting import AlertEngine
 from torshmon.aggregator.commands import CommandBook, CommandStatus
 from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.guard import RequestGuard, ServerLog, log_rejection, read_body
 from torshmon.aggregator.ingest import IngestStore, Stored
 from torshmon.aggregator.linkcheck import LinkCheckSettings
 from torshmon.aggregator.live import LiveState
@@ -98,6 +98,7 @@ class Aggregator:
     ) -> None:
         self.settings = settings
         self.clock = clock
+        self.guard = RequestGuard(settings)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._migrate = migrate
         self.rules = rules if rules is not None else self._load_rules()
@@ -197,11 +198,16 @@ class Aggregator:
         await self.notifier.start()
         app = web.Application(
             client_max_size=self.settings.max_body_bytes,
-            middlewares=[api.error_middleware],
+            middlewares=[api.error_middleware, self.guard.middleware()],
         )
         app.router.add_post(INGEST_PATH, self._ingest)
         api.add_routes(app, self)
-        self._runner = web.AppRunner(app, access_log=None)
+        # Bodies are inflated by read_body, which answers a broken or unknown content
+        # coding with a 4xx; aiohttp's own inflating logs them as unhandled errors.
+        # ServerLog keeps aiohttp's 400s for malformed HTTP out of the error log.
+        self._runner = web.AppRunner(
+            app, access_log=None, auto_decompress=False, logger=ServerLog()
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
         await site.start()
@@ -277,23 +283,24 @@ class Aggregator:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     def authorized(self, request: web.Request) -> bool:
-        token = self.settings.token
-        if token is None:
-            return True
-        given = request.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+        return self.guard.authorized(request.headers)
 
     # -- ingest --------------------------------------------------------------------------
     async def _ingest(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
             self.m_batches.labels("unauthorized").inc()
             return api.error(401, "missing or wrong bearer token")
-        body = await request.read()
+        try:
+            body = await read_body(request, self.settings.max_body_bytes)
+        except web.HTTPException as exc:
+            self.m_batches.labels("invalid").inc()
+            log_rejection(request, exc.text or exc.reason)
+            raise
         try:
             batch = decode_json(body, IngestBatch)
         except WireError as exc:
             self.m_batches.labels("invalid").inc()
-            api.log_rejection(request, str(exc))
+            log_rejection(request, str(exc))
             return api.error(400, str(exc))
         if self.ingest is None:
             return api.error(503, "the aggregator is starting or stopping; retry later")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -26,7 +28,11 @@ _ENV = {
     "aggregator_id": "TORSHMON_AGGREGATOR_ID",
     "otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
     "external_url": "TORSHMON_EXTERNAL_URL",
+    "allowed_hosts": "TORSHMON_ALLOWED_HOSTS",
 }
+
+#: A host name or IP literal as it may appear in a Host header, without the port.
+HOST_NAME = re.compile(r"\[[0-9a-fA-F:.]+\]|[^\[\]:@/?#\s]+")
 
 
 class SettingsError(ValueError):
@@ -59,6 +65,10 @@ class AggregatorSettings:
     command_timeout_s: float = 60.0
     otlp_endpoint: str | None = None
     external_url: str = ""
+    #: Host names the API answers to besides loopback names, IP literals, ``host`` and
+    #: the host of ``external_url`` (the Host header of other names is refused: DNS
+    #: rebinding). Lower case, without ports.
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -82,6 +92,28 @@ class AggregatorSettings:
             object.__setattr__(self, "aggregator_id", f"{socket.gethostname()}-{os.getpid()}")
         if not self.external_url:
             object.__setattr__(self, "external_url", f"http://{self.host}:{self.port}")
+        for name in self.allowed_hosts:
+            if not HOST_NAME.fullmatch(name):
+                raise SettingsError(
+                    f"allowed_hosts entries are host names without a port, got {name!r}"
+                )
+        object.__setattr__(self, "allowed_hosts", tuple(h.lower() for h in self.allowed_hosts))
+        if not self.token and not is_loopback(self.host):
+            raise SettingsError(
+                f"host {self.host!r} is not a loopback address and no token is set, so anyone "
+                "who reaches it could drive the API: set one with --token-file or TORSHMON_TOKEN "
+                "(or listen on 127.0.0.1)"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether the listen address ``host`` is loopback only ("" and 0.0.0.0 are not)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def load_settings(
@@ -136,6 +168,8 @@ def _read_config(path: Path, known: Mapping[str, object]) -> dict[str, Any]:
 def _coerce(name: str, type_name: str, value: Any) -> Any:
     if type_name == "bool":
         return _boolean(name, value)
+    if type_name == "tuple[str, ...]":
+        return _strings(name, value)
     try:
         if type_name == "int":
             return int(value)
@@ -157,3 +191,12 @@ def _boolean(name: str, value: Any) -> bool:
     if text in ("0", "false", "no", "off"):
         return False
     raise SettingsError(f"{name} must be true or false, got {value!r}")
+
+
+def _strings(name: str, value: Any) -> tuple[str, ...]:
+    """A list, or a comma-separated string (an environment variable), of strings."""
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise SettingsError(f"{name} must be a list of strings, got {value!r}")
