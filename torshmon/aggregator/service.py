@@ -182,7 +182,14 @@ class Aggregator:
         loop = asyncio.get_running_loop()
         url = self.settings.db_url
         if self._migrate:
-            await loop.run_in_executor(self.writer, upgrade, url)
+            reader = await loop.run_in_executor(self.writer, upgrade, url)
+            if reader is not None and reader.for_admin:
+                log.warning(
+                    "history queries connect as the reader role %s, which this database "
+                    "user may not set up; an administrator should run: %s",
+                    reader.role,
+                    "; ".join(reader.for_admin),
+                )
         self.engine = make_engine(url)
         if self.settings.ingest_process and _other_process_can_open(url):
             ingest = ProcessIngest(url, self.settings.aggregator_id)
