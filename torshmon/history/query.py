@@ -229,8 +229,7 @@ def _run_psycopg(
             refusal = privileges_beyond_reading(conn)
             if refusal is not None:
                 raise QueryError(f"refused: queries would run as {refusal}; {_READER_HINT}")
-            body = _without_final_semicolon(sql)
-            columns = _describe(conn, body)
+            body, columns = _parsed(conn, sql)
             if measured and columns:
                 statement = _measured_statement(body, len(columns), limits)
                 sized: Iterable[tuple[tuple[Any, ...], int]] = _measured_rows(
@@ -260,6 +259,21 @@ def _pg_error(exc: psycopg.Error) -> QueryError:
     if "data-modifying statement" in message:
         return QueryError(f"refused: the history is read-only ({message})")
     return QueryError(f"query failed: {message}")
+
+
+def _parsed(conn: psycopg.Connection[Any], sql: str) -> tuple[str, tuple[str, ...]]:
+    """``sql`` without its final semicolon if that parses, else as it is; and its columns.
+
+    Whichever is returned parsed as one statement of its own (see _measured_statement).
+    """
+    body = _without_final_semicolon(sql)
+    if body != sql:
+        try:
+            with conn.transaction():  # a savepoint: a failed parse aborts the transaction
+                return body, _describe(conn, body)
+        except psycopg.Error:
+            pass  # the semicolon cut was inside a string or a comment
+    return sql, _describe(conn, sql)
 
 
 def _describe(conn: psycopg.Connection[Any], body: str) -> tuple[str, ...]:
@@ -368,7 +382,7 @@ def _without_final_semicolon(sql: str) -> str:
     """``sql`` without final semicolons (and comments after them), to be a subquery.
 
     A semicolon inside a string or comment may be cut too; the text is then no
-    statement any more, and parsing it (``_describe``) says so.
+    statement any more, and parsing it says so (``_parsed``).
     """
     body = sql.rstrip()
     while (end := body.rfind(";")) >= 0 and not _skip_comments(body[end + 1 :]):
