@@ -28,3 +28,18 @@ def test_booleans_read_from_a_config_file_and_overrides(tmp_path: Path) -> None:
 def test_bad_values_are_named(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         load_settings(overrides, env={})
+
+
+def test_the_query_url_defaults_to_the_history_url_as_the_reader_role() -> None:
+    pg = "postgresql://torshmon:secret@db:5432/history?options=-csearch_path%3Dt"
+    settings = load_settings({"db_url": pg}, env={})
+    assert settings.query_db_url == (
+        "postgresql+psycopg://torshmon_reader@db:5432/history?options=-csearch_path%3Dt"
+    )
+    reader = "postgresql://analyst@db/history"
+    assert load_settings({"db_url": pg}, env={"TORSHMON_QUERY_DB_URL": reader}).query_db_url == (
+        reader
+    )
+    assert load_settings({}, env={}).query_db_url == "sqlite:///torshmon.db"
+    with pytest.raises(SettingsError, match="db_url: database URL 'mysql://x/y' is 'mysql'"):
+        load_settings({"db_url": "mysql://x/y"}, env={})

@@ -19,7 +19,7 @@ from typing import Any, Final
 import psycopg
 import psycopg.errors
 from psycopg import sql
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 from torshmon.history.db import DEFAULT_READER_ROLE, normalize_url
 
@@ -81,7 +81,16 @@ def reader_url(history_url: str, role: str = DEFAULT_READER_ROLE) -> str:
     parsed = make_url(url)
     if parsed.get_backend_name() != "postgresql":
         return url
-    return parsed.set(username=role, password=None).render_as_string(hide_password=False)
+    # Not parsed.set(): it leaves a field given as None unchanged, the password too.
+    reader = URL.create(
+        parsed.drivername,
+        username=role,
+        host=parsed.host,
+        port=parsed.port,
+        database=parsed.database,
+        query=parsed.query,
+    )
+    return reader.render_as_string(hide_password=False)
 
 
 def query_db_url(explicit: str | None, history_url: str) -> str:
