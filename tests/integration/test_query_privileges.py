@@ -9,6 +9,7 @@ that needs a role of its own makes one with a unique name and drops it.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from torshmon.history.query import DEFAULT_MAX_CELL_BYTES, QueryError, run_query
 from torshmon.history.reader import (
     DEFAULT_READER_ROLE,
     PRIVILEGED_ROLES,
+    QUERY_DB_URL_ENV,
     ensure_reader_role,
     reader_url,
 )
@@ -277,6 +279,59 @@ def test_a_missing_reader_role_says_how_to_make_it(history_db: str) -> None:
         "TORSHMON_QUERY_DB_URL)"
     )
     assert "\n" not in message
+
+
+def test_the_cli_refuses_in_one_line_and_takes_a_query_url(history_db: str) -> None:
+    def query(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != QUERY_DB_URL_ENV}
+        return subprocess.run(
+            [sys.executable, "-m", "torshmon.cli", "query", "--db", history_db, *args],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+
+    # The default query URL is the history URL as the reader role.
+    done = query("--format", "csv", "SELECT job FROM jobs")
+    assert (done.returncode, done.stdout) == (0, "job\nj1\n\n"), done.stderr
+    done = query("SELECT pg_read_file('/etc/passwd')")
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == (
+        "torshmon query: refused: queries may only read the history "
+        "(permission denied for function pg_read_file)\n"
+    )
+    done = query("--query-db", history_db, "SELECT pg_read_file('/etc/passwd')")
+    assert (done.returncode, done.stderr) == (1, f"torshmon query: {SUPERUSER_REFUSAL}\n")
+    missing = reader_url(history_db, unique_name("torshmon_missing"))
+    done = query("--query-db", missing, "SELECT 1")
+    assert done.returncode == 1 and done.stderr.count("\n") == 1
+    assert "does not exist; run `torshmon db upgrade`" in done.stderr
+
+
+def test_upgrades_of_two_databases_make_one_new_reader_role_at_once() -> None:
+    code = (
+        "import sys; from torshmon.history.db import upgrade\n"
+        "print(upgrade(sys.argv[1], reader_role=sys.argv[2]).for_admin)"
+    )
+    with (
+        dropped_role(unique_name("torshmon_reader_t")) as reader,
+        pg_database() as first,
+        pg_database() as second,
+    ):
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, url, reader],
+                cwd=REPO_ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for url in (first, second)
+        ]
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outputs
+        assert outputs == ["()\n", "()\n"]
+        for url in (first, second):
+            query = run_query(reader_url(url, reader), "SELECT count(*) FROM jobs")
+            assert query.rows == [(0,)]
 
 
 # -- db upgrade by a user who may not create roles ---------------------------------------
