@@ -308,6 +308,12 @@ def _run_db(args: argparse.Namespace) -> int:
         return 1
     print("history database at head")
     if reader is not None:
+        if reader.refused:
+            print(
+                f"torshmon db upgrade: {reader.refused}; name another --reader-role",
+                file=sys.stderr,
+            )
+            return 1
         if reader.for_admin:
             print(
                 f"queries connect as the reader role {reader.role}, which this database "

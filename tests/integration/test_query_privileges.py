@@ -22,7 +22,9 @@ from psycopg import sql
 from sqlalchemy import insert
 from sqlalchemy.engine import make_url
 
+from tests.integration.aggregator_thread import AggregatorThread
 from tests.pg import PG_URL, pg_database, unique_name
+from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.history.db import make_engine, upgrade
 from torshmon.history.models import Base
 from torshmon.history.query import DEFAULT_MAX_CELL_BYTES, QueryError, run_query
@@ -386,6 +388,68 @@ def test_upgrade_by_an_owner_without_createrole_prints_the_admin_sql() -> None:
         # The owner may not query as itself: it could write.
         with pytest.raises(QueryError, match=f"as {owner}, the owner of table"):
             run_query(owner_url, "SELECT count(*) FROM jobs")
+
+
+def test_upgrade_leaves_a_superuser_and_itself_alone(history_db: str) -> None:
+    # Roles of the test's own: were the guard broken, postgres would lose its powers.
+    with (
+        extra_role(history_db, "LOGIN SUPERUSER") as superuser,
+        extra_role(history_db, "LOGIN CREATEROLE") as admin,
+    ):
+        with psycopg.connect(_conninfo(history_db)) as conn:
+            setup = ensure_reader_role(conn, superuser, password="x")
+        assert setup.refused == f"refused to make role {superuser} a reader: it is a superuser"
+        assert (setup.done, setup.for_admin) == ((), ())
+        admin_url = make_url(history_db).set(username=admin).render_as_string(False)
+        with psycopg.connect(_conninfo(admin_url)) as conn:
+            setup = ensure_reader_role(conn, admin)
+        assert setup.refused == (
+            f"refused to make role {admin} a reader: it is the user running the upgrade"
+        )
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "torshmon.cli", "db", "upgrade",
+                "--db", history_db, "--reader-role", superuser,
+            ],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 1
+        assert done.stderr == (
+            f"torshmon db upgrade: refused to make role {superuser} a reader: it is a "
+            "superuser; name another --reader-role\n"
+        )
+        with psycopg.connect(_conninfo(history_db), autocommit=True) as conn:
+            roles = conn.execute(
+                "SELECT rolname, rolsuper, rolcreaterole, rolpassword IS NULL FROM pg_authid "
+                "WHERE rolname IN (%s, %s) ORDER BY rolsuper",
+                [superuser, admin],
+            ).fetchall()
+        assert roles == [(admin, False, True, True), (superuser, True, False, True)]
+
+
+def test_the_aggregator_makes_the_reader_of_its_query_url_with_its_password() -> None:
+    with (
+        dropped_role(unique_name("torshmon_reader_t")) as reader,
+        pg_database() as url,
+    ):
+        query_url = make_url(url).set(username=reader, password="s3cret")
+        settings = AggregatorSettings(
+            port=0,
+            db_url=url,
+            query_db_url=query_url.render_as_string(hide_password=False),
+            token="t",
+            aggregator_id="reader-test",
+        )
+        with AggregatorThread(settings) as agg:
+            status, reply = agg.post_json("/api/v1/query", {"sql": "SELECT current_user"})
+            assert (status, reply["rows"]) == (200, [[reader]]), reply
+        with psycopg.connect(_conninfo(url), autocommit=True) as admin:
+            row = admin.execute(
+                "SELECT rolsuper, rolpassword LIKE 'SCRAM-SHA-256$%%' FROM pg_authid "
+                "WHERE rolname = %s",
+                [reader],
+            ).fetchone()
+        assert row == (False, True)
 
 
 # -- the cap on an answer's size -----------------------------------------------------------

@@ -31,6 +31,7 @@ __all__ = [
     "ensure_reader_role",
     "privileges_beyond_reading",
     "query_db_url",
+    "reader_of",
     "reader_url",
 ]
 
@@ -101,14 +102,33 @@ def query_db_url(explicit: str | None, history_url: str) -> str:
     return os.environ.get(QUERY_DB_URL_ENV) or reader_url(history_url)
 
 
+def reader_of(history_url: str, query_url: str) -> tuple[str | None, str | None]:
+    """The role (and password) that ``upgrade`` should make a reader for queries
+    through ``query_url``: its user and password when it is a PostgreSQL URL whose
+    user is not the history URL's; (None, None) otherwise (SQLite, no user, or the
+    history user itself, whom queries refuse)."""
+    history, query = make_url(normalize_url(history_url)), make_url(normalize_url(query_url))
+    if query.get_backend_name() != "postgresql" or not query.username:
+        return None, None
+    if query.username == history.username:
+        return None, None
+    return query.username, query.password
+
+
 @dataclass(frozen=True, slots=True)
 class ReaderSetup:
     """What ``ensure_reader_role`` did (``done``) and what it was not allowed to do
-    (``for_admin``: statements an administrator should run, passwords left out)."""
+    (``for_admin``: statements an administrator should run, passwords left out);
+    ``refused`` says why it did nothing to a role that must not become a reader."""
 
     role: str
     done: tuple[str, ...]
     for_admin: tuple[str, ...]
+    refused: str | None = None
+
+
+class _NotAReader(Exception):
+    """The role named must not be made a reader; the text says why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +152,7 @@ def ensure_reader_role(
     granted. Only what is missing is done, so this is idempotent and cheap. Statements
     refused for want of privilege (no CREATEROLE, not the tables' owner) are returned
     in ``for_admin`` instead of raised. ``conn`` must not be in a transaction.
+    A superuser, or the user ``conn`` is connected as, is left as it is (``refused``).
     """
     tables = history_tables() if tables is None else tuple(tables)
     for attempt in range(_ATTEMPTS):
@@ -148,8 +169,13 @@ def _ensure(
 ) -> ReaderSetup:
     done: list[str] = []
     for_admin: list[str] = []
+    try:
+        with conn.transaction():
+            missing = _missing(conn, role, password, tables)
+    except _NotAReader as exc:
+        return ReaderSetup(role=role, done=(), for_admin=(), refused=str(exc))
     with conn.transaction():
-        for statement in _missing(conn, role, password, tables):
+        for statement in missing:
             try:
                 with conn.transaction():
                     conn.execute(statement.run)
@@ -171,7 +197,9 @@ def _missing(
                         OR r.rolreplication OR r.rolbypassrls), false),
                coalesce('default_transaction_read_only=on' = ANY(s.setconfig), false),
                coalesce(has_database_privilege(r.oid, current_database(), 'CONNECT'), false),
-               current_database()
+               current_database(),
+               coalesce(r.rolsuper, false),
+               r.rolname = current_user
         FROM (SELECT 1) AS one
         LEFT JOIN pg_roles AS r ON r.rolname = %(role)s
         LEFT JOIN pg_db_role_setting AS s ON s.setrole = r.oid AND s.setdatabase = 0
@@ -180,7 +208,11 @@ def _missing(
     ).fetchone()
     if state is None:
         raise AssertionError("a SELECT without FROM returned no row")
-    exists, safe, read_only, can_connect, database = state
+    exists, safe, read_only, can_connect, database, superuser, is_self = state
+    if superuser or is_self:
+        # Making it a reader would strip an administrator's (or our own) powers.
+        what = "a superuser" if superuser else "the user running the upgrade"
+        raise _NotAReader(f"refused to make role {role} a reader: it is {what}")
     ident = sql.Identifier(role)
     statements: list[sql.Composable] = []
     shown: list[sql.Composable] = []
