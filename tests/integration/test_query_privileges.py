@@ -462,6 +462,11 @@ def test_a_value_over_the_cell_cap_is_refused_before_it_is_sent(history_db: str)
     with pytest.raises(QueryError, match="over the 100 byte cap on one value"):
         run_query(url, "SELECT repeat('x', 101)", max_cell_bytes=100)
     assert run_query(url, "SELECT repeat('x', 100) AS b", max_cell_bytes=100).rows == [("x" * 100,)]
+    # EXPLAIN cannot be measured before it is sent: its rows are, as they arrive.
+    explain = "EXPLAIN SELECT * FROM jobs WHERE job = repeat('x', 2000)"
+    with pytest.raises(QueryError, match=r"over the 1000 byte cap on one value \(one is 20"):
+        run_query(url, explain, max_cell_bytes=1000)
+    assert run_query(url, explain).columns == ("QUERY PLAN",)
     # Measured as sent (text), whatever the type: bytea goes as hex.
     with pytest.raises(QueryError, match="cap on one value"):
         run_query(url, "SELECT decode(repeat('ab', 60), 'hex')", max_cell_bytes=100)

@@ -151,7 +151,7 @@ def _run_sqlite(url: str, sql: str, limits: _Limits) -> QueryResult:
     try:
         cursor = conn.execute(sql)
         columns = _names(cursor.description)
-        sized = ((tuple(row), _row_bytes(row)) for row in cursor)
+        sized = _sized_rows(cursor, limits)
         return _collect(columns, sized, limits)
     except sqlite3.Error as exc:
         raise _sqlite_error(exc, denied, limits) from exc
@@ -236,7 +236,9 @@ def _run_psycopg(
                     cursor.stream(statement), limits
                 )
             else:
-                sized = ((tuple(row), _row_bytes(row)) for row in cursor.stream(body))
+                # EXPLAIN and SHOW cannot be a subquery: their rows are measured as they
+                # arrive (a plan line may hold a constant the planner folded).
+                sized = _sized_rows(cursor.stream(body), limits)
             return _collect(columns, sized, limits)
     except psycopg.errors.ReadOnlySqlTransaction as exc:
         raise QueryError(f"refused: the history is read-only ({_pg_message(exc)})") from exc
@@ -361,17 +363,29 @@ def _mib(size_bytes: int) -> str:
     return f"{size_bytes} byte"
 
 
-def _row_bytes(row: Iterable[object]) -> int:
-    """About the size of ``row``'s values as text (8 for a number)."""
-    size = 0
-    for value in row:
-        if isinstance(value, str):
-            size += len(value.encode("utf-8", "replace"))
-        elif isinstance(value, (bytes, bytearray, memoryview)):
-            size += len(value)
-        elif value is not None:
-            size += 8
-    return size
+def _sized_rows(
+    rows: Iterable[Sequence[Any]], limits: _Limits
+) -> Iterator[tuple[tuple[Any, ...], int]]:
+    """Each row and about its size as text (8 bytes for a number); QueryError for a
+    value over ``max_cell_bytes``."""
+    for row in rows:
+        size = 0
+        for value in row:
+            cell = _cell_bytes(value)
+            if cell > limits.max_cell_bytes:
+                raise _cell_cap_error(limits.max_cell_bytes, f"one is {cell} bytes")
+            size += cell
+        yield tuple(row), size
+
+
+def _cell_bytes(value: object) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "replace"))
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return len(value)
+    return 8
 
 
 def _names(description: Sequence[Sequence[Any]] | None) -> tuple[str, ...]:
