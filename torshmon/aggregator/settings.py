@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from torshmon.history.db import DB_URL_ENV, DEFAULT_DB_URL, DatabaseConfigError
+from torshmon.history.db import DB_URL_ENV, DEFAULT_DB_URL, DatabaseConfigError, normalize_url
 from torshmon.history.reader import QUERY_DB_URL_ENV, reader_url
 
 DEFAULT_HOST = "127.0.0.1"
@@ -83,11 +83,13 @@ class AggregatorSettings:
             raise SettingsError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not self.db_url:
             object.__setattr__(self, "db_url", DEFAULT_DB_URL)
-        if not self.query_db_url:
-            try:
-                object.__setattr__(self, "query_db_url", reader_url(self.db_url))
-            except DatabaseConfigError as exc:
-                raise SettingsError(f"db_url: {exc}") from None
+        try:
+            query_db_url = self.query_db_url or reader_url(self.db_url)
+            normalize_url(query_db_url)
+        except DatabaseConfigError as exc:
+            name = "query_db_url" if self.query_db_url else "db_url"
+            raise SettingsError(f"{name}: {exc}") from None
+        object.__setattr__(self, "query_db_url", query_db_url)
         if not self.aggregator_id:
             object.__setattr__(self, "aggregator_id", f"{socket.gethostname()}-{os.getpid()}")
         if not self.external_url:
