@@ -434,6 +434,16 @@ def test_compose_aggregator_reaches_postgres_and_alertmanager(compose: dict[str,
     assert (db.hostname, db.port) == ("postgres", 5432)
     pg = svc["postgres"]["environment"]
     assert db.username == pg["POSTGRES_USER"] and db.path == "/" + pg["POSTGRES_DB"]
+    query = urlsplit(
+        env["TORSHMON_QUERY_DB_URL"].replace("${TORSHMON_READER_PASSWORD:-torshmon_reader}", "pw")
+    )
+    assert (query.scheme, query.hostname, query.port, query.path) == (
+        db.scheme,
+        db.hostname,
+        db.port,
+        db.path,
+    )
+    assert (query.username, query.password) == ("torshmon_reader", "pw")
     assert svc["aggregator"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     manager = urlsplit(env["TORSHMON_ALERTMANAGER_URL"])
     assert manager.netloc == f"alertmanager:{ALERTMANAGER_PORT}"

@@ -135,6 +135,37 @@ def test_max_rows_truncates_and_says_so(db: str) -> None:
     assert format_result(result, "table").endswith("(1 row, truncated)\n")
 
 
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT randomblob(50000000)",
+        "SELECT zeroblob(50000000)",
+        "SELECT length(zeroblob(50000000))",  # not even made on the way to a small answer
+        "SELECT hex(randomblob(3000000))",  # 3 MB is allowed, its 6 MB of hex is not
+        "WITH RECURSIVE c(s) AS (SELECT 'x' UNION ALL SELECT s || s FROM c) SELECT s FROM c",
+    ],
+)
+def test_a_value_over_the_cell_cap_is_refused_by_sqlite(db: str, sql: str) -> None:
+    with pytest.raises(QueryError, match=r"over the 4 MiB cap on one value"):
+        run_query(db, sql, timeout_s=10)
+    assert run_query(db, "SELECT length(randomblob(4000000))").rows == [(4000000,)]
+
+
+def test_the_answer_size_cap_truncates_or_refuses(db: str) -> None:
+    rows = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 100) "
+    result = run_query(db, rows + "SELECT x, zeroblob(1000) FROM c", max_answer_bytes=10_500)
+    # Each row is a 1000-byte blob and an integer (counted as 8 bytes).
+    assert [r[0] for r in result.rows] == list(range(1, 11))
+    assert result.truncated
+    assert not run_query(db, rows + "SELECT x FROM c", max_answer_bytes=10_500).truncated
+    with pytest.raises(QueryError, match="over the 500 byte cap on an answer"):
+        run_query(db, "SELECT zeroblob(1000)", max_answer_bytes=500)
+    with pytest.raises(QueryError, match="over the 100 byte cap on one value"):
+        run_query(db, "SELECT zeroblob(101)", max_cell_bytes=100)
+    with pytest.raises(ValueError, match="max_answer_bytes must be at least 1"):
+        run_query(db, "SELECT 1", max_answer_bytes=0)
+
+
 def test_a_runaway_query_is_cancelled_at_the_timeout(db: str) -> None:
     endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT max(x) FROM c"
     with pytest.raises(QueryError, match=r"cancelled after the 0\.2 s timeout"):

@@ -56,3 +56,20 @@ def test_allowed_hosts_from_flags_the_environment_and_a_config_file(tmp_path: Pa
         load_settings({"allowed_hosts": ["e.example:9470"]}, env={})
     with pytest.raises(SettingsError, match="allowed_hosts must be a list of strings"):
         load_settings({"allowed_hosts": 7}, env={})
+
+
+def test_the_query_url_defaults_to_the_history_url_as_the_reader_role() -> None:
+    pg = "postgresql://torshmon:secret@db:5432/history?options=-csearch_path%3Dt"
+    settings = load_settings({"db_url": pg}, env={})
+    assert settings.query_db_url == (
+        "postgresql+psycopg://torshmon_reader@db:5432/history?options=-csearch_path%3Dt"
+    )
+    reader = "postgresql://analyst@db/history"
+    assert load_settings({"db_url": pg}, env={"TORSHMON_QUERY_DB_URL": reader}).query_db_url == (
+        reader
+    )
+    assert load_settings({}, env={}).query_db_url == "sqlite:///torshmon.db"
+    with pytest.raises(SettingsError, match=r"^db_url: database URL 'mysql://x/y' is 'mysql'"):
+        load_settings({"db_url": "mysql://x/y"}, env={})
+    with pytest.raises(SettingsError, match=r"^query_db_url: database URL 'mysql://x/y'"):
+        load_settings({"db_url": pg}, env={"TORSHMON_QUERY_DB_URL": "mysql://x/y"})

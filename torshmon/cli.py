@@ -19,6 +19,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+_QUERY_DB_HELP = (
+    "URL queries connect with, on PostgreSQL a reader role's ($TORSHMON_QUERY_DB_URL; "
+    "default: the history URL as the user torshmon_reader, password from ~/.pgpass)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torshmon", description="Monitor and tune distributed PyTorch training."
@@ -101,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     aggregator.add_argument("--host", help="listen address (127.0.0.1)")
     aggregator.add_argument("--port", type=_port, help="listen port (9470)")
     aggregator.add_argument("--db", help="history database URL ($TORSHMON_DB_URL, ./torshmon.db)")
+    aggregator.add_argument("--query-db", help=_QUERY_DB_HELP)
     aggregator.add_argument(
         "--token-file",
         type=Path,
@@ -121,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     query = commands.add_parser("query", help="read-only SQL on the history")
     query.add_argument("sql", help='e.g. "SELECT rank, avg(duration_s) FROM steps GROUP BY rank"')
     query.add_argument("--db", help="history database URL ($TORSHMON_DB_URL, ./torshmon.db)")
+    query.add_argument("--query-db", help=_QUERY_DB_HELP)
     query.add_argument("--format", choices=("table", "csv", "json"), default="table")
     query.add_argument("--max-rows", type=_positive_int, default=10000)
 
@@ -128,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     db_commands = db.add_subparsers(dest="db_command", required=True)
     upgrade = db_commands.add_parser("upgrade", help="apply the Alembic migrations to head")
     upgrade.add_argument("--db", help="history database URL ($TORSHMON_DB_URL, ./torshmon.db)")
+    upgrade.add_argument(
+        "--reader-role",
+        default="torshmon_reader",
+        help="PostgreSQL: the login role queries connect as, made or updated (torshmon_reader)",
+    )
+    upgrade.add_argument(
+        "--reader-password-file",
+        type=Path,
+        help="PostgreSQL: file holding the reader role's password (none is set without it)",
+    )
 
     rules = commands.add_parser("rules", help="alert rule files")
     rules_commands = rules.add_subparsers(dest="rules_command", required=True)
@@ -251,6 +269,7 @@ def _run_aggregator(args: argparse.Namespace) -> int:
         "host": args.host,
         "port": args.port,
         "db_url": args.db,
+        "query_db_url": args.query_db,
         "rules_path": args.rules,
         "aggregator_id": args.aggregator_id,
         "allowed_hosts": args.allowed_hosts,
@@ -268,17 +287,23 @@ def _run_aggregator(args: argparse.Namespace) -> int:
 
 
 def _run_query(args: argparse.Namespace) -> int:
-    from torshmon.history.db import db_url
+    from torshmon.history.db import DatabaseConfigError, db_url
     from torshmon.history.query import QueryError, format_result, run_query
+    from torshmon.history.reader import query_db_url
 
     try:
-        result = run_query(db_url(args.db), args.sql, max_rows=args.max_rows)
-    except QueryError as exc:
+        url = query_db_url(args.query_db, db_url(args.db))
+        result = run_query(url, args.sql, max_rows=args.max_rows)
+    except (QueryError, DatabaseConfigError) as exc:
         print(f"torshmon query: {exc}", file=sys.stderr)
         return 1
     print(format_result(result, args.format))
     if result.truncated:
-        print(f"(truncated to {args.max_rows} rows)", file=sys.stderr)
+        print(
+            f"(truncated to {len(result.rows)} rows: --max-rows {args.max_rows} "
+            "or the cap on an answer's size)",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -287,11 +312,32 @@ def _run_db(args: argparse.Namespace) -> int:
 
     url = db_url(args.db)
     try:
-        upgrade(url)
+        password = None
+        if args.reader_password_file is not None:
+            password = args.reader_password_file.read_text().strip()
+        reader = upgrade(url, reader_role=args.reader_role, reader_password=password)
     except Exception as exc:  # any failure is reported, with the URL's password hidden
         print(f"torshmon db upgrade: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print("history database at head")
+    if reader is not None:
+        if reader.refused:
+            print(
+                f"torshmon db upgrade: {reader.refused}; name another --reader-role",
+                file=sys.stderr,
+            )
+            return 1
+        if reader.for_admin:
+            print(
+                f"queries connect as the reader role {reader.role}, which this database "
+                "user may not set up; an administrator should run:"
+            )
+            for statement in reader.for_admin:
+                print(f"  {statement}" if statement.startswith("--") else f"  {statement};")
+        elif reader.done:
+            print(f"reader role {reader.role} set up ({len(reader.done)} statements)")
+        else:
+            print(f"reader role {reader.role} up to date")
     return 0
 
 

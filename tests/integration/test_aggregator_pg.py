@@ -70,6 +70,11 @@ def test_ingest_and_read_only_query_on_postgresql(pg_url: str) -> None:  # noqa:
         ):
             status, reply = agg.post_json("/api/v1/query", {"sql": sql})
             assert status == 400 and "read-only" in reply["error"], (sql, reply)
+        # Queries connect as the reader role that starting the aggregator made.
+        status, reply = agg.post_json(
+            "/api/v1/query", {"sql": "SELECT pg_read_file('/etc/passwd')"}
+        )
+        assert status == 400 and "permission denied for function pg_read_file" in reply["error"]
         assert _scalar(pg_url, "SELECT count(*) FROM steps") == 4
         assert _scalar(pg_url, "SELECT world_size FROM jobs") == 2
 

@@ -258,7 +258,7 @@ class _Handlers:
         if fmt not in ("json", "csv", "table"):
             return error(400, f"format must be json, csv or table, got {fmt!r}")
         try:
-            result = await self.a.read(run_query, self.a.settings.db_url, sql)
+            result = await self.a.read(run_query, self.a.settings.query_db_url, sql)
         except QueryError as exc:
             return error(400, str(exc))
         if fmt == "json":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import time
@@ -53,6 +54,7 @@ from torshmon.aggregator.writer import (
 )
 from torshmon.history.db import make_engine, normalize_url, sqlite_path, upgrade
 from torshmon.history.models import Base
+from torshmon.history.reader import reader_of
 from torshmon.wire import (
     SCHEMA_VERSION,
     Command,
@@ -183,7 +185,18 @@ class Aggregator:
         loop = asyncio.get_running_loop()
         url = self.settings.db_url
         if self._migrate:
-            await loop.run_in_executor(self.writer, upgrade, url)
+            role, password = reader_of(url, self.settings.query_db_url)
+            migrate = functools.partial(upgrade, url, reader_role=role, reader_password=password)
+            reader = await loop.run_in_executor(self.writer, migrate)
+            if reader is not None and reader.refused:
+                log.warning("history queries: %s (query_db_url)", reader.refused)
+            elif reader is not None and reader.for_admin:
+                log.warning(
+                    "history queries connect as the reader role %s, which this database "
+                    "user may not set up; an administrator should run: %s",
+                    reader.role,
+                    "; ".join(reader.for_admin),
+                )
         self.engine = make_engine(url)
         if self.settings.ingest_process and _other_process_can_open(url):
             ingest = ProcessIngest(url, self.settings.aggregator_id)

@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from torshmon.history.db import DB_URL_ENV, DEFAULT_DB_URL
+from torshmon.history.db import DB_URL_ENV, DEFAULT_DB_URL, DatabaseConfigError, normalize_url
+from torshmon.history.reader import QUERY_DB_URL_ENV, reader_url
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9470
@@ -24,6 +25,7 @@ _ENV = {
     "port": "TORSHMON_AGGREGATOR_PORT",
     "token": "TORSHMON_TOKEN",
     "db_url": DB_URL_ENV,
+    "query_db_url": QUERY_DB_URL_ENV,
     "rules_path": "TORSHMON_RULES",
     "aggregator_id": "TORSHMON_AGGREGATOR_ID",
     "otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -46,6 +48,9 @@ class AggregatorSettings:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     db_url: str = ""
+    #: The URL history queries (POST /api/v1/query) connect with: on PostgreSQL a
+    #: reader role's; by default ``db_url`` as the role torshmon_reader.
+    query_db_url: str = ""
     token: str | None = None
     rules_path: str | None = None
     aggregator_id: str = ""
@@ -88,6 +93,13 @@ class AggregatorSettings:
             raise SettingsError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not self.db_url:
             object.__setattr__(self, "db_url", DEFAULT_DB_URL)
+        try:
+            query_db_url = self.query_db_url or reader_url(self.db_url)
+            normalize_url(query_db_url)
+        except DatabaseConfigError as exc:
+            name = "query_db_url" if self.query_db_url else "db_url"
+            raise SettingsError(f"{name}: {exc}") from None
+        object.__setattr__(self, "query_db_url", query_db_url)
         if not self.aggregator_id:
             object.__setattr__(self, "aggregator_id", f"{socket.gethostname()}-{os.getpid()}")
         if not self.external_url:

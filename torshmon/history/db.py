@@ -16,9 +16,10 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import quote
 
+import psycopg
 from sqlalchemy import Table, create_engine, event, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine, make_url
@@ -29,10 +30,16 @@ from sqlalchemy.sql.dml import Insert
 
 import torshmon
 
+if TYPE_CHECKING:
+    from torshmon.history.reader import ReaderSetup
+
 log = logging.getLogger(__name__)
 
 DEFAULT_DB_URL: Final = "sqlite:///torshmon.db"
 DB_URL_ENV: Final = "TORSHMON_DB_URL"
+
+#: The PostgreSQL login role history queries connect as (see torshmon.history.reader).
+DEFAULT_READER_ROLE: Final = "torshmon_reader"
 
 #: How long a SQLite connection waits for another writer's lock, milliseconds.
 SQLITE_BUSY_TIMEOUT_MS: Final = 10_000
@@ -337,8 +344,18 @@ def alembic_dir() -> Path:
     return path
 
 
-def upgrade(url: str) -> None:
+def upgrade(
+    url: str,
+    *,
+    reader_role: str | None = DEFAULT_READER_ROLE,
+    reader_password: str | None = None,
+) -> ReaderSetup | None:
     """Migrate the database at ``url`` to the newest schema (Alembic head).
+
+    On PostgreSQL it then makes ``reader_role`` (unless None) a login role that can
+    only read the history tables, with ``reader_password`` if given, and returns what
+    it did and what an administrator has to do because this user may not (see
+    ``reader.ensure_reader_role``); on SQLite it returns None.
 
     Safe on an up-to-date database, and concurrently from several processes: on
     PostgreSQL a session advisory lock serialises them, on SQLite the write lock.
@@ -347,11 +364,13 @@ def upgrade(url: str) -> None:
     from alembic.config import Config
 
     from alembic import command
+    from torshmon.history.reader import ensure_reader_role
 
     url = normalize_url(url)
     config = Config()
     config.set_main_option("script_location", str(alembic_dir()))
     engine = make_engine(url)
+    setup = None
     try:
         with _UPGRADE_THREAD_LOCK, engine.connect() as conn:
             if conn.dialect.name == "postgresql":
@@ -359,6 +378,10 @@ def upgrade(url: str) -> None:
                 conn.commit()
                 try:
                     _run_alembic(command, config, conn)
+                    if reader_role is not None:
+                        setup = ensure_reader_role(
+                            _psycopg_connection(conn), reader_role, password=reader_password
+                        )
                 finally:
                     if conn.in_transaction():
                         conn.rollback()  # a failed migration left it aborted
@@ -369,6 +392,14 @@ def upgrade(url: str) -> None:
                 _run_alembic(command, config, conn)
     finally:
         engine.dispose()
+    return setup
+
+
+def _psycopg_connection(conn: Connection) -> psycopg.Connection[Any]:
+    driver = conn.connection.driver_connection
+    if not isinstance(driver, psycopg.Connection):
+        raise DatabaseConfigError(f"unexpected PostgreSQL driver connection {type(driver)!r}")
+    return driver
 
 
 def _run_alembic(command: Any, config: Any, conn: Connection) -> None:

@@ -23,14 +23,20 @@ generated from `torshmon/history/models.py`; do not edit it by hand
 ## Querying
 
 ```
-torshmon query "SELECT ..." [--db URL] [--format table|csv|json]
+torshmon query "SELECT ..." [--db URL] [--query-db URL] [--format table|csv|json]
 ```
 
 The database is `--db`, else `TORSHMON_DB_URL`, else `sqlite:///torshmon.db`.
 
 Queries are read-only, enforced by the database itself: SQLite is opened read-only
-and refuses writes, `ATTACH` and pragma writes; PostgreSQL runs the query in a
-read-only transaction with a statement timeout. One statement per query.
+and refuses writes, `ATTACH` and pragma writes. On PostgreSQL the query connects as
+a reader role that may only SELECT the history tables (`--query-db`, else
+`TORSHMON_QUERY_DB_URL`, else the history URL as the user `torshmon_reader`, which
+`torshmon db upgrade` makes; see [postgresql.md](postgresql.md)), and is refused if
+that role could do more (a superuser, the tables' owner); it runs in a read-only
+transaction with a statement timeout. One statement per query. An answer holds at
+most 10 000 rows and 64 MiB (more is cut and said to be truncated), and no value
+over 4 MiB (refused: select a part, e.g. `substr(column, 1, 1000)`).
 The same over HTTP: `POST /api/v1/query {"sql": "...", "format": "json"}`. JSON output,
 from either, is strict JSON: NaN and infinities come out as `null`, bytes as hex text.
 
