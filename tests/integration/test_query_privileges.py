@@ -534,6 +534,7 @@ def test_an_oversized_value_is_not_received(history_db: str) -> None:
     capped_outcome, capped = peak_kib(big)
     received_outcome, received = peak_kib(big, cap=2**30)
     assert (small_outcome, capped_outcome, received_outcome) == ("answered", "refused", "answered")
-    # 100 MB received is held at least twice (libpq's buffer, the str).
-    assert received - small > 150_000, (small, received)
+    # 100 MB received is held at least once (libpq's buffer, then the str; their peaks
+    # overlapped in most runs, not in one run beside other test processes).
+    assert received - small > 90_000, (small, received)
     assert capped - small < 20_000, (small, capped)
