@@ -314,7 +314,7 @@ class AgentMetrics:
         for stat in stats:
             key = (stat.op, stat.pg)
             if key not in collectives:  # a pair kept before is kept as it is
-                key = keys[key] = self._labels.collective(job, stat.op, stat.pg)
+                keys[key] = key = self._labels.collective(job, stat.op, stat.pg)
             collective = collectives.get(key)
             if collective is None:  # not setdefault: that builds a state on every call
                 collective = collectives[key] = _CollectiveState()
