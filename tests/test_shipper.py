@@ -1,108 +1,34 @@
 """The shipper sends only to an agent of a trusted user (``torshmon.probe.shipper``).
 
-The foreign agent is a real listener in a process that runs as uid 65534, so the
-kernel's peer credentials are what the probe reads.
+The foreign agent is a real listener in a process that runs as uid 65534
+(``tests/integration/foreign_agent.py``), so the kernel's peer credentials are what
+the probe reads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import select
-import shutil
-import signal
-import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.integration import foreign_agent as foreign
+from tests.integration.foreign_agent import NOBODY, ForeignAgent
 from torshmon.probe.events import RawStep, StepEvents
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.shipper import Outbox, Shipper
 from torshmon.wire import SCHEMA_VERSION, Hello
 
-NOBODY = 65534
-
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="runs a listener as another uid")
-
-
-class ForeignAgent:
-    """A listener at ``path`` in a forked child running as uid 65534 that counts the
-    bytes its clients send; ``received()`` stops it and returns the count."""
-
-    def __init__(self, path: Path) -> None:
-        ready_r, ready_w = os.pipe()
-        self._stop_r, self._stop_w = os.pipe()
-        self._result_r, result_w = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:  # the child: never returns into pytest
-            code = 1
-            try:
-                os.close(self._stop_w)  # else its own copy keeps the stop pipe open
-                os.setgroups([])
-                os.setgid(NOBODY)
-                os.setuid(NOBODY)
-                os.write(result_w, b"%d" % _serve(path, ready_w, self._stop_r))
-                code = 0
-            finally:
-                os._exit(code)
-        for fd in (ready_w, self._stop_r, result_w):
-            os.close(fd)
-        ready = os.read(ready_r, 5)
-        os.close(ready_r)
-        if ready != b"ready":
-            raise RuntimeError("the foreign listener did not start")
-
-    def received(self) -> int:
-        os.close(self._stop_w)
-        os.waitpid(self.pid, 0)
-        with os.fdopen(self._result_r, "rb") as result:
-            return int(result.read())
-
-    def kill(self) -> None:
-        with contextlib.suppress(OSError):
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-
-
-def _serve(path: Path, ready_fd: int, stop_fd: int) -> int:
-    server = socket.socket(socket.AF_UNIX)
-    server.bind(str(path))
-    server.listen()
-    os.write(ready_fd, b"ready")
-    received, clients = 0, []
-    while True:
-        ready, _, _ = select.select([server, stop_fd, *clients], [], [])
-        if stop_fd in ready:
-            return received
-        for sock in ready:
-            if sock is server:
-                clients.append(server.accept()[0])
-            else:
-                data = sock.recv(65536)
-                received += len(data)
-                if not data:
-                    clients.remove(sock)
-                    sock.close()
 
 
 @pytest.fixture
 def foreign_agent() -> Iterator[tuple[Path, ForeignAgent]]:
-    """An agent socket served by uid 65534, in a folder of that uid (in the temp dir:
-    pytest's own folders are root's alone)."""
-    folder = Path(tempfile.mkdtemp(prefix="torshmon-foreign-"))
-    os.chown(folder, NOBODY, NOBODY)
-    path = folder / "agent.sock"
-    agent = ForeignAgent(path)
-    try:
-        yield path, agent
-    finally:
-        agent.kill()
-        shutil.rmtree(folder)
+    with foreign.foreign_agent() as served:
+        yield served
 
 
 def _hello() -> Hello:
@@ -147,7 +73,8 @@ def _ship(path: Path, steps: int, trusted_uids: frozenset[int] | None = None) ->
         poll_s=0.01,
         max_buffered_steps=10,
         reconnect_max_s=0.1,
-        trusted_uids=trusted_uids,
+        # Left out unless given: the default is what a probe gets.
+        **({} if trusted_uids is None else {"trusted_uids": trusted_uids}),
     )
     shipper.start()
     for n in range(steps):
