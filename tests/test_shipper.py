@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,6 +65,8 @@ def _raw_step(n: int) -> RawStep:
 def _ship(path: Path, steps: int, trusted_uids: frozenset[int] | None = None) -> Shipper:
     """Run a shipper while ``steps`` steps are put, as the training thread does."""
     outbox: Outbox[RawStep] = Outbox(1000)
+    # Left out unless given: the default is what a probe gets.
+    trusted: dict[str, Any] = {} if trusted_uids is None else {"trusted_uids": trusted_uids}
     shipper = Shipper(
         socket_path=str(path),
         hello=_hello(),
@@ -73,8 +76,7 @@ def _ship(path: Path, steps: int, trusted_uids: frozenset[int] | None = None) ->
         poll_s=0.01,
         max_buffered_steps=10,
         reconnect_max_s=0.1,
-        # Left out unless given: the default is what a probe gets.
-        **({} if trusted_uids is None else {"trusted_uids": trusted_uids}),
+        **trusted,
     )
     shipper.start()
     for n in range(steps):

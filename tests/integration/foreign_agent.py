@@ -64,20 +64,21 @@ def _serve(path: Path, ready_fd: int, stop_fd: int) -> int:
     server.bind(str(path))
     server.listen()
     os.write(ready_fd, b"ready")
-    received, clients = 0, []
+    received = 0
+    clients: dict[int, socket.socket] = {}
     while True:
-        ready, _, _ = select.select([server, stop_fd, *clients], [], [])
+        ready, _, _ = select.select([server.fileno(), stop_fd, *clients], [], [])
         if stop_fd in ready:
             return received
-        for sock in ready:
-            if sock is server:
-                clients.append(server.accept()[0])
-            else:
-                data = sock.recv(65536)
-                received += len(data)
-                if not data:
-                    clients.remove(sock)
-                    sock.close()
+        for fd in ready:
+            if fd == server.fileno():
+                client = server.accept()[0]
+                clients[client.fileno()] = client
+                continue
+            data = clients[fd].recv(65536)
+            received += len(data)
+            if not data:
+                clients.pop(fd).close()
 
 
 @contextlib.contextmanager
