@@ -229,3 +229,35 @@ def test_a_rank_whose_agent_socket_is_another_users_trains_on_and_sends_nothing(
         assert agent.received() == 0
     assert done == 100
     assert dropped >= 90  # as with no agent: 10 buffered at most, the rest dropped and counted
+
+
+def test_a_socket_shared_with_a_group_is_0660_in_it(tmp_path: Path) -> None:
+    """As the systemd unit runs it: a folder the group may enter, the socket in the group."""
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o750)
+    port = free_port()
+    args = _agent_args(port, "--socket", str(folder / "agent.sock"), "--socket-group", "65534")
+    args += ["--spool", str(tmp_path / "spool" / "agent-spool.db")]
+    proc = subprocess.Popen(args, env=_env(), stderr=subprocess.PIPE, umask=0)
+    try:
+        _wait_for_metrics(port)
+        info = os.stat(folder / "agent.sock")
+        assert (stat.S_IMODE(info.st_mode), info.st_gid) == (0o660, NOBODY)
+        assert _mode(tmp_path / "spool") == 0o700
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_an_unknown_socket_group_is_a_usage_error() -> None:
+    done = subprocess.run(
+        _agent_args(free_port(), "--socket-group", "no-such-group-here"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr == (
+        "torshmon agent: socket_group 'no-such-group-here' is no group on this host\n"
+    )
