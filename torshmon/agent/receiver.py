@@ -126,12 +126,14 @@ class ProbeReceiver:
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        bound = False
         try:
             # Linux gives the socket file this mode at bind (less the umask), so it is
             # never open wider, not even until the chmod below; elsewhere it may fail.
             with contextlib.suppress(OSError):
                 os.fchmod(listener.fileno(), self.socket_mode)
             listener.bind(str(self.socket_path))
+            bound = True
             if self.socket_gid is not None:
                 os.chown(self.socket_path, -1, self.socket_gid)
             os.chmod(self.socket_path, self.socket_mode)
@@ -139,6 +141,9 @@ class ProbeReceiver:
             listener.setblocking(False)
         except OSError:
             listener.close()
+            if bound:  # a group we may not give it, say: leave no socket behind
+                with contextlib.suppress(OSError):
+                    self.socket_path.unlink()
             raise
         if self._out_path is not None:
             self._out = self._out_path.open("ab")
