@@ -9,15 +9,17 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.integration import wire_factory as wf
 from torshmon.agent.metrics import (
     STEP_DURATION_BUCKETS_S,
     AgentMetrics,
     AgentState,
     make_metrics_handler,
 )
+from torshmon.labels import MAX_LABEL_VALUES, OTHER, LabelCap
 from torshmon.wire import (
     DURATION_BUCKETS_S,
     SCHEMA_VERSION,
@@ -684,3 +686,35 @@ async def test_promtool_accepts_exposition(
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stderr
+
+
+def test_a_batch_naming_2000_ops_and_groups_keeps_metrics_bounded() -> None:
+    """Past the cap, op, pg and codec values fold into 'other', counted per label."""
+    registry = CollectorRegistry()
+    metrics = AgentMetrics(registry, node="n1")
+    hello = wf.hello("train", 0, 1)
+    metrics.observe_batch(wf.batch(hello, 1, [wf.step_naming(1, 2000)]))
+    metrics.observe_batch(wf.batch(hello, 2, [wf.step_naming(2, 2000)]))
+    families = {f.name: f for f in registry.collect()}
+    collectives = families["torshmon_collective_bytes"].samples
+    assert len(collectives) == MAX_LABEL_VALUES + 1  # op-i/pg-i for i < 64, then other/other
+    other = {"job": "train", "rank": "0", "op": OTHER, "pg": OTHER}
+    assert registry.get_sample_value("torshmon_collective_bytes_total", other) == 2 * 1936 * 1000
+    busbw = registry.get_sample_value("torshmon_collective_busbw_bytes_per_second", other)
+    assert busbw == pytest.approx(1e6)
+    assert len(families["torshmon_compression_ratio"].samples) == MAX_LABEL_VALUES + 1
+    for label in ("op", "pg", "codec"):
+        folded = {"job": "train", "label": label}
+        assert registry.get_sample_value("torshmon_label_values_folded_total", folded) == 2 * 1936
+    assert len(generate_latest(registry)) < 256 * 1024  # 65 collective histograms; 4.4 MiB before
+
+
+def test_a_jobs_folded_values_are_forgotten_with_its_last_rank() -> None:
+    registry = CollectorRegistry()
+    metrics = AgentMetrics(registry, node="n1", label_cap=LabelCap(max_values=1))
+    hello = wf.hello("train", 0, 1)
+    metrics.observe_batch(wf.batch(hello, 1, [wf.step_naming(1, 3)]))
+    folded = {"job": "train", "label": "op"}
+    assert registry.get_sample_value("torshmon_label_values_folded_total", folded) == 2
+    metrics.forget_rank("train", 0)
+    assert registry.get_sample_value("torshmon_label_values_folded_total", folded) is None

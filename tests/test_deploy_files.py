@@ -599,6 +599,12 @@ def test_systemd_unit_runs_the_agent_with_consistent_paths() -> None:
     assert args.command == "agent" and args.metrics_port == 9465
     assert Path(args.socket).parent == Path("/run") / service["RuntimeDirectory"][0]
     assert Path(args.spool).parent == Path("/var/lib") / service["StateDirectory"][0]
+    # The agent refuses folders that others may write to; the group connects through
+    # the socket's own group (0660), and trusts the agent's user by name.
+    for mode in ("RuntimeDirectoryMode", "StateDirectoryMode"):
+        assert int(service[mode][0], 8) & 0o022 == 0, mode
+    assert [args.socket_group] == service["Group"] == service["User"]
+    assert f"TORSHMON_AGENT_USER={service['User'][0]}" in SYSTEMD_UNIT.read_text()
     (credential,) = service["LoadCredential"]
     assert str(args.token_file) == "/run/credentials/x/" + credential.split(":")[0]
     environment = dict(e.split("=", 1) for e in service["Environment"])
@@ -626,13 +632,18 @@ def test_kubernetes_sidecar_shares_the_socket_with_torchrun() -> None:
     )
     trainer_env = {e["name"]: e.get("value") for e in trainer["env"]}
     assert trainer_env["TORSHMON_AGENT_SOCKET"] == args.socket
-    socket_dir = str(Path(args.socket).parent)
     agent_mounts = {m["mountPath"]: m["name"] for m in agent["volumeMounts"]}
     trainer_mounts = {m["mountPath"]: m["name"] for m in trainer["volumeMounts"]}
-    assert agent_mounts[socket_dir] == trainer_mounts[socket_dir]
-    volumes = {v["name"] for v in pod["volumes"]}
-    assert set(agent_mounts.values()) | set(trainer_mounts.values()) <= volumes
-    assert str(Path(args.spool).parent) in agent_mounts
+    # An emptyDir is 0777, which the agent refuses to keep its socket or spool in:
+    # each goes into a folder of the agent's own inside its volume.
+    socket_mount = str(Path(args.socket).parent.parent)
+    assert agent_mounts[socket_mount] == trainer_mounts[socket_mount]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert set(agent_mounts.values()) | set(trainer_mounts.values()) <= set(volumes)
+    spool_mount = str(Path(args.spool).parent.parent)
+    assert spool_mount in agent_mounts
+    for mount in (socket_mount, spool_mount):
+        assert "emptyDir" in volumes[agent_mounts[mount]]
     (port,) = agent["ports"]
     assert port["containerPort"] == args.metrics_port == 9465
     annotations = job["spec"]["template"]["metadata"]["annotations"]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import msgspec
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.integration import wire_factory as wf
 from torshmon.aggregator.ingest import Stored
 from torshmon.aggregator.live import LiveState
+from torshmon.labels import MAX_LABEL_VALUES, OTHER
 from torshmon.wire import AppliedConfig, BucketStat, DdpStats, StepRecord
 
 
@@ -221,3 +222,30 @@ def test_the_extras_of_a_batch_of_steps_are_taken_as_step_by_step() -> None:
             states.append((job.bucket_cap_bytes, job.config, repr(job.ranks[0])))
         assert states[1] == states[0], last
     assert states[0][0] == 2013 and states[0][2].count("fp16") >= 3
+
+
+def test_a_batch_naming_2000_ops_groups_and_codecs_keeps_metrics_bounded() -> None:
+    """Past the cap, op, pg and codec values fold into 'other' as they are taken in."""
+    live = LiveState(idle_s=60.0)
+    registry = CollectorRegistry()
+    live.register(registry)
+    hello = wf.hello("j", 0, 1)
+    batch = wf.batch(hello, 1, [wf.step_naming(1, 2000)])
+    live.observe(Stored(acked_seq=1, hellos=[hello], batches=[(batch, "n")]), now_unix_s=1000.0)
+    families = {f.name: f for f in registry.collect()}
+    busbw = families["torshmon_collective_busbw_bytes_per_second"].samples
+    assert len(busbw) == MAX_LABEL_VALUES + 1  # op-i/pg-i for i < 64, then other/other
+    for name in ("torshmon_compression_ratio", "torshmon_compression_wire_bytes_total"):
+        samples = [s for s in families[name.removesuffix("_total")].samples if s.name == name]
+        assert len(samples) == MAX_LABEL_VALUES + 1, name
+    wire = {"job": "j", "rank": "0", "codec": OTHER}
+    assert registry.get_sample_value("torshmon_compression_wire_bytes_total", wire) == 1936 * 500
+    assert len(live.jobs["j"].ranks[0].collectives) == MAX_LABEL_VALUES + 1
+    for label in ("op", "pg", "codec"):
+        folded = {"job": "j", "label": label}
+        assert registry.get_sample_value("torshmon_label_values_folded_total", folded) == 1936
+    assert len(generate_latest(registry)) < 256 * 1024  # 65 collective histograms
+
+    live.forget("j")
+    folded = {"job": "j", "label": "op"}
+    assert registry.get_sample_value("torshmon_label_values_folded_total", folded) is None

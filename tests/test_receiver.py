@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -287,3 +288,28 @@ async def test_a_store_that_raises_drops_only_that_connection(tmp_path: Path) ->
         assert await _read_ack(good_reader) == 2
         bad_writer.close()
         good_writer.close()
+
+
+async def test_the_socket_is_0600_under_umask_000(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        async with ProbeReceiver(tmp_path / "agent.sock") as receiver:
+            assert stat.S_IMODE(os.stat(receiver.socket_path).st_mode) == 0o600
+    finally:
+        os.umask(old)
+
+
+async def test_a_socket_shared_with_a_group_is_0660_in_that_group(tmp_path: Path) -> None:
+    gid = 65534 if os.geteuid() == 0 else os.getgid()  # root may hand it to any group
+    old = os.umask(0)
+    try:
+        async with ProbeReceiver(tmp_path / "agent.sock", socket_mode=0o660, socket_gid=gid) as rx:
+            info = os.stat(rx.socket_path)
+            assert (stat.S_IMODE(info.st_mode), info.st_gid) == (0o660, gid)
+    finally:
+        os.umask(old)
+
+
+def test_a_socket_mode_for_others_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="owner and group only"):
+        ProbeReceiver(tmp_path / "agent.sock", socket_mode=0o666)

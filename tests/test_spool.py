@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -162,3 +163,18 @@ def test_close_is_idempotent_and_later_use_fails_clearly(tmp_path: Path) -> None
 def test_invalid_arguments_fail_fast(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_bytes"):
         Spool(tmp_path / "a.db", max_bytes=0)
+
+
+def test_the_spool_and_its_wal_are_0600_under_umask_000(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        with Spool(tmp_path / "spool" / "spool.db") as spool:
+            spool.append(b"record")
+            files = sorted(p.name for p in spool.path.parent.iterdir())
+            assert "spool.db-wal" in files
+            for name in files:
+                mode = stat.S_IMODE(os.stat(spool.path.parent / name).st_mode)
+                assert mode == 0o600, (name, oct(mode))
+            assert stat.S_IMODE(os.stat(spool.path.parent).st_mode) == 0o700
+    finally:
+        os.umask(old)

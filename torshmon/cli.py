@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
         "agent", help="the per-node daemon: serves the probes, spools, forwards, /metrics"
     )
     agent.add_argument("--socket", help="probe socket (default $TORSHMON_AGENT_SOCKET)")
+    agent.add_argument(
+        "--socket-group",
+        help="make the socket 0660 with this group, for training users of another uid "
+        "($TORSHMON_AGENT_SOCKET_GROUP; default: 0600, the agent's user only)",
+    )
     agent.add_argument("--metrics-host", default=None, help="/metrics address (127.0.0.1)")
     agent.add_argument("--metrics-port", type=_port, default=None, help="/metrics port (9465)")
     agent.add_argument(
@@ -204,11 +209,13 @@ def _run_agent(args: argparse.Namespace) -> int:
     import asyncio
 
     from torshmon.agent.daemon import run_agent, settings_from_env
+    from torshmon.agent.spool import SpoolError
 
     token = _token(args)
     try:
         settings = settings_from_env(
             socket_path=args.socket,
+            socket_group=args.socket_group,
             metrics_host=args.metrics_host,
             metrics_port=args.metrics_port,
             aggregator_url=args.aggregator,
@@ -224,7 +231,8 @@ def _run_agent(args: argparse.Namespace) -> int:
         return 2
     try:
         return asyncio.run(run_agent(settings))
-    except OSError as exc:
+    except (OSError, SpoolError) as exc:
+        # An unsafe folder or file (UnsafePathError), a taken port, a locked spool.
         print(f"torshmon agent: cannot start: {exc}", file=sys.stderr)
         return 1
 

@@ -298,3 +298,31 @@ def test_plain_json_bodies_are_accepted_too(agg: AggregatorThread) -> None:
     body = wf.ingest_body("a", [(1, wf.record(h0, wf.batch(h0, 1, [wf.step(1)])))])
     assert agg.post_ingest(body, compress=False) == (200, {"v": 1, "acked_seq": 1, "commands": []})
     assert count(agg.settings.db_url, "steps") == 1
+
+
+def test_2000_distinct_ops_groups_and_codecs_leave_metrics_small(agg: AggregatorThread) -> None:
+    """Past the cap of distinct values per job, op, pg and codec fold into 'other'."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from torshmon.labels import MAX_LABEL_VALUES
+
+    h = wf.hello("wide", 0, 1)
+    batch = wf.batch(h, 1, [wf.step_naming(1, 2000)])
+    status, reply = agg.post_ingest(wf.ingest_body("a", [(1, wf.record(h, batch))]))
+    assert status == 200, reply
+    with urllib.request.urlopen(agg.url + "/metrics", timeout=10) as resp:
+        exposition = resp.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(exposition)}
+    busbw = families["torshmon_collective_busbw_bytes_per_second"].samples
+    assert len([s for s in busbw if s.labels["job"] == "wide"]) == MAX_LABEL_VALUES + 1
+    ratios = families["torshmon_compression_ratio"].samples
+    assert len([s for s in ratios if s.labels["job"] == "wide"]) == MAX_LABEL_VALUES + 1
+    folded = {
+        s.labels["label"]: s.value
+        for s in families["torshmon_label_values_folded"].samples
+        if s.name.endswith("_total") and s.labels["job"] == "wide"
+    }
+    assert folded == {"op": 1936, "pg": 1936, "codec": 1936}
+    assert len(exposition) < 256 * 1024
+    # History rows are not labels: every collective is stored under its own name.
+    assert count(agg.settings.db_url, "collectives") == 2000

@@ -6,9 +6,12 @@ import time
 import uuid
 from collections.abc import Sequence
 
+import msgspec
+
 from torshmon.wire import (
     SCHEMA_VERSION,
     Batch,
+    BucketStat,
     CollectiveStat,
     CommandAck,
     Hello,
@@ -82,6 +85,41 @@ def step(
         samples_per_s=64 / duration_s,
         loss=loss,
         collectives=stats,
+    )
+
+
+def step_naming(n: int, distinct: int) -> StepRecord:
+    """A step whose collectives and buckets name ``distinct`` ops, process groups and
+    codecs, a new one each, as a buggy or hostile probe could."""
+    collectives = [
+        CollectiveStat(
+            op=f"op-{i}",
+            pg=f"pg-{i}",
+            dtype="float32",
+            count=1,
+            size_bytes=1000,
+            duration_s=0.001,
+            max_duration_s=0.001,
+            algbw_bytes_per_s=1e6,
+            busbw_bytes_per_s=1e6,
+            duration_hist=[0] * 4 + [1] + [0] * 10,
+        )
+        for i in range(distinct)
+    ]
+    buckets = [
+        BucketStat(
+            index=i,
+            size_bytes=1000,
+            parameters=10,
+            duration_s=0.001,
+            codec=f"codec-{i}",
+            wire_bytes=500,
+            compression_ratio=0.5,
+        )
+        for i in range(distinct)
+    ]
+    return msgspec.structs.replace(
+        step(n, collectives=False), collectives=collectives, buckets=buckets
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import grp
 import logging
 import os
 import signal
@@ -29,7 +30,12 @@ from torshmon.agent.metrics import AgentMetrics, AgentState, make_metrics_handle
 from torshmon.agent.receiver import ProbeReceiver
 from torshmon.agent.sampler import NodeSampler
 from torshmon.agent.spool import Spool
-from torshmon.paths import default_agent_socket, runtime_dir
+from torshmon.paths import (
+    default_agent_socket,
+    ensure_agent_dir,
+    ensure_private_dir,
+    runtime_dir,
+)
 from torshmon.wire import (
     Batch,
     Command,
@@ -62,10 +68,12 @@ class AgentSettings:
     """Where the agent listens, stores and forwards.
 
     ``aggregator_url`` is the aggregator's base URL (None: spool only); batches
-    go to ``<base>/api/v1/ingest``.
+    go to ``<base>/api/v1/ingest``. The socket is 0600, or 0660 with group
+    ``socket_group`` (a name or gid) for training users of another uid in it.
     """
 
     socket_path: str = field(default_factory=default_agent_socket)
+    socket_group: str | None = None
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9465
     aggregator_url: str | None = None
@@ -87,6 +95,20 @@ class AgentSettings:
             ("http://", "https://")
         ):
             raise ValueError(f"aggregator_url must be an http(s) URL, got {self.aggregator_url!r}")
+        if self.socket_group is not None:
+            self.socket_gid()  # a group that does not exist is a ValueError now, not at start
+
+    def socket_gid(self) -> int | None:
+        """The gid of ``socket_group`` (None without one); ValueError if there is none."""
+        group = self.socket_group
+        if group is None:
+            return None
+        if group.isdigit():
+            return int(group)
+        try:
+            return grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise ValueError(f"socket_group {group!r} is no group on this host") from None
 
 
 class Agent:
@@ -99,14 +121,18 @@ class Agent:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AgentMetrics(self.registry, node=settings.node)
+        _prepare_folders(settings)
         self.spool = Spool(settings.spool_path, max_bytes=settings.spool_max_bytes)
         self.sampler = NodeSampler(settings.node)
+        socket_gid = settings.socket_gid()
         self.server = ProbeReceiver(
             settings.socket_path,
             on_message=self._observe,
             store=self._store,
             commands_for=self._commands_for,
             read_window_s=GROUP_COMMIT_S,
+            socket_mode=0o600 if socket_gid is None else 0o660,
+            socket_gid=socket_gid,
         )
         # The aggregator de-duplicates by (agent id, seq): a new spool restarts seq at
         # 1, so its id is part of the agent's unless one was given.
@@ -328,6 +354,24 @@ class Agent:
         )
 
 
+def _prepare_folders(settings: AgentSettings) -> None:
+    """Make or check the folders of the socket and the spool; UnsafePathError if unsafe.
+
+    The default runtime folder must be this user's alone (0700). A folder given
+    explicitly may be shared with the training users' group for reading, but no
+    one else may write to it (see ``torshmon.paths``).
+    """
+    own = runtime_dir()
+    for folder, what in (
+        (Path(settings.socket_path).parent, "socket folder"),
+        (Path(settings.spool_path).parent, "spool folder"),
+    ):
+        if folder == own:
+            ensure_private_dir(folder)
+        else:
+            ensure_agent_dir(folder, what)
+
+
 async def run_agent(settings: AgentSettings) -> int:
     """Run until SIGTERM or SIGINT; returns the exit code."""
     stop = asyncio.Event()
@@ -350,6 +394,7 @@ def settings_from_env(**overrides: object) -> AgentSettings:
     values: dict[str, object] = {
         "aggregator_url": env.get("TORSHMON_AGGREGATOR_URL"),
         "token": env.get("TORSHMON_TOKEN"),
+        "socket_group": env.get("TORSHMON_AGENT_SOCKET_GROUP") or None,
     }
     if env.get("TORSHMON_AGENT_SPOOL"):
         values["spool_path"] = env["TORSHMON_AGENT_SPOOL"]

@@ -42,6 +42,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from torshmon.labels import LabelCap
 from torshmon.wire import (
     DURATION_BUCKETS_S,
     STEP_DURATION_BUCKETS_S,
@@ -188,11 +189,16 @@ class AgentMetrics:
 
     Feed it with observe_node(), observe_batch() and set_agent_state(); serve the
     registry with make_metrics_handler(). close() unregisters it. Thread-safe.
+    The op, pg and codec values a job's probes name are capped by ``label_cap``
+    (``torshmon.labels``); the rest fold into ``other`` as they arrive.
     """
 
-    def __init__(self, registry: CollectorRegistry, *, node: str) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, *, node: str, label_cap: LabelCap | None = None
+    ) -> None:
         self.registry = registry
         self.node = node
+        self._labels = label_cap if label_cap is not None else LabelCap()
         self._lock = threading.Lock()
         self._sample: NodeSample | None = None
         self._ranks: dict[tuple[str, int], _RankState] = {}
@@ -228,7 +234,7 @@ class AgentMetrics:
                 state.session = batch.session
                 state.dropped_records_total = batch.dropped_records_total
             if batch.steps:
-                self._observe_steps(state, batch.steps)
+                self._observe_steps(batch.job, state, batch.steps)
                 if batch.urgent:
                     state.urgent_steps_total += len(batch.steps)
             state.inflight_oldest_age_s = max((op.age_s for op in batch.inflight), default=0.0)
@@ -237,6 +243,8 @@ class AgentMetrics:
         """Drop every series of one rank (its probe is gone for good)."""
         with self._lock:
             self._ranks.pop((job, rank), None)
+            if not any(known == job for known, _ in self._ranks):
+                self._labels.forget(job)
 
     def set_agent_state(self, state: AgentState) -> None:
         """Replace the agent's own health figures; the daemon calls it when they change."""
@@ -256,15 +264,18 @@ class AgentMetrics:
                 raise ValueError(f"gauge {name!r} is already added")
             self._gauge_functions[name] = (documentation, fn)
 
-    def _observe_steps(self, state: _RankState, steps: Sequence[StepRecord]) -> None:
+    def _observe_steps(self, job: str, state: _RankState, steps: Sequence[StepRecord]) -> None:
         """Counters and histograms take every step; gauges only need the latest value."""
         state.steps_total += len(steps)
         observe = state.step_duration.observe
+        # The batch's (op, pg) pairs as kept (capped), so that the bus bandwidth pass
+        # neither folds nor counts them again.
+        keys: dict[tuple[str, str], tuple[str, str]] = {}
         for step in steps:
             observe(step.duration_s)
             if step.collectives:
-                self._count_collectives(state, step.collectives)
-        self._set_bus_bandwidths(state, steps)
+                self._count_collectives(job, state, step.collectives, keys)
+        self._set_bus_bandwidths(state, steps, keys)
         last = steps[-1]
         state.communication_time_ratio = _unit(last.communication_time_ratio)
         if last.duration_s > 0.0:
@@ -286,15 +297,24 @@ class AgentMetrics:
         if with_buckets is not None:
             ratios: dict[str, list[float]] = {}
             for bucket in with_buckets.buckets:
-                ratios.setdefault(bucket.codec, []).append(bucket.compression_ratio)
+                codec = self._labels.value(job, "codec", bucket.codec)
+                ratios.setdefault(codec, []).append(bucket.compression_ratio)
             # Replaced, not merged: a codec switched away from stops being reported.
             state.compression_ratio = {c: sum(r) / len(r) for c, r in ratios.items()}
 
-    def _count_collectives(self, state: _RankState, stats: Sequence[CollectiveStat]) -> None:
+    def _count_collectives(
+        self,
+        job: str,
+        state: _RankState,
+        stats: Sequence[CollectiveStat],
+        keys: dict[tuple[str, str], tuple[str, str]],
+    ) -> None:
         collectives = state.collectives
         expected = len(DURATION_BUCKETS_S) + 1
         for stat in stats:
             key = (stat.op, stat.pg)
+            if key not in collectives:  # a pair kept before is kept as it is
+                keys[key] = key = self._labels.collective(job, stat.op, stat.pg)
             collective = collectives.get(key)
             if collective is None:  # not setdefault: that builds a state on every call
                 collective = collectives[key] = _CollectiveState()
@@ -310,7 +330,11 @@ class AgentMetrics:
                 )
 
     @staticmethod
-    def _set_bus_bandwidths(state: _RankState, steps: Sequence[StepRecord]) -> None:
+    def _set_bus_bandwidths(
+        state: _RankState,
+        steps: Sequence[StepRecord],
+        keys: dict[tuple[str, str], tuple[str, str]],
+    ) -> None:
         """Each (op, pg)'s bus bandwidth in the latest step that timed it.
 
         Bus bandwidth is bytes over time, so dtypes of one (op, pg) combine
@@ -322,6 +346,7 @@ class AgentMetrics:
             busy: dict[tuple[str, str], tuple[float, float]] = {}
             for stat in step.collectives:
                 key = (stat.op, stat.pg)
+                key = keys.get(key, key)
                 if key not in done:
                     weighted, seconds = busy.get(key, (0.0, 0.0))
                     busy[key] = (
@@ -342,10 +367,17 @@ class AgentMetrics:
         dict[tuple[str, int], _RankState],
         AgentState,
         dict[str, tuple[str, Callable[[], float]]],
+        list[tuple[str, str, int]],
     ]:
         with self._lock:
             ranks = {key: state.copy() for key, state in self._ranks.items()}
-            return self._sample, ranks, self._agent_state, dict(self._gauge_functions)
+            return (
+                self._sample,
+                ranks,
+                self._agent_state,
+                dict(self._gauge_functions),
+                self._labels.folded(),
+            )
 
 
 class _AgentCollector(Collector):
@@ -355,11 +387,18 @@ class _AgentCollector(Collector):
         self._metrics = metrics
 
     def collect(self) -> Iterable[Metric]:
-        sample, ranks, agent, gauges = self._metrics._snapshot()
+        sample, ranks, agent, gauges, folded = self._metrics._snapshot()
         node = self._metrics.node
         if sample is not None:
             yield from _node_families(sample)
         yield from _rank_families(ranks)
+        yield _counter(
+            "label_values_folded_total",
+            "Op, pg and codec label values a job's probes named past its cap of distinct "
+            "values, kept under 'other' instead.",
+            ("job", "label"),
+            [([job, label], count) for job, label, count in folded],
+        )
         yield from _agent_families(agent, node)
         yield from _function_families(gauges, node)
 

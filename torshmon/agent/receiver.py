@@ -61,7 +61,9 @@ class ProbeReceiver:
     without a task; a coroutine gets a task. ``on_message`` sees every new
     message; ``commands_for`` names the commands to hand to a probe with its next
     ack. ``read_window_s`` > 0 reads all connections together once per window
-    (see the module docstring); 0 handles each frame as it arrives.
+    (see the module docstring); 0 handles each frame as it arrives. The socket
+    file gets ``socket_mode`` (0600: this user only) and, when given, the group
+    ``socket_gid``, whatever the umask.
     ``async with`` or start()/aclose(); everything runs on the loop of start().
     """
 
@@ -74,10 +76,18 @@ class ProbeReceiver:
         store: Callable[[ProbeMessage, bytes], Awaitable[None]] | None = None,
         commands_for: Callable[[Hello], list[Command]] | None = None,
         read_window_s: float = 0.0,
+        socket_mode: int = 0o600,
+        socket_gid: int | None = None,
     ) -> None:
         if not read_window_s >= 0.0:
             raise ValueError(f"read_window_s must be >= 0, got {read_window_s}")
+        if socket_mode & ~0o660:
+            raise ValueError(
+                f"socket_mode may grant read/write to owner and group only, got {socket_mode:04o}"
+            )
         self.socket_path = Path(socket_path)
+        self.socket_mode = socket_mode
+        self.socket_gid = socket_gid
         self.read_window_s = read_window_s
         self._out_path = Path(out_path) if out_path is not None else None
         self._on_message = on_message
@@ -112,16 +122,28 @@ class ProbeReceiver:
     async def start(self) -> None:
         if self._listener is not None:
             raise RuntimeError("ProbeReceiver.start() called twice")
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        self.socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        bound = False
         try:
+            # Linux gives the socket file this mode at bind (less the umask), so it is
+            # never open wider, not even until the chmod below; elsewhere it may fail.
+            with contextlib.suppress(OSError):
+                os.fchmod(listener.fileno(), self.socket_mode)
             listener.bind(str(self.socket_path))
+            bound = True
+            if self.socket_gid is not None:
+                os.chown(self.socket_path, -1, self.socket_gid)
+            os.chmod(self.socket_path, self.socket_mode)
             listener.listen(_LISTEN_BACKLOG)
             listener.setblocking(False)
         except OSError:
             listener.close()
+            if bound:  # a group we may not give it, say: leave no socket behind
+                with contextlib.suppress(OSError):
+                    self.socket_path.unlink()
             raise
         if self._out_path is not None:
             self._out = self._out_path.open("ab")

@@ -30,6 +30,8 @@ import uuid
 from pathlib import Path
 from typing import Final, Literal
 
+from torshmon.paths import secure_private_file
+
 log = logging.getLogger(__name__)
 
 _DROP_LOG_INTERVAL_S: Final = 60.0
@@ -46,7 +48,9 @@ class Spool:
     Thread safety: every method takes an internal lock, so the spool may be used
     from the event-loop thread and from worker threads (``asyncio.to_thread``) at
     once. Methods block for disk I/O (``append`` and ``ack`` for one fsync).
-    Raises SpoolError, naming the path, when the file cannot be opened or written.
+    Raises SpoolError, naming the path, when the file cannot be opened or written,
+    and UnsafePathError when it is not this user's. The file and SQLite's -wal and
+    -shm files are 0600 whatever the umask.
     """
 
     def __init__(
@@ -71,9 +75,12 @@ class Spool:
 
     def _open(self, synchronous: str) -> sqlite3.Connection:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise SpoolError(f"cannot create the directory of spool {self.path}: {exc}") from exc
+        # Made (or tightened) before SQLite opens it, which then gives its -wal and -shm
+        # files the same 0600: the records are the training job's data.
+        secure_private_file(self.path)
         try:
             # isolation_level=None: transactions are opened explicitly (BEGIN IMMEDIATE).
             conn = sqlite3.connect(

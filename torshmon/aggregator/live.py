@@ -40,6 +40,7 @@ from torshmon.aggregator.linkcheck import LinkChecker, LinkCheckSettings
 from torshmon.aggregator.series import LabelSet, SeriesStore
 from torshmon.aggregator.straggler import StepCollector, StragglerDetector
 from torshmon.aggregator.zscore import ZScoreDetector
+from torshmon.labels import LabelCap
 from torshmon.wire import (
     DURATION_BUCKETS_S,
     STEP_DURATION_BUCKETS_S,
@@ -164,14 +165,18 @@ class LiveState:
         series_retention_s: float = 900.0,
         series_windows_s: Mapping[str, float] | None = None,
         link_check: LinkCheckSettings | None = None,
+        label_cap: LabelCap | None = None,
     ) -> None:
         """``idle_s``: a job (or node) that sent nothing for this long is dropped, with
         its series and detector state; a hung job still sends heartbeats, so it stays.
         ``series_retention_s``: how far back the rules can look (history is in SQL).
         ``series_windows_s``: the metrics whose points the rules read, with how far back
         (None: all of every metric); the others keep their newest point only.
-        ``link_check``: when to run pairwise link checks and how to read them."""
+        ``link_check``: when to run pairwise link checks and how to read them.
+        ``label_cap``: how many op, pg and codec values a job's probes may name; the
+        rest fold into ``other`` as they are taken in (``torshmon.labels``)."""
         self.idle_s = idle_s
+        self._labels = label_cap if label_cap is not None else LabelCap()
         self.series = SeriesStore(retention_s=series_retention_s, windows_s=series_windows_s)
         self.jobs: dict[str, JobState] = {}
         self.nodes: dict[str, NodeSample] = {}
@@ -353,15 +358,17 @@ class LiveState:
         if any(collectives):
             for step_collectives in collectives:
                 if step_collectives:
-                    _observe_collectives(r, step_collectives)
+                    _observe_collectives(r, step_collectives, batch.job, self._labels)
         if any(buckets):
+            fold = self._labels.value
             for step_buckets in buckets:
                 for b in step_buckets:
-                    r.compression[b.codec] = b.compression_ratio
-                    total = r.wire_bytes_total.get(b.codec, 0.0)
-                    r.wire_bytes_total[b.codec] = total + b.wire_bytes
+                    codec = fold(batch.job, "codec", b.codec)
+                    r.compression[codec] = b.compression_ratio
+                    total = r.wire_bytes_total.get(codec, 0.0)
+                    r.wire_bytes_total[codec] = total + b.wire_bytes
                     if b.relative_error is not None:
-                        r.relative_error[b.codec] = b.relative_error
+                        r.relative_error[codec] = b.relative_error
         if ddps.count(None) < n or applied.count(None) < n:
             for ddp, config in zip(ddps, applied, strict=True):
                 if ddp is not None:
@@ -536,6 +543,7 @@ class LiveState:
         """Drop a finished job: its ranks, series and detector state."""
         with self._lock:
             self.jobs.pop(job, None)
+            self._labels.forget(job)
             self.series.forget({"job": job})
             for detector in (self.step_z, self.loss_z, self.straggler, self.hang, self.links):
                 detector.forget(job)
@@ -618,6 +626,7 @@ class LiveState:
                     if (reading := self.links.last(name)) is not None
                 },
                 "alerts": list(self._alerts),
+                "labels_folded": self._labels.folded(),
             }
 
 
@@ -638,10 +647,14 @@ def _copy_rank(r: RankState) -> RankState:
     )
 
 
-def _observe_collectives(r: RankState, collectives: Sequence[CollectiveStat]) -> None:
+def _observe_collectives(
+    r: RankState, collectives: Sequence[CollectiveStat], job: str, labels: LabelCap
+) -> None:
     by_key, busbw = r.collectives, r.busbw
     for c in collectives:
         key = (c.op, c.pg)
+        if key not in by_key:  # a pair kept before is kept as it is
+            key = labels.collective(job, c.op, c.pg)
         hist = by_key.get(key)
         if hist is None:
             hist = by_key[key] = _Histogram([0] * len(_COLL_BUCKETS))
@@ -807,6 +820,15 @@ class _LiveCollector:
         yield from g.values()
         yield from (rss, steps, nonfinite, dropped, step_h, coll_h, busbw)
         yield from (compression, rel_err, wire, cap, codec)
+        folded = CounterMetricFamily(
+            "torshmon_label_values_folded",
+            "Op, pg and codec label values a job's probes named past its cap of distinct "
+            "values, kept under 'other' instead",
+            labels=["job", "label"],
+        )
+        for job, label, count in snap["labels_folded"]:
+            folded.add_metric([job, label], float(count))
+        yield folded
         yield from self._node_families(snap["nodes"])
         yield from self._detector_families(snap)
 

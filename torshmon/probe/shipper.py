@@ -9,13 +9,21 @@ dropped and counted, and the count travels in every later batch.
 Steps are summarised every ``poll_s`` and sent every ``flush_interval_s``, or at
 once, marked urgent, while the fast lane is open (``fastlane``: a step out of line
 with the rank's recent ones opens it).
+
+The probe sends only to an agent run by its own user, root, or the user named by
+``$TORSHMON_AGENT_USER`` (an agent shared by the node's training users): whoever
+serves the socket reads the job's data and sends rank 0 its commands. Any other
+is treated as no agent, and the refusal is logged once.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
+import pwd
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -81,11 +89,58 @@ class Outbox(Generic[T]):
             return out
 
 
+#: ``struct ucred`` (pid, uid, gid), as SO_PEERCRED returns it.
+_UCRED = struct.Struct("3i")
+
+
+class UntrustedAgentError(PermissionError):
+    """The socket is served by a user the probe does not send to; the text says which."""
+
+
+def trusted_agent_uids() -> frozenset[int]:
+    """The users whose agent a probe sends to: this process's, root, ``$TORSHMON_AGENT_USER``.
+
+    ``$TORSHMON_AGENT_USER`` is a user name or uid; one unknown here is logged and
+    left out (training goes on; the probe then refuses that agent and says so).
+    """
+    uids = {os.geteuid(), 0}
+    name = os.environ.get("TORSHMON_AGENT_USER", "").strip()
+    if name.isdigit():
+        uids.add(int(name))
+    elif name:
+        try:
+            uids.add(pwd.getpwnam(name).pw_uid)
+        except KeyError:
+            log.warning("torshmon: TORSHMON_AGENT_USER=%r is no user here; ignored", name)
+    return frozenset(uids)
+
+
+def check_agent(sock: socket.socket, path: str, trusted_uids: frozenset[int]) -> None:
+    """Raise UntrustedAgentError unless the connected socket's server runs as a trusted uid.
+
+    On Linux the kernel names the process that listens (SO_PEERCRED), which no one
+    can swap between the check and the connection; elsewhere the socket file's
+    owner is read.
+    """
+    peercred = getattr(socket, "SO_PEERCRED", None)
+    if peercred is not None:
+        _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, peercred, _UCRED.size))
+    else:
+        uid = os.stat(path).st_uid
+    if uid not in trusted_uids:
+        raise UntrustedAgentError(
+            f"the socket is served by uid {uid}, not by this user (uid {os.geteuid()}), root "
+            "or $TORSHMON_AGENT_USER: not sending to it"
+        )
+
+
 class Shipper:
     """The background thread that batches step records and sends them to the agent.
 
     Protocol: ``hello`` on every new connection, then each batch is sent and
     answered by an ``ack``; unacknowledged batches are resent after a reconnect.
+    An agent served by a uid outside ``trusted_uids`` (default: trusted_agent_uids())
+    is treated as no agent.
     ``start()`` once, ``close()`` any number of times.
     """
 
@@ -105,8 +160,10 @@ class Shipper:
         reconnect_max_s: float = 5.0,
         on_commands: Callable[[list[Command]], None] | None = None,
         fast_lane: FastLane | None = None,
+        trusted_uids: frozenset[int] | None = None,
     ) -> None:
         self._socket_path = socket_path
+        self._trusted_uids = trusted_uids if trusted_uids is not None else trusted_agent_uids()
         self._hello = hello
         self._outbox = outbox
         self._inflight = inflight
@@ -228,6 +285,7 @@ class Shipper:
         sock.settimeout(self._io_timeout_s)
         try:
             sock.connect(self._socket_path)
+            check_agent(sock, self._socket_path, self._trusted_uids)
             sock.sendall(encode_frame(self._hello))
         except OSError as exc:
             sock.close()
