@@ -28,6 +28,7 @@ import msgspec
 from yarl import URL
 
 from torshmon.agent.spool import Spool
+from torshmon.redact import Redactor, redact_url, url_secrets
 from torshmon.wire import SCHEMA_VERSION, IngestReply, WireError, decode_json
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,21 @@ class _Failure:
     delay_s: float | None = None  # None: the usual exponential backoff
 
 
+def check_aggregator_url(url: str) -> None:
+    """ValueError unless ``url`` is http(s) with a host; the message hides its credentials."""
+    try:
+        parsed = URL(url)
+        host = parsed.host
+    except (TypeError, ValueError) as exc:
+        # ``from None``: the chained exception would show the URL in a traceback.
+        reason = Redactor(url_secrets(url))(str(exc))
+        raise ValueError(f"aggregator url {redact_url(url)} is not a valid URL: {reason}") from None
+    if parsed.scheme not in ("http", "https") or not host:
+        raise ValueError(
+            f"aggregator url must be http:// or https:// with a host, got {redact_url(url)}"
+        )
+
+
 class Forwarder:
     """Sends spooled records to the aggregator at ``url``. ``async with`` or start()/aclose().
 
@@ -97,9 +113,8 @@ class Forwarder:
         min_interval_s: float = 0.5,
         rng: random.Random | None = None,
     ) -> None:
+        check_aggregator_url(url)
         parsed = URL(url)
-        if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise ValueError(f"aggregator url must be http:// or https:// with a host, got {url!r}")
         for name, value in (
             ("batch_max_bytes", batch_max_bytes),
             ("backoff_initial_s", backoff_initial_s),
@@ -113,6 +128,10 @@ class Forwarder:
         self._url = url
         # What logs may show: no credentials, query string or fragment.
         self.safe_url = str(parsed.with_user(None).with_query(None).with_fragment(None))
+        # aiohttp's messages may quote the URL, as given or as yarl spells it.
+        self._redact = Redactor()
+        self._redact.add_url(url)
+        self._redact.add_url(str(parsed))
         self._token = token
         self._batch_head = b'{"v":%d,"agent_id":%s,"node":%s,"records":[' % (
             SCHEMA_VERSION,
@@ -204,7 +223,9 @@ class Forwarder:
             except Exception as exc:
                 # The forwarder must outlive anything unexpected (a full disk, a bug):
                 # the data stays spooled and the next attempt may succeed.
-                failure = _Failure("internal", f"forwarding to {self.safe_url} failed: {exc!r}")
+                failure = _Failure(
+                    "internal", f"forwarding to {self.safe_url} failed: {self._redact(repr(exc))}"
+                )
                 self._failed(failure, exc_info=True)
                 delay = self._backoff_s()
             if delay is None:
@@ -280,7 +301,7 @@ class Forwarder:
                 status = resp.status
                 body = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            detail = str(exc).replace(self._url, self.safe_url) or "timed out"
+            detail = self._redact(str(exc).replace(self._url, self.safe_url)) or "timed out"
             return _Failure("unreachable", f"cannot reach {self.safe_url}: {detail}")
         if status == 200:
             return await self._accept(prepared, body)
@@ -388,4 +409,4 @@ class Forwarder:
         return delay * (0.5 + 0.5 * self._rng.random())
 
 
-__all__ = ["Forwarder"]
+__all__ = ["Forwarder", "check_aggregator_url"]

@@ -36,6 +36,7 @@ from yarl import URL
 from torshmon import __version__
 from torshmon.aggregator.alert import Alert
 from torshmon.aggregator.slack import slack_payload
+from torshmon.redact import Redactor
 
 log = logging.getLogger(__name__)
 
@@ -566,7 +567,7 @@ class _Worker:
         self._condition = "ok"
         self._url, headers = _endpoint(target)
         self._headers = headers
-        self._secrets = _secrets(target)
+        self._redact = _redactor(target)
         self.sent_total = 0
         self.failed_total = 0
         self.dropped_total = 0
@@ -657,7 +658,7 @@ class _Worker:
             except Exception as exc:
                 # The worker must outlive a bug; what it was sending is given up.
                 log.error(
-                    "notify target %s: internal error %s", self.target.name, self._redact(exc)
+                    "notify target %s: internal error %s", self.target.name, self._redact(repr(exc))
                 )
                 self.failed_total += 1
                 for item in self._inflight:
@@ -799,12 +800,6 @@ class _Worker:
         self._condition = result.condition
         log.log(level, "notify target %s: %s; %s", self.target.name, result.detail, what)
 
-    def _redact(self, value: object) -> str:
-        text = str(value) if isinstance(value, str) else repr(value)
-        for secret in self._secrets:
-            text = text.replace(secret, "<redacted>")
-        return text
-
 
 async def _wait(event: asyncio.Event, timeout_s: float | None) -> None:
     """Until ``event`` is set or ``timeout_s`` passed (None: no limit)."""
@@ -820,18 +815,17 @@ def _endpoint(target: Target) -> tuple[str, dict[str, str]]:
     return target.url, {}
 
 
-def _secrets(target: Target) -> tuple[str, ...]:
-    """Strings that must not reach a log: URL, path and its longer segments, query, token."""
-    url = target.base_url if isinstance(target, AlertmanagerTarget) else target.url
-    parsed = URL(url)
-    found = {url, parsed.raw_path, parsed.path, parsed.raw_query_string, parsed.query_string}
-    found.update(parsed.raw_parts)
-    if parsed.password:
-        found.add(parsed.password)
-    if isinstance(target, WebhookTarget) and target.bearer_token:
-        found.add(target.bearer_token)
-    # Longest first, so a URL is replaced whole before its path is.
-    return tuple(sorted((s for s in found if len(s) >= 6), key=len, reverse=True))
+def _redactor(target: Target) -> Redactor:
+    """Scrubs the target's URL (path and query included: a webhook URL is a credential)
+    and token out of what a server or an exception says."""
+    redact = Redactor()
+    redact.add_url(
+        target.base_url if isinstance(target, AlertmanagerTarget) else target.url,
+        secret_path=True,
+    )
+    if isinstance(target, WebhookTarget):
+        redact.add(target.bearer_token)
+    return redact
 
 
 __all__ = [
