@@ -11,6 +11,7 @@ itself the credential). Two tools, used wherever text leaves the process:
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import Iterable
 from typing import Final
@@ -54,7 +55,8 @@ def redact_url(url: str, *, secret_path: bool = False) -> str:
 
 def url_secrets(url: str, *, secret_path: bool = False) -> set[str]:
     """The pieces of ``url`` no text may show: its password or lone user name (as
-    written and decoded), query and fragment; with ``secret_path`` the URL itself,
+    written, decoded and in a Basic Authorization header), query and fragment; with
+    ``secret_path`` the URL itself,
     its path and the path's longer segments (a server may echo any of them)."""
     try:
         parts = urlsplit(url)
@@ -65,6 +67,9 @@ def url_secrets(url: str, *, secret_path: bool = False) -> set[str]:
     if at:
         user, colon, password = userinfo.partition(":")
         found.add(password if colon else user)
+        # As an HTTP client sends them, which a server may echo back.
+        basic = f"{unquote(user)}:{unquote(password)}".encode("latin-1", "replace")
+        found.add(base64.b64encode(basic).decode())
     if secret_path:
         found.update((url, parts.path, parts.path.strip("/")))
         found.update(s for s in parts.path.split("/") if len(s) >= _MIN_SEGMENT_CHARS)

@@ -85,7 +85,7 @@ class AgentSettings:
         if self.spool_max_bytes < 1024 * 1024:
             raise ValueError(f"spool_max_bytes must be >= 1 MiB, got {self.spool_max_bytes}")
         if self.aggregator_url is not None:
-            check_aggregator_url(self.aggregator_url)
+            check_aggregator_url(self.aggregator_url, self.token)
         if self.token is not None and not self.token.strip():
             raise ValueError("the token is empty; give a token or none")
 

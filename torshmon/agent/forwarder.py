@@ -37,6 +37,8 @@ _MAX_RECORDS_PER_BATCH: Final = 10_000
 #: The least time between POSTs when urgent records cut the gathering wait short.
 URGENT_MIN_INTERVAL_S: Final = 0.1
 _MAX_LOGGED_BODY_CHARS: Final = 500
+#: The start of an error body that is scrubbed of secrets before it is cut for a log.
+_SCRUBBED_BODY_BYTES: Final = 8192
 #: zlib level 1: about half the CPU of the default 6 on the agent's JSON, which
 #: still shrinks it more than tenfold (the agent's budget is CPU, not bandwidth).
 GZIP_LEVEL: Final = 1
@@ -72,8 +74,9 @@ class _Failure:
     delay_s: float | None = None  # None: the usual exponential backoff
 
 
-def check_aggregator_url(url: str) -> None:
-    """ValueError unless ``url`` is http(s) with a host; the message hides its credentials."""
+def check_aggregator_url(url: str, token: str | None = None) -> None:
+    """ValueError unless ``url`` is http(s) with a host, and without credentials when a
+    bearer ``token`` is given too; the message hides the credentials."""
     try:
         parsed = URL(url)
         host = parsed.host
@@ -84,6 +87,12 @@ def check_aggregator_url(url: str) -> None:
     if parsed.scheme not in ("http", "https") or not host:
         raise ValueError(
             f"aggregator url must be http:// or https:// with a host, got {redact_url(url)}"
+        )
+    if token is not None and (parsed.user is not None or parsed.password is not None):
+        # aiohttp refuses such a request: both would be the Authorization header.
+        raise ValueError(
+            f"aggregator url {redact_url(url)} has credentials and a token is given too; "
+            "give one of them"
         )
 
 
@@ -113,7 +122,7 @@ class Forwarder:
         min_interval_s: float = 0.5,
         rng: random.Random | None = None,
     ) -> None:
-        check_aggregator_url(url)
+        check_aggregator_url(url, token)
         parsed = URL(url)
         for name, value in (
             ("batch_max_bytes", batch_max_bytes),
@@ -128,8 +137,9 @@ class Forwarder:
         self._url = url
         # What logs may show: no credentials, query string or fragment.
         self.safe_url = str(parsed.with_user(None).with_query(None).with_fragment(None))
-        # aiohttp's messages may quote the URL, as given or as yarl spells it.
-        self._redact = Redactor()
+        # aiohttp's messages may quote the URL, as given or as yarl spells it, and a
+        # failing server may echo the Authorization header.
+        self._redact = Redactor([token] if token is not None else [])
         self._redact.add_url(url)
         self._redact.add_url(str(parsed))
         self._token = token
@@ -335,7 +345,9 @@ class Forwarder:
         return acked
 
     def _classify(self, status: int, body: bytes, prepared: _Prepared) -> _Failure:
-        text = body[:_MAX_LOGGED_BODY_CHARS].decode("utf-8", "replace").strip()
+        # Scrubbed before it is cut short: a cut could leave half a secret unmatched.
+        text = self._redact(body[:_SCRUBBED_BODY_BYTES].decode("utf-8", "replace"))
+        text = text[:_MAX_LOGGED_BODY_CHARS].strip()
         if status in (401, 403):
             return _Failure(
                 "auth",

@@ -47,6 +47,8 @@ MAX_ALERTS_PER_MESSAGE: Final = 500
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _DEDUP_CAPACITY: Final = 65536
 _MAX_LOGGED_BODY_CHARS: Final = 200
+#: The start of an error body that is scrubbed of secrets before it is cut for a log.
+_SCRUBBED_BODY_BYTES: Final = 8192
 
 
 # -- targets ------------------------------------------------------------------------------
@@ -782,13 +784,14 @@ class _Worker:
             ) as resp:
                 status = resp.status
                 retry_after = resp.headers.get("Retry-After")
-                text = (await resp.content.read(_MAX_LOGGED_BODY_CHARS)).decode("utf-8", "replace")
+                text = (await resp.content.read(_SCRUBBED_BODY_BYTES)).decode("utf-8", "replace")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             # Only the exception's type: aiohttp's messages can quote the request URL.
             return _Attempt(False, True, "unreachable", f"cannot connect ({type(exc).__name__})")
         if 200 <= status < 300:
             return _Attempt(True)
-        detail = f"HTTP {status}: {self._redact(text.strip())}"
+        # Scrubbed before it is cut short: a cut could leave half a secret unmatched.
+        detail = f"HTTP {status}: {self._redact(text)[:_MAX_LOGGED_BODY_CHARS].strip()}"
         if status == 429 or status >= 500:
             after = parse_retry_after(retry_after, now_unix_s=self._s.wall_clock())
             return _Attempt(False, True, f"http-{status}", detail, after)
