@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import logging
 
@@ -38,7 +39,8 @@ def test_a_webhook_url_hides_its_path() -> None:
 
 
 def test_url_secrets_are_the_pieces_a_message_may_echo() -> None:
-    assert url_secrets("postgresql://u:p%40ss@db/h") == {"p%40ss", "p@ss"}
+    basic = base64.b64encode(b"u:p@ss").decode()  # as an Authorization header holds it
+    assert url_secrets("postgresql://u:p%40ss@db/h") == {"p%40ss", "p@ss", basic}
     assert url_secrets("http://host:1/") == set()
     hook = url_secrets("https://h/services/T0AAA/B0BBB/XyZsecretXyZ?x=1", secret_path=True)
     assert {"XyZsecretXyZ", "services", "/services/T0AAA/B0BBB/XyZsecretXyZ", "x=1"} <= hook
@@ -76,13 +78,14 @@ def test_log_filter_scrubs_message_arguments_and_traceback() -> None:
 
 
 def test_settings_reprs_leave_secrets_out() -> None:
-    agent = AgentSettings(aggregator_url="http://u:hunter2@h:1/", token="agent-secret-token")
+    with_url = AgentSettings(aggregator_url="http://u:hunter2@h:1/")
+    with_token = AgentSettings(aggregator_url="http://h:1/", token="agent-secret-token")
     aggregator = AggregatorSettings(
         db_url="postgresql://u:hunter2@h/db",
         token="agg-secret-token",
         otlp_endpoint="http://u:hunter2@otel:4318",
     )
-    for text in (repr(agent), repr(aggregator)):
+    for text in (repr(with_url), repr(with_token), repr(aggregator)):
         assert "hunter2" not in text and "secret-token" not in text
 
 

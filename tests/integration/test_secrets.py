@@ -32,8 +32,9 @@ HOOK_QUERY = "key=QueryS3cret-x9"
 SLACK_PATH = "/services/T0AA/B0BB/SlackS3cret-x9"
 WEBHOOK_TOKEN = "WebhookS3cretToken-x9"
 OTLP_PASSWORD = "OtlpS3cretPw-x9"
+OTLP_KEY = "OtlpS3cretKey-x9"
 SECRETS = (PASSWORD, TOKEN, "HookS3cretPath", "QueryS3cret", "SlackS3cret", WEBHOOK_TOKEN)
-SECRETS += (OTLP_PASSWORD,)
+SECRETS += (OTLP_PASSWORD, OTLP_KEY)
 
 RULES = """\
 rules:
@@ -246,17 +247,22 @@ def test_a_running_aggregator_keeps_every_secret(
         "TORSHMON_WEBHOOK_URL": f"{hook}{HOOK_PATH}?{HOOK_QUERY}",
         "TORSHMON_WEBHOOK_TOKEN": WEBHOOK_TOKEN,
         "TORSHMON_SLACK_WEBHOOK_URL": hook + SLACK_PATH,
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://otel:{OTLP_PASSWORD}@127.0.0.1:{free_port()}",
+        # The exporter's own log quotes the URL's query: only the log filter scrubs it.
+        "OTEL_EXPORTER_OTLP_ENDPOINT": (
+            f"http://otel:{OTLP_PASSWORD}@127.0.0.1:{free_port()}/?api-key={OTLP_KEY}"
+        ),
         "OTEL_BSP_SCHEDULE_DELAY": "100",
-        "OTEL_EXPORTER_OTLP_TIMEOUT": "1",
+        # Long enough for a retry, which the exporter logs with the URL.
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "5",
     }
+    stderr = tmp_path / "stderr.log"
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "torshmon.cli", "-v", "aggregator",
             "--port", str(port), "--db", f"sqlite:///{db}",
             "--token-file", str(tmp_path / "token"), "--rules", str(tmp_path / "rules.yaml"),
         ],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True, env=env,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     answers: list[str] = []
@@ -281,6 +287,7 @@ def test_a_running_aggregator_keeps_every_secret(
             assert response.status == 200
         # Both targets were tried (and failed) at least twice: retries are logged too.
         _wait_for(lambda: len(seen) >= 4, "notification attempts")
+        _wait_for(lambda: "Transient error" in stderr.read_text(), "an OTLP export failure")
         for path in (
             "/healthz",
             "/metrics",
@@ -292,7 +299,8 @@ def test_a_running_aggregator_keeps_every_secret(
         answers.append(_get(base + "/api/v1/jobs", "wrong-token"))
         answers.append(_get(base + "/api/v1/commands/999", TOKEN))
     finally:
-        out, err = _stop(proc)
+        out, _ = _stop(proc)
+    err = stderr.read_text()
     assert proc.returncode == 0, err
     assert any("Loss Too High" in answer for answer in answers)  # the alert fired
     assert "notify target webhook: HTTP 500: no route <redacted>" in err
@@ -300,6 +308,7 @@ def test_a_running_aggregator_keeps_every_secret(
     for answer in answers:
         _assert_clean("an API answer", answer)
     _assert_clean("the aggregator's output", out + err)
+    assert "/v1/traces?<redacted>" in err  # the exporter logged its URL, scrubbed
     for path in tmp_path.glob("history.db*"):
         _assert_clean(path.name, path.read_bytes())
     assert json.loads(answers[2])["jobs"]  # the history did get written
