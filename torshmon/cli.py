@@ -194,8 +194,8 @@ def _redactor(args: argparse.Namespace, env: Mapping[str, str]) -> Redactor:
 
 
 def _fail(command: str, redact: Redactor, message: str, code: int) -> int:
-    """Print ``torshmon COMMAND: message`` as one line with the secrets scrubbed."""
-    print(redact(f"torshmon {command}: {' '.join(message.split())}"), file=sys.stderr)
+    """Print ``torshmon COMMAND: message`` with the secrets scrubbed; returns ``code``."""
+    print(redact(f"torshmon {command}: {message}"), file=sys.stderr)
     return code
 
 
@@ -205,7 +205,7 @@ def _db_error(exc: Exception) -> str:
     from sqlalchemy.exc import DBAPIError
 
     orig = exc.orig if isinstance(exc, DBAPIError) else None
-    return f"{type(orig or exc).__name__}: {orig or exc}"
+    return " ".join(f"{type(orig or exc).__name__}: {orig or exc}".split())
 
 
 def _port(text: str) -> int:
@@ -294,12 +294,12 @@ def _run_aggregator(args: argparse.Namespace, redact: Redactor) -> int:
     }
     overrides["token"] = _token(args, redact)
     try:
-        # Webhook URLs are secrets whole; the aggregator reports a bad one itself.
-        for target in targets_from_env():
-            url = target.base_url if isinstance(target, AlertmanagerTarget) else target.url
-            redact.add_url(url, secret_path=True)
-    except ValueError:
-        pass
+        targets = targets_from_env()  # its messages never quote a URL or token
+    except ValueError as exc:
+        return _fail("aggregator", redact, str(exc), 2)
+    for target in targets:  # a webhook URL is a secret whole
+        url = target.base_url if isinstance(target, AlertmanagerTarget) else target.url
+        redact.add_url(url, secret_path=True)
     try:
         settings = load_settings(overrides, config_file=args.config)
         # The config file may hold secrets of its own.
