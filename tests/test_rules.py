@@ -17,6 +17,7 @@ from torshmon.aggregator.rules import (
     load_rules,
     load_rules_text,
     parse_duration,
+    render_template,
 )
 
 DATA = Path(__file__).parent / "data" / "rules"
@@ -243,6 +244,9 @@ def test_every_mistake_is_reported_at_once() -> None:
         ("name: A\nkind: straggler\nannotations: {summary: 'a } b'}", "invalid template"),
         ("name: A\nkind: straggler\nannotations: {summary: '{job:.2f}'}", "cannot be rendered"),
         ("name: A\nkind: straggler\nannotations: {summary: '{value:d}'}", "cannot be rendered"),
+        ("name: A\nkind: straggler\nannotations: {summary: '{job:101}'}", "width above 100"),
+        ("name: A\nkind: straggler\nannotations: {summary: '{value:.1000f}'}", "precision above"),
+        ("name: A\nkind: straggler\nannotations: {summary: '{job:q}'}", "format spec 'q' is not"),
     ],
 )
 def test_rule_mistakes(body: str, expected: str) -> None:
@@ -374,3 +378,11 @@ def test_known_metrics_cover_what_the_aggregator_feeds() -> None:
         "gpu_utilization_ratio",
         "rank_memory_rss_bytes",
     } == KNOWN_METRICS
+
+
+def test_rendering_refuses_unbounded_specs_even_for_rules_built_in_code() -> None:
+    assert render_template("{job:>8}|{value:.1%}", {"job": "j", "value": 0.25}) == "       j|25.0%"
+    with pytest.raises(ValueError, match="width above 100"):
+        render_template("{value:999999999}", {"value": 0.5})
+    with pytest.raises(ValueError, match="must be a plain name"):
+        render_template("{job.__class__}", {"job": "j"})

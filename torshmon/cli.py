@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from torshmon.redact import RedactingFilter, Redactor, redact_url
+
+log = logging.getLogger("torshmon.cli")
 
 
 def _positive_int(text: str) -> int:
@@ -99,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument(
         "--aggregator", help="aggregator base URL, e.g. http://host:9470 ($TORSHMON_AGGREGATOR_URL)"
     )
-    agent.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    agent.add_argument("--token-file", type=Path, help="file holding the bearer token (not empty)")
     agent.add_argument("--spool", help="spool file ($TORSHMON_AGENT_SPOOL)")
     agent.add_argument("--spool-max-mb", type=_positive_int, help="spool bound in MiB (256)")
     agent.add_argument("--node", help="node name (the hostname)")
@@ -116,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     aggregator.add_argument(
         "--token-file",
         type=Path,
-        help="file holding the bearer token ($TORSHMON_TOKEN); needed unless --host is loopback",
+        help="file holding the bearer token, not empty ($TORSHMON_TOKEN); needed unless "
+        "--host is loopback",
     )
     aggregator.add_argument(
         "--allowed-host",
@@ -163,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune = commands.add_parser("tune", help="start an autotuning session for a running job")
     tune.add_argument("job", help="job name")
     tune.add_argument("--url", default="http://127.0.0.1:9470", help="aggregator base URL")
-    tune.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    tune.add_argument("--token-file", type=Path, help="file holding the bearer token (not empty)")
     tune.add_argument("--max-trials", type=_positive_int, help="configs to measure (12)")
     tune.add_argument(
         "--pin",
@@ -178,11 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _TokenError(Exception):
-    """--token-file could not be read; the text says why."""
+    """--token-file could not be read or is empty; the text says why."""
 
 
-def _token(args: argparse.Namespace) -> str | None:
-    """The bearer token in ``--token-file`` (None without one); _TokenError if unreadable.
+def _token(args: argparse.Namespace, redact: Redactor) -> str | None:
+    """The bearer token in ``--token-file`` (None without one), from now on scrubbed by
+    ``redact``; _TokenError if unreadable or empty.
 
     Read when the command runs, not while parsing, so command lines can be checked
     (docs, unit files) without the secret at hand.
@@ -190,9 +197,54 @@ def _token(args: argparse.Namespace) -> str | None:
     if args.token_file is None:
         return None
     try:
-        return str(args.token_file.read_text().strip())
-    except OSError as exc:
-        raise _TokenError(f"cannot read --token-file {args.token_file}: {exc.strerror}") from None
+        token = str(args.token_file.read_text().strip())
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise _TokenError(f"cannot read --token-file {args.token_file}: {why}") from None
+    if not token:
+        # Else every agent is refused (or, for the aggregator, the API would take "").
+        raise _TokenError(f"--token-file {args.token_file} is empty; put the bearer token in it")
+    redact.add(token)
+    return token
+
+
+#: Variables that hold a secret whole, or a URL that may carry credentials.
+_SECRET_VARS = ("TORSHMON_TOKEN", "TORSHMON_WEBHOOK_TOKEN")
+_URL_VARS = (
+    "TORSHMON_DB_URL",
+    "TORSHMON_QUERY_DB_URL",
+    "TORSHMON_AGGREGATOR_URL",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+)
+
+
+def _redactor(args: argparse.Namespace, env: Mapping[str, str]) -> Redactor:
+    """The secrets this command was given on its command line and in its environment."""
+    redact = Redactor()
+    for var in _SECRET_VARS:
+        redact.add(*(item.strip() for item in env.get(var, "").split(",")))
+    for var in _URL_VARS:
+        redact.add_url(env.get(var))
+    for flag in ("db", "query_db", "aggregator", "url"):
+        value = getattr(args, flag, None)
+        if isinstance(value, str):  # demo's --db is a file
+            redact.add_url(value)
+    return redact
+
+
+def _fail(command: str, redact: Redactor, message: str, code: int) -> int:
+    """Print ``torshmon COMMAND: message`` with the secrets scrubbed; returns ``code``."""
+    print(redact(f"torshmon {command}: {message}"), file=sys.stderr)
+    return code
+
+
+def _db_error(exc: Exception) -> str:
+    """A database failure in a few words: the driver's message, not SQLAlchemy's wrapper
+    (which adds the statement and a link), on one line."""
+    from sqlalchemy.exc import DBAPIError
+
+    orig = exc.orig if isinstance(exc, DBAPIError) else None
+    return " ".join(f"{type(orig or exc).__name__}: {orig or exc}".split())
 
 
 def _port(text: str) -> int:
@@ -205,13 +257,13 @@ def _port(text: str) -> int:
     return value
 
 
-def _run_agent(args: argparse.Namespace) -> int:
+def _run_agent(args: argparse.Namespace, redact: Redactor) -> int:
     import asyncio
 
     from torshmon.agent.daemon import run_agent, settings_from_env
     from torshmon.agent.spool import SpoolError
 
-    token = _token(args)
+    token = _token(args, redact)
     try:
         settings = settings_from_env(
             socket_path=args.socket,
@@ -227,14 +279,12 @@ def _run_agent(args: argparse.Namespace) -> int:
             sample_interval_s=args.sample_interval_s,
         )
     except ValueError as exc:
-        print(f"torshmon agent: {exc}", file=sys.stderr)
-        return 2
+        return _fail("agent", redact, str(exc), 2)
     try:
         return asyncio.run(run_agent(settings))
     except (OSError, SpoolError) as exc:
         # An unsafe folder or file (UnsafePathError), a taken port, a locked spool.
-        print(f"torshmon agent: cannot start: {exc}", file=sys.stderr)
-        return 1
+        return _fail("agent", redact, f"cannot start: {exc}", 1)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -266,12 +316,16 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run_demo(config)
 
 
-def _run_aggregator(args: argparse.Namespace) -> int:
+def _run_aggregator(args: argparse.Namespace, redact: Redactor) -> int:
     import asyncio
 
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from torshmon.aggregator.notify import AlertmanagerTarget, targets_from_env
     from torshmon.aggregator.rules import RuleError
     from torshmon.aggregator.service import run_aggregator
     from torshmon.aggregator.settings import SettingsError, load_settings
+    from torshmon.history.db import DatabaseConfigError
 
     overrides: dict[str, object] = {
         "host": args.host,
@@ -282,19 +336,31 @@ def _run_aggregator(args: argparse.Namespace) -> int:
         "aggregator_id": args.aggregator_id,
         "allowed_hosts": args.allowed_hosts,
     }
-    overrides["token"] = _token(args)
+    overrides["token"] = _token(args, redact)
+    try:
+        targets = targets_from_env()  # its messages never quote a URL or token
+    except ValueError as exc:
+        return _fail("aggregator", redact, str(exc), 2)
+    for target in targets:  # a webhook URL is a secret whole
+        url = target.base_url if isinstance(target, AlertmanagerTarget) else target.url
+        redact.add_url(url, secret_path=True)
     try:
         settings = load_settings(overrides, config_file=args.config)
+        # The config file may hold secrets of its own.
+        redact.add(settings.token)
+        redact.add_url(settings.db_url)
+        redact.add_url(settings.query_db_url)
+        redact.add_url(settings.otlp_endpoint)
         return asyncio.run(run_aggregator(settings))
-    except (SettingsError, RuleError) as exc:
-        print(f"torshmon aggregator: {exc}", file=sys.stderr)
-        return 2
+    except (SettingsError, RuleError, DatabaseConfigError) as exc:
+        return _fail("aggregator", redact, str(exc), 2)
+    except SQLAlchemyError as exc:
+        return _fail("aggregator", redact, f"cannot open the history: {_db_error(exc)}", 1)
     except OSError as exc:
-        print(f"torshmon aggregator: cannot start: {exc}", file=sys.stderr)
-        return 1
+        return _fail("aggregator", redact, f"cannot start: {exc}", 1)
 
 
-def _run_query(args: argparse.Namespace) -> int:
+def _run_query(args: argparse.Namespace, redact: Redactor) -> int:
     from torshmon.history.db import DatabaseConfigError, db_url
     from torshmon.history.query import QueryError, format_result, run_query
     from torshmon.history.reader import query_db_url
@@ -303,8 +369,7 @@ def _run_query(args: argparse.Namespace) -> int:
         url = query_db_url(args.query_db, db_url(args.db))
         result = run_query(url, args.sql, max_rows=args.max_rows)
     except (QueryError, DatabaseConfigError) as exc:
-        print(f"torshmon query: {exc}", file=sys.stderr)
-        return 1
+        return _fail("query", redact, str(exc), 1)
     print(format_result(result, args.format))
     if result.truncated:
         print(
@@ -315,7 +380,7 @@ def _run_query(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_db(args: argparse.Namespace) -> int:
+def _run_db(args: argparse.Namespace, redact: Redactor) -> int:
     from torshmon.history.db import db_url, upgrade
 
     url = db_url(args.db)
@@ -323,10 +388,10 @@ def _run_db(args: argparse.Namespace) -> int:
         password = None
         if args.reader_password_file is not None:
             password = args.reader_password_file.read_text().strip()
+            redact.add(password)
         reader = upgrade(url, reader_role=args.reader_role, reader_password=password)
-    except Exception as exc:  # any failure is reported, with the URL's password hidden
-        print(f"torshmon db upgrade: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:  # any failure is reported, with the URL's secrets scrubbed
+        return _fail("db upgrade", redact, _db_error(exc), 1)
     print("history database at head")
     if reader is not None:
         if reader.refused:
@@ -374,12 +439,12 @@ def _http_json(
         return exc.code, payload if isinstance(payload, dict) else {}
 
 
-def _run_tune(args: argparse.Namespace) -> int:
+def _run_tune(args: argparse.Namespace, redact: Redactor) -> int:
     import time
     import urllib.error
     import urllib.parse
 
-    token = _token(args)
+    token = _token(args, redact)
     base = args.url.rstrip("/")
     job = urllib.parse.quote(args.job, safe="")
     body: dict[str, object] = {"pinned": list(args.pin)}
@@ -388,8 +453,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     try:
         status, reply = _http_json("POST", f"{base}/api/v1/jobs/{job}/tune", token, body)
     except (urllib.error.URLError, OSError) as exc:
-        print(f"torshmon tune: cannot reach {base}: {exc}", file=sys.stderr)
-        return 1
+        return _fail("tune", redact, f"cannot reach {redact_url(base)}: {exc}", 1)
     if status != 201:
         print(f"torshmon tune: {reply.get('error', f'HTTP {status}')}", file=sys.stderr)
         return 1
@@ -407,8 +471,7 @@ def _run_tune(args: argparse.Namespace) -> int:
                 "GET", f"{base}/api/v1/tuning/sessions?job={job}", token
             )
         except (urllib.error.URLError, OSError) as exc:
-            print(f"torshmon tune: lost {base}: {exc}", file=sys.stderr)
-            return 1
+            return _fail("tune", redact, f"lost {redact_url(base)}: {exc}", 1)
         for status, reply in ((trials_status, trials), (sessions_status, sessions)):
             if status != 200:  # else a failing aggregator would be polled forever
                 print(f"torshmon tune: {reply.get('error', f'HTTP {status}')}", file=sys.stderr)
@@ -448,28 +511,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    redact = _redactor(args, os.environ)
+    # On the handlers: every record reaches them, libraries' (SQLAlchemy, the OTLP
+    # exporter, aiohttp) included, and tracebacks are scrubbed there too.
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter(redact))
     try:
-        return _dispatch(args)
+        return _dispatch(args, redact)
     except _TokenError as exc:
-        print(f"torshmon {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args.command, redact, str(exc), 2)
+    except Exception:
+        # A bug: its traceback goes through the scrubbing log handler, not straight out.
+        log.exception("torshmon %s failed", args.command)
+        return 1
 
 
-def _dispatch(args: argparse.Namespace) -> int:
+def _dispatch(args: argparse.Namespace, redact: Redactor) -> int:
     if args.command == "demo":
         return _run_demo(args)
     if args.command == "agent":
-        return _run_agent(args)
+        return _run_agent(args, redact)
     if args.command == "aggregator":
-        return _run_aggregator(args)
+        return _run_aggregator(args, redact)
     if args.command == "query":
-        return _run_query(args)
+        return _run_query(args, redact)
     if args.command == "db":
-        return _run_db(args)
+        return _run_db(args, redact)
     if args.command == "rules":
         return _run_rules(args)
     if args.command == "tune":
-        return _run_tune(args)
+        return _run_tune(args, redact)
     raise AssertionError(f"unhandled command {args.command}")  # argparse enforces the choices
 
 

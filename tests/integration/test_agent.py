@@ -315,7 +315,7 @@ def test_bad_flags_and_unreachable_aggregator(tmp_path: Path) -> None:
         [sys.executable, "-m", "torshmon.cli", "agent", "--aggregator", "ftp://x"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert url.returncode == 2 and "aggregator_url" in url.stderr
+    assert url.returncode == 2 and "aggregator url" in url.stderr
     # nothing listens there: the agent starts anyway, spools, and says why
     agent = AgentProcess(tmp_path, f"http://127.0.0.1:{free_port()}", "secret").start()
     try:

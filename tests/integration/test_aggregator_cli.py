@@ -133,6 +133,6 @@ def test_aggregator_bad_settings_fail_clearly(tmp_path: Path) -> None:
     assert done.returncode == 2 and "bad.yaml:5" in done.stderr
     (tmp_path / "conf.yaml").write_text("prot: 1234\n")
     done = _torshmon("aggregator", "--config", "conf.yaml", cwd=tmp_path)
-    assert done.returncode == 2 and "unknown setting(s) prot" in done.stderr
+    assert done.returncode == 2 and "conf.yaml:1: unknown setting 'prot'" in done.stderr
     done = _torshmon("aggregator", "--port", "99999", cwd=tmp_path)
     assert done.returncode == 2 and "port" in done.stderr

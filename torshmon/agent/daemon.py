@@ -25,7 +25,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from torshmon.agent.forwarder import Forwarder
+from torshmon.agent.forwarder import Forwarder, check_aggregator_url
 from torshmon.agent.metrics import AgentMetrics, AgentState, make_metrics_handler
 from torshmon.agent.receiver import ProbeReceiver
 from torshmon.agent.sampler import NodeSampler
@@ -76,8 +76,9 @@ class AgentSettings:
     socket_group: str | None = None
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9465
-    aggregator_url: str | None = None
-    token: str | None = None
+    #: May hold credentials (``http://user:password@host``): kept out of ``repr``.
+    aggregator_url: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
     node: str = field(default_factory=_hostname)
     agent_id: str = ""
     spool_path: str = field(default_factory=lambda: str(runtime_dir() / "agent-spool.db"))
@@ -91,10 +92,10 @@ class AgentSettings:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
         if self.spool_max_bytes < 1024 * 1024:
             raise ValueError(f"spool_max_bytes must be >= 1 MiB, got {self.spool_max_bytes}")
-        if self.aggregator_url is not None and not self.aggregator_url.startswith(
-            ("http://", "https://")
-        ):
-            raise ValueError(f"aggregator_url must be an http(s) URL, got {self.aggregator_url!r}")
+        if self.aggregator_url is not None:
+            check_aggregator_url(self.aggregator_url, self.token)
+        if self.token is not None and not self.token.strip():
+            raise ValueError("the token is empty; give a token or none")
         if self.socket_group is not None:
             self.socket_gid()  # a group that does not exist is a ValueError now, not at start
 
@@ -391,9 +392,13 @@ async def run_agent(settings: AgentSettings) -> int:
 def settings_from_env(**overrides: object) -> AgentSettings:
     """Settings from flags (``overrides``, None means unset), then TORSHMON_* variables."""
     env = os.environ
+    token = env.get("TORSHMON_TOKEN")
+    if token is not None and not token.strip():
+        # Most likely a substitution that failed: every batch would be refused.
+        raise ValueError("TORSHMON_TOKEN is set but empty; unset it to run without a token")
     values: dict[str, object] = {
-        "aggregator_url": env.get("TORSHMON_AGGREGATOR_URL"),
-        "token": env.get("TORSHMON_TOKEN"),
+        "aggregator_url": env.get("TORSHMON_AGGREGATOR_URL") or None,
+        "token": token,
         "socket_group": env.get("TORSHMON_AGENT_SOCKET_GROUP") or None,
     }
     if env.get("TORSHMON_AGENT_SPOOL"):

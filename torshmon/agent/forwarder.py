@@ -28,6 +28,7 @@ import msgspec
 from yarl import URL
 
 from torshmon.agent.spool import Spool
+from torshmon.redact import Redactor, redact_url, url_secrets
 from torshmon.wire import SCHEMA_VERSION, IngestReply, WireError, decode_json
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ _MAX_RECORDS_PER_BATCH: Final = 10_000
 #: The least time between POSTs when urgent records cut the gathering wait short.
 URGENT_MIN_INTERVAL_S: Final = 0.1
 _MAX_LOGGED_BODY_CHARS: Final = 500
+#: The start of an error body that is scrubbed of secrets before it is cut for a log.
+_SCRUBBED_BODY_BYTES: Final = 8192
 #: zlib level 1: about half the CPU of the default 6 on the agent's JSON, which
 #: still shrinks it more than tenfold (the agent's budget is CPU, not bandwidth).
 GZIP_LEVEL: Final = 1
@@ -71,6 +74,28 @@ class _Failure:
     delay_s: float | None = None  # None: the usual exponential backoff
 
 
+def check_aggregator_url(url: str, token: str | None = None) -> None:
+    """ValueError unless ``url`` is http(s) with a host, and without credentials when a
+    bearer ``token`` is given too; the message hides the credentials."""
+    try:
+        parsed = URL(url)
+        host = parsed.host
+    except (TypeError, ValueError) as exc:
+        # ``from None``: the chained exception would show the URL in a traceback.
+        reason = Redactor(url_secrets(url))(str(exc))
+        raise ValueError(f"aggregator url {redact_url(url)} is not a valid URL: {reason}") from None
+    if parsed.scheme not in ("http", "https") or not host:
+        raise ValueError(
+            f"aggregator url must be http:// or https:// with a host, got {redact_url(url)}"
+        )
+    if token is not None and (parsed.user is not None or parsed.password is not None):
+        # aiohttp refuses such a request: both would be the Authorization header.
+        raise ValueError(
+            f"aggregator url {redact_url(url)} has credentials and a token is given too; "
+            "give one of them"
+        )
+
+
 class Forwarder:
     """Sends spooled records to the aggregator at ``url``. ``async with`` or start()/aclose().
 
@@ -97,9 +122,8 @@ class Forwarder:
         min_interval_s: float = 0.5,
         rng: random.Random | None = None,
     ) -> None:
+        check_aggregator_url(url, token)
         parsed = URL(url)
-        if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise ValueError(f"aggregator url must be http:// or https:// with a host, got {url!r}")
         for name, value in (
             ("batch_max_bytes", batch_max_bytes),
             ("backoff_initial_s", backoff_initial_s),
@@ -113,6 +137,11 @@ class Forwarder:
         self._url = url
         # What logs may show: no credentials, query string or fragment.
         self.safe_url = str(parsed.with_user(None).with_query(None).with_fragment(None))
+        # aiohttp's messages may quote the URL, as given or as yarl spells it, and a
+        # failing server may echo the Authorization header.
+        self._redact = Redactor([token] if token is not None else [])
+        self._redact.add_url(url)
+        self._redact.add_url(str(parsed))
         self._token = token
         self._batch_head = b'{"v":%d,"agent_id":%s,"node":%s,"records":[' % (
             SCHEMA_VERSION,
@@ -204,7 +233,9 @@ class Forwarder:
             except Exception as exc:
                 # The forwarder must outlive anything unexpected (a full disk, a bug):
                 # the data stays spooled and the next attempt may succeed.
-                failure = _Failure("internal", f"forwarding to {self.safe_url} failed: {exc!r}")
+                failure = _Failure(
+                    "internal", f"forwarding to {self.safe_url} failed: {self._redact(repr(exc))}"
+                )
                 self._failed(failure, exc_info=True)
                 delay = self._backoff_s()
             if delay is None:
@@ -280,7 +311,7 @@ class Forwarder:
                 status = resp.status
                 body = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            detail = str(exc).replace(self._url, self.safe_url) or "timed out"
+            detail = self._redact(str(exc).replace(self._url, self.safe_url)) or "timed out"
             return _Failure("unreachable", f"cannot reach {self.safe_url}: {detail}")
         if status == 200:
             return await self._accept(prepared, body)
@@ -314,7 +345,9 @@ class Forwarder:
         return acked
 
     def _classify(self, status: int, body: bytes, prepared: _Prepared) -> _Failure:
-        text = body[:_MAX_LOGGED_BODY_CHARS].decode("utf-8", "replace").strip()
+        # Scrubbed before it is cut short: a cut could leave half a secret unmatched.
+        text = self._redact(body[:_SCRUBBED_BODY_BYTES].decode("utf-8", "replace"))
+        text = text[:_MAX_LOGGED_BODY_CHARS].strip()
         if status in (401, 403):
             return _Failure(
                 "auth",
@@ -388,4 +421,4 @@ class Forwarder:
         return delay * (0.5 + 0.5 * self._rng.random())
 
 
-__all__ = ["Forwarder"]
+__all__ = ["Forwarder", "check_aggregator_url"]

@@ -46,7 +46,13 @@ from typing import Final, Literal, NamedTuple
 
 from torshmon.aggregator.alert import Alert, AlertState
 from torshmon.aggregator.findings import Finding
-from torshmon.aggregator.rules import FINDING_KINDS, Rule, RuleSet, default_summary
+from torshmon.aggregator.rules import (
+    FINDING_KINDS,
+    Rule,
+    RuleSet,
+    default_summary,
+    render_template,
+)
 from torshmon.aggregator.series import Cursor, LabelSet, SeriesStore, labelset_from
 
 log = logging.getLogger(__name__)
@@ -414,7 +420,7 @@ class AlertEngine:
         fields.setdefault("metric", rule.metric or "")
         for key, template in self._templates[rule.name].items():
             try:
-                annotations[key] = template.format_map(fields)
+                annotations[key] = render_template(template, fields)
             except (ValueError, TypeError, KeyError, IndexError) as exc:
                 # Load-time checks make this rare (a label value the spec cannot take);
                 # the alert still goes out with the raw template.

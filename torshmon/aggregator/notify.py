@@ -36,6 +36,7 @@ from yarl import URL
 from torshmon import __version__
 from torshmon.aggregator.alert import Alert
 from torshmon.aggregator.slack import slack_payload
+from torshmon.redact import Redactor
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ MAX_ALERTS_PER_MESSAGE: Final = 500
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _DEDUP_CAPACITY: Final = 65536
 _MAX_LOGGED_BODY_CHARS: Final = 200
+#: The start of an error body that is scrubbed of secrets before it is cut for a log.
+_SCRUBBED_BODY_BYTES: Final = 8192
 
 
 # -- targets ------------------------------------------------------------------------------
@@ -566,7 +569,7 @@ class _Worker:
         self._condition = "ok"
         self._url, headers = _endpoint(target)
         self._headers = headers
-        self._secrets = _secrets(target)
+        self._redact = _redactor(target)
         self.sent_total = 0
         self.failed_total = 0
         self.dropped_total = 0
@@ -657,7 +660,7 @@ class _Worker:
             except Exception as exc:
                 # The worker must outlive a bug; what it was sending is given up.
                 log.error(
-                    "notify target %s: internal error %s", self.target.name, self._redact(exc)
+                    "notify target %s: internal error %s", self.target.name, self._redact(repr(exc))
                 )
                 self.failed_total += 1
                 for item in self._inflight:
@@ -781,13 +784,14 @@ class _Worker:
             ) as resp:
                 status = resp.status
                 retry_after = resp.headers.get("Retry-After")
-                text = (await resp.content.read(_MAX_LOGGED_BODY_CHARS)).decode("utf-8", "replace")
+                text = (await resp.content.read(_SCRUBBED_BODY_BYTES)).decode("utf-8", "replace")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             # Only the exception's type: aiohttp's messages can quote the request URL.
             return _Attempt(False, True, "unreachable", f"cannot connect ({type(exc).__name__})")
         if 200 <= status < 300:
             return _Attempt(True)
-        detail = f"HTTP {status}: {self._redact(text.strip())}"
+        # Scrubbed before it is cut short: a cut could leave half a secret unmatched.
+        detail = f"HTTP {status}: {self._redact(text)[:_MAX_LOGGED_BODY_CHARS].strip()}"
         if status == 429 or status >= 500:
             after = parse_retry_after(retry_after, now_unix_s=self._s.wall_clock())
             return _Attempt(False, True, f"http-{status}", detail, after)
@@ -798,12 +802,6 @@ class _Worker:
         level = logging.WARNING if result.condition != self._condition else logging.DEBUG
         self._condition = result.condition
         log.log(level, "notify target %s: %s; %s", self.target.name, result.detail, what)
-
-    def _redact(self, value: object) -> str:
-        text = str(value) if isinstance(value, str) else repr(value)
-        for secret in self._secrets:
-            text = text.replace(secret, "<redacted>")
-        return text
 
 
 async def _wait(event: asyncio.Event, timeout_s: float | None) -> None:
@@ -820,18 +818,17 @@ def _endpoint(target: Target) -> tuple[str, dict[str, str]]:
     return target.url, {}
 
 
-def _secrets(target: Target) -> tuple[str, ...]:
-    """Strings that must not reach a log: URL, path and its longer segments, query, token."""
-    url = target.base_url if isinstance(target, AlertmanagerTarget) else target.url
-    parsed = URL(url)
-    found = {url, parsed.raw_path, parsed.path, parsed.raw_query_string, parsed.query_string}
-    found.update(parsed.raw_parts)
-    if parsed.password:
-        found.add(parsed.password)
-    if isinstance(target, WebhookTarget) and target.bearer_token:
-        found.add(target.bearer_token)
-    # Longest first, so a URL is replaced whole before its path is.
-    return tuple(sorted((s for s in found if len(s) >= 6), key=len, reverse=True))
+def _redactor(target: Target) -> Redactor:
+    """Scrubs the target's URL (path and query included: a webhook URL is a credential)
+    and token out of what a server or an exception says."""
+    redact = Redactor()
+    redact.add_url(
+        target.base_url if isinstance(target, AlertmanagerTarget) else target.url,
+        secret_path=True,
+    )
+    if isinstance(target, WebhookTarget):
+        redact.add(target.bearer_token)
+    return redact
 
 
 __all__ = [

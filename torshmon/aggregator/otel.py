@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
@@ -27,6 +28,16 @@ if TYPE_CHECKING:
     from torshmon.aggregator.ingest import Stored
 
 log = logging.getLogger(__name__)
+
+
+def traces_url(endpoint: str) -> str:
+    """The OTLP/HTTP traces URL under ``endpoint``: ``/v1/traces`` added to its path (not
+    after its query, which may hold an API key)."""
+    parts = urlsplit(endpoint)
+    path = parts.path.rstrip("/")
+    if not path.endswith("/v1/traces"):
+        path += "/v1/traces"
+    return urlunsplit(parts._replace(path=path))
 
 
 class Tracing:
@@ -53,10 +64,9 @@ class Tracing:
         if endpoint is not None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            url = endpoint.rstrip("/")
-            if not url.endswith("/v1/traces"):
-                url += "/v1/traces"
-            self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
+            self.provider.add_span_processor(
+                BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint)))
+            )
         self.tracer = self.provider.get_tracer("torshmon.aggregator")
 
     def record_steps(self, stored: Stored) -> None:

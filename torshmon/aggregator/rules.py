@@ -65,13 +65,12 @@ import string
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
-from typing import Final, Literal, TypeVar, cast
+from typing import Any, Final, Literal, TypeVar, cast
 
-import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from torshmon import yamlfile
 from torshmon.aggregator.findings import SEVERITIES
 
 __all__ = [
@@ -81,6 +80,7 @@ __all__ = [
     "FINDING_LABELS",
     "KINDS",
     "KNOWN_METRICS",
+    "MAX_FORMAT_WIDTH",
     "METRIC_KINDS",
     "METRIC_LABELS",
     "OPS",
@@ -94,6 +94,7 @@ __all__ = [
     "load_rules",
     "load_rules_text",
     "parse_duration",
+    "render_template",
 ]
 
 RuleKind = Literal[
@@ -183,6 +184,14 @@ _COMPARE: Final[Mapping[str, Callable[[float, float], bool]]] = {
     "<=": operator.le,
 }
 _DEFAULT_WINDOW_S: Final = 60.0
+#: The widest field and the most digits an annotation template may ask for: a width of
+#: 10**9 would make one annotation a gigabyte (or a MemoryError) at each render.
+MAX_FORMAT_WIDTH: Final = 100
+#: Python's format-spec mini-language, for str and float values.
+_FORMAT_SPEC: Final = re.compile(
+    r"(?:.?[<>=^])?[-+ ]?z?#?0?(?P<width>\d*)[,_]?(?:\.(?P<precision>\d+))?[bcdeEfFgGnosxX%]?\Z",
+    re.DOTALL,
+)
 
 _T = TypeVar("_T")
 
@@ -342,23 +351,23 @@ def default_rules() -> RuleSet:
 
 
 def load_rules(path: str | os.PathLike[str]) -> RuleSet:
-    """Load and validate a rule file; RuleError lists every mistake with file and line."""
+    """Load and validate a rule file; RuleError lists every mistake with file and line.
+
+    Size, nesting and tags are bounded as ``torshmon.yamlfile`` says.
+    """
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RuleError([f"{os.fspath(path)}: cannot read the rule file: {exc}"]) from exc
+        text = yamlfile.read_text(path, what="rule file")
+    except yamlfile.YamlFileError as exc:
+        raise RuleError([str(exc)]) from None
     return load_rules_text(text, source=os.fspath(path))
 
 
 def load_rules_text(text: str, *, source: str = "<string>") -> RuleSet:
     """Parse and validate rule YAML; ``source`` names it in errors. Raises RuleError."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark is not None else source
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise RuleError([f"{where}: invalid YAML: {problem}"]) from exc
+        root = yamlfile.compose(text, source)
+    except yamlfile.YamlFileError as exc:
+        raise RuleError([str(exc)]) from None
     parser = _Parser(source)
     rules = parser.parse_file(root)
     if parser.errors:
@@ -392,7 +401,8 @@ class _Parser:
             if key != "rules":
                 self.error(key_node, key, "unknown key (a rule file holds only 'rules')")
         if "rules" not in entries:
-            self.error(root, "", "missing the 'rules' list")
+            if not set(entries) - {"rules"}:  # else the unknown key is the likely typo
+                self.error(root, "", "missing the 'rules' list")
             return []
         rules_node = entries["rules"][1]
         if not isinstance(rules_node, SequenceNode):
@@ -763,10 +773,48 @@ def _check_template(template: str, fields: frozenset[str]) -> str | None:
             return f"template names unknown field {{{field_name}}} (known: {known})"
         if spec and "{" in spec:
             return f"template field {{{field_name}}} has a nested format spec"
+        problem = _spec_problem(spec or "")
+        if problem:
+            return f"template field {{{field_name}}}: {problem}"
     sample: dict[str, object] = dict.fromkeys(fields, "x")
     sample["value"] = 0.5
     try:
-        template.format_map(sample)
+        render_template(template, sample)
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         return f"template cannot be rendered: {exc}"
     return None
+
+
+def render_template(template: str, fields: Mapping[str, object]) -> str:
+    """``template.format_map(fields)`` that refuses what could allocate without bound:
+    a width or precision above MAX_FORMAT_WIDTH, and field names that are not plain
+    names (``{job.__class__}``). Raises ValueError, KeyError as ``format_map`` does."""
+    return _FORMATTER.vformat(template, (), fields)
+
+
+def _spec_problem(spec: str) -> str | None:
+    """Why a format spec is refused, or None (see ``render_template``)."""
+    match = _FORMAT_SPEC.match(spec)
+    if match is None:
+        return f"format spec {spec!r} is not [[fill]align][sign][width][,][.precision][type]"
+    for part in ("width", "precision"):
+        digits = match[part]
+        if digits and (len(digits) > 3 or int(digits) > MAX_FORMAT_WIDTH):
+            return f"format spec {spec!r} has a {part} above {MAX_FORMAT_WIDTH}"
+    return None
+
+
+class _BoundedFormatter(string.Formatter):
+    def get_field(self, field_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        if not _LABEL_NAME.match(field_name):
+            raise ValueError(f"template field {{{field_name}}} must be a plain name")
+        return super().get_field(field_name, args, kwargs)
+
+    def format_field(self, value: Any, format_spec: str) -> Any:
+        problem = _spec_problem(format_spec)
+        if problem:
+            raise ValueError(problem)
+        return super().format_field(value, format_spec)
+
+
+_FORMATTER: Final = _BoundedFormatter()

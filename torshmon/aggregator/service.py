@@ -55,6 +55,7 @@ from torshmon.aggregator.writer import (
 from torshmon.history.db import make_engine, normalize_url, sqlite_path, upgrade
 from torshmon.history.models import Base
 from torshmon.history.reader import reader_of
+from torshmon.redact import redact_url
 from torshmon.wire import (
     SCHEMA_VERSION,
     Command,
@@ -237,7 +238,7 @@ class Aggregator:
             self.settings.aggregator_id,
             self.settings.host,
             self.port,
-            _redact_url(url),
+            redact_url(url),
         )
 
     async def aclose(self) -> None:
@@ -671,16 +672,6 @@ def _finding_row(f: Finding, now: float) -> dict[str, Any]:
         # Detectors may put tuples, sets or numpy scalars in details: JSON-safe as text.
         "details": msgspec.to_builtins(dict(f.details), str_keys=True, enc_hook=str),
     }
-
-
-def _redact_url(url: str) -> str:
-    """A database URL without its password, for logs."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return "<unparseable database URL>"
 
 
 class _NotifierCollector:

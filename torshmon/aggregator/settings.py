@@ -5,14 +5,16 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import reprlib
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, cast
 
-import yaml
+from yaml.nodes import MappingNode, Node, ScalarNode
 
+from torshmon import yamlfile
 from torshmon.history.db import DB_URL_ENV, DEFAULT_DB_URL, DatabaseConfigError, normalize_url
 from torshmon.history.reader import QUERY_DB_URL_ENV, reader_url
 
@@ -37,6 +39,10 @@ _ENV = {
 HOST_NAME = re.compile(r"\[[0-9a-fA-F:.]+\]|[^\[\]:@/?#\s]+")
 
 
+#: Settings whose values are secrets (or hold one): never echoed in a message.
+_SECRET: Final = frozenset({"token", "db_url", "query_db_url", "otlp_endpoint"})
+
+
 class SettingsError(ValueError):
     """A setting with a bad value; the text names the setting and what is allowed."""
 
@@ -47,11 +53,12 @@ class AggregatorSettings:
 
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
-    db_url: str = ""
+    #: Secrets (a password in the URL, the token) are kept out of ``repr``.
+    db_url: str = field(default="", repr=False)
     #: The URL history queries (POST /api/v1/query) connect with: on PostgreSQL a
     #: reader role's; by default ``db_url`` as the role torshmon_reader.
-    query_db_url: str = ""
-    token: str | None = None
+    query_db_url: str = field(default="", repr=False)
+    token: str | None = field(default=None, repr=False)
     rules_path: str | None = None
     aggregator_id: str = ""
     eval_interval_s: float = 0.5
@@ -68,7 +75,7 @@ class AggregatorSettings:
     max_body_bytes: int = 64 * 1024 * 1024
     hang_timeout_s: float = 5.0
     command_timeout_s: float = 60.0
-    otlp_endpoint: str | None = None
+    otlp_endpoint: str | None = field(default=None, repr=False)
     external_url: str = ""
     #: Host names the API answers to besides loopback names, IP literals, ``host`` and
     #: the host of ``external_url`` (the Host header of other names is refused: DNS
@@ -76,6 +83,8 @@ class AggregatorSettings:
     allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.token is not None and not self.token.strip():
+            raise SettingsError("token is empty; give a token, or none to accept any request")
         if not 0 <= self.port <= 65535:
             raise SettingsError(f"port must be in 0..65535, got {self.port}")
         for name in (
@@ -147,34 +156,53 @@ def load_settings(
     for name, var in _ENV.items():
         if env.get(var):
             values[name] = env[var]
+    if _blank(env, _ENV["token"]):
+        # Most likely a substitution that failed; read as unset, the API would be open.
+        raise SettingsError(f"{_ENV['token']} is set but empty; unset it to run without a token")
     values.update({k: v for k, v in overrides.items() if v is not None})
     typed: dict[str, Any] = {}
     for name, value in values.items():
-        field = known.get(name)
-        if field is None:
+        known_field = known.get(name)
+        if known_field is None:
             raise SettingsError(f"unknown setting {name!r}; known: {', '.join(sorted(known))}")
-        typed[name] = _coerce(name, str(field.type), value)
+        typed[name] = _coerce(name, str(known_field.type), value)
     return AggregatorSettings(**typed)
 
 
 def _read_config(path: Path, known: Mapping[str, object]) -> dict[str, Any]:
+    """The settings in a config file; SettingsError as ``file:line: reason``."""
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise SettingsError(f"config file {path} is not valid YAML: {exc}") from None
-    if data is None:
+        root = yamlfile.compose(yamlfile.read_text(path, what="config file"), str(path))
+    except yamlfile.YamlFileError as exc:
+        raise SettingsError(str(exc)) from None
+    if root is None:
         return {}
-    if not isinstance(data, dict):
-        raise SettingsError(f"config file {path}: expected a mapping of settings")
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise SettingsError(
-            f"config file {path}: unknown setting(s) {', '.join(map(str, unknown))}; "
-            f"known: {', '.join(sorted(known))}"
-        )
-    return dict(data)
+    if not isinstance(root, MappingNode):
+        raise SettingsError(f"{path}:{_line(root)}: expected a mapping of settings")
+    values: dict[str, Any] = {}
+    for key_node, value_node in root.value:
+        key = key_node.value if isinstance(key_node, ScalarNode) else None
+        if not isinstance(key, str) or key not in known:
+            raise SettingsError(
+                f"{path}:{_line(key_node)}: unknown setting {_describe(key_node)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        setting = cast(Field[Any], known[key])
+        try:
+            values[key] = _coerce(key, str(setting.type), yamlfile.construct(value_node))
+        except SettingsError as exc:
+            raise SettingsError(f"{path}:{_line(value_node)}: {exc}") from None
+    return values
+
+
+def _line(node: Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _describe(node: Node) -> str:
+    if isinstance(node, ScalarNode):
+        return repr(node.value[:64])
+    return "(a list or mapping)"
 
 
 def _coerce(name: str, type_name: str, value: Any) -> Any:
@@ -188,10 +216,22 @@ def _coerce(name: str, type_name: str, value: Any) -> Any:
         if type_name == "float":
             return float(value)
     except (TypeError, ValueError):
-        raise SettingsError(f"{name} must be a {type_name}, got {value!r}") from None
+        raise SettingsError(f"{name} must be a {type_name}, got {_shown(name, value)}") from None
     if type_name in ("str", "str | None") and not isinstance(value, str):
-        raise SettingsError(f"{name} must be a string, got {value!r}")
+        raise SettingsError(f"{name} must be a string, got {_shown(name, value)}")
     return value
+
+
+def _shown(name: str, value: Any) -> str:
+    """``value`` as an error message may show it: secrets by their type only."""
+    if name in _SECRET:
+        return f"a value of type {type(value).__name__} (not shown)"
+    return reprlib.repr(value)
+
+
+def _blank(env: Mapping[str, str], var: str) -> bool:
+    """Whether ``var`` is set, to nothing but whitespace."""
+    return var in env and not env[var].strip()
 
 
 def _boolean(name: str, value: Any) -> bool:

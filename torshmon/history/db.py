@@ -29,6 +29,7 @@ from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 from sqlalchemy.sql.dml import Insert
 
 import torshmon
+from torshmon.redact import Redactor, redact_url, url_secrets
 
 if TYPE_CHECKING:
     from torshmon.history.reader import ReaderSetup
@@ -130,29 +131,32 @@ def db_url(explicit: str | None) -> str:
 def normalize_url(url: str) -> str:
     """``url`` with ``postgresql://`` (and ``postgres://``) mapped to the psycopg 3 driver.
 
-    Raises DatabaseConfigError for a URL that is not SQLite or PostgreSQL.
+    Raises DatabaseConfigError for a URL that is not SQLite or PostgreSQL; its text
+    shows the URL without its password.
     """
+    shown = redact_url(url)
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
-        raise DatabaseConfigError(f"invalid database URL {url!r}: {exc}") from exc
+        reason = Redactor(url_secrets(url))(str(exc))
+        raise DatabaseConfigError(f"invalid database URL {shown}: {reason}") from None
     # Split the driver name by hand: SQLAlchemy would try to load an unknown dialect.
     backend, _, driver = parsed.drivername.partition("+")
     if backend in ("postgresql", "postgres"):
         if driver not in ("", "psycopg"):
             raise DatabaseConfigError(
-                f"database URL {url!r} names driver {driver!r}; use postgresql:// "
+                f"database URL {shown} names driver {driver!r}; use postgresql:// "
                 "or postgresql+psycopg:// (psycopg 3)"
             )
         parsed = parsed.set(drivername="postgresql+psycopg")
     elif backend == "sqlite":
         if driver not in ("", "pysqlite"):
             raise DatabaseConfigError(
-                f"database URL {url!r}: use sqlite:///PATH (the sqlite3 driver)"
+                f"database URL {shown}: use sqlite:///PATH (the sqlite3 driver)"
             )
     else:
         raise DatabaseConfigError(
-            f"database URL {url!r} is {backend!r}; supported: sqlite:///PATH, postgresql://..."
+            f"database URL {shown} is {backend!r}; supported: sqlite:///PATH, postgresql://..."
         )
     return parsed.render_as_string(hide_password=False)
 
