@@ -22,6 +22,8 @@ from torshmon.redact import MASK, RedactingFilter, Redactor, redact_url, url_sec
             f"postgresql+psycopg://u:{MASK}@db/h?{MASK}",
         ),
         ("http://tok3n@host:9470/", f"http://{MASK}@host:9470/"),  # a lone user is a token
+        # ... but in a database URL a role name, shown and not scrubbed from text.
+        ("postgresql://postgres@db/h", "postgresql://postgres@db/h"),
         ("http://u:p@ss@host/", f"http://u:{MASK}@host/"),  # an unescaped @ in the password
         ("https://host/x#frag", f"https://host/x#{MASK}"),
         ("sqlite:///var/lib/torshmon.db", "sqlite:///var/lib/torshmon.db"),
@@ -41,6 +43,7 @@ def test_a_webhook_url_hides_its_path() -> None:
 def test_url_secrets_are_the_pieces_a_message_may_echo() -> None:
     basic = base64.b64encode(b"u:p@ss").decode()  # as an Authorization header holds it
     assert url_secrets("postgresql://u:p%40ss@db/h") == {"p%40ss", "p@ss", basic}
+    assert url_secrets("postgresql://postgres@db/h") == set()
     assert url_secrets("http://host:1/") == set()
     hook = url_secrets("https://h/services/T0AAA/B0BBB/XyZsecretXyZ?x=1", secret_path=True)
     assert {"XyZsecretXyZ", "services", "/services/T0AAA/B0BBB/XyZsecretXyZ", "x=1"} <= hook

@@ -28,7 +28,8 @@ _MIN_SEGMENT_CHARS: Final = 6
 
 
 def redact_url(url: str, *, secret_path: bool = False) -> str:
-    """``url`` fit to show: the password masked (a lone user name too, often a token),
+    """``url`` fit to show: the password masked (in an HTTP URL a lone user name too,
+    often a token; in a database URL it is a role name, and stays),
     the query and fragment masked, and with ``secret_path`` (webhooks) the path too.
 
     Never raises; an unparseable URL comes back as ``<invalid URL>``.
@@ -40,7 +41,10 @@ def redact_url(url: str, *, secret_path: bool = False) -> str:
     userinfo, at, hostport = parts.netloc.rpartition("@")
     if at:
         user, colon, _ = userinfo.partition(":")
-        hostport = f"{user}:{MASK}@{hostport}" if colon else f"{MASK}@{hostport}"
+        if colon:
+            hostport = f"{user}:{MASK}@{hostport}"
+        else:
+            hostport = f"{MASK if _is_http(parts.scheme) else user}@{hostport}"
     path = parts.path
     if secret_path and path not in ("", "/"):
         path = "/" + MASK
@@ -54,8 +58,8 @@ def redact_url(url: str, *, secret_path: bool = False) -> str:
 
 
 def url_secrets(url: str, *, secret_path: bool = False) -> set[str]:
-    """The pieces of ``url`` no text may show: its password or lone user name (as
-    written, decoded and in a Basic Authorization header), query and fragment; with
+    """The pieces of ``url`` no text may show: its password, or an HTTP URL's lone user
+    name (as written, decoded and in a Basic Authorization header), query and fragment; with
     ``secret_path`` the URL itself,
     its path and the path's longer segments (a server may echo any of them)."""
     try:
@@ -66,15 +70,22 @@ def url_secrets(url: str, *, secret_path: bool = False) -> set[str]:
     userinfo, at, _ = parts.netloc.rpartition("@")
     if at:
         user, colon, password = userinfo.partition(":")
-        found.add(password if colon else user)
-        # As an HTTP client sends them, which a server may echo back.
-        basic = f"{unquote(user)}:{unquote(password)}".encode("latin-1", "replace")
-        found.add(base64.b64encode(basic).decode())
+        # A database URL's lone user is a role name ("postgres"): not a secret, and
+        # scrubbing it would mangle every "postgresql" in a message.
+        if colon or _is_http(parts.scheme):
+            found.add(password if colon else user)
+            # As an HTTP client sends them, which a server may echo back.
+            basic = f"{unquote(user)}:{unquote(password)}".encode("latin-1", "replace")
+            found.add(base64.b64encode(basic).decode())
     if secret_path:
         found.update((url, parts.path, parts.path.strip("/")))
         found.update(s for s in parts.path.split("/") if len(s) >= _MIN_SEGMENT_CHARS)
     found |= {unquote(s) for s in found}
     return {s for s in found if s}
+
+
+def _is_http(scheme: str) -> bool:
+    return scheme.lower() in ("http", "https")
 
 
 class Redactor:
