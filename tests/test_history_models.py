@@ -526,9 +526,10 @@ def test_normalize_url_picks_psycopg_and_refuses_other_databases() -> None:
         normalize_url("not a url")
 
 
-def test_alembic_directory_is_found_next_to_the_package() -> None:
-    assert alembic_dir() == REPO_ROOT / "alembic"
-    assert (REPO_ROOT / "alembic" / "versions" / "0001_initial.py").is_file()
+def test_the_migrations_are_found_inside_the_package() -> None:
+    migrations = REPO_ROOT / "torshmon" / "history" / "migrations"
+    assert alembic_dir() == migrations
+    assert (migrations / "versions" / "0001_initial.py").is_file()
 
 
 def test_docs_tables_md_is_the_current_rendering(tmp_path: Path) -> None:

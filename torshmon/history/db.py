@@ -28,7 +28,6 @@ from sqlalchemy.exc import ArgumentError
 from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 from sqlalchemy.sql.dml import Insert
 
-import torshmon
 from torshmon.redact import Redactor, redact_url, url_secrets
 
 if TYPE_CHECKING:
@@ -338,12 +337,13 @@ class WriterConnection:
 
 
 def alembic_dir() -> Path:
-    """The repository's ``alembic/`` directory; DatabaseConfigError if it is absent."""
-    path = Path(torshmon.__file__).resolve().parents[1] / "alembic"
+    """The package's Alembic migrations (``torshmon/history/migrations``), shipped in the
+    wheel; DatabaseConfigError if an install lost them."""
+    path = Path(__file__).resolve().parent / "migrations"
     if not (path / "env.py").is_file():
         raise DatabaseConfigError(
-            f"no Alembic migrations at {path}: torshmon must run from its source tree "
-            "(pip install -e .) for `torshmon db upgrade`"
+            f"no Alembic migrations at {path}: the torshmon install is incomplete; "
+            "reinstall it"
         )
     return path
 
