@@ -365,9 +365,9 @@ def upgrade(
     PostgreSQL a session advisory lock serialises them, on SQLite the write lock.
     Threads of one process take turns (Alembic's ``context`` is process-global).
     """
+    from alembic import command
     from alembic.config import Config
 
-    from alembic import command
     from torshmon.history.reader import ensure_reader_role
 
     url = normalize_url(url)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from logging.config import fileConfig
 
+from alembic import context
 from sqlalchemy.engine import Connection
 
-from alembic import context
 from torshmon.history.db import make_engine, normalize_url
 from torshmon.history.models import Base
 
