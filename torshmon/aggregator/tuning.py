@@ -26,7 +26,6 @@ from sqlalchemy import select, update
 from torshmon.aggregator.alert import Alert
 from torshmon.aggregator.commands import CommandError, CommandStatus
 from torshmon.aggregator.tuner import (
-    MIB,
     Abort,
     ApplyConfig,
     Decision,
@@ -42,6 +41,7 @@ from torshmon.aggregator.tuner import (
     TunerSettings,
     TuningSession,
 )
+from torshmon.catalogue.codecs import MIB
 from torshmon.history.db import upsert
 from torshmon.history.models import Base
 
