@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from torshmon.catalogue.codecs import (
     validate_bucket_cap_mb,
     validate_codec,
 )
+from torshmon.catalogue.docs import render_metrics_markdown
 from torshmon.catalogue.metrics import METRICS, MetricSpec, exported_by
 from torshmon.wire import NodeSample
 
@@ -172,3 +174,22 @@ def test_rule_metrics_are_aggregator_metrics_with_their_labels() -> None:
     for name, labels in METRIC_LABELS.items():
         spec = METRICS[catalogue.PREFIX + name]
         assert set(spec.labels("aggregator")) == set(labels), name
+
+
+# -- docs -----------------------------------------------------------------------------------
+
+
+def test_docs_metrics_md_is_the_current_rendering() -> None:
+    assert (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8") == (
+        render_metrics_markdown()
+    ), "docs/metrics.md is stale: run python -m torshmon.catalogue.docs docs/metrics.md"
+
+
+def test_docs_name_only_catalogued_metrics() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    # torshmon_reader is the PostgreSQL reader role, not a metric.
+    not_metrics = {"torshmon_reader"}
+    for page in pages:
+        for name in set(re.findall(r"\btorshmon_[a-z0-9_]+", page.read_text())) - not_metrics:
+            base = re.sub(r"_(bucket|sum|count)$", "", name)
+            assert name in METRICS or base in METRICS, f"{page.name} names unknown {name}"
