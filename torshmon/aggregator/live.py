@@ -709,7 +709,7 @@ def _buckets(counts: Sequence[int], le: Sequence[str]) -> list[tuple[str, float]
 
 
 class _LiveCollector:
-    """Job-level metrics under DESIGN.md's names, built from a snapshot at scrape time."""
+    """Job-level metrics as torshmon.catalogue.metrics names them, built at scrape time."""
 
     def __init__(self, live: LiveState) -> None:
         self._live = live
