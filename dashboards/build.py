@@ -6,21 +6,24 @@ defaults and layout, so they are generated here rather than edited by hand::
     python dashboards/build.py            # rewrite the JSON files
     python dashboards/build.py --check    # exit 1 if a file is out of date
 
-Every query reads metrics under DESIGN.md's names from Prometheus scraping the
-aggregator (job-level series) and the agents (node and agent-health series); see
-deploy/prometheus.yml. ``$__rate_interval`` is Grafana's, so the same panel works
-for any scrape interval.
+Every query reads metrics named in ``torshmon.catalogue.metrics`` (checked when
+the files are written) from Prometheus scraping the aggregator (job-level series)
+and the agents (node and agent-health series); see deploy/prometheus.yml.
+``$__rate_interval`` is Grafana's, so the same panel works for any scrape interval.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
+
+from torshmon.catalogue.metrics import METRICS
 
 HERE: Final = Path(__file__).resolve().parent
 #: The data source the provisioning in grafana/ creates (a variable, so that the
@@ -36,6 +39,7 @@ JOB: Final = 'job="$job"'
 RANKS: Final = 'job="$job", rank=~"$rank"'
 NODES: Final = 'node=~"$node"'
 RATE: Final = "$__rate_interval"
+METRIC_NAME: Final = re.compile(r"\btorshmon_[a-z0-9_]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -1189,10 +1193,38 @@ def dump(model: dict[str, Any]) -> str:
     return json.dumps(model, indent=2, ensure_ascii=False) + "\n"
 
 
+def catalogued(name: str) -> bool:
+    """Whether a sample name is one of the catalogue's metrics (or a histogram's series)."""
+    if name in METRICS:
+        return True
+    base, _, suffix = name.rpartition("_")
+    spec = METRICS.get(base)
+    return spec is not None and spec.kind == "histogram" and suffix in ("bucket", "sum", "count")
+
+
+def check_metrics(model: Any, where: str) -> None:
+    """ValueError naming the dashboard if a query names a metric torshmon does not export."""
+    if isinstance(model, dict):
+        for value in model.values():
+            check_metrics(value, where)
+    elif isinstance(model, list):
+        for value in model:
+            check_metrics(value, where)
+    elif isinstance(model, str):
+        unknown = sorted(n for n in METRIC_NAME.findall(model) if not catalogued(n))
+        if unknown:
+            raise ValueError(f"{where}: {', '.join(unknown)} not in torshmon.catalogue.metrics")
+
+
 def files() -> dict[str, str]:
-    """File name to JSON text, for every dashboard."""
-    built = [factory() for factory in DASHBOARDS]
-    return {dashboard.filename: dump(render(dashboard)) for dashboard in built}
+    """File name to JSON text, for every dashboard; ValueError if a query names an
+    unknown metric."""
+    out = {}
+    for dashboard in (factory() for factory in DASHBOARDS):
+        model = render(dashboard)
+        check_metrics(model, dashboard.filename)
+        out[dashboard.filename] = dump(model)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from torshmon.catalogue.codecs import CODEC_SPECS
 from torshmon.probe.codecs import CODECS, Codec, CodecStats, make_codec, validate_codec
 from torshmon.probe.config import ConfigError
 
@@ -22,6 +23,11 @@ from torshmon.probe.config import ConfigError
 def test_every_codec_is_registered_under_its_name() -> None:
     assert set(CODECS) == {"none", "fp16", "bf16", "powersgd", "topk", "int8"}
     assert all(codec.name == name for name, codec in CODECS.items())
+
+
+def test_the_probe_implements_exactly_the_catalogues_codecs() -> None:
+    assert tuple(CODECS) == tuple(CODEC_SPECS)
+    assert all(codec.param_specs == CODEC_SPECS[name].params for name, codec in CODECS.items())
 
 
 @pytest.mark.parametrize(

@@ -193,6 +193,12 @@ def test_build_check_mode_reports_a_stale_file(build: ModuleType, tmp_path: Path
     assert build.main(["--out", str(tmp_path), "--check"]) == 1
 
 
+def test_build_refuses_a_query_on_a_metric_outside_the_catalogue(build: ModuleType) -> None:
+    build.check_metrics({"expr": "rate(torshmon_step_duration_seconds_bucket[1m])"}, "a.json")
+    with pytest.raises(ValueError, match=r"a\.json: torshmon_nope not in torshmon\.catalogue"):
+        build.check_metrics({"panels": [{"expr": "sum(torshmon_nope)"}]}, "a.json")
+
+
 # -- dashboards -----------------------------------------------------------------------------
 
 

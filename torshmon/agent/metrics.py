@@ -42,6 +42,8 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from torshmon.catalogue import metrics as catalogue
+from torshmon.catalogue.metrics import MetricSpec
 from torshmon.labels import LabelCap
 from torshmon.wire import (
     DURATION_BUCKETS_S,
@@ -61,8 +63,6 @@ __all__ = ["STEP_DURATION_BUCKETS_S", "AgentMetrics", "AgentState", "make_metric
 # histograms do.
 _go_float: Callable[[float], str] = floatToGoString
 _METRIC_NAME = re.compile(r"^torshmon_[a-z0-9_]+$")
-_RANK_LABELS = ("job", "rank")
-_COLLECTIVE_LABELS = ("job", "rank", "op", "pg")
 #: Pre-bucketed count lists a histogram holds before summing them (bounds memory).
 _MAX_PENDING_COUNTS = 64
 
@@ -392,11 +392,8 @@ class _AgentCollector(Collector):
         if sample is not None:
             yield from _node_families(sample)
         yield from _rank_families(ranks)
-        yield _counter(
-            "label_values_folded_total",
-            "Op, pg and codec label values a job's probes named past its cap of distinct "
-            "values, kept under 'other' instead.",
-            ("job", "label"),
+        yield _family(
+            catalogue.LABEL_VALUES_FOLDED_TOTAL,
             [([job, label], count) for job, label, count in folded],
         )
         yield from _agent_families(agent, node)
@@ -405,127 +402,63 @@ class _AgentCollector(Collector):
 
 def _node_families(sample: NodeSample) -> Iterator[Metric]:
     node = [sample.node]
-    for name, doc, value in (
-        (
-            "cpu_utilization_ratio",
-            "CPU busy time over all cores, 0..1.",
-            sample.cpu_utilization_ratio,
-        ),
-        (
-            "memory_utilization_ratio",
-            "Used over total memory, 0..1.",
-            sample.memory_utilization_ratio,
-        ),
-        ("memory_used_bytes", "Memory in use.", sample.memory_used_bytes),
-        (
-            "io_wait_time_ratio",
-            "CPU time waiting for I/O, 0..1 (0 off Linux).",
-            sample.io_wait_ratio,
-        ),
+    for spec, value in (
+        (catalogue.CPU_UTILIZATION_RATIO, sample.cpu_utilization_ratio),
+        (catalogue.MEMORY_UTILIZATION_RATIO, sample.memory_utilization_ratio),
+        (catalogue.MEMORY_USED_BYTES, sample.memory_used_bytes),
+        (catalogue.IO_WAIT_TIME_RATIO, sample.io_wait_ratio),
+        (catalogue.NETWORK_RECEIVE_BYTES_TOTAL, sample.net_rx_bytes_total),
+        (catalogue.NETWORK_TRANSMIT_BYTES_TOTAL, sample.net_tx_bytes_total),
+        (catalogue.DISK_READ_BYTES_TOTAL, sample.disk_read_bytes_total),
+        (catalogue.DISK_WRITTEN_BYTES_TOTAL, sample.disk_write_bytes_total),
     ):
-        yield _gauge(name, doc, ["node"], [(node, value)])
-    for name, doc, value in (
-        (
-            "network_receive_bytes_total",
-            "Bytes received on all interfaces.",
-            sample.net_rx_bytes_total,
-        ),
-        (
-            "network_transmit_bytes_total",
-            "Bytes sent on all interfaces.",
-            sample.net_tx_bytes_total,
-        ),
-        ("disk_read_bytes_total", "Bytes read from all disks.", sample.disk_read_bytes_total),
-        ("disk_written_bytes_total", "Bytes written to all disks.", sample.disk_write_bytes_total),
-    ):
-        yield _counter(name, doc, ["node"], [(node, value)])
+        yield _family(spec, [(node, value)])
     gpus = [([sample.node, str(g.index)], g) for g in sample.gpus]
-    gpu_labels = ["node", "gpu"]
-    yield _gauge(
-        "gpu_utilization_ratio",
-        "GPU busy time (NVML), 0..1.",
-        gpu_labels,
-        [(labels, g.utilization_ratio) for labels, g in gpus],
+    yield _family(
+        catalogue.GPU_UTILIZATION_RATIO, [(labels, g.utilization_ratio) for labels, g in gpus]
     )
-    yield _gauge(
-        "gpu_memory_used_bytes",
-        "GPU memory in use (NVML).",
-        gpu_labels,
-        [(labels, g.memory_used_bytes) for labels, g in gpus],
+    yield _family(
+        catalogue.GPU_MEMORY_USED_BYTES, [(labels, g.memory_used_bytes) for labels, g in gpus]
     )
-    yield _gauge(
-        "gpu_memory_total_bytes",
-        "GPU memory in total (NVML).",
-        gpu_labels,
-        [(labels, g.memory_total_bytes) for labels, g in gpus],
+    yield _family(
+        catalogue.GPU_MEMORY_TOTAL_BYTES, [(labels, g.memory_total_bytes) for labels, g in gpus]
     )
-    yield _gauge(
-        "process_resident_memory_bytes",
-        "Resident memory of a training process.",
-        ["job", "rank", "node"],
+    yield _family(
+        catalogue.PROCESS_RESIDENT_MEMORY_BYTES,
         [([p.job, str(p.rank), sample.node], p.rss_bytes) for p in sample.ranks],
     )
 
 
 def _rank_families(ranks: dict[tuple[str, int], _RankState]) -> Iterator[Metric]:
     items = [([job, str(rank)], state) for (job, rank), state in sorted(ranks.items())]
-    steps = HistogramMetricFamily(
-        "torshmon_step_duration_seconds", "Training step wall time.", labels=_RANK_LABELS
-    )
+    steps = _histogram(catalogue.STEP_DURATION_SECONDS)
     for labels, state in items:
         steps.add_metric(labels, state.step_duration.cumulative_buckets(), state.step_duration.sum)
     yield steps
-    yield _counter(
-        "steps_total",
-        "Training steps reported.",
-        _RANK_LABELS,
-        [(labels, s.steps_total) for labels, s in items],
+    yield _family(catalogue.STEPS_TOTAL, [(labels, s.steps_total) for labels, s in items])
+    yield _family(
+        catalogue.PROBE_URGENT_STEPS_TOTAL, [(labels, s.urgent_steps_total) for labels, s in items]
     )
-    yield _counter(
-        "probe_urgent_steps_total",
-        "Steps the probe sent at once through its fast lane (out of line with the rank's "
-        "recent steps) rather than with the next batch.",
-        _RANK_LABELS,
-        [(labels, s.urgent_steps_total) for labels, s in items],
-    )
-    yield _counter(
-        "probe_dropped_records_total",
-        "Step records the probe dropped since it attached.",
-        _RANK_LABELS,
+    yield _family(
+        catalogue.PROBE_DROPPED_RECORDS_TOTAL,
         [(labels, s.dropped_records_total) for labels, s in items],
     )
-    yield _gauge(
-        "inflight_oldest_age_seconds",
-        "Age of the oldest collective the rank is inside (0 when none).",
-        _RANK_LABELS,
+    yield _family(
+        catalogue.INFLIGHT_OLDEST_AGE_SECONDS,
         [(labels, s.inflight_oldest_age_s) for labels, s in items],
     )
-    for name, doc, attribute in (
-        (
-            "communication_time_ratio",
-            "Share of the latest step spent waiting for communication, 0..1.",
-            "communication_time_ratio",
-        ),
-        (
-            "training_efficiency_ratio",
-            "Compute time over step time of the latest step, 0..1.",
-            "training_efficiency_ratio",
-        ),
-        (
-            "throughput_samples_per_second",
-            "Samples per second of the latest step.",
-            "throughput_samples_per_s",
-        ),
-        ("loss", "Latest finite training loss.", "loss"),
-        ("config_version", "Communication config version the rank runs.", "config_version"),
-        ("ddp_bucket_cap_bytes", "DDP gradient bucket cap.", "bucket_cap_bytes"),
+    for spec, attribute in (
+        (catalogue.COMMUNICATION_TIME_RATIO, "communication_time_ratio"),
+        (catalogue.TRAINING_EFFICIENCY_RATIO, "training_efficiency_ratio"),
+        (catalogue.THROUGHPUT_SAMPLES_PER_SECOND, "throughput_samples_per_s"),
+        (catalogue.LOSS, "loss"),
+        (catalogue.CONFIG_VERSION, "config_version"),
+        (catalogue.DDP_BUCKET_CAP_BYTES, "bucket_cap_bytes"),
     ):
         values = [(labels, getattr(s, attribute)) for labels, s in items]
-        yield _gauge(name, doc, _RANK_LABELS, [(la, v) for la, v in values if v is not None])
-    yield _gauge(
-        "compression_ratio",
-        "Wire bytes over gradient bytes per codec in the latest step (1 uncompressed).",
-        ("job", "rank", "codec"),
+        yield _family(spec, [(la, v) for la, v in values if v is not None])
+    yield _family(
+        catalogue.COMPRESSION_RATIO,
         [([*labels, codec], r) for labels, s in items for codec, r in s.compression_ratio.items()],
     )
     yield from _collective_families(items)
@@ -537,59 +470,29 @@ def _collective_families(items: list[tuple[list[str], _RankState]]) -> Iterator[
         for labels, state in items
         for (op, pg), c in sorted(state.collectives.items())
     ]
-    durations = HistogramMetricFamily(
-        "torshmon_collective_duration_seconds",
-        "Duration of each collective call.",
-        labels=_COLLECTIVE_LABELS,
-    )
+    durations = _histogram(catalogue.COLLECTIVE_DURATION_SECONDS)
     for labels, c in collectives:
         durations.add_metric(labels, c.histogram.cumulative_buckets(), c.histogram.sum)
     yield durations
-    yield _counter(
-        "collective_bytes_total",
-        "Collective message bytes (nccl-tests size).",
-        _COLLECTIVE_LABELS,
-        [(la, c.bytes_total) for la, c in collectives],
-    )
-    yield _gauge(
-        "collective_busbw_bytes_per_second",
-        "Bus bandwidth (nccl-tests) of the latest step with this collective.",
-        _COLLECTIVE_LABELS,
+    yield _family(catalogue.COLLECTIVE_BYTES_TOTAL, [(la, c.bytes_total) for la, c in collectives])
+    yield _family(
+        catalogue.COLLECTIVE_BUSBW_BYTES_PER_SECOND,
         [(labels, c.busbw_bytes_per_s) for labels, c in collectives],
     )
 
 
 def _agent_families(state: AgentState, node: str) -> Iterator[Metric]:
     labels = [node]
-    for name, doc, value in (
-        (
-            "agent_frames_rejected_total",
-            "Probe frames the agent rejected.",
-            state.frames_rejected_total,
-        ),
-        (
-            "agent_spool_dropped_records_total",
-            "Spool records dropped because the spool was full.",
-            state.spool_dropped_records_total,
-        ),
-        (
-            "agent_forward_failures_total",
-            "Failed forwards to the aggregator.",
-            state.forward_failures_total,
-        ),
+    for spec, value in (
+        (catalogue.AGENT_FRAMES_REJECTED_TOTAL, state.frames_rejected_total),
+        (catalogue.AGENT_SPOOL_DROPPED_RECORDS_TOTAL, state.spool_dropped_records_total),
+        (catalogue.AGENT_FORWARD_FAILURES_TOTAL, state.forward_failures_total),
+        (catalogue.AGENT_PROBE_CONNECTIONS, state.probe_connections),
+        (catalogue.AGENT_SPOOL_RECORDS, state.spool_records),
+        (catalogue.AGENT_SPOOL_BYTES, state.spool_bytes),
+        (catalogue.AGENT_FORWARD_UP, int(state.forward_up)),
     ):
-        yield _counter(name, doc, ["node"], [(labels, value)])
-    for name, doc, level in (
-        ("agent_probe_connections", "Probes connected to the agent.", state.probe_connections),
-        ("agent_spool_records", "Records waiting in the spool.", state.spool_records),
-        ("agent_spool_bytes", "Bytes of the spool on disk.", state.spool_bytes),
-        (
-            "agent_forward_up",
-            "1 when the last forward to the aggregator succeeded.",
-            int(state.forward_up),
-        ),
-    ):
-        yield _gauge(name, doc, ["node"], [(labels, level)])
+        yield _family(spec, [(labels, value)])
 
 
 def _function_families(
@@ -607,19 +510,15 @@ def _function_families(
         yield family
 
 
-def _gauge(
-    name: str, doc: str, labels: Sequence[str], values: Iterable[tuple[Sequence[str], float]]
-) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(f"torshmon_{name}", doc, labels=labels)
-    for label_values, value in values:
-        family.add_metric(label_values, value)
-    return family
+def _histogram(spec: MetricSpec) -> HistogramMetricFamily:
+    return spec.histogram("agent")
 
 
-def _counter(
-    name: str, doc: str, labels: Sequence[str], values: Iterable[tuple[Sequence[str], float]]
-) -> CounterMetricFamily:
-    family = CounterMetricFamily(f"torshmon_{name}", doc, labels=labels)
+def _family(
+    spec: MetricSpec, values: Iterable[tuple[Sequence[str], float]]
+) -> GaugeMetricFamily | CounterMetricFamily:
+    """The gauge or counter family of ``spec`` as the agent exports it, with these samples."""
+    family = spec.counter("agent") if spec.kind == "counter" else spec.gauge("agent")
     for label_values, value in values:
         family.add_metric(label_values, value)
     return family

@@ -40,6 +40,8 @@ from torshmon.aggregator.linkcheck import LinkChecker, LinkCheckSettings
 from torshmon.aggregator.series import LabelSet, SeriesStore
 from torshmon.aggregator.straggler import StepCollector, StragglerDetector
 from torshmon.aggregator.zscore import ZScoreDetector
+from torshmon.catalogue import metrics as catalogue
+from torshmon.catalogue.metrics import MetricSpec
 from torshmon.labels import LabelCap
 from torshmon.wire import (
     DURATION_BUCKETS_S,
@@ -686,6 +688,18 @@ def _nan_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _gauge(spec: MetricSpec) -> GaugeMetricFamily:
+    return spec.gauge("aggregator")
+
+
+def _counter(spec: MetricSpec) -> CounterMetricFamily:
+    return spec.counter("aggregator")
+
+
+def _histogram(spec: MetricSpec) -> HistogramMetricFamily:
+    return spec.histogram("aggregator")
+
+
 def _buckets(counts: Sequence[int], le: Sequence[str]) -> list[tuple[str, float]]:
     out, total = [], 0
     for bound, n in zip(le, counts, strict=False):
@@ -695,89 +709,34 @@ def _buckets(counts: Sequence[int], le: Sequence[str]) -> list[tuple[str, float]
 
 
 class _LiveCollector:
-    """Job-level metrics under DESIGN.md's names, built from a snapshot at scrape time."""
+    """Job-level metrics as torshmon.catalogue.metrics names them, built at scrape time."""
 
     def __init__(self, live: LiveState) -> None:
         self._live = live
 
     def collect(self) -> Iterator[Metric]:
         snap = self._live.snapshot_for_export()
-        jr = ["job", "rank"]
         g = {
-            "communication_time_ratio": GaugeMetricFamily(
-                "torshmon_communication_time_ratio",
-                "Fraction of the last step spent waiting for communication",
-                labels=jr,
-            ),
-            "training_efficiency_ratio": GaugeMetricFamily(
-                "torshmon_training_efficiency_ratio",
-                "Compute time over step time of the last step",
-                labels=jr,
-            ),
-            "throughput_samples_per_second": GaugeMetricFamily(
-                "torshmon_throughput_samples_per_second",
-                "Samples per second of the last step",
-                labels=jr,
-            ),
-            "compute_seconds": GaugeMetricFamily(
-                "torshmon_compute_seconds", "Compute time of the last step", labels=jr
-            ),
-            "comm_wait_seconds": GaugeMetricFamily(
-                "torshmon_comm_wait_seconds", "Communication wait of the last step", labels=jr
-            ),
-            "loss": GaugeMetricFamily("torshmon_loss", "Loss of the last step", labels=jr),
-            "config_version": GaugeMetricFamily(
-                "torshmon_config_version", "Communication config version in force", labels=jr
-            ),
+            "communication_time_ratio": _gauge(catalogue.COMMUNICATION_TIME_RATIO),
+            "training_efficiency_ratio": _gauge(catalogue.TRAINING_EFFICIENCY_RATIO),
+            "throughput_samples_per_second": _gauge(catalogue.THROUGHPUT_SAMPLES_PER_SECOND),
+            "compute_seconds": _gauge(catalogue.COMPUTE_SECONDS),
+            "comm_wait_seconds": _gauge(catalogue.COMM_WAIT_SECONDS),
+            "loss": _gauge(catalogue.LOSS),
+            "config_version": _gauge(catalogue.CONFIG_VERSION),
         }
-        rss = GaugeMetricFamily(
-            "torshmon_rank_memory_rss_bytes",
-            "Resident memory of the rank's process",
-            labels=["job", "node", "rank"],
-        )
-        steps = CounterMetricFamily("torshmon_steps", "Steps reported by the rank", labels=jr)
-        nonfinite = CounterMetricFamily(
-            "torshmon_nonfinite_loss", "Steps with a NaN or infinite loss", labels=jr
-        )
-        dropped = CounterMetricFamily(
-            "torshmon_probe_dropped_records",
-            "Step records the probe dropped (no or slow agent)",
-            labels=jr,
-        )
-        step_h = HistogramMetricFamily(
-            "torshmon_step_duration_seconds", "Training step duration", labels=jr
-        )
-        coll_h = HistogramMetricFamily(
-            "torshmon_collective_duration_seconds",
-            "Duration of collectives",
-            labels=["job", "rank", "op", "pg"],
-        )
-        busbw = GaugeMetricFamily(
-            "torshmon_collective_busbw_bytes_per_second",
-            "Bus bandwidth of the last step's collectives (nccl-tests formula)",
-            labels=["job", "rank", "op", "pg"],
-        )
-        compression = GaugeMetricFamily(
-            "torshmon_compression_ratio",
-            "Wire bytes over gradient bytes of the last bucket (1 = uncompressed)",
-            labels=["job", "rank", "codec"],
-        )
-        rel_err = GaugeMetricFamily(
-            "torshmon_compression_relative_error",
-            "Sampled relative error of the gradient codec",
-            labels=["job", "rank", "codec"],
-        )
-        wire = CounterMetricFamily(
-            "torshmon_compression_wire_bytes",
-            "Bytes the comm hook sent for gradients",
-            labels=["job", "rank", "codec"],
-        )
-        cap = GaugeMetricFamily(
-            "torshmon_ddp_bucket_cap_bytes", "DDP bucket cap in force", labels=["job"]
-        )
-        codec = GaugeMetricFamily(
-            "torshmon_codec_info", "Gradient codec in force (value 1)", labels=["job", "codec"]
-        )
+        rss = _gauge(catalogue.RANK_MEMORY_RSS_BYTES)
+        steps = _counter(catalogue.STEPS_TOTAL)
+        nonfinite = _counter(catalogue.NONFINITE_LOSS_TOTAL)
+        dropped = _counter(catalogue.PROBE_DROPPED_RECORDS_TOTAL)
+        step_h = _histogram(catalogue.STEP_DURATION_SECONDS)
+        coll_h = _histogram(catalogue.COLLECTIVE_DURATION_SECONDS)
+        busbw = _gauge(catalogue.COLLECTIVE_BUSBW_BYTES_PER_SECOND)
+        compression = _gauge(catalogue.COMPRESSION_RATIO)
+        rel_err = _gauge(catalogue.COMPRESSION_RELATIVE_ERROR)
+        wire = _counter(catalogue.COMPRESSION_WIRE_BYTES_TOTAL)
+        cap = _gauge(catalogue.DDP_BUCKET_CAP_BYTES)
+        codec = _gauge(catalogue.CODEC_INFO)
         for job, (bucket_cap, codec_name, ranks) in snap["jobs"].items():
             if bucket_cap is not None:
                 cap.add_metric([job], float(bucket_cap))
@@ -820,12 +779,7 @@ class _LiveCollector:
         yield from g.values()
         yield from (rss, steps, nonfinite, dropped, step_h, coll_h, busbw)
         yield from (compression, rel_err, wire, cap, codec)
-        folded = CounterMetricFamily(
-            "torshmon_label_values_folded",
-            "Op, pg and codec label values a job's probes named past its cap of distinct "
-            "values, kept under 'other' instead",
-            labels=["job", "label"],
-        )
+        folded = _counter(catalogue.LABEL_VALUES_FOLDED_TOTAL)
         for job, label, count in snap["labels_folded"]:
             folded.add_metric([job, label], float(count))
         yield folded
@@ -834,19 +788,11 @@ class _LiveCollector:
 
     def _node_families(self, nodes: dict[str, NodeSample]) -> Iterator[Metric]:
         fams = {
-            "cpu_utilization_ratio": GaugeMetricFamily(
-                "torshmon_cpu_utilization_ratio", "Node CPU utilisation", labels=["node"]
-            ),
-            "memory_utilization_ratio": GaugeMetricFamily(
-                "torshmon_memory_utilization_ratio", "Node memory utilisation", labels=["node"]
-            ),
-            "io_wait_ratio": GaugeMetricFamily(
-                "torshmon_io_wait_time_ratio", "Node CPU time in I/O wait", labels=["node"]
-            ),
+            "cpu_utilization_ratio": _gauge(catalogue.CPU_UTILIZATION_RATIO),
+            "memory_utilization_ratio": _gauge(catalogue.MEMORY_UTILIZATION_RATIO),
+            "io_wait_ratio": _gauge(catalogue.IO_WAIT_TIME_RATIO),
         }
-        gpu = GaugeMetricFamily(
-            "torshmon_gpu_utilization_ratio", "GPU utilisation", labels=["node", "gpu"]
-        )
+        gpu = _gauge(catalogue.GPU_UTILIZATION_RATIO)
         for name, sample in nodes.items():
             for key, fam in fams.items():
                 fam.add_metric([name], float(getattr(sample, key)))
@@ -856,35 +802,19 @@ class _LiveCollector:
         yield gpu
 
     def _detector_families(self, snap: dict[str, Any]) -> Iterator[Metric]:
-        anomaly = GaugeMetricFamily(
-            "torshmon_anomaly_active",
-            "1 while a rolling z-score anomaly is active on the series",
-            labels=["job", "rank", "metric"],
-        )
-        zscore = GaugeMetricFamily(
-            "torshmon_anomaly_zscore",
-            "z-score of the active anomaly",
-            labels=["job", "rank", "metric"],
-        )
+        anomaly = _gauge(catalogue.ANOMALY_ACTIVE)
+        zscore = _gauge(catalogue.ANOMALY_ZSCORE)
         for f in snap["anomalies"]:
             lv = [f.labels.get("job", ""), f.labels.get("rank", ""), f.labels.get("metric", "")]
             anomaly.add_metric(lv, 1.0)
             zscore.add_metric(lv, f.score)
-        straggler = GaugeMetricFamily(
-            "torshmon_straggler_active", "1 while the rank is a straggler", labels=["job", "rank"]
-        )
-        score = GaugeMetricFamily(
-            "torshmon_straggler_score", "Straggler score of the rank", labels=["job", "rank"]
-        )
+        straggler = _gauge(catalogue.STRAGGLER_ACTIVE)
+        score = _gauge(catalogue.STRAGGLER_SCORE)
         for f in snap["stragglers"]:
             lv = [f.labels.get("job", ""), f.labels.get("rank", "")]
             straggler.add_metric(lv, 1.0)
             score.add_metric(lv, f.score)
-        hang = GaugeMetricFamily(
-            "torshmon_hung_collective_age_seconds",
-            "Age of a collective the rank never joined while its peers wait",
-            labels=["job", "rank", "op", "pg"],
-        )
+        hang = _gauge(catalogue.HUNG_COLLECTIVE_AGE_SECONDS)
         for f in snap["hangs"]:
             hang.add_metric(
                 [
@@ -895,27 +825,14 @@ class _LiveCollector:
                 ],
                 f.value,
             )
-        slow_link = GaugeMetricFamily(
-            "torshmon_slow_link_bandwidth_bytes_per_second",
-            "While a link check finds the rank's link slow: the rank's best pair bandwidth "
-            "(rank is 'A-B' at world size 2, where only the pair can be named)",
-            labels=["job", "rank"],
-        )
+        slow_link = _gauge(catalogue.SLOW_LINK_BANDWIDTH_BYTES_PER_SECOND)
         for f in snap["slow_links"]:
             slow_link.add_metric([f.labels.get("job", ""), f.labels.get("rank", "")], f.value)
-        link_bw = GaugeMetricFamily(
-            "torshmon_link_bandwidth_bytes_per_second",
-            "Best pair bandwidth of the rank in the job's latest link check",
-            labels=["job", "rank"],
-        )
+        link_bw = _gauge(catalogue.LINK_BANDWIDTH_BYTES_PER_SECOND)
         for job, by_rank in snap["link_bandwidth"].items():
             for rank, bandwidth in sorted(by_rank.items()):
                 link_bw.add_metric([job, str(rank)], bandwidth)
-        firing = GaugeMetricFamily(
-            "torshmon_alerts",
-            "Alerts pending or firing, by rule and severity",
-            labels=["alertname", "severity", "state"],
-        )
+        firing = _gauge(catalogue.ALERTS)
         counts: dict[tuple[str, str, str], int] = {}
         for a in snap["alerts"]:
             key = (a.rule, a.severity, a.state)

@@ -49,14 +49,20 @@ from torshmon.aggregator.rules import (
     format_duration,
     load_rules,
 )
+from torshmon.catalogue import metrics as catalogue
 
 __all__ = ["FORMATS", "check_rules_cli", "export_rules_cli", "expression", "to_prometheus"]
 
 #: Export formats ``torshmon rules export --format`` accepts.
 FORMATS: Final[tuple[str, ...]] = ("prometheus",)
 
-_PREFIX: Final = "torshmon_"
-_HISTOGRAMS: Final = frozenset({"step_duration_seconds"})
+_PREFIX: Final = catalogue.PREFIX
+#: Histograms by name without the prefix: a rule on one reads its ``_count`` or mean.
+_HISTOGRAMS: Final = frozenset(
+    spec.name.removeprefix(_PREFIX)
+    for spec in catalogue.exported_by("aggregator")
+    if spec.kind == "histogram"
+)
 _PROM_AGGREGATE: Final[Mapping[str, str]] = {
     "mean": "avg",
     "max": "max",
@@ -64,10 +70,10 @@ _PROM_AGGREGATE: Final[Mapping[str, str]] = {
     "sum": "sum",
 }
 _FINDING_METRIC: Final[Mapping[str, str]] = {
-    "anomaly": "torshmon_anomaly_active",
-    "straggler": "torshmon_straggler_active",
-    "hang": "torshmon_hung_collective_age_seconds",
-    "slow_link": "torshmon_slow_link_bandwidth_bytes_per_second",
+    "anomaly": catalogue.ANOMALY_ACTIVE.name,
+    "straggler": catalogue.STRAGGLER_ACTIVE.name,
+    "hang": catalogue.HUNG_COLLECTIVE_AGE_SECONDS.name,
+    "slow_link": catalogue.SLOW_LINK_BANDWIDTH_BYTES_PER_SECOND.name,
 }
 _FINDING_SUMMARY: Final[Mapping[str, str]] = {
     "anomaly": "{alertname}: {metric} is anomalous in job {job} rank {rank}",

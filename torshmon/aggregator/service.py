@@ -21,7 +21,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -52,6 +52,8 @@ from torshmon.aggregator.writer import (
     ThreadIngest,
     tune_gc_for_daemon,
 )
+from torshmon.catalogue import metrics as catalogue
+from torshmon.catalogue.metrics import MetricSpec
 from torshmon.history.db import make_engine, normalize_url, sqlite_path, upgrade
 from torshmon.history.models import Base
 from torshmon.history.reader import reader_of
@@ -147,21 +149,15 @@ class Aggregator:
 
     def _metrics(self) -> None:
         r = self.registry
-        self.m_batches = Counter(
-            "torshmon_ingest_batches", "Ingest requests by outcome", ["outcome"], registry=r
-        )
-        self.m_records = Counter(
-            "torshmon_ingest_records", "Agent spool records stored", registry=r
-        )
-        self.m_duplicates = Counter(
-            "torshmon_ingest_duplicates", "Records or probe batches seen before", registry=r
-        )
-        self.m_samples = Counter(
-            "torshmon_ingest_samples", "Measurements stored (one number each)", registry=r
-        )
+        self.m_batches = _counter(catalogue.INGEST_BATCHES_TOTAL, r)
+        self.m_records = _counter(catalogue.INGEST_RECORDS_TOTAL, r)
+        self.m_duplicates = _counter(catalogue.INGEST_DUPLICATES_TOTAL, r)
+        self.m_samples = _counter(catalogue.INGEST_SAMPLES_TOTAL, r)
+        spec = catalogue.INGEST_DURATION_SECONDS
         self.m_ingest_seconds = Histogram(
-            "torshmon_ingest_duration_seconds",
-            "Time to store one ingest request (including its wait for the writer)",
+            spec.name,
+            spec.help,
+            spec.labels("aggregator"),
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
             registry=r,
         )
@@ -677,15 +673,6 @@ def _finding_row(f: Finding, now: float) -> dict[str, Any]:
 class _NotifierCollector:
     """Exports the notifier's per-target counters (``notify.STAT_NAMES``)."""
 
-    _HELP: Final = {
-        "sent_total": "Notification messages delivered, per target",
-        "failed_total": "Notification messages given up on, per target",
-        "retries_total": "Notification delivery retries, per target",
-        "dropped_total": "Alerts dropped before delivery (queue full or shutdown), per target",
-        "deduplicated_total": "Alerts not sent again because they were already delivered",
-        "queued": "Alerts waiting to be sent, per target",
-    }
-
     def __init__(self, aggregator: Aggregator) -> None:
         self._aggregator = aggregator
 
@@ -693,13 +680,18 @@ class _NotifierCollector:
         stats = self._aggregator.notifier.stats()
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for stat in STAT_NAMES:
-            name = f"torshmon_notifications_{stat.removesuffix('_total')}"
-            kind = CounterMetricFamily if stat.endswith("_total") else GaugeMetricFamily
-            families[stat] = kind(name, self._HELP[stat], labels=["target"])
+            spec = catalogue.METRICS[f"torshmon_notifications_{stat}"]
+            families[stat] = (
+                spec.counter("aggregator") if spec.kind == "counter" else spec.gauge("aggregator")
+            )
         for target, counts in stats.items():
             for stat, family in families.items():
                 family.add_metric([target], float(counts.get(stat, 0)))
         yield from families.values()
+
+
+def _counter(spec: MetricSpec, registry: CollectorRegistry) -> Counter:
+    return Counter(spec.family_name, spec.help, spec.labels("aggregator"), registry=registry)
 
 
 async def run_aggregator(settings: AggregatorSettings) -> int:

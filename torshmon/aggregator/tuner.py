@@ -45,8 +45,8 @@ from the recorded trials before every ask, with a seed derived from ``seed`` and
 number of trials told, so a proposal is a function of the history alone: a session
 restored with ``from_state`` proposes exactly what the original would have.
 
-Codec names, default params and bounds mirror ``torshmon.probe.codecs`` (checked by
-the tests) rather than import it, because the probe package imports torch.
+Codec names, params, bounds and bucket caps come from ``torshmon.catalogue``, the
+table the probe validates against.
 """
 
 from __future__ import annotations
@@ -63,6 +63,14 @@ import msgspec
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
 from scipy import stats  # type: ignore[import-untyped]  # scipy ships no type stubs
+
+from torshmon.catalogue.codecs import (
+    CODEC_NAMES,
+    MIB,
+    ConfigError,
+    validate_bucket_cap_mb,
+    validate_codec,
+)
 
 if TYPE_CHECKING:
     from torshmon.wire import AppliedConfig, StepRecord
@@ -88,23 +96,8 @@ __all__ = [
     "TuningSession",
 ]
 
-MIB: Final = 1024 * 1024
-#: Codecs the probe implements (``torshmon.probe.codecs.CODECS``).
-CODEC_NAMES: Final = ("none", "fp16", "bf16", "powersgd", "topk", "int8")
 #: Knobs a user can pin: the bucket caps (both), or the codec with its params.
 KNOBS: Final = ("bucket_cap_mb", "codec")
-#: The probe's bucket cap bounds, MiB (``torshmon.probe.config``).
-_PROBE_MIN_CAP_MB: Final = 0.001
-_PROBE_MAX_CAP_MB: Final = 4096.0
-#: The probe's codec params with their defaults.
-_CODEC_DEFAULTS: Final[Mapping[str, Mapping[str, float | int]]] = {
-    "none": {},
-    "fp16": {},
-    "bf16": {},
-    "powersgd": {"rank": 4},
-    "topk": {"ratio": 0.01},
-    "int8": {"bits": 8},
-}
 #: Per-step relative error bounds by codec; a codec missing here has no bound. The
 #: error-feedback codecs (PowerSGD, top-k) have none by default: their per-step error is
 #: that of a projection (below 1 by construction) of the gradient plus the residual
@@ -148,37 +141,17 @@ class TunerError(ValueError):
 
 def _normalise_codec(codec: object, params: Mapping[str, object]) -> dict[str, float | int]:
     """The codec's params with defaults filled in; TunerError names a bad name or param."""
-    if not isinstance(codec, str) or codec not in _CODEC_DEFAULTS:
-        raise TunerError(f"codec must be one of {', '.join(CODEC_NAMES)}; got {codec!r}")
-    defaults = _CODEC_DEFAULTS[codec]
-    unknown = sorted(str(key) for key in params if key not in defaults)
-    if unknown:
-        allowed = ", ".join(sorted(defaults)) or "none"
-        raise TunerError(f"codec {codec!r}: unknown param {unknown[0]!r}; allowed: {allowed}")
-    out = dict(defaults)
-    for key, value in params.items():
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TunerError(f"codec {codec!r}: param {key!r} must be a number, got {value!r}")
-        out[key] = value
-    rank, ratio, bits = out.get("rank", 1), out.get("ratio", 0.5), out.get("bits", 8)
-    if not isinstance(rank, int) or rank < 1:
-        raise TunerError(f"codec 'powersgd': param 'rank' must be an integer >= 1, got {rank!r}")
-    if not 0.0 < ratio <= 1.0:
-        raise TunerError(f"codec 'topk': param 'ratio' must be in (0, 1], got {ratio!r}")
-    if bits != 8:
-        raise TunerError(f"codec 'int8': param 'bits' must be 8, got {bits!r}")
-    return out
+    try:
+        return validate_codec(codec, params)
+    except ConfigError as exc:
+        raise TunerError(str(exc)) from None
 
 
 def _check_cap(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TunerError(f"{name} must be a number of MiB, got {value!r}")
-    cap = float(value)
-    if not (math.isfinite(cap) and _PROBE_MIN_CAP_MB <= cap <= _PROBE_MAX_CAP_MB):
-        raise TunerError(
-            f"{name} must be between {_PROBE_MIN_CAP_MB} and {_PROBE_MAX_CAP_MB} MiB, got {value!r}"
-        )
-    return cap
+    try:
+        return validate_bucket_cap_mb(value, name)
+    except ConfigError as exc:
+        raise TunerError(str(exc)) from None
 
 
 def _fmt_mb(value: float) -> str:

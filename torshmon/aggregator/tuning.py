@@ -26,7 +26,6 @@ from sqlalchemy import select, update
 from torshmon.aggregator.alert import Alert
 from torshmon.aggregator.commands import CommandError, CommandStatus
 from torshmon.aggregator.tuner import (
-    MIB,
     Abort,
     ApplyConfig,
     Decision,
@@ -42,6 +41,8 @@ from torshmon.aggregator.tuner import (
     TunerSettings,
     TuningSession,
 )
+from torshmon.catalogue import metrics as catalogue
+from torshmon.catalogue.codecs import MIB
 from torshmon.history.db import upsert
 from torshmon.history.models import Base
 
@@ -114,24 +115,16 @@ class TuningManager:
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         r = aggregator.registry
+        trials, best, state = (
+            catalogue.TUNER_TRIALS_TOTAL,
+            catalogue.TUNER_BEST_SCORE,
+            catalogue.TUNER_STATE,
+        )
         self.m_trials = Counter(
-            "torshmon_tuner_trials",
-            "Tuning trials decided, by decision",
-            ["job", "decision"],
-            registry=r,
+            trials.family_name, trials.help, trials.labels("aggregator"), registry=r
         )
-        self.m_best = Gauge(
-            "torshmon_tuner_best_score",
-            "Best throughput of the job's tuning session (incumbent), samples per second",
-            ["job"],
-            registry=r,
-        )
-        self.m_state = Gauge(
-            "torshmon_tuner_state",
-            "1 for the tuning session's current phase",
-            ["job", "state"],
-            registry=r,
-        )
+        self.m_best = Gauge(best.name, best.help, best.labels("aggregator"), registry=r)
+        self.m_state = Gauge(state.name, state.help, state.labels("aggregator"), registry=r)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, TypeAlias
 import torch
 from torch.distributed import ProcessGroup
 
-from torshmon.probe.config import ConfigError
+from torshmon.catalogue.codecs import CODEC_SPECS, ParamSpec, ParamValue, validate_codec
 
 __all__ = [
     "CODECS",
@@ -51,7 +51,6 @@ __all__ = [
     "validate_codec",
 ]
 
-ParamValue: TypeAlias = "float | int"
 ReduceFuture: TypeAlias = "torch.futures.Future[tuple[torch.Tensor, CodecStats]]"
 
 
@@ -71,65 +70,6 @@ class CodecStats:
     relative_error: float | None
 
 
-# -- parameters ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _ParamSpec:
-    """One codec parameter: integer or real, a lower bound, optional upper bound."""
-
-    default: ParamValue
-    integer: bool
-    minimum: float
-    minimum_inclusive: bool = True
-    maximum: float | None = None
-
-    def allowed(self) -> str:
-        kind = "an integer" if self.integer else "a number"
-        if self.maximum is None:
-            return f"{kind} {'>=' if self.minimum_inclusive else '>'} {self.minimum:g}"
-        low = "[" if self.minimum_inclusive else "("
-        return f"{kind} in {low}{self.minimum:g}, {self.maximum:g}]"
-
-    def check(self, codec: str, field: str, value: object) -> ParamValue:
-        """The value normalised (int or float), or ConfigError naming the field."""
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(self._message(codec, field, value))
-        if self.integer and not isinstance(value, int):
-            raise ConfigError(self._message(codec, field, value))
-        number: ParamValue = value if self.integer else float(value)
-        above = number >= self.minimum if self.minimum_inclusive else number > self.minimum
-        below = self.maximum is None or number <= self.maximum
-        if not (above and below):  # also rejects NaN
-            raise ConfigError(self._message(codec, field, value))
-        return number
-
-    def _message(self, codec: str, field: str, value: object) -> str:
-        return f"codec {codec!r}: param {field!r} must be {self.allowed()}, got {value!r}"
-
-
-def validate_codec(name: str, params: Mapping[str, object]) -> dict[str, ParamValue]:
-    """Check a codec name and its params without a process group.
-
-    Returns the params normalised, with defaults filled in. Raises ConfigError
-    naming the bad field and what is allowed. Pure; thread-safe.
-    """
-    codec = CODECS.get(name) if isinstance(name, str) else None
-    if codec is None:
-        raise ConfigError(f"codec must be one of {', '.join(sorted(CODECS))}; got {name!r}")
-    specs = codec.param_specs
-    unknown = sorted(str(key) for key in params if key not in specs)
-    if unknown:
-        allowed = ", ".join(sorted(specs)) or "none"
-        raise ConfigError(
-            f"codec {name!r}: unknown param {unknown[0]!r}; allowed params: {allowed}"
-        )
-    return {
-        field: spec.check(name, field, params[field]) if field in params else spec.default
-        for field, spec in specs.items()
-    }
-
-
 # -- the codec interface ------------------------------------------------------------------
 
 
@@ -142,7 +82,7 @@ class Codec(abc.ABC):
     """
 
     name: ClassVar[str]
-    param_specs: ClassVar[Mapping[str, _ParamSpec]] = {}
+    param_specs: ClassVar[Mapping[str, ParamSpec]] = {}
 
     def __init__(self, group: ProcessGroup, **params: object) -> None:
         self._params = validate_codec(self.name, params)
@@ -374,11 +314,7 @@ class TopKCodec(_GatherCodec):
     """
 
     name = "topk"
-    param_specs: ClassVar[Mapping[str, _ParamSpec]] = {
-        "ratio": _ParamSpec(
-            default=0.01, integer=False, minimum=0.0, minimum_inclusive=False, maximum=1.0
-        ),
-    }
+    param_specs: ClassVar[Mapping[str, ParamSpec]] = CODEC_SPECS["topk"].params
 
     def _count(self, numel: int) -> int:
         # round() absorbs float noise such as 0.1 * 30 = 3.0000000000000004.
@@ -412,11 +348,7 @@ class Int8Codec(_GatherCodec):
     """
 
     name = "int8"
-    # Only 8-bit is implemented; the param exists so that a request for other
-    # widths is answered with what is supported rather than "unknown param".
-    param_specs: ClassVar[Mapping[str, _ParamSpec]] = {
-        "bits": _ParamSpec(default=8, integer=True, minimum=8, maximum=8),
-    }
+    param_specs: ClassVar[Mapping[str, ParamSpec]] = CODEC_SPECS["int8"].params
 
     def _encode(self, corrected: torch.Tensor) -> torch.Tensor:
         scale = corrected.abs().amax() / 127
@@ -667,9 +599,7 @@ class PowerSGDCodec(Codec):
     """
 
     name = "powersgd"
-    param_specs: ClassVar[Mapping[str, _ParamSpec]] = {
-        "rank": _ParamSpec(default=4, integer=True, minimum=1),
-    }
+    param_specs: ClassVar[Mapping[str, ParamSpec]] = CODEC_SPECS["powersgd"].params
 
     def __init__(self, group: ProcessGroup, **params: object) -> None:
         super().__init__(group, **params)

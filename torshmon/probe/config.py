@@ -8,18 +8,27 @@ rank sees it; ranks then agree on it by broadcast (see ``reconfig.py``).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-MIB = 1024 * 1024
-#: Bucket caps are sized in MiB, as DDP's ``bucket_cap_mb`` is.
-MIN_BUCKET_CAP_MB = 0.001
-MAX_BUCKET_CAP_MB = 4096.0
+from torshmon.catalogue.codecs import (
+    MAX_BUCKET_CAP_MB,
+    MIB,
+    MIN_BUCKET_CAP_MB,
+    ConfigError,
+    validate_bucket_cap_mb,
+    validate_codec,
+)
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot be applied; the message names the field and what is allowed."""
+__all__ = [
+    "MAX_BUCKET_CAP_MB",
+    "MIB",
+    "MIN_BUCKET_CAP_MB",
+    "CommConfig",
+    "ConfigError",
+    "next_config",
+    "validate_bucket_cap_mb",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,19 +85,6 @@ class CommConfig:
         )
 
 
-def validate_bucket_cap_mb(value: object, field: str = "bucket_cap_mb") -> float:
-    """The cap as a float in MiB; ConfigError unless MIN_BUCKET_CAP_MB <= value <= MAX."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{field} must be a number of MiB, got {value!r}")
-    cap = float(value)
-    if not math.isfinite(cap) or cap < MIN_BUCKET_CAP_MB or cap > MAX_BUCKET_CAP_MB:
-        raise ConfigError(
-            f"{field} must be between {MIN_BUCKET_CAP_MB} and {MAX_BUCKET_CAP_MB} MiB, "
-            f"got {value!r}"
-        )
-    return cap
-
-
 def next_config(
     current: CommConfig,
     *,
@@ -104,8 +100,6 @@ def next_config(
     that codec's defaults; the same codec with ``codec_params`` gets those
     params. Raises ConfigError naming the offending field; nothing changes then.
     """
-    from torshmon.probe.codecs import validate_codec
-
     cap = current.bucket_cap_mb if bucket_cap_mb is None else validate_bucket_cap_mb(bucket_cap_mb)
     if first_bucket_cap_mb is not None:
         first = validate_bucket_cap_mb(first_bucket_cap_mb, "first_bucket_cap_mb")
