@@ -321,7 +321,7 @@ def _run_aggregator(args: argparse.Namespace, redact: Redactor) -> int:
 
     from sqlalchemy.exc import SQLAlchemyError
 
-    from torshmon.aggregator.notify import AlertmanagerTarget, targets_from_env
+    from torshmon.aggregator.notify import AlertmanagerTarget, WebhookTarget
     from torshmon.aggregator.rules import RuleError
     from torshmon.aggregator.service import run_aggregator
     from torshmon.aggregator.settings import SettingsError, load_settings
@@ -338,19 +338,17 @@ def _run_aggregator(args: argparse.Namespace, redact: Redactor) -> int:
     }
     overrides["token"] = _token(args, redact)
     try:
-        targets = targets_from_env()  # its messages never quote a URL or token
-    except ValueError as exc:
-        return _fail("aggregator", redact, str(exc), 2)
-    for target in targets:  # a webhook URL is a secret whole
-        url = target.base_url if isinstance(target, AlertmanagerTarget) else target.url
-        redact.add_url(url, secret_path=True)
-    try:
         settings = load_settings(overrides, config_file=args.config)
         # The config file may hold secrets of its own.
         redact.add(settings.token)
         redact.add_url(settings.db_url)
         redact.add_url(settings.query_db_url)
         redact.add_url(settings.otlp_endpoint)
+        for target in settings.notify.targets():  # a webhook URL is a secret whole
+            url = target.base_url if isinstance(target, AlertmanagerTarget) else target.url
+            redact.add_url(url, secret_path=True)
+            if isinstance(target, WebhookTarget):
+                redact.add(target.bearer_token)
         return asyncio.run(run_aggregator(settings))
     except (SettingsError, RuleError, DatabaseConfigError) as exc:
         return _fail("aggregator", redact, str(exc), 2)
