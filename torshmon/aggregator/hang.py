@@ -129,7 +129,7 @@ class _Entry:
 
 
 class HangSettings(Section, frozen=True):
-    """The hang detector's settings (``hang:``); the detector checks them."""
+    """The hang detector's settings; the detector checks the rules between them."""
 
     timeout_s: Annotated[float, setting("seconds in a collective that make it hung", gt=0)] = 5.0
     min_timeout_s: Annotated[

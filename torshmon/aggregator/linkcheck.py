@@ -67,7 +67,7 @@ RECOMMENDATION = (
 
 @dataclass(frozen=True, slots=True)
 class LinkCheckSettings:
-    """The link checker's settings (``link_check:``); times in seconds, ratios plain."""
+    """The link checker's settings: when to run pairwise link checks and how to read them."""
 
     min_interval_s: Annotated[
         float, setting("least time between checks a communication rise asks for", ge=0)
@@ -89,7 +89,7 @@ class LinkCheckSettings:
         float, setting("a compute rise beyond this factor explains the wait instead", gt=1)
     ] = 1.3
     recent_steps: Annotated[int, setting("steps the recent wait is taken over", ge=1)] = 5
-    baseline_steps: Annotated[int, setting("steps a baseline holds")] = 200
+    baseline_steps: Annotated[int, setting("steps a baseline holds (>= min_baseline_steps)")] = 200
     min_baseline_steps: Annotated[int, setting("steps a baseline needs", ge=1)] = 20
     max_unexplained: Annotated[
         int, setting("checks in a row that find nothing before a rise is the new baseline", ge=1)

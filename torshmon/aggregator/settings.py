@@ -56,7 +56,7 @@ _TARGET_HELP = (
 
 
 class NotifySettings(Section, frozen=True):
-    """Where alerts go (``notify:``) and how hard delivery tries."""
+    """Where alerts go and how hard delivery tries."""
 
     slack: Annotated[
         tuple[SlackTarget, ...],

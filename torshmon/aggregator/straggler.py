@@ -246,7 +246,7 @@ def _active_findings(state: _JobState) -> list[Finding]:
 
 
 class StragglerSettings(Section, frozen=True):
-    """The straggler detector's settings (``straggler:``); the detector checks them."""
+    """The straggler detector's settings; the detector checks the rules between them."""
 
     z_threshold: Annotated[
         float, setting("robust z-score a rank's compute time must pass", gt=0)

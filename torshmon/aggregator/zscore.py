@@ -218,7 +218,7 @@ SeriesKey = tuple[tuple[str, str], ...]
 
 
 class ZScoreSettings(Section, frozen=True):
-    """The rolling z-score detectors' settings (``zscore:``, step time and loss alike)."""
+    """The rolling z-score detectors' settings, for step time and loss alike."""
 
     threshold: Annotated[float, setting("z-score (sigmas) a value must pass", gt=0)] = 2.5
     min_samples: Annotated[
