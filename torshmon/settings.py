@@ -288,10 +288,7 @@ def kind_text(spec: FieldSpec) -> str | None:
         if member is bool:
             words.append("true or false")
         elif member is int:
-            words.append(
-                "an integer"
-                + (" (bytes, or a size such as 64MiB)" if spec.name.endswith("_bytes") else "")
-            )
+            words.append("an integer" + (f" ({SIZE_HELP})" if spec.name.endswith("_bytes") else ""))
         elif member is float:
             words.append("a float" + (f" ({DURATION_HELP})" if spec.name.endswith("_s") else ""))
         elif member is str:
