@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from torshmon.aggregator.settings import SettingsError, load_settings
+from torshmon.aggregator.hang import HangDetector, HangSettings
+from torshmon.aggregator.linkcheck import LinkCheckSettings
+from torshmon.aggregator.live import LiveState
+from torshmon.aggregator.notify import AlertmanagerTarget, SlackTarget, WebhookTarget
+from torshmon.aggregator.settings import AggregatorSettings, SettingsError, load_settings
+from torshmon.aggregator.straggler import StragglerDetector, StragglerSettings
+from torshmon.aggregator.zscore import ZScoreDetector, ZScoreSettings
+from torshmon.settings import parse_duration_s, parse_size_bytes
 
 
 def test_booleans_read_from_a_config_file_and_overrides(tmp_path: Path) -> None:
@@ -73,3 +82,187 @@ def test_the_query_url_defaults_to_the_history_url_as_the_reader_role() -> None:
         load_settings({"db_url": "mysql://x/y"}, env={})
     with pytest.raises(SettingsError, match=r"^query_db_url: database URL mysql://x/y "):
         load_settings({"db_url": pg}, env={"TORSHMON_QUERY_DB_URL": "mysql://x/y"})
+
+
+# -- the one model: layers, units, sections, targets ---------------------------------------
+
+
+def test_flags_win_over_variables_which_win_over_the_file(tmp_path: Path) -> None:
+    conf = tmp_path / "conf.yaml"
+    conf.write_text("port: 1111\nhost: 127.0.0.2\naggregator_id: from-file\n")
+    env = {"TORSHMON_AGGREGATOR_PORT": "2222", "TORSHMON_AGGREGATOR_ID": "from-env"}
+    settings = load_settings({"port": 3333}, config_file=conf, env=env)
+    assert (settings.port, settings.aggregator_id, settings.host) == (3333, "from-env", "127.0.0.2")
+    assert load_settings({"port": None}, config_file=conf, env=env).port == 2222
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("0.5", 0.5), ("2", 2.0), ("500ms", 0.5), ("2m", 120.0), ("1h", 3600.0), ("1h30m", 5400.0)],
+)
+def test_durations_are_seconds_or_human(text: str, seconds: float, tmp_path: Path) -> None:
+    assert parse_duration_s(text) == seconds
+    assert load_settings({"eval_interval_s": text}, env={}).eval_interval_s == seconds
+    env = {"TORSHMON_AGGREGATOR_HANG__TIMEOUT_S": text}
+    assert load_settings({}, env=env).hang.timeout_s == seconds
+    conf = tmp_path / "conf.yaml"
+    conf.write_text(f"raw_retention_s: {text}\n")
+    assert load_settings({}, config_file=conf, env={}).raw_retention_s == seconds
+
+
+@pytest.mark.parametrize("text", ["soon", "5 parsecs", "m", "1h x", ""])
+def test_a_bad_duration_is_named_with_what_is_allowed(text: str) -> None:
+    assert parse_duration_s(text) is None
+    with pytest.raises(SettingsError) as refused:
+        load_settings({"eval_interval_s": text}, env={})
+    assert str(refused.value).startswith("eval_interval_s must be a float")
+    assert "500ms, 2m or 1h" in str(refused.value)
+
+
+def test_sizes_take_units() -> None:
+    assert parse_size_bytes("64MiB") == 64 << 20
+    assert parse_size_bytes("1.5GB") == 1_500_000_000
+    assert parse_size_bytes("4096") == 4096
+    assert parse_size_bytes("12 parsecs") is None
+    assert load_settings({"max_body_bytes": "2MiB"}, env={}).max_body_bytes == 2 << 20
+    with pytest.raises(SettingsError, match=r"max_body_bytes must be >= 1024, got 512"):
+        load_settings({"max_body_bytes": "512"}, env={})
+
+
+def test_detector_sections_come_from_the_file_and_variables(tmp_path: Path) -> None:
+    conf = tmp_path / "conf.yaml"
+    conf.write_text(
+        "straggler:\n  min_slowdown: 0.2\n  persistence: 6\n"
+        "zscore:\n  threshold: 3\n"
+        "hang:\n  timeout_s: 30s\n"
+        "link_check:\n  min_interval_s: 1m\n  reference_check: off\n"
+    )
+    env = {"TORSHMON_AGGREGATOR_STRAGGLER__PERSISTENCE": "8"}
+    settings = load_settings({}, config_file=conf, env=env)
+    assert settings.straggler == StragglerSettings(min_slowdown=0.2, persistence=8)
+    assert settings.zscore == ZScoreSettings(threshold=3.0)
+    assert settings.hang == HangSettings(timeout_s=30.0)
+    assert settings.link_check == LinkCheckSettings(min_interval_s=60.0, reference_check=False)
+    assert load_settings({}, env={}).straggler == StragglerSettings()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("straggler:\n  min_slowdown: -1\n", ":2: straggler.min_slowdown must be > 0, got -1"),
+        ("straggler:\n  persistnce: 3\n", ":2: unknown setting 'straggler.persistnce'; known: "),
+        ("straggler: 3\n", ":1: expected a mapping of straggler settings"),
+        ("hang:\n  timeout_s: soon\n", ":2: hang.timeout_s must be a float"),
+        ("zscore:\n  window: 20\n  min_samples: 30\n", "zscore: min_samples must be in 2..window"),
+        (
+            "straggler:\n  persistence: 5\n  window_steps: 4\n",
+            "straggler: window_steps must be at least persistence",
+        ),
+        ("link_check:\n  slow_ratio: 2\n", ":2: link_check.slow_ratio must be > 0 and < 1"),
+    ],
+)
+def test_a_bad_detector_setting_is_one_line(tmp_path: Path, content: str, message: str) -> None:
+    conf = tmp_path / "conf.yaml"
+    conf.write_text(content)
+    with pytest.raises(SettingsError) as refused:
+        load_settings({}, config_file=conf, env={})
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_bad_variable_is_named() -> None:
+    env = {"TORSHMON_AGGREGATOR_ZSCORE__WINDOW": "many"}
+    with pytest.raises(SettingsError) as refused:
+        load_settings({}, env=env)
+    assert str(refused.value) == (
+        "TORSHMON_AGGREGATOR_ZSCORE__WINDOW: zscore.window must be an integer, got 'many'"
+    )
+
+
+def test_detector_section_defaults_are_the_detectors_own() -> None:
+    for section, detector in (
+        (StragglerSettings, StragglerDetector),
+        (ZScoreSettings, ZScoreDetector),
+        (HangSettings, HangDetector),
+    ):
+        signature = inspect.signature(detector)
+        for name, value in msgspec.structs.asdict(section()).items():
+            assert signature.parameters[name].default == value, (section, name)
+
+
+def test_detector_settings_reach_the_live_state() -> None:
+    settings = load_settings({"straggler": {"persistence": 9}, "hang": {"timeout_s": 7}}, env={})
+    live = LiveState(straggler=settings.straggler, hang=settings.hang, zscore=settings.zscore)
+    assert live.straggler._persistence == 9
+    assert live.hang._timeout_s == 7.0
+    assert live.step_z._threshold == live.loss_z._threshold == 2.5
+
+
+SLACK = "https://hooks.slack.com/services/T0/B0/SlackS3cret"
+HOOK = "https://hooks.example.com/HookS3cretPath"
+
+
+def test_notification_targets_from_the_file_and_the_environment(tmp_path: Path) -> None:
+    conf = tmp_path / "conf.yaml"
+    conf.write_text(
+        f"notify:\n  slack:\n    - url: {SLACK}\n"
+        f"  webhooks:\n    - url: {HOOK}\n      name: oncall\n      bearer_token: T0kS3cret\n"
+        "  alertmanagers:\n    - base_url: http://am:9093\n      resend_interval_s: 2m\n"
+        "  max_attempts: 3\n"
+    )
+    notify = load_settings({}, config_file=conf, env={}).notify
+    assert notify.targets() == [
+        SlackTarget(SLACK),
+        WebhookTarget(HOOK, name="oncall", bearer_token="T0kS3cret"),
+        AlertmanagerTarget("http://am:9093", resend_interval_s=120.0),
+    ]
+    assert notify.delivery()["max_attempts"] == 3
+    # A variable replaces the file's targets of its kind, and only those.
+    env = {"TORSHMON_SLACK_WEBHOOK_URL": "http://a.example/x,http://b.example/y"}
+    notify = load_settings({}, config_file=conf, env=env).notify
+    assert [t.name for t in notify.targets()] == ["slack", "slack-2", "oncall", "alertmanager"]
+    assert "S3cret" not in repr(load_settings({}, config_file=conf, env={}))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("notify:\n  slack:\n    - url: ftp://x/SlackS3cret\n", "must start with http://"),
+        ("notify:\n  slack:\n    - url: 7\n", "Expected `str`"),
+        ("notify:\n  slack:\n    - urll: http://x/SlackS3cret\n", ":3: unknown setting"),
+        (
+            "notify:\n  slack:\n    - url: http://x/SlackS3cret\n    - url: http://y/SlackS3cret\n",
+            "target names must be unique; repeated: slack",
+        ),
+    ],
+)
+def test_a_bad_target_in_the_file_is_named_without_its_url(
+    tmp_path: Path, content: str, message: str
+) -> None:
+    conf = tmp_path / "conf.yaml"
+    conf.write_text(content)
+    with pytest.raises(SettingsError) as refused:
+        load_settings({}, config_file=conf, env={})
+    assert message in str(refused.value) and "S3cret" not in str(refused.value)
+
+
+def test_a_secret_of_the_wrong_type_is_not_shown(tmp_path: Path) -> None:
+    conf = tmp_path / "conf.yaml"
+    conf.write_text("token: 12345678901234\n")
+    with pytest.raises(SettingsError) as refused:
+        load_settings({}, config_file=conf, env={})
+    assert str(refused.value) == (
+        f"{conf}:1: token must be a string, got a value of type int (not shown)"
+    )
+
+
+def test_settings_built_in_code_are_checked_too() -> None:
+    with pytest.raises(SettingsError, match=r"^port must be in 0\.\.65535, got 70000$"):
+        AggregatorSettings(port=70000)
+    with pytest.raises(SettingsError, match="eval_interval_s must be > 0"):
+        AggregatorSettings(eval_interval_s=0)
+    assert AggregatorSettings(allowed_hosts=["A.example"]).allowed_hosts == ("a.example",)  # type: ignore[arg-type]
+
+
+def test_unknown_overrides_are_refused() -> None:
+    with pytest.raises(SettingsError, match=r"unknown setting 'straggler\.bogus'; known: "):
+        load_settings({"straggler": {"bogus": 1}}, env={})

@@ -109,7 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--spool-max-mb", type=_positive_int, help="spool bound in MiB (256)")
     agent.add_argument("--node", help="node name (the hostname)")
     agent.add_argument("--agent-id", help="agent id (the node name)")
-    agent.add_argument("--sample-interval-s", type=float, help="node sampling interval (2)")
+    agent.add_argument(
+        "--sample-interval-s", help="node sampling interval: seconds, or 500ms, 1m (2)"
+    )
+    agent.add_argument("--config", type=Path, help="YAML file of settings")
 
     aggregator = commands.add_parser(
         "aggregator", help="the central daemon: ingest, history, detection, alerts, API"
@@ -260,12 +263,13 @@ def _port(text: str) -> int:
 def _run_agent(args: argparse.Namespace, redact: Redactor) -> int:
     import asyncio
 
-    from torshmon.agent.daemon import run_agent, settings_from_env
+    from torshmon.agent.daemon import run_agent
+    from torshmon.agent.settings import load_settings
     from torshmon.agent.spool import SpoolError
 
     token = _token(args, redact)
     try:
-        settings = settings_from_env(
+        overrides = dict(
             socket_path=args.socket,
             socket_group=args.socket_group,
             metrics_host=args.metrics_host,
@@ -278,6 +282,10 @@ def _run_agent(args: argparse.Namespace, redact: Redactor) -> int:
             agent_id=args.agent_id,
             sample_interval_s=args.sample_interval_s,
         )
+        settings = load_settings(overrides, config_file=args.config)
+        # The config file may hold secrets of its own.
+        redact.add(settings.token)
+        redact.add_url(settings.aggregator_url)
     except ValueError as exc:
         return _fail("agent", redact, str(exc), 2)
     try:
@@ -321,7 +329,7 @@ def _run_aggregator(args: argparse.Namespace, redact: Redactor) -> int:
 
     from sqlalchemy.exc import SQLAlchemyError
 
-    from torshmon.aggregator.notify import AlertmanagerTarget, targets_from_env
+    from torshmon.aggregator.notify import AlertmanagerTarget, WebhookTarget
     from torshmon.aggregator.rules import RuleError
     from torshmon.aggregator.service import run_aggregator
     from torshmon.aggregator.settings import SettingsError, load_settings
@@ -338,19 +346,17 @@ def _run_aggregator(args: argparse.Namespace, redact: Redactor) -> int:
     }
     overrides["token"] = _token(args, redact)
     try:
-        targets = targets_from_env()  # its messages never quote a URL or token
-    except ValueError as exc:
-        return _fail("aggregator", redact, str(exc), 2)
-    for target in targets:  # a webhook URL is a secret whole
-        url = target.base_url if isinstance(target, AlertmanagerTarget) else target.url
-        redact.add_url(url, secret_path=True)
-    try:
         settings = load_settings(overrides, config_file=args.config)
         # The config file may hold secrets of its own.
         redact.add(settings.token)
         redact.add_url(settings.db_url)
         redact.add_url(settings.query_db_url)
         redact.add_url(settings.otlp_endpoint)
+        for target in settings.notify.targets():  # a webhook URL is a secret whole
+            url = target.base_url if isinstance(target, AlertmanagerTarget) else target.url
+            redact.add_url(url, secret_path=True)
+            if isinstance(target, WebhookTarget):
+                redact.add(target.bearer_token)
         return asyncio.run(run_aggregator(settings))
     except (SettingsError, RuleError, DatabaseConfigError) as exc:
         return _fail("aggregator", redact, str(exc), 2)

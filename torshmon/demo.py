@@ -218,6 +218,7 @@ async def run_system(
     from prometheus_client import CollectorRegistry
 
     from torshmon.agent.daemon import Agent, AgentSettings
+    from torshmon.aggregator.notify import targets_from_env
     from torshmon.aggregator.service import Aggregator
     from torshmon.aggregator.settings import AggregatorSettings
 
@@ -240,7 +241,8 @@ async def run_system(
             async with Aggregator(
                 settings,
                 registry=CollectorRegistry(),
-                targets=targets,
+                # As before settings held targets: the demo notifies the TORSHMON_* ones.
+                targets=targets if targets is not None else targets_from_env(),
                 tuner_settings=tuner_settings,
             ) as aggregator:
                 port = aggregator.port or 0

@@ -261,3 +261,28 @@ def test_an_unknown_socket_group_is_a_usage_error() -> None:
     assert done.stderr == (
         "torshmon agent: socket_group 'no-such-group-here' is no group on this host\n"
     )
+
+
+def test_the_agent_takes_its_settings_from_a_config_file(tmp_path: Path) -> None:
+    """Flags win over the file; durations and sizes are written the human way."""
+    port = free_port()
+    (tmp_path / "agent.yaml").write_text(
+        f"socket_path: {tmp_path / 'run' / 'agent.sock'}\n"
+        f"spool_path: {tmp_path / 'spool' / 'agent-spool.db'}\n"
+        "metrics_port: 1\n"  # the flag's port wins
+        "sample_interval_s: 250ms\n"
+        "spool_max_bytes: 16MiB\n"
+        "node: from-config\n"
+    )
+    args = _agent_args(port, "--config", str(tmp_path / "agent.yaml"))
+    args.remove("--node")
+    args.remove("test-node")
+    proc = subprocess.Popen(args, env=_env(), stderr=subprocess.PIPE)
+    try:
+        _wait_for_metrics(port)
+        assert (tmp_path / "run" / "agent.sock").is_socket()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            assert b'node="from-config"' in r.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

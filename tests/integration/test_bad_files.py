@@ -127,6 +127,25 @@ def test_the_aggregator_reports_a_bad_config_file_in_one_line(
     _assert_one_line(done, 2, f"torshmon aggregator: {path}:{line}: ", reason)
 
 
+BAD_AGENT_CONFIGS: list[tuple[str, str, int, str]] = [
+    ("agent-list", "- metrics_port: 1\n", 1, "expected a mapping of settings"),
+    ("agent-unknown-key", "node: n\nprot: 1\n", 2, "unknown setting 'prot'"),
+    ("agent-bad-duration", "sample_interval_s: soon\n", 1, "must be a float"),
+    ("agent-bad-size", "node: n\nspool_max_bytes: 1k\n", 2, "spool_max_bytes must be >= 1048576"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "line", "reason"), BAD_YAML + BAD_AGENT_CONFIGS, ids=lambda v: str(v)[:20]
+)
+def test_the_agent_reports_a_bad_config_file_in_one_line(
+    tmp_path: Path, name: str, content: str | bytes, line: int, reason: str
+) -> None:
+    path = _write(tmp_path, name, content)
+    done = _cli("agent", "--config", str(path), "--metrics-port", "0")
+    _assert_one_line(done, 2, f"torshmon agent: {path}:{line}: ", reason)
+
+
 def test_the_aggregator_reports_a_bad_rule_file_in_one_line(tmp_path: Path) -> None:
     path = _write(tmp_path, "rules", "rules:\n  - name: !!python/object/apply:os.system [id]\n")
     done = _cli("aggregator", "--rules", str(path), "--port", "0", "--db", "sqlite://")

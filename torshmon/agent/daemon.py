@@ -13,29 +13,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import grp
 import logging
-import os
 import signal
-import socket
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from torshmon.agent.forwarder import Forwarder, check_aggregator_url
+from torshmon.agent.forwarder import Forwarder
 from torshmon.agent.metrics import AgentMetrics, AgentState, make_metrics_handler
 from torshmon.agent.receiver import ProbeReceiver
 from torshmon.agent.sampler import NodeSampler
+from torshmon.agent.settings import AgentSettings
 from torshmon.agent.spool import Spool
-from torshmon.paths import (
-    default_agent_socket,
-    ensure_agent_dir,
-    ensure_private_dir,
-    runtime_dir,
-)
+from torshmon.paths import ensure_agent_dir, ensure_private_dir, runtime_dir
 from torshmon.wire import (
     Batch,
     Command,
@@ -47,6 +39,8 @@ from torshmon.wire import (
     encode_json,
 )
 
+__all__ = ["Agent", "AgentSettings", "run_agent"]
+
 log = logging.getLogger(__name__)
 
 #: How long probe messages wait to be read, together, into one durable spool write
@@ -57,59 +51,6 @@ GROUP_COMMIT_S = 0.1
 INGEST_PATH = "/api/v1/ingest"
 #: Commands kept per job while no rank-0 probe of it is connected.
 MAX_QUEUED_COMMANDS = 64
-
-
-def _hostname() -> str:
-    return socket.gethostname()
-
-
-@dataclass(frozen=True, slots=True)
-class AgentSettings:
-    """Where the agent listens, stores and forwards.
-
-    ``aggregator_url`` is the aggregator's base URL (None: spool only); batches
-    go to ``<base>/api/v1/ingest``. The socket is 0600, or 0660 with group
-    ``socket_group`` (a name or gid) for training users of another uid in it.
-    """
-
-    socket_path: str = field(default_factory=default_agent_socket)
-    socket_group: str | None = None
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 9465
-    #: May hold credentials (``http://user:password@host``): kept out of ``repr``.
-    aggregator_url: str | None = field(default=None, repr=False)
-    token: str | None = field(default=None, repr=False)
-    node: str = field(default_factory=_hostname)
-    agent_id: str = ""
-    spool_path: str = field(default_factory=lambda: str(runtime_dir() / "agent-spool.db"))
-    spool_max_bytes: int = 256 * 1024 * 1024
-    sample_interval_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
-        if self.sample_interval_s <= 0:
-            raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
-        if self.spool_max_bytes < 1024 * 1024:
-            raise ValueError(f"spool_max_bytes must be >= 1 MiB, got {self.spool_max_bytes}")
-        if self.aggregator_url is not None:
-            check_aggregator_url(self.aggregator_url, self.token)
-        if self.token is not None and not self.token.strip():
-            raise ValueError("the token is empty; give a token or none")
-        if self.socket_group is not None:
-            self.socket_gid()  # a group that does not exist is a ValueError now, not at start
-
-    def socket_gid(self) -> int | None:
-        """The gid of ``socket_group`` (None without one); ValueError if there is none."""
-        group = self.socket_group
-        if group is None:
-            return None
-        if group.isdigit():
-            return int(group)
-        try:
-            return grp.getgrnam(group).gr_gid
-        except KeyError:
-            raise ValueError(f"socket_group {group!r} is no group on this host") from None
 
 
 class Agent:
@@ -387,23 +328,3 @@ async def run_agent(settings: AgentSettings) -> int:
         await stop.wait()
         log.info("agent stopping: flushing")
     return 0
-
-
-def settings_from_env(**overrides: object) -> AgentSettings:
-    """Settings from flags (``overrides``, None means unset), then TORSHMON_* variables."""
-    env = os.environ
-    token = env.get("TORSHMON_TOKEN")
-    if token is not None and not token.strip():
-        # Most likely a substitution that failed: every batch would be refused.
-        raise ValueError("TORSHMON_TOKEN is set but empty; unset it to run without a token")
-    values: dict[str, object] = {
-        "aggregator_url": env.get("TORSHMON_AGGREGATOR_URL") or None,
-        "token": token,
-        "socket_group": env.get("TORSHMON_AGENT_SOCKET_GROUP") or None,
-    }
-    if env.get("TORSHMON_AGENT_SPOOL"):
-        values["spool_path"] = env["TORSHMON_AGENT_SPOOL"]
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    if "spool_path" in values:
-        values["spool_path"] = str(Path(str(values["spool_path"])))
-    return AgentSettings(**values)  # type: ignore[arg-type]

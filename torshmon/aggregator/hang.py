@@ -41,9 +41,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Annotated, Final, Protocol
+
+import msgspec
 
 from torshmon.aggregator.findings import Finding
+from torshmon.settings import Section, setting
 
 DEFAULT_PG: Final = "default"
 
@@ -123,6 +126,22 @@ class _Entry:
     seq: int
     op: str
     age_s: float
+
+
+class HangSettings(Section, frozen=True):
+    """The hang detector's settings; the detector checks the rules between them."""
+
+    timeout_s: Annotated[float, setting("seconds in a collective that make it hung", gt=0)] = 5.0
+    min_timeout_s: Annotated[
+        float, setting("the shortest timeout short steps may bring it down to", gt=0)
+    ] = 2.0
+    step_multiple: Annotated[
+        float, setting("a job's timeout is at most this many typical step durations", gt=0)
+    ] = 20.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        HangDetector(**msgspec.structs.asdict(self))  # its checks, its messages
 
 
 class HangDetector:

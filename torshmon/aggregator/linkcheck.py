@@ -47,8 +47,10 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Annotated
 
 from torshmon.aggregator.findings import Finding
+from torshmon.settings import setting
 from torshmon.wire import LinkCheckResult
 
 __all__ = ["LinkCheckSettings", "LinkChecker", "Localization", "localize", "pair_bandwidths"]
@@ -65,25 +67,41 @@ RECOMMENDATION = (
 
 @dataclass(frozen=True, slots=True)
 class LinkCheckSettings:
-    """Tuning of the link checker; times in seconds, ratios dimensionless."""
+    """The link checker's settings: when to run pairwise link checks and how to read them."""
 
-    min_interval_s: float = 15.0
-    recheck_s: float = 5.0
-    timeout_s: float = 15.0
-    slow_ratio: float = 0.5
-    comm_rise: float = 2.0
-    min_comm_rise_s: float = 0.002
-    compute_flat: float = 1.3
-    recent_steps: int = 5
-    baseline_steps: int = 200
-    min_baseline_steps: int = 20
-    max_unexplained: int = 3
-    reference_check: bool = True
-    size_bytes: int | None = None  # None: the probe's default
+    min_interval_s: Annotated[
+        float, setting("least time between checks a communication rise asks for", ge=0)
+    ] = 15.0
+    recheck_s: Annotated[float, setting("time between checks while a slow link is named", ge=0)] = (
+        5.0
+    )
+    timeout_s: Annotated[float, setting("time a check may take", ge=0)] = 15.0
+    slow_ratio: Annotated[
+        float, setting("a rank below this fraction of the median bandwidth is slow", gt=0, lt=1)
+    ] = 0.5
+    comm_rise: Annotated[
+        float, setting("communication wait over its baseline that asks for a check", gt=1)
+    ] = 2.0
+    min_comm_rise_s: Annotated[
+        float, setting("least rise of the communication wait that counts", ge=0)
+    ] = 0.002
+    compute_flat: Annotated[
+        float, setting("a compute rise beyond this factor explains the wait instead", gt=1)
+    ] = 1.3
+    recent_steps: Annotated[int, setting("steps the recent wait is taken over", ge=1)] = 5
+    baseline_steps: Annotated[int, setting("steps a baseline holds (>= min_baseline_steps)")] = 200
+    min_baseline_steps: Annotated[int, setting("steps a baseline needs", ge=1)] = 20
+    max_unexplained: Annotated[
+        int, setting("checks in a row that find nothing before a rise is the new baseline", ge=1)
+    ] = 3
+    reference_check: Annotated[bool, setting("run one check per job after warm-up")] = True
+    size_bytes: Annotated[
+        int | None, setting("bytes each pair exchanges", default_text="the probe's default")
+    ] = None
     #: Exchanges per pair (the fastest counts: a busy host or a TCP window reopening
     #: after a congested spell slows one); more at world size 2, where one pair is all.
-    repeats: int = 2
-    repeats_two_ranks: int = 3
+    repeats: Annotated[int, setting("exchanges per pair (the fastest counts)", ge=1)] = 2
+    repeats_two_ranks: Annotated[int, setting("exchanges per pair at world size 2", ge=1)] = 3
 
     def __post_init__(self) -> None:
         for name in ("min_interval_s", "recheck_s", "timeout_s", "min_comm_rise_s"):

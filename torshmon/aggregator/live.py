@@ -34,12 +34,12 @@ from prometheus_client.utils import floatToGoString
 from torshmon.aggregator.alert import Alert
 from torshmon.aggregator.bottleneck import JobSnapshot, bottleneck_report
 from torshmon.aggregator.findings import Finding
-from torshmon.aggregator.hang import HangDetector
+from torshmon.aggregator.hang import HangDetector, HangSettings
 from torshmon.aggregator.ingest import Stored
 from torshmon.aggregator.linkcheck import LinkChecker, LinkCheckSettings
 from torshmon.aggregator.series import LabelSet, SeriesStore
-from torshmon.aggregator.straggler import StepCollector, StragglerDetector
-from torshmon.aggregator.zscore import ZScoreDetector
+from torshmon.aggregator.straggler import StepCollector, StragglerDetector, StragglerSettings
+from torshmon.aggregator.zscore import ZScoreDetector, ZScoreSettings
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.metrics import MetricSpec
 from torshmon.labels import LabelCap
@@ -162,10 +162,12 @@ class LiveState:
     def __init__(
         self,
         *,
-        hang_timeout_s: float = 5.0,
         idle_s: float = 900.0,
         series_retention_s: float = 900.0,
         series_windows_s: Mapping[str, float] | None = None,
+        straggler: StragglerSettings | None = None,
+        zscore: ZScoreSettings | None = None,
+        hang: HangSettings | None = None,
         link_check: LinkCheckSettings | None = None,
         label_cap: LabelCap | None = None,
     ) -> None:
@@ -174,7 +176,9 @@ class LiveState:
         ``series_retention_s``: how far back the rules can look (history is in SQL).
         ``series_windows_s``: the metrics whose points the rules read, with how far back
         (None: all of every metric); the others keep their newest point only.
-        ``link_check``: when to run pairwise link checks and how to read them.
+        ``straggler``, ``zscore`` (step time and loss), ``hang``: the detectors'
+        settings (None: their defaults). ``link_check``: when to run pairwise link
+        checks and how to read them.
         ``label_cap``: how many op, pg and codec values a job's probes may name; the
         rest fold into ``other`` as they are taken in (``torshmon.labels``)."""
         self.idle_s = idle_s
@@ -183,10 +187,15 @@ class LiveState:
         self.jobs: dict[str, JobState] = {}
         self.nodes: dict[str, NodeSample] = {}
         self._node_seen: dict[str, float] = {}
-        self.step_z = ZScoreDetector(metric="step_duration_seconds", direction="up")
-        self.loss_z = ZScoreDetector(metric="loss", direction="up")
-        self.straggler = StragglerDetector()
-        self.hang = HangDetector(timeout_s=hang_timeout_s)
+        z = msgspec.structs.asdict(zscore if zscore is not None else ZScoreSettings())
+        self.step_z = ZScoreDetector(metric="step_duration_seconds", direction="up", **z)
+        self.loss_z = ZScoreDetector(metric="loss", direction="up", **z)
+        self.straggler = StragglerDetector(
+            **msgspec.structs.asdict(straggler if straggler is not None else StragglerSettings())
+        )
+        self.hang = HangDetector(
+            **msgspec.structs.asdict(hang if hang is not None else HangSettings())
+        )
         self.links = LinkChecker(link_check)
         self._alerts: list[Alert] = []
         self._hangs: list[Finding] = []

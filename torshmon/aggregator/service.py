@@ -37,9 +37,8 @@ from torshmon.aggregator.commands import CommandBook, CommandStatus
 from torshmon.aggregator.findings import Finding
 from torshmon.aggregator.guard import RequestGuard, ServerLog, log_rejection, read_body
 from torshmon.aggregator.ingest import IngestStore, Stored
-from torshmon.aggregator.linkcheck import LinkCheckSettings
 from torshmon.aggregator.live import LiveState
-from torshmon.aggregator.notify import STAT_NAMES, Notifier, Target, targets_from_env
+from torshmon.aggregator.notify import STAT_NAMES, Notifier, Target
 from torshmon.aggregator.rules import RuleSet, default_rules, load_rules
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.aggregator.tuner import TunerSettings
@@ -83,10 +82,9 @@ class Aggregator:
     """The service's parts and their lifecycle: ``async with Aggregator(settings)``.
 
     ``registry`` receives the job-level and service metrics (a fresh one per test);
-    ``targets`` overrides the notification targets read from the environment;
+    ``targets`` overrides the notification targets of ``settings.notify``;
     ``clock`` is Unix seconds (detection and rules use it); ``tuner_settings`` are the
-    autotuner's defaults for every tuning session; ``link_check`` when to run
-    pairwise link checks (slow-link localisation) and how to read them.
+    autotuner's defaults for every tuning session.
     """
 
     def __init__(
@@ -99,7 +97,6 @@ class Aggregator:
         clock: Callable[[], float] = time.time,
         migrate: bool = True,
         tuner_settings: TunerSettings | None = None,
-        link_check: LinkCheckSettings | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
@@ -114,14 +111,17 @@ class Aggregator:
         )
         self.alerts = AlertEngine(self.rules)
         self.live = LiveState(
-            hang_timeout_s=settings.hang_timeout_s,
             series_retention_s=_series_retention_s(self.rules, self.alerts.stale_after_s),
             series_windows_s=_series_windows_s(self.rules),
-            link_check=link_check,
+            straggler=settings.straggler,
+            zscore=settings.zscore,
+            hang=settings.hang,
+            link_check=settings.link_check,
         )
         self.notifier = Notifier(
-            list(targets) if targets is not None else targets_from_env(),
+            list(targets) if targets is not None else settings.notify.targets(),
             external_url=settings.external_url,
+            **settings.notify.delivery(),
         )
         self._unwritten_findings: list[Finding] = []
         self._unwritten_alerts: list[Alert] = []

@@ -1,124 +1,256 @@
-"""The aggregator's settings: flags first, then ``TORSHMON_*`` variables, then a config file."""
+"""The aggregator's settings: flags first, then ``TORSHMON_*`` variables, then a config file.
+
+One model (``AggregatorSettings``) holds the service's own settings and, as sections,
+the detectors' (``straggler:``, ``zscore:``, ``hang:``, ``link_check:``) and the
+notifier's (``notify:``, its targets included). ``load_settings`` reads it; the
+reading and checking is ``torshmon.settings``.
+"""
 
 from __future__ import annotations
 
 import ipaddress
 import os
 import re
-import reprlib
 import socket
 from collections.abc import Mapping
-from dataclasses import Field, dataclass, field, fields
-from pathlib import Path
-from typing import Any, Final, cast
+from typing import Annotated, Any
 
-from yaml.nodes import MappingNode, Node, ScalarNode
+import msgspec
 
-from torshmon import yamlfile
+from torshmon.aggregator.hang import HangSettings
+from torshmon.aggregator.linkcheck import LinkCheckSettings
+from torshmon.aggregator.notify import (
+    AlertmanagerTarget,
+    SlackTarget,
+    Target,
+    WebhookTarget,
+    targets_from_env,
+)
+from torshmon.aggregator.straggler import StragglerSettings
+from torshmon.aggregator.zscore import ZScoreSettings
 from torshmon.history.db import DB_URL_ENV, DEFAULT_DB_URL, DatabaseConfigError, normalize_url
 from torshmon.history.reader import QUERY_DB_URL_ENV, reader_url
+from torshmon.settings import Layers, Section, SettingsError, setting
+
+__all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "AggregatorSettings",
+    "NotifySettings",
+    "SettingsError",
+    "is_loopback",
+    "load_settings",
+]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9470
-
-#: Environment variable per setting (the rest have no variable).
-_ENV = {
-    "host": "TORSHMON_AGGREGATOR_HOST",
-    "port": "TORSHMON_AGGREGATOR_PORT",
-    "token": "TORSHMON_TOKEN",
-    "db_url": DB_URL_ENV,
-    "query_db_url": QUERY_DB_URL_ENV,
-    "rules_path": "TORSHMON_RULES",
-    "aggregator_id": "TORSHMON_AGGREGATOR_ID",
-    "otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
-    "external_url": "TORSHMON_EXTERNAL_URL",
-    "allowed_hosts": "TORSHMON_ALLOWED_HOSTS",
-}
+#: The variables of settings that have none of their own: this and the path.
+ENV_PREFIX = "TORSHMON_AGGREGATOR_"
 
 #: A host name or IP literal as it may appear in a Host header, without the port.
 HOST_NAME = re.compile(r"\[[0-9a-fA-F:.]+\]|[^\[\]:@/?#\s]+")
 
-
-#: Settings whose values are secrets (or hold one): never echoed in a message.
-_SECRET: Final = frozenset({"token", "db_url", "query_db_url", "otlp_endpoint"})
-
-
-class SettingsError(ValueError):
-    """A setting with a bad value; the text names the setting and what is allowed."""
+_TARGET_HELP = (
+    "(the URL and token are secrets: never logged); the variable is a comma-separated list"
+)
 
 
-@dataclass(frozen=True, slots=True)
-class AggregatorSettings:
-    """Everything ``torshmon aggregator`` can be told. Durations in seconds."""
+class NotifySettings(Section, frozen=True):
+    """Where alerts go and how hard delivery tries."""
 
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
-    #: Secrets (a password in the URL, the token) are kept out of ``repr``.
-    db_url: str = field(default="", repr=False)
-    #: The URL history queries (POST /api/v1/query) connect with: on PostgreSQL a
-    #: reader role's; by default ``db_url`` as the role torshmon_reader.
-    query_db_url: str = field(default="", repr=False)
-    token: str | None = field(default=None, repr=False)
-    rules_path: str | None = None
-    aggregator_id: str = ""
-    eval_interval_s: float = 0.5
-    #: Evaluate at once when an ingest brings a new finding, not only on the timer.
-    eval_on_finding: bool = True
-    #: The least time between an evaluation and one brought forward by a new finding.
-    eval_min_gap_s: float = 0.05
-    #: Store ingest in a process of its own (torshmon.aggregator.writer), not on the
-    #: writer thread: SQL then runs beside detection and HTTP, on a core of its own.
-    ingest_process: bool = True
-    retention_interval_s: float = 300.0
-    raw_retention_s: float = 86400.0
-    rollup_retention_s: float = 30 * 86400.0
-    max_body_bytes: int = 64 * 1024 * 1024
-    hang_timeout_s: float = 5.0
-    command_timeout_s: float = 60.0
-    otlp_endpoint: str | None = field(default=None, repr=False)
-    external_url: str = ""
-    #: Host names the API answers to besides loopback names, IP literals, ``host`` and
-    #: the host of ``external_url`` (the Host header of other names is refused: DNS
-    #: rebinding). Lower case, without ports.
-    allowed_hosts: tuple[str, ...] = ()
+    slack: Annotated[
+        tuple[SlackTarget, ...],
+        setting(
+            f"Slack incoming webhooks: items of url, name {_TARGET_HELP}",
+            env="TORSHMON_SLACK_WEBHOOK_URL",
+            secret=True,
+        ),
+    ] = ()
+    webhooks: Annotated[
+        tuple[WebhookTarget, ...],
+        setting(
+            "webhooks taking Alertmanager's payload: items of url, name, bearer_token "
+            f"{_TARGET_HELP}; TORSHMON_WEBHOOK_TOKEN holds one token or one per URL",
+            env="TORSHMON_WEBHOOK_URL",
+            secret=True,
+        ),
+    ] = ()
+    alertmanagers: Annotated[
+        tuple[AlertmanagerTarget, ...],
+        setting(
+            f"Alertmanagers (v2 API): items of base_url, name, resend_interval_s {_TARGET_HELP}",
+            env="TORSHMON_ALERTMANAGER_URL",
+            secret=True,
+        ),
+    ] = ()
+    group_wait_s: Annotated[
+        float, setting("wait after an alert for others to send with it", ge=0)
+    ] = 0.2
+    max_queue: Annotated[int, setting("alerts queued per target (the oldest dropped)", ge=1)] = (
+        10000
+    )
+    retry_initial_s: Annotated[float, setting("first wait between attempts", gt=0)] = 0.5
+    retry_max_s: Annotated[float, setting("longest wait between attempts", gt=0)] = 30.0
+    max_attempts: Annotated[int, setting("attempts per message", ge=1)] = 8
+    timeout_s: Annotated[float, setting("limit of one attempt", gt=0)] = 5.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        names = [t.name for t in self.targets()]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise SettingsError(f"target names must be unique; repeated: {', '.join(duplicates)}")
+
+    def targets(self) -> list[Target]:
+        """Every target, Slack first."""
+        return [*self.slack, *self.webhooks, *self.alertmanagers]
+
+    def delivery(self) -> dict[str, Any]:
+        """The Notifier's keyword arguments besides targets."""
+        names = ("group_wait_s", "max_queue", "retry_initial_s", "retry_max_s")
+        return {name: getattr(self, name) for name in (*names, "max_attempts", "timeout_s")}
+
+
+class AggregatorSettings(Section, frozen=True):
+    """Everything ``torshmon aggregator`` can be told. Durations in seconds."""
+
+    host: Annotated[
+        str, setting("listen address", env="TORSHMON_AGGREGATOR_HOST", flag="--host")
+    ] = DEFAULT_HOST
+    port: Annotated[
+        int,
+        setting("listen port", env="TORSHMON_AGGREGATOR_PORT", flag="--port", ge=0, le=65535),
+    ] = DEFAULT_PORT
+    db_url: Annotated[
+        str,
+        setting(
+            "history database (SQLAlchemy URL)",
+            env=DB_URL_ENV,
+            flag="--db",
+            secret=True,
+            default_text=DEFAULT_DB_URL,
+        ),
+    ] = ""
+    query_db_url: Annotated[
+        str,
+        setting(
+            "the URL history queries (POST /api/v1/query) connect with: on PostgreSQL a "
+            "reader role's",
+            env=QUERY_DB_URL_ENV,
+            flag="--query-db",
+            secret=True,
+            default_text="db_url as the role torshmon_reader",
+        ),
+    ] = ""
+    token: Annotated[
+        str | None,
+        setting(
+            "bearer token the API and ingest require (needed unless host is loopback)",
+            env="TORSHMON_TOKEN",
+            flag="--token-file",
+            secret=True,
+            refuse_blank=True,
+        ),
+    ] = None
+    rules_path: Annotated[
+        str | None,
+        setting(
+            "alert rule file",
+            env="TORSHMON_RULES",
+            flag="--rules",
+            default_text="the default rules",
+        ),
+    ] = None
+    aggregator_id: Annotated[
+        str,
+        setting(
+            "this aggregator's id: the shard that owns the jobs it ingests",
+            env="TORSHMON_AGGREGATOR_ID",
+            flag="--id",
+            default_text="<hostname>-<pid>",
+        ),
+    ] = ""
+    eval_interval_s: Annotated[float, setting("time between rule evaluations", gt=0)] = 0.5
+    eval_on_finding: Annotated[
+        bool, setting("evaluate at once when an ingest brings a new finding")
+    ] = True
+    eval_min_gap_s: Annotated[
+        float, setting("least time between an evaluation and one a finding brings forward", gt=0)
+    ] = 0.05
+    ingest_process: Annotated[
+        bool,
+        setting(
+            "store ingest in a process of its own (SQL beside detection and HTTP), not on "
+            "the writer thread"
+        ),
+    ] = True
+    retention_interval_s: Annotated[float, setting("time between retention runs", gt=0)] = 300.0
+    raw_retention_s: Annotated[float, setting("how long raw rows are kept", gt=0)] = 86400.0
+    rollup_retention_s: Annotated[float, setting("how long per-minute rollups are kept", gt=0)] = (
+        30 * 86400.0
+    )
+    max_body_bytes: Annotated[int, setting("largest request body", ge=1024)] = 64 * 1024 * 1024
+    command_timeout_s: Annotated[float, setting("time a command may take to be applied", gt=0)] = (
+        60.0
+    )
+    otlp_endpoint: Annotated[
+        str | None,
+        setting(
+            "OTLP/HTTP endpoint for the aggregator's spans",
+            env="OTEL_EXPORTER_OTLP_ENDPOINT",
+            secret=True,
+            default_text="no spans",
+        ),
+    ] = None
+    external_url: Annotated[
+        str,
+        setting(
+            "the aggregator's URL as others reach it (in notifications)",
+            env="TORSHMON_EXTERNAL_URL",
+            default_text="http://<host>:<port>",
+        ),
+    ] = ""
+    allowed_hosts: Annotated[
+        tuple[str, ...],
+        setting(
+            "Host names the API answers to besides loopback names, IP literals, host and "
+            "the host of external_url (DNS rebinding); no ports. The variable is "
+            "comma-separated",
+            env="TORSHMON_ALLOWED_HOSTS",
+            flag="--allowed-host",
+        ),
+    ] = ()
+    straggler: StragglerSettings = msgspec.field(default_factory=StragglerSettings)
+    zscore: ZScoreSettings = msgspec.field(default_factory=ZScoreSettings)
+    hang: HangSettings = msgspec.field(default_factory=HangSettings)
+    link_check: LinkCheckSettings = msgspec.field(default_factory=LinkCheckSettings)
+    notify: NotifySettings = msgspec.field(default_factory=NotifySettings)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.token is not None and not self.token.strip():
             raise SettingsError("token is empty; give a token, or none to accept any request")
-        if not 0 <= self.port <= 65535:
-            raise SettingsError(f"port must be in 0..65535, got {self.port}")
-        for name in (
-            "eval_interval_s",
-            "eval_min_gap_s",
-            "retention_interval_s",
-            "raw_retention_s",
-            "rollup_retention_s",
-            "hang_timeout_s",
-            "command_timeout_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise SettingsError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_body_bytes < 1024:
-            raise SettingsError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not self.db_url:
-            object.__setattr__(self, "db_url", DEFAULT_DB_URL)
+            msgspec.structs.force_setattr(self, "db_url", DEFAULT_DB_URL)
         try:
             query_db_url = self.query_db_url or reader_url(self.db_url)
             normalize_url(query_db_url)
         except DatabaseConfigError as exc:
             name = "query_db_url" if self.query_db_url else "db_url"
             raise SettingsError(f"{name}: {exc}") from None
-        object.__setattr__(self, "query_db_url", query_db_url)
+        msgspec.structs.force_setattr(self, "query_db_url", query_db_url)
         if not self.aggregator_id:
-            object.__setattr__(self, "aggregator_id", f"{socket.gethostname()}-{os.getpid()}")
+            aggregator_id = f"{socket.gethostname()}-{os.getpid()}"
+            msgspec.structs.force_setattr(self, "aggregator_id", aggregator_id)
         if not self.external_url:
-            object.__setattr__(self, "external_url", f"http://{self.host}:{self.port}")
+            msgspec.structs.force_setattr(self, "external_url", f"http://{self.host}:{self.port}")
         for name in self.allowed_hosts:
             if not HOST_NAME.fullmatch(name):
                 raise SettingsError(
                     f"allowed_hosts entries are host names without a port, got {name!r}"
                 )
-        object.__setattr__(self, "allowed_hosts", tuple(h.lower() for h in self.allowed_hosts))
+        allowed = tuple(h.lower() for h in self.allowed_hosts)
+        msgspec.structs.force_setattr(self, "allowed_hosts", allowed)
         if not self.token and not is_loopback(self.host):
             raise SettingsError(
                 f"host {self.host!r} is not a loopback address and no token is set, so anyone "
@@ -143,112 +275,27 @@ def load_settings(
     config_file: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> AggregatorSettings:
-    """Settings from ``overrides`` (None means unset), then the environment, then the
-    YAML ``config_file`` (a mapping of setting names), then the defaults.
+    """Settings from ``overrides`` (None means unset; a mapping for a section), then the
+    environment, then the YAML ``config_file``, then the defaults.
 
-    Raises SettingsError naming an unknown key, a bad value, or an unreadable file.
+    Raises SettingsError naming an unknown key, a bad value, or an unreadable file; a
+    secret's value (token, URLs, webhooks) is never in its text.
     """
     env = os.environ if env is None else env
-    known = {f.name: f for f in fields(AggregatorSettings)}
-    values: dict[str, Any] = {}
+    layers = Layers(AggregatorSettings, env_prefix=ENV_PREFIX)
     if config_file is not None:
-        values.update(_read_config(Path(config_file), known))
-    for name, var in _ENV.items():
-        if env.get(var):
-            values[name] = env[var]
-    if _blank(env, _ENV["token"]):
-        # Most likely a substitution that failed; read as unset, the API would be open.
-        raise SettingsError(f"{_ENV['token']} is set but empty; unset it to run without a token")
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    typed: dict[str, Any] = {}
-    for name, value in values.items():
-        known_field = known.get(name)
-        if known_field is None:
-            raise SettingsError(f"unknown setting {name!r}; known: {', '.join(sorted(known))}")
-        typed[name] = _coerce(name, str(known_field.type), value)
-    return AggregatorSettings(**typed)
-
-
-def _read_config(path: Path, known: Mapping[str, object]) -> dict[str, Any]:
-    """The settings in a config file; SettingsError as ``file:line: reason``."""
+        layers.read_yaml(config_file)
+    layers.read_env(env)
     try:
-        root = yamlfile.compose(yamlfile.read_text(path, what="config file"), str(path))
-    except yamlfile.YamlFileError as exc:
+        targets = targets_from_env(env)  # its messages never quote a URL or token
+    except ValueError as exc:
         raise SettingsError(str(exc)) from None
-    if root is None:
-        return {}
-    if not isinstance(root, MappingNode):
-        raise SettingsError(f"{path}:{_line(root)}: expected a mapping of settings")
-    values: dict[str, Any] = {}
-    for key_node, value_node in root.value:
-        key = key_node.value if isinstance(key_node, ScalarNode) else None
-        if not isinstance(key, str) or key not in known:
-            raise SettingsError(
-                f"{path}:{_line(key_node)}: unknown setting {_describe(key_node)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
-        setting = cast(Field[Any], known[key])
-        try:
-            values[key] = _coerce(key, str(setting.type), yamlfile.construct(value_node))
-        except SettingsError as exc:
-            raise SettingsError(f"{path}:{_line(value_node)}: {exc}") from None
-    return values
-
-
-def _line(node: Node) -> int:
-    return node.start_mark.line + 1
-
-
-def _describe(node: Node) -> str:
-    if isinstance(node, ScalarNode):
-        return repr(node.value[:64])
-    return "(a list or mapping)"
-
-
-def _coerce(name: str, type_name: str, value: Any) -> Any:
-    if type_name == "bool":
-        return _boolean(name, value)
-    if type_name == "tuple[str, ...]":
-        return _strings(name, value)
-    try:
-        if type_name == "int":
-            return int(value)
-        if type_name == "float":
-            return float(value)
-    except (TypeError, ValueError):
-        raise SettingsError(f"{name} must be a {type_name}, got {_shown(name, value)}") from None
-    if type_name in ("str", "str | None") and not isinstance(value, str):
-        raise SettingsError(f"{name} must be a string, got {_shown(name, value)}")
-    return value
-
-
-def _shown(name: str, value: Any) -> str:
-    """``value`` as an error message may show it: secrets by their type only."""
-    if name in _SECRET:
-        return f"a value of type {type(value).__name__} (not shown)"
-    return reprlib.repr(value)
-
-
-def _blank(env: Mapping[str, str], var: str) -> bool:
-    """Whether ``var`` is set, to nothing but whitespace."""
-    return var in env and not env[var].strip()
-
-
-def _boolean(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise SettingsError(f"{name} must be true or false, got {value!r}")
-
-
-def _strings(name: str, value: Any) -> tuple[str, ...]:
-    """A list, or a comma-separated string (an environment variable), of strings."""
-    if isinstance(value, str):
-        return tuple(part.strip() for part in value.split(",") if part.strip())
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise SettingsError(f"{name} must be a list of strings, got {value!r}")
+    for kind, cls, var in (
+        ("slack", SlackTarget, "TORSHMON_SLACK_WEBHOOK_URL"),
+        ("webhooks", WebhookTarget, "TORSHMON_WEBHOOK_URL"),
+        ("alertmanagers", AlertmanagerTarget, "TORSHMON_ALERTMANAGER_URL"),
+    ):
+        if env.get(var, "").strip():
+            layers.set(("notify", kind), [t for t in targets if isinstance(t, cls)], var)
+    layers.update(overrides)
+    return layers.build()

@@ -65,9 +65,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from typing import Final
+from typing import Annotated, Final
+
+import msgspec
 
 from torshmon.aggregator.findings import Finding
+from torshmon.settings import Section, setting
 
 #: Scales the MAD of a normal distribution to its standard deviation (Iglewicz-Hoaglin).
 _MAD_TO_Z: Final = 0.6745
@@ -240,6 +243,49 @@ def _active_findings(state: _JobState) -> list[Finding]:
     ]
     active.sort(key=_rank_of)
     return [finding for _, finding in active]
+
+
+class StragglerSettings(Section, frozen=True):
+    """The straggler detector's settings; the detector checks the rules between them."""
+
+    z_threshold: Annotated[
+        float, setting("robust z-score a rank's compute time must pass", gt=0)
+    ] = 3.5
+    min_slowdown: Annotated[
+        float,
+        setting("how much slower than its peers' median a rank must compute (0.1 = 10 %)", gt=0),
+    ] = 0.10
+    persistence: Annotated[int, setting("flagged steps in a row before a rank is named", ge=1)] = 4
+    fast_persistence: Annotated[
+        int, setting("flagged steps in a row for a rank 1 + fast_slowdown times slower", ge=1)
+    ] = 2
+    fast_slowdown: Annotated[
+        float, setting("slowdown named after fast_persistence steps", gt=0)
+    ] = 2.0
+    window_steps: Annotated[
+        int,
+        setting("steps a finding stays active before it is marked chronic (>= persistence)", ge=1),
+    ] = 500
+    pair_min_slowdown: Annotated[
+        float, setting("with two ranks: how far their compute ratio must move (0.5 = 50 %)", gt=0)
+    ] = 0.50
+    mad_floor_ratio: Annotated[
+        float, setting("floor of the MAD as a fraction of the median (ranks in lock-step)", gt=0)
+    ] = 0.01
+    smoothing: Annotated[
+        int, setting("a rank is scored on the median of this many steps", ge=1)
+    ] = 3
+    warmup_steps: Annotated[int, setting("complete steps that only build history", ge=0)] = 10
+    history_steps: Annotated[
+        int, setting("unflagged steps each rank's own history holds", ge=1)
+    ] = 50
+    standalone_slowdown: Annotated[
+        float, setting("slowdown named whatever the rank's history (0.5 = 50 %)", gt=0)
+    ] = 0.5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        StragglerDetector(**msgspec.structs.asdict(self))  # its checks, its messages
 
 
 class StragglerDetector:

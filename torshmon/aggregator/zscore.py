@@ -27,9 +27,12 @@ import math
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
+
+import msgspec
 
 from torshmon.aggregator.findings import Finding
+from torshmon.settings import Section, setting
 
 Direction = Literal["up", "down", "both"]
 DIRECTIONS: Final[tuple[str, ...]] = ("up", "down", "both")
@@ -212,6 +215,31 @@ class _Series:
 
 
 SeriesKey = tuple[tuple[str, str], ...]
+
+
+class ZScoreSettings(Section, frozen=True):
+    """The rolling z-score detectors' settings, for step time and loss alike."""
+
+    threshold: Annotated[float, setting("z-score (sigmas) a value must pass", gt=0)] = 2.5
+    min_samples: Annotated[
+        int, setting("values a series needs before it is judged (<= window)", ge=2)
+    ] = 10
+    window: Annotated[int, setting("values the baseline holds", ge=2)] = 1000
+    persistence: Annotated[int, setting("out-of-band values in a row before a finding", ge=1)] = 3
+    adapt_after: Annotated[
+        int | None,
+        setting(
+            "out-of-band values after which the new level is accepted",
+            default_text="window / 4, at least min_samples",
+        ),
+    ] = None
+    std_floor_ratio: Annotated[
+        float, setting("floor of the standard deviation as a fraction of the mean", ge=0)
+    ] = 1e-3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ZScoreDetector(**msgspec.structs.asdict(self))  # its checks, its messages
 
 
 class ZScoreDetector:
