@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 from itertools import chain
 from typing import Any, Final
 
+import msgspec
 from sqlalchemy import JSON, Float, Table, and_, bindparam, func, select, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
@@ -40,11 +41,18 @@ from torshmon.history.db import DatabaseConfigError, WriterConnection, insert_ig
 from torshmon.history.models import Base
 from torshmon.wire import (
     Batch,
+    BucketStat,
+    CollectiveStat,
     Command,
     CommandAck,
+    DdpStats,
+    GpuSample,
     Hello,
+    InflightOp,
     IngestBatch,
     NodeSample,
+    RankProcess,
+    StepRecord,
 )
 
 log = logging.getLogger(__name__)
@@ -77,12 +85,13 @@ TableRows = tuple[tuple[str, ...], list[tuple[Any, ...]]]
 
 
 class _BulkTable:
-    """A bulk-inserted table: columns the caller supplies (job, rank, ...), then columns
-    read from one wire record by name (``renames``: column -> attribute where they differ).
+    """A bulk-inserted table: columns the caller supplies (job, rank, ...), then the
+    model's other columns, read from one ``record`` of the wire by name (``renames``:
+    column -> attribute where they differ).
 
-    The column list comes from the model: a model column that no row provides, or a
-    name that is not a column, fails at import, naming them. JSON columns are written
-    as JSON text (as SQLAlchemy's JSON type writes them).
+    The column list comes from the model: a context name that is not a column, or a
+    column the wire record lacks, fails at import, naming them. JSON columns are
+    written as JSON text (as SQLAlchemy's JSON type writes them).
     """
 
     __slots__ = ("_float_at", "_floats", "_json_at", "_values", "columns", "name", "sample_at")
@@ -91,20 +100,23 @@ class _BulkTable:
         self,
         name: str,
         context: tuple[str, ...],
-        record_columns: tuple[str, ...],
+        record: type[msgspec.Struct] | None,
         renames: Mapping[str, str] | None = None,
     ) -> None:
         table = _T[name]
         self.name = name
+        insertable = [c.name for c in table.columns if c.identity is None]
+        record_columns = tuple(c for c in insertable if c not in context)
         self.columns = (*context, *record_columns)
-        insertable = {c.name for c in table.columns if c.identity is None}
-        if set(self.columns) != insertable or len(set(self.columns)) != len(self.columns):
-            raise RuntimeError(
-                f"ingest rows of {name} do not match its model: missing "
-                f"{sorted(insertable - set(self.columns))}, unknown "
-                f"{sorted(set(self.columns) - insertable)}"
-            )
         renames = renames or {}
+        fields = record.__struct_fields__ if record is not None else ()
+        lacking = [c for c in record_columns if renames.get(c, c) not in fields]
+        unknown = sorted(set(context) - set(insertable))
+        if unknown or lacking or len(set(context)) != len(context):
+            raise RuntimeError(
+                f"ingest rows of {name} do not match its model: unknown context columns "
+                f"{unknown}, columns the wire record lacks {lacking}"
+            )
         self._values = _tuple_getter(
             operator.attrgetter, [renames.get(c, c) for c in record_columns]
         )
@@ -162,103 +174,17 @@ def _tuple_getter(
     return lambda _item: ()
 
 
-_SEQS = _BulkTable("ingest_seqs", ("agent_id", "seq", "node", "received_unix_ns"), ())
-_STEPS = _BulkTable(
-    "steps",
-    ("job", "rank", "node"),
-    (
-        "step",
-        "end_unix_ns",
-        "duration_s",
-        "comm_wait_s",
-        "compute_s",
-        "communication_time_ratio",
-        "comm_busy_s",
-        "forward_s",
-        "backward_s",
-        "optimizer_s",
-        "batch_size",
-        "samples_per_s",
-        "loss",
-        "loss_nonfinite",
-        "config_version",
-    ),
-)
-_COLLECTIVES = _BulkTable(
-    "collectives",
-    ("job", "rank", "step", "end_unix_ns"),
-    (
-        "op",
-        "pg",
-        "dtype",
-        "count",
-        "size_bytes",
-        "duration_s",
-        "max_duration_s",
-        "algbw_bytes_per_s",
-        "busbw_bytes_per_s",
-    ),
-)
+_SEQS = _BulkTable("ingest_seqs", ("agent_id", "seq", "node", "received_unix_ns"), None)
+_STEPS = _BulkTable("steps", ("job", "rank", "node"), StepRecord)
+_COLLECTIVES = _BulkTable("collectives", ("job", "rank", "step", "end_unix_ns"), CollectiveStat)
 _BUCKETS = _BulkTable(
-    "buckets",
-    ("job", "rank", "step", "end_unix_ns"),
-    (
-        "bucket_index",
-        "codec",
-        "size_bytes",
-        "parameters",
-        "wire_bytes",
-        "compression_ratio",
-        "duration_s",
-        "encode_s",
-        "decode_s",
-        "relative_error",
-    ),
-    {"bucket_index": "index"},
+    "buckets", ("job", "rank", "step", "end_unix_ns"), BucketStat, {"bucket_index": "index"}
 )
-_DDP = _BulkTable(
-    "ddp_stats",
-    ("job", "rank", "step", "end_unix_ns"),
-    (
-        "bucket_cap_bytes",
-        "bucket_sizes_bytes",
-        "num_buckets_reduced",
-        "avg_forward_compute_s",
-        "avg_backward_compute_s",
-        "avg_backward_comm_s",
-        "avg_backward_compute_comm_overlap_s",
-    ),
-)
-_INFLIGHT = _BulkTable(
-    "inflight_reports",
-    ("job", "rank", "sent_unix_ns"),
-    ("pg", "seq", "op", "size_bytes", "start_unix_ns", "age_s", "peer"),
-)
-_NODES = _BulkTable(
-    "node_samples",
-    (),
-    (
-        "node",
-        "ts_unix_ns",
-        "cpu_utilization_ratio",
-        "memory_utilization_ratio",
-        "memory_used_bytes",
-        "io_wait_ratio",
-        "net_rx_bytes_total",
-        "net_tx_bytes_total",
-        "disk_read_bytes_total",
-        "disk_write_bytes_total",
-    ),
-)
-_GPUS = _BulkTable(
-    "gpu_samples",
-    ("node", "ts_unix_ns"),
-    ("gpu_index", "utilization_ratio", "memory_used_bytes", "memory_total_bytes"),
-    {"gpu_index": "index"},
-)
-_RANK_SAMPLES = _BulkTable(
-    "rank_samples", ("node", "ts_unix_ns"), ("job", "rank", "pid", "rss_bytes")
-)
+_DDP = _BulkTable("ddp_stats", ("job", "rank", "step", "end_unix_ns"), DdpStats)
+_INFLIGHT = _BulkTable("inflight_reports", ("job", "rank", "sent_unix_ns"), InflightOp)
+_NODES = _BulkTable("node_samples", (), NodeSample)
+_GPUS = _BulkTable("gpu_samples", ("node", "ts_unix_ns"), GpuSample, {"gpu_index": "index"})
+_RANK_SAMPLES = _BulkTable("rank_samples", ("node", "ts_unix_ns"), RankProcess)
 #: Insert order: the seqs first, so a concurrent duplicate fails before the bulk work.
 _BULK: Final = (
     _SEQS,
