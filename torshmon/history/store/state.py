@@ -1,4 +1,4 @@
-"""The aggregator's store: every statement its service, API and autotuner run on the history.
+"""The aggregator's state in SQL: every statement its service, API and autotuner run.
 
 One ``HistoryStore`` per aggregator. Its methods are coroutines that say which
 thread runs them: writes go to the aggregator's one writer thread (SQLite takes one
@@ -7,10 +7,9 @@ default executor. Rows in and out are frozen dataclasses, or the aggregator's ow
 ``Alert`` and ``Finding``; their fields are checked against the SQLAlchemy models
 at import, so a column added to a model and not here fails loudly, naming it.
 
-Not here: the ingest path (``torshmon.aggregator.ingest.IngestStore``, the hot path,
-which derives its column lists from the same models and shares this store's engine),
-the read-only user queries (``torshmon.history.query``, run as the reader role) and
-the retention job's statements (``torshmon.history.retention``, called from here).
+Beside it: ingest's statements (``torshmon.history.store.ingest``, run by the ingest
+store on this store's engine or in the ingest process) and the retention job's
+(``torshmon.history.retention``, called from here).
 """
 
 from __future__ import annotations
