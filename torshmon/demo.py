@@ -279,7 +279,8 @@ async def run_system(
                         await autotune.close(aggregator)
                 # The agent flushed its spool on close; one last look at what arrived.
                 await aggregator.evaluate()
-                alerts = await aggregator.read(_alert_rows, aggregator, config.job)
+                newest_first = await aggregator.store.rows("alerts", {"job": config.job}, 10_000)
+                alerts = newest_first[::-1]
     finally:
         if shaper is not None:
             shaper.close()
@@ -393,17 +394,6 @@ def _launch(shaper: LinkShaper | None, config: DemoConfig, socket_path: str) -> 
     return run_ranks(
         train_rank, config.world_size, config, socket_path, env=env, timeout_s=config.timeout_s
     )
-
-
-def _alert_rows(aggregator: Any, job: str) -> list[dict[str, Any]]:
-    from sqlalchemy import select
-
-    from torshmon.history.models import Base
-
-    table = Base.metadata.tables["alerts"]
-    with aggregator.engine.connect() as conn:
-        rows = conn.execute(select(table).where(table.c.job == job).order_by(table.c.id))
-        return [dict(r) for r in rows.mappings()]
 
 
 def progress_line(aggregator: Any, config: DemoConfig) -> str:

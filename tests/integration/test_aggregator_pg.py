@@ -133,9 +133,8 @@ def test_two_aggregators_share_one_postgresql_each_owning_its_jobs(pg_url: str) 
         # up): neither fails, and the rollups count each step once.
         later = time.time() + 600
         with ThreadPoolExecutor(2) as pool:
-            reports = list(
-                pool.map(lambda s: apply_retention(s.aggregator.engine, now_unix_s=later), shards)
-            )
+            engines = [s.aggregator.store.engine for s in shards]
+            reports = list(pool.map(lambda e: apply_retention(e, now_unix_s=later), engines))
         assert any(r.ran for r in reports), reports
         rolled = _scalar(pg_url, "SELECT sum(count) FROM rollups WHERE metric = 'duration_s'")
         assert rolled == 6

@@ -298,7 +298,7 @@ async def run_demo(
             observed.command_sent_at_step = summary["last_step"]
             observed.commands.append(
                 asyncio.ensure_future(
-                    aggregator.submit_command(
+                    aggregator.dispatch.submit_command(
                         "demo", "config", {"codec": "fp16", "bucket_cap_mb": 4}
                     )
                 )

@@ -239,7 +239,7 @@ async def test_acks_route_only_the_awaited_command(tmp_path: Path) -> None:
         awaited = agg.commands.get(entry.command_id or "")
         assert awaited is not None
         # Another command of the same job is answered: the session must not move.
-        other = await agg.submit_command("j", "config", {"bucket_cap_mb": 4.0})
+        other = await agg.dispatch.submit_command("j", "config", {"bucket_cap_mb": 4.0})
         agg.tuning._on_command(
             CommandStatus(other.command, "applied", now[0], now[0], version=7, effective_step=3)
         )

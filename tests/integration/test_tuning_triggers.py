@@ -74,9 +74,12 @@ async def running_job(tmp_path: Path, job: str, rules: str | None = None) -> Asy
     )
     exporter = InMemorySpanExporter()
     async with Aggregator(
-        settings, registry=CollectorRegistry(), targets=[], tuner_settings=SMALL
+        settings,
+        registry=CollectorRegistry(),
+        targets=[],
+        tuner_settings=SMALL,
+        tracer=otel.Tracing(None, processor=SimpleSpanProcessor(exporter)),
     ) as aggregator:
-        aggregator.tracer = otel.Tracing(None, processor=SimpleSpanProcessor(exporter))
         agent_settings = AgentSettings(
             socket_path=os.path.join(tmp_path, "agent.sock"),
             metrics_port=0,

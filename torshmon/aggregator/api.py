@@ -4,36 +4,38 @@ Every answer is JSON; every error is ``{"error": "...", "status": N}`` with a 4x
 status for bad input (a 5xx only for a fault of the aggregator itself). Rows come
 from the SQLAlchemy models, so the API, the tables and the OpenAPI description
 (``/api/v1/openapi.json``) share one schema definition.
+
+``make_app`` builds the application from narrow interfaces (a store, a view of the
+live state, a command sink, the tuning manager, a registry, a clock), each a
+Protocol below; the request guard runs before every handler.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
-from sqlalchemy import Table, select
-from sqlalchemy import types as sa_types
 
 from torshmon.aggregator.commands import CommandError, CommandStatus
-from torshmon.aggregator.guard import read_body
+from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.guard import RequestGuard, read_body
+from torshmon.aggregator.openapi import openapi_document
+from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.aggregator.tuner import TunerError
 from torshmon.aggregator.tuning import TuningConflict, TuningUnavailable
-from torshmon.history.models import Base
 from torshmon.history.query import QueryError, format_result, json_value, run_query
-from torshmon.wire import Command, IngestBatch, IngestReply
-
-if TYPE_CHECKING:
-    from torshmon.aggregator.service import Aggregator
+from torshmon.history.store import FilterError, Listing, Row
 
 log = logging.getLogger(__name__)
 
-_T = Base.metadata.tables
 _MAX_LIMIT = 10_000
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -62,11 +64,74 @@ def _text(exc: web.HTTPException) -> str:
     return text.removeprefix(f"{exc.status}: ")
 
 
-def add_routes(app: web.Application, aggregator: Aggregator) -> None:
-    h = _Handlers(aggregator)
+class RowStore(Protocol):
+    """The history's listings (``torshmon.history.store.HistoryStore``)."""
+
+    async def rows(self, listing: Listing, filters: Mapping[str, str], limit: int) -> list[Row]: ...
+
+
+class LiveView(Protocol):
+    """What the live state says of jobs and ranks (``live.LiveState``)."""
+
+    def job_summary(self, job: str) -> dict[str, Any] | None: ...
+
+    def job_config(self, job: str) -> dict[str, Any] | None: ...
+
+    def rank_summaries(self, job: str) -> dict[int, dict[str, Any]]: ...
+
+    def report(self, job: str, now_unix_s: float) -> list[Finding] | None: ...
+
+
+class CommandSink(Protocol):
+    """Queues commands and knows where they stand (``dispatch.CommandDispatch``)."""
+
+    async def submit_command(
+        self, job: str, kind: str, args: Mapping[str, object]
+    ) -> CommandStatus: ...
+
+    async def request_link_check(
+        self, job: str, args: Mapping[str, object], reason: str = ...
+    ) -> CommandStatus: ...
+
+    def status(self, command_id: str) -> CommandStatus | None: ...
+
+
+class Tuning(Protocol):
+    """Starts tuning sessions (``tuning.TuningManager``)."""
+
+    async def start_session(
+        self,
+        job: str,
+        *,
+        trigger: str,
+        max_trials: int | None = ...,
+        pinned: Iterable[str] = ...,
+    ) -> str: ...
+
+
+def make_app(
+    settings: AggregatorSettings,
+    *,
+    guard: RequestGuard,
+    store: RowStore,
+    live: LiveView,
+    commands: CommandSink,
+    tuning: Tuning,
+    registry: CollectorRegistry,
+    clock: Callable[[], float],
+) -> web.Application:
+    """The API's application: JSON errors, ``guard`` before every handler, every route.
+
+    The caller may add routes (the ingest) before it starts serving.
+    """
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[error_middleware, guard.middleware()],
+    )
+    h = _Handlers(settings, guard, store, live, commands, tuning, clock)
     r = app.router
     r.add_get("/healthz", h.healthz)
-    r.add_get("/metrics", make_aiohttp_handler(aggregator.registry))
+    r.add_get("/metrics", make_aiohttp_handler(registry))
     r.add_get("/api/v1/openapi.json", h.openapi)
     r.add_get("/api/v1/jobs", h.jobs)
     r.add_get("/api/v1/jobs/{job}", h.job)
@@ -81,22 +146,44 @@ def add_routes(app: web.Application, aggregator: Aggregator) -> None:
     r.add_get("/api/v1/tuning/sessions", h.tuning_sessions)
     r.add_get("/api/v1/tuning/trials", h.tuning_trials)
     r.add_post("/api/v1/query", h.query)
+    return app
 
 
 class _Handlers:
-    def __init__(self, aggregator: Aggregator) -> None:
-        self.a = aggregator
+    def __init__(
+        self,
+        settings: AggregatorSettings,
+        guard: RequestGuard,
+        store: RowStore,
+        live: LiveView,
+        commands: CommandSink,
+        tuning: Tuning,
+        clock: Callable[[], float],
+    ) -> None:
+        self._settings = settings
+        self._guard = guard
+        self._store = store
+        self._live = live
+        self._commands = commands
+        self._tuning = tuning
+        self._clock = clock
 
     def _auth(self, request: web.Request) -> None:
-        if not self.a.authorized(request):
+        if not self._guard.authorized(request.headers):
             raise web.HTTPUnauthorized(text="missing or wrong bearer token")
 
     async def _json_body(self, request: web.Request) -> dict[str, Any]:
-        return await json_object(request, self.a.settings.max_body_bytes)
+        return await json_object(request, self._settings.max_body_bytes)
+
+    async def _rows(self, listing: Listing, filters: Mapping[str, str], limit: int) -> list[Row]:
+        try:
+            return await self._store.rows(listing, filters, limit)
+        except FilterError as exc:
+            raise web.HTTPBadRequest(text=str(exc)) from None
 
     async def healthz(self, _request: web.Request) -> web.Response:
         return web.json_response(
-            {"status": "ok", "aggregator_id": self.a.settings.aggregator_id, "v": 1}
+            {"status": "ok", "aggregator_id": self._settings.aggregator_id, "v": 1}
         )
 
     async def openapi(self, _request: web.Request) -> web.Response:
@@ -104,29 +191,27 @@ class _Handlers:
 
     async def jobs(self, request: web.Request) -> web.Response:
         self._auth(request)
-        rows = await self.a.read(self._rows, _T["jobs"], {}, "last_seen_unix_ns", _limit(request))
+        rows = await self._rows("jobs", {}, _limit(request))
         for row in rows:
-            row["live"] = self.a.live.job_summary(row["job"])
+            row["live"] = self._live.job_summary(row["job"])
         return web.json_response({"jobs": rows})
 
     async def job(self, request: web.Request) -> web.Response:
         self._auth(request)
         job = request.match_info["job"]
-        rows = await self.a.read(self._rows, _T["jobs"], {"job": job}, None, 1)
+        rows = await self._rows("jobs", {"job": job}, 1)
         if not rows:
             return error(404, f"no job {job!r}")
         row = rows[0]
-        row["live"] = self.a.live.job_summary(job)
-        row["config"] = self.a.live.job_config(job)
+        row["live"] = self._live.job_summary(job)
+        row["config"] = self._live.job_config(job)
         return web.json_response(row)
 
     async def ranks(self, request: web.Request) -> web.Response:
         self._auth(request)
         job = request.match_info["job"]
-        rows = await self.a.read(
-            self._rows, _T["probe_sessions"], {"job": job}, "last_seen_unix_ns", _limit(request)
-        )
-        live = self.a.live.rank_summaries(job)
+        rows = await self._rows("probe_sessions", {"job": job}, _limit(request))
+        live = self._live.rank_summaries(job)
         for row in rows:
             row["live"] = live.get(row["rank"])
         return web.json_response({"job": job, "ranks": rows})
@@ -134,7 +219,7 @@ class _Handlers:
     async def report(self, request: web.Request) -> web.Response:
         self._auth(request)
         job = request.match_info["job"]
-        findings = self.a.live.report(job, self.a.clock())
+        findings = self._live.report(job, self._clock())
         if findings is None:
             return error(404, f"no live data for job {job!r}")
         return web.json_response(
@@ -163,9 +248,9 @@ class _Handlers:
             return error(400, 'expected {"kind": str, "args": object}')
         try:
             if kind == "link_check":
-                status = await self.a.request_link_check(job, args)
+                status = await self._commands.request_link_check(job, args)
             else:
-                status = await self.a.submit_command(job, kind, args)
+                status = await self._commands.submit_command(job, kind, args)
         except CommandError as exc:
             return error(400, str(exc))
         return web.json_response(_command_json(status), status=202)
@@ -175,7 +260,7 @@ class _Handlers:
         job = request.match_info["job"]
         body = await self._json_body(request) if request.can_read_body else {}
         try:
-            status = await self.a.request_link_check(job, dict(body))
+            status = await self._commands.request_link_check(job, dict(body))
         except CommandError as exc:
             return error(400, str(exc))
         return web.json_response(_command_json(status), status=202)
@@ -196,7 +281,7 @@ class _Handlers:
         if not isinstance(pinned, list) or not all(isinstance(p, str) for p in pinned):
             return error(400, f"pinned must be a list of knob names, got {pinned!r}")
         try:
-            session_id = await self.a.tuning.start_session(
+            session_id = await self._tuning.start_session(
                 job, trigger="api", max_trials=max_trials, pinned=pinned
             )
         except TuningConflict as exc:
@@ -209,11 +294,9 @@ class _Handlers:
 
     async def command(self, request: web.Request) -> web.Response:
         self._auth(request)
-        status = self.a.commands.get(request.match_info["id"])
+        status = self._commands.status(request.match_info["id"])
         if status is None:
-            rows = await self.a.read(
-                self._rows, _T["commands"], {"id": request.match_info["id"]}, None, 1
-            )
+            rows = await self._rows("commands", {"id": request.match_info["id"]}, 1)
             if not rows:
                 return error(404, f"no command {request.match_info['id']!r}")
             return web.json_response(rows[0])
@@ -222,21 +305,19 @@ class _Handlers:
     async def alerts(self, request: web.Request) -> web.Response:
         self._auth(request)
         where = _filters(request, ("job", "state", "rule", "severity"))
-        rows = await self.a.read(self._rows, _T["alerts"], where, "id", _limit(request))
+        rows = await self._rows("alerts", where, _limit(request))
         return web.json_response({"alerts": rows})
 
     async def anomalies(self, request: web.Request) -> web.Response:
         self._auth(request)
         where = _filters(request, ("job", "kind", "metric"))
-        rows = await self.a.read(self._rows, _T["findings"], where, "id", _limit(request))
+        rows = await self._rows("findings", where, _limit(request))
         return web.json_response({"anomalies": rows})
 
     async def tuning_sessions(self, request: web.Request) -> web.Response:
         self._auth(request)
         where = _filters(request, ("job", "state"))
-        rows = await self.a.read(
-            self._rows, _T["tuning_sessions"], where, "started_unix_s", _limit(request)
-        )
+        rows = await self._rows("tuning_sessions", where, _limit(request))
         for row in rows:
             blob = row.pop("state_blob", None)
             row["summary"] = blob.get("summary", "") if isinstance(blob, dict) else ""
@@ -245,7 +326,7 @@ class _Handlers:
     async def tuning_trials(self, request: web.Request) -> web.Response:
         self._auth(request)
         where = _filters(request, ("job", "session_id"))
-        rows = await self.a.read(self._rows, _T["tuning_trials"], where, "id", _limit(request))
+        rows = await self._rows("tuning_trials", where, _limit(request))
         return web.json_response({"trials": rows})
 
     async def query(self, request: web.Request) -> web.Response:
@@ -258,7 +339,8 @@ class _Handlers:
         if fmt not in ("json", "csv", "table"):
             return error(400, f"format must be json, csv or table, got {fmt!r}")
         try:
-            result = await self.a.read(run_query, self.a.settings.query_db_url, sql)
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(None, run_query, self._settings.query_db_url, sql)
         except QueryError as exc:
             return error(400, str(exc))
         if fmt == "json":
@@ -272,26 +354,6 @@ class _Handlers:
             )
         content_type = "text/csv" if fmt == "csv" else "text/plain"
         return web.Response(text=format_result(result, fmt), content_type=content_type)
-
-    def _rows(
-        self, table: Table, where: dict[str, Any], order: str | None, limit: int
-    ) -> list[dict[str, Any]]:
-        engine = self.a.engine
-        if engine is None:
-            return []
-        query = select(table)
-        for name, value in where.items():
-            column = table.c[name]
-            if isinstance(column.type, (sa_types.Integer, sa_types.BigInteger)):
-                try:
-                    value = int(value)
-                except ValueError:
-                    raise web.HTTPBadRequest(text=f"{name} must be an integer") from None
-            query = query.where(column == value)
-        if order is not None:
-            query = query.order_by(table.c[order].desc())
-        with engine.connect() as conn:
-            return [dict(r) for r in conn.execute(query.limit(limit)).mappings()]
 
 
 def _limit(request: web.Request) -> int:
@@ -348,298 +410,3 @@ def _command_json(status: CommandStatus) -> dict[str, Any]:
         "created_unix_s": status.created_unix_s,
         "updated_unix_s": status.updated_unix_s,
     }
-
-
-# -- OpenAPI -------------------------------------------------------------------------------
-
-
-def _column_schema(column: Any) -> dict[str, Any]:
-    t = column.type
-    if isinstance(t, sa_types.Boolean):
-        schema: dict[str, Any] = {"type": "boolean"}
-    elif isinstance(t, (sa_types.Integer, sa_types.BigInteger)):
-        schema = {"type": "integer"}
-    elif isinstance(t, (sa_types.Float, sa_types.Numeric)):
-        schema = {"type": "number"}
-    elif isinstance(t, sa_types.String):
-        schema = {"type": "string"}
-        if t.length:
-            schema["maxLength"] = t.length
-    else:
-        schema = {}
-    if column.nullable:
-        schema = {"anyOf": [schema, {"type": "null"}]}
-    if column.comment:
-        schema["description"] = column.comment
-    return schema
-
-
-def _table_schema(table: Table) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "description": table.comment or f"A row of the {table.name} table.",
-        "properties": {c.name: _column_schema(c) for c in table.columns},
-    }
-
-
-def _any_value_schema(t: type) -> dict[str, Any]:
-    """``object`` (a command's free-form arguments) is any JSON value."""
-    if t is object:
-        return {"description": "any JSON value"}
-    raise NotImplementedError(t)
-
-
-def openapi_document() -> dict[str, Any]:
-    """The OpenAPI 3.1 description of this API, built from the wire schema and the models."""
-    (batch_ref, reply_ref, command_ref), wire = msgspec.json.schema_components(
-        [IngestBatch, IngestReply, Command],
-        ref_template="#/components/schemas/{name}",
-        schema_hook=_any_value_schema,
-    )
-    schemas: dict[str, Any] = dict(wire)
-    for name in (
-        "jobs",
-        "probe_sessions",
-        "alerts",
-        "findings",
-        "tuning_sessions",
-        "tuning_trials",
-        "commands",
-    ):
-        schemas[f"row_{name}"] = _table_schema(_T[name])
-    schemas["Error"] = {
-        "type": "object",
-        "properties": {"error": {"type": "string"}, "status": {"type": "integer"}},
-        "required": ["error", "status"],
-    }
-
-    def ref(name: str) -> dict[str, str]:
-        return {"$ref": f"#/components/schemas/{name}"}
-
-    def listing(key: str, row: str, params: tuple[str, ...]) -> dict[str, Any]:
-        return {
-            "get": {
-                "summary": f"List {key}, newest first",
-                "parameters": [
-                    {"name": p, "in": "query", "required": False, "schema": {"type": "string"}}
-                    for p in (*params, "limit")
-                ],
-                "responses": {
-                    "200": _json_response(
-                        {
-                            "type": "object",
-                            "properties": {key: {"type": "array", "items": ref(row)}},
-                        }
-                    ),
-                    "400": _json_response(ref("Error")),
-                    "401": _json_response(ref("Error")),
-                },
-            }
-        }
-
-    job_param = {"name": "job", "in": "path", "required": True, "schema": {"type": "string"}}
-    paths: dict[str, Any] = {
-        "/api/v1/ingest": {
-            "post": {
-                "summary": "Agent ingest: spool records, idempotent by agent_id + seq (gzip JSON)",
-                "requestBody": {"content": {"application/json": {"schema": batch_ref}}},
-                "responses": {
-                    "200": _json_response(reply_ref),
-                    "400": _json_response(ref("Error")),
-                    "401": _json_response(ref("Error")),
-                    "413": _json_response(ref("Error")),
-                    "503": _json_response(ref("Error")),
-                },
-            }
-        },
-        "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _json_response({})}}},
-        "/metrics": {
-            "get": {
-                "summary": "Prometheus exposition of the job-level and service metrics",
-                "responses": {"200": {"description": "text exposition format"}},
-            }
-        },
-        "/api/v1/jobs": listing("jobs", "row_jobs", ()),
-        "/api/v1/jobs/{job}": {
-            "get": {
-                "summary": "One job with its live summary and communication config",
-                "parameters": [job_param],
-                "responses": {
-                    "200": _json_response(ref("row_jobs")),
-                    "404": _json_response(ref("Error")),
-                },
-            }
-        },
-        "/api/v1/jobs/{job}/ranks": {
-            "get": {
-                "summary": "The ranks (probe sessions) of a job with their live summary",
-                "parameters": [job_param],
-                "responses": {"200": _json_response({"type": "object"})},
-            }
-        },
-        "/api/v1/jobs/{job}/report": {
-            "get": {
-                "summary": "Bottleneck report with recommendations",
-                "parameters": [job_param],
-                "responses": {
-                    "200": _json_response({"type": "object"}),
-                    "404": _json_response(ref("Error")),
-                },
-            }
-        },
-        "/api/v1/jobs/{job}/commands": {
-            "post": {
-                "summary": "Queue a command (kind 'config': request_config arguments) for rank 0",
-                "parameters": [job_param],
-                "requestBody": {
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "properties": {
-                                    "kind": {"type": "string"},
-                                    "args": {"type": "object"},
-                                },
-                            }
-                        }
-                    }
-                },
-                "responses": {
-                    "202": _json_response(command_ref),
-                    "400": _json_response(ref("Error")),
-                },
-            }
-        },
-        "/api/v1/jobs/{job}/link-check": {
-            "post": {
-                "summary": (
-                    "Run a pairwise link check on every rank of the job at one step; "
-                    "a slow link becomes a slow_link finding naming the rank"
-                ),
-                "parameters": [job_param],
-                "requestBody": {
-                    "required": False,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "properties": {
-                                    "size_bytes": {
-                                        "type": "integer",
-                                        "description": "bytes each rank of a pair sends",
-                                    },
-                                    "repeats": {
-                                        "type": "integer",
-                                        "description": "exchanges per pair; the fastest counts",
-                                    },
-                                },
-                            }
-                        }
-                    },
-                },
-                "responses": {
-                    "202": _json_response(command_ref),
-                    "400": _json_response(ref("Error")),
-                },
-            }
-        },
-        "/api/v1/jobs/{job}/tune": {
-            "post": {
-                "summary": "Start an autotuning session for the job; returns its id",
-                "parameters": [job_param],
-                "requestBody": {
-                    "required": False,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "properties": {
-                                    "max_trials": {"type": "integer", "minimum": 1},
-                                    "pinned": {
-                                        "type": "array",
-                                        "items": {"enum": ["bucket_cap_mb", "codec"]},
-                                    },
-                                },
-                            }
-                        }
-                    },
-                },
-                "responses": {
-                    "201": _json_response(
-                        {
-                            "type": "object",
-                            "properties": {
-                                "session_id": {"type": "string"},
-                                "job": {"type": "string"},
-                            },
-                        }
-                    ),
-                    "400": _json_response(ref("Error")),
-                    "404": _json_response(ref("Error")),
-                    "409": _json_response(ref("Error")),
-                },
-            }
-        },
-        "/api/v1/commands/{id}": {
-            "get": {
-                "summary": "Where a command stands (pending, sent, applied, rejected, ...)",
-                "parameters": [
-                    {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
-                ],
-                "responses": {
-                    "200": _json_response(ref("row_commands")),
-                    "404": _json_response(ref("Error")),
-                },
-            }
-        },
-        "/api/v1/alerts": listing("alerts", "row_alerts", ("job", "state", "rule", "severity")),
-        "/api/v1/anomalies": listing("anomalies", "row_findings", ("job", "kind", "metric")),
-        "/api/v1/tuning/sessions": listing("sessions", "row_tuning_sessions", ("job", "state")),
-        "/api/v1/tuning/trials": listing("trials", "row_tuning_trials", ("job", "session_id")),
-        "/api/v1/query": {
-            "post": {
-                "summary": "Read-only SQL on the history (enforced by the database)",
-                "requestBody": {
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "required": ["sql"],
-                                "properties": {
-                                    "sql": {"type": "string"},
-                                    "format": {"enum": ["json", "csv", "table"]},
-                                },
-                            }
-                        }
-                    }
-                },
-                "responses": {
-                    "200": _json_response({"type": "object"}),
-                    "400": _json_response(ref("Error")),
-                },
-            }
-        },
-    }
-    return {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "torshmon aggregator",
-            "version": "1",
-            "description": (
-                "Refused before any path: a Host that is not one of the aggregator's names "
-                "(421; a request with the bearer token may use any), another Origin or "
-                "Sec-Fetch-Site cross-site (403), a POST whose Content-Type is not "
-                "application/json (415), a Content-Encoding other than gzip (415)."
-            ),
-        },
-        "components": {
-            "schemas": schemas,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-        "security": [{"bearer": []}],
-        "paths": paths,
-    }
-
-
-def _json_response(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"description": "JSON", "content": {"application/json": {"schema": schema}}}

@@ -14,12 +14,12 @@ trace and the agent's retry starts from the same state.
 The per-step tables are the hot path (about 10^4 rows a second for a large job):
 their rows are plain tuples read from the wire records by the column names of the
 models, inserted with the DBAPI cursor's ``executemany`` on SQLite and ``COPY`` on
-PostgreSQL, inside the same transaction as everything else.
+PostgreSQL, inside the same transaction as everything else. This module builds the
+rows and runs the transaction; the statements are ``torshmon.history.store.ingest``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -30,21 +30,27 @@ from dataclasses import dataclass, field, fields
 from itertools import chain
 from typing import Any, Final
 
-from sqlalchemy import JSON, Float, Table, and_, bindparam, func, select, update
-from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Connection, Dialect, Engine
-from sqlalchemy.sql.dml import Insert, Update
+import msgspec
+from sqlalchemy import JSON, Float
+from sqlalchemy.engine import Connection, Engine
 
-from torshmon.history.db import DatabaseConfigError, WriterConnection, insert_ignore, upsert
+from torshmon.history.db import WriterConnection
 from torshmon.history.models import Base
+from torshmon.history.store import ingest as sql
 from torshmon.wire import (
     Batch,
+    BucketStat,
+    CollectiveStat,
     Command,
     CommandAck,
+    DdpStats,
+    GpuSample,
     Hello,
+    InflightOp,
     IngestBatch,
     NodeSample,
+    RankProcess,
+    StepRecord,
 )
 
 log = logging.getLogger(__name__)
@@ -77,12 +83,13 @@ TableRows = tuple[tuple[str, ...], list[tuple[Any, ...]]]
 
 
 class _BulkTable:
-    """A bulk-inserted table: columns the caller supplies (job, rank, ...), then columns
-    read from one wire record by name (``renames``: column -> attribute where they differ).
+    """A bulk-inserted table: columns the caller supplies (job, rank, ...), then the
+    model's other columns, read from one ``record`` of the wire by name (``renames``:
+    column -> attribute where they differ).
 
-    The column list comes from the model: a model column that no row provides, or a
-    name that is not a column, fails at import, naming them. JSON columns are written
-    as JSON text (as SQLAlchemy's JSON type writes them).
+    The column list comes from the model: a context name that is not a column, or a
+    column the wire record lacks, fails at import, naming them. JSON columns are
+    written as JSON text (as SQLAlchemy's JSON type writes them).
     """
 
     __slots__ = ("_float_at", "_floats", "_json_at", "_values", "columns", "name", "sample_at")
@@ -91,20 +98,23 @@ class _BulkTable:
         self,
         name: str,
         context: tuple[str, ...],
-        record_columns: tuple[str, ...],
+        record: type[msgspec.Struct] | None,
         renames: Mapping[str, str] | None = None,
     ) -> None:
         table = _T[name]
         self.name = name
+        insertable = [c.name for c in table.columns if c.identity is None]
+        record_columns = tuple(c for c in insertable if c not in context)
         self.columns = (*context, *record_columns)
-        insertable = {c.name for c in table.columns if c.identity is None}
-        if set(self.columns) != insertable or len(set(self.columns)) != len(self.columns):
-            raise RuntimeError(
-                f"ingest rows of {name} do not match its model: missing "
-                f"{sorted(insertable - set(self.columns))}, unknown "
-                f"{sorted(set(self.columns) - insertable)}"
-            )
         renames = renames or {}
+        fields = record.__struct_fields__ if record is not None else ()
+        lacking = [c for c in record_columns if renames.get(c, c) not in fields]
+        unknown = sorted(set(context) - set(insertable))
+        if unknown or lacking or len(set(context)) != len(context):
+            raise RuntimeError(
+                f"ingest rows of {name} do not match its model: unknown context columns "
+                f"{unknown}, columns the wire record lacks {lacking}"
+            )
         self._values = _tuple_getter(
             operator.attrgetter, [renames.get(c, c) for c in record_columns]
         )
@@ -162,103 +172,17 @@ def _tuple_getter(
     return lambda _item: ()
 
 
-_SEQS = _BulkTable("ingest_seqs", ("agent_id", "seq", "node", "received_unix_ns"), ())
-_STEPS = _BulkTable(
-    "steps",
-    ("job", "rank", "node"),
-    (
-        "step",
-        "end_unix_ns",
-        "duration_s",
-        "comm_wait_s",
-        "compute_s",
-        "communication_time_ratio",
-        "comm_busy_s",
-        "forward_s",
-        "backward_s",
-        "optimizer_s",
-        "batch_size",
-        "samples_per_s",
-        "loss",
-        "loss_nonfinite",
-        "config_version",
-    ),
-)
-_COLLECTIVES = _BulkTable(
-    "collectives",
-    ("job", "rank", "step", "end_unix_ns"),
-    (
-        "op",
-        "pg",
-        "dtype",
-        "count",
-        "size_bytes",
-        "duration_s",
-        "max_duration_s",
-        "algbw_bytes_per_s",
-        "busbw_bytes_per_s",
-    ),
-)
+_SEQS = _BulkTable("ingest_seqs", ("agent_id", "seq", "node", "received_unix_ns"), None)
+_STEPS = _BulkTable("steps", ("job", "rank", "node"), StepRecord)
+_COLLECTIVES = _BulkTable("collectives", ("job", "rank", "step", "end_unix_ns"), CollectiveStat)
 _BUCKETS = _BulkTable(
-    "buckets",
-    ("job", "rank", "step", "end_unix_ns"),
-    (
-        "bucket_index",
-        "codec",
-        "size_bytes",
-        "parameters",
-        "wire_bytes",
-        "compression_ratio",
-        "duration_s",
-        "encode_s",
-        "decode_s",
-        "relative_error",
-    ),
-    {"bucket_index": "index"},
+    "buckets", ("job", "rank", "step", "end_unix_ns"), BucketStat, {"bucket_index": "index"}
 )
-_DDP = _BulkTable(
-    "ddp_stats",
-    ("job", "rank", "step", "end_unix_ns"),
-    (
-        "bucket_cap_bytes",
-        "bucket_sizes_bytes",
-        "num_buckets_reduced",
-        "avg_forward_compute_s",
-        "avg_backward_compute_s",
-        "avg_backward_comm_s",
-        "avg_backward_compute_comm_overlap_s",
-    ),
-)
-_INFLIGHT = _BulkTable(
-    "inflight_reports",
-    ("job", "rank", "sent_unix_ns"),
-    ("pg", "seq", "op", "size_bytes", "start_unix_ns", "age_s", "peer"),
-)
-_NODES = _BulkTable(
-    "node_samples",
-    (),
-    (
-        "node",
-        "ts_unix_ns",
-        "cpu_utilization_ratio",
-        "memory_utilization_ratio",
-        "memory_used_bytes",
-        "io_wait_ratio",
-        "net_rx_bytes_total",
-        "net_tx_bytes_total",
-        "disk_read_bytes_total",
-        "disk_write_bytes_total",
-    ),
-)
-_GPUS = _BulkTable(
-    "gpu_samples",
-    ("node", "ts_unix_ns"),
-    ("gpu_index", "utilization_ratio", "memory_used_bytes", "memory_total_bytes"),
-    {"gpu_index": "index"},
-)
-_RANK_SAMPLES = _BulkTable(
-    "rank_samples", ("node", "ts_unix_ns"), ("job", "rank", "pid", "rss_bytes")
-)
+_DDP = _BulkTable("ddp_stats", ("job", "rank", "step", "end_unix_ns"), DdpStats)
+_INFLIGHT = _BulkTable("inflight_reports", ("job", "rank", "sent_unix_ns"), InflightOp)
+_NODES = _BulkTable("node_samples", (), NodeSample)
+_GPUS = _BulkTable("gpu_samples", ("node", "ts_unix_ns"), GpuSample, {"gpu_index": "index"})
+_RANK_SAMPLES = _BulkTable("rank_samples", ("node", "ts_unix_ns"), RankProcess)
 #: Insert order: the seqs first, so a concurrent duplicate fails before the bulk work.
 _BULK: Final = (
     _SEQS,
@@ -418,7 +342,7 @@ class IngestStore:
             else:
                 stored.acked_seq = self._max_seq(conn, batch.agent_id)
             stored.commands = list(handed)
-            _mark_sent(conn, stored.commands, now_ns)
+            sql.mark_sent(conn, [c.id for c in stored.commands], now_ns)
         # Only now, with the transaction committed, may the caches move on.
         self._agent_max_seq[batch.agent_id] = stored.acked_seq
         for session, info in sessions.items():
@@ -437,27 +361,13 @@ class IngestStore:
         known = self._agent_max_seq.get(batch.agent_id)
         if known is not None and min(seqs) > known:
             return set()  # the usual case: all new, no query needed
-        table = _T["ingest_seqs"]
-        rows = conn.execute(
-            select(table.c.seq).where(
-                and_(
-                    table.c.agent_id == batch.agent_id,
-                    table.c.seq >= min(seqs),
-                    table.c.seq <= max(seqs),
-                )
-            )
-        )
-        return {int(r[0]) for r in rows}
+        return sql.stored_seqs(conn, batch.agent_id, min(seqs), max(seqs))
 
     def _max_seq(self, conn: Connection, agent_id: str) -> int:
         known = self._agent_max_seq.get(agent_id)
         if known is not None:
             return known
-        table = _T["ingest_seqs"]
-        value = conn.execute(
-            select(func.max(table.c.seq)).where(table.c.agent_id == agent_id)
-        ).scalar()
-        return int(value or 0)
+        return sql.max_seq(conn, agent_id)
 
     def _load_sessions(self, conn: Connection, batch: IngestBatch) -> dict[str, _Session]:
         """``last_seq`` (and whether the row exists) of every session in ``batch``."""
@@ -474,11 +384,8 @@ class IngestStore:
             else:
                 out[session] = _Session(seq, exists=True)
         if missing:
-            table = _T["probe_sessions"]
-            for name, last_seq in conn.execute(
-                select(table.c.session, table.c.last_seq).where(table.c.session.in_(missing))
-            ):
-                out[name] = _Session(int(last_seq), exists=True)
+            for name, last_seq in sql.session_seqs(conn, missing).items():
+                out[name] = _Session(last_seq, exists=True)
         return out
 
     # -- flattening ----------------------------------------------------------------------
@@ -534,45 +441,25 @@ class IngestStore:
         now_ns: int,
     ) -> None:
         if jobs:
-            _executemany(conn, _driver_sql("jobs_upsert", conn.dialect), list(jobs.values()))
+            sql.upsert_jobs(conn, list(jobs.values()))
         # Plain INSERT: a concurrent duplicate must fail the transaction, not vanish.
-        _bulk_insert(conn, _SEQS, rows.bulk[_SEQS.name])
+        sql.bulk_insert(conn, _SEQS.name, _SEQS.columns, rows.bulk[_SEQS.name])
         new_sessions = rows.tables.pop("probe_sessions", [])
         if new_sessions:
-            conn.execute(
-                upsert(
-                    conn,
-                    _T["probe_sessions"],
-                    index_elements=["session"],
-                    update_columns=[
-                        "job",
-                        "rank",
-                        "local_rank",
-                        "world_size",
-                        "node",
-                        "pid",
-                        "backend",
-                        "torch_version",
-                        "probe_version",
-                        "last_seen_unix_ns",
-                    ],
-                ),
-                new_sessions,
-            )
+            sql.upsert_sessions(conn, new_sessions)
         _write_session_progress(conn, sessions, now_ns)
         configs = rows.tables.pop("configs", None)
         if configs:
-            # A job restarted under the same name numbers its configs from 1 again.
-            conn.execute(upsert(conn, _T["configs"], index_elements=["job", "version"]), configs)
+            sql.upsert_configs(conn, configs)
         for name, table_rows in rows.tables.items():
             if table_rows:
-                conn.execute(_T[name].insert(), table_rows)
+                sql.insert(conn, name, table_rows)
         for bulk in _BULK[1:]:
-            _bulk_insert(conn, bulk, rows.bulk[bulk.name])
+            sql.bulk_insert(conn, bulk.name, bulk.columns, rows.bulk[bulk.name])
         for batch, _node in stored.batches:
             stored.command_acks.extend(batch.command_acks)
         if stored.command_acks:
-            _apply_acks(conn, stored.command_acks, now_ns)
+            sql.apply_acks(conn, stored.command_acks, now_ns)
 
 
 def insert_rows(batch: IngestBatch, now_ns: int) -> dict[str, TableRows]:
@@ -600,109 +487,6 @@ def insert_rows(batch: IngestBatch, now_ns: int) -> dict[str, TableRows]:
     return out
 
 
-def _bulk_insert(conn: Connection, bulk: _BulkTable, rows: list[tuple[Any, ...]]) -> None:
-    """Insert ``rows`` into ``bulk``'s table in the connection's transaction."""
-    if not rows:
-        return
-    dialect = conn.dialect.name
-    if dialect == "sqlite":
-        _executemany(conn, _insert_sql(bulk), rows)
-    elif dialect == "postgresql":
-        _copy(conn, bulk, rows)
-    else:
-        raise DatabaseConfigError(
-            f"unsupported database dialect {dialect!r}; use sqlite or postgresql"
-        )
-
-
-@functools.cache
-def _insert_sql(bulk: _BulkTable) -> str:
-    return "INSERT INTO {} ({}) VALUES ({})".format(
-        bulk.name, ", ".join(bulk.columns), ", ".join("?" * len(bulk.columns))
-    )
-
-
-def _executemany(conn: Connection, sql: str, rows: Sequence[Any]) -> None:
-    """The DBAPI cursor's ``executemany`` on the connection's driver connection (its
-    transaction), without SQLAlchemy's per-statement work: the hot path of ingest.
-
-    Database errors are raised as SQLAlchemy's, as ``execute`` would raise them.
-    """
-    driver = conn.connection.driver_connection
-    if driver is None:
-        raise RuntimeError("the connection has no driver connection to execute on")
-    dbapi_error: type[Exception] = conn.dialect.loaded_dbapi.Error
-    try:
-        cursor = driver.cursor()
-        try:
-            cursor.executemany(sql, rows)
-        finally:
-            cursor.close()
-    except dbapi_error as exc:
-        raise sa_exc.DBAPIError.instance(sql, None, exc, dbapi_error, dialect=conn.dialect) from exc
-
-
-def _copy(conn: Connection, bulk: _BulkTable, rows: list[tuple[Any, ...]]) -> None:
-    """``COPY ... FROM STDIN`` on the connection's psycopg connection (its transaction).
-
-    Database errors are raised as SQLAlchemy's (DataError, IntegrityError, ...), as
-    ``execute`` would raise them, so callers map them the same way.
-    """
-    sql = f"COPY {bulk.name} ({', '.join(bulk.columns)}) FROM STDIN"
-    driver = conn.connection.driver_connection
-    if driver is None:
-        raise RuntimeError("the connection has no driver connection to COPY on")
-    dbapi_error: type[Exception] = conn.dialect.loaded_dbapi.Error
-    try:
-        with driver.cursor() as cursor, cursor.copy(sql) as copy:
-            write = copy.write_row
-            for row in rows:
-                write(row)
-    except dbapi_error as exc:
-        raise sa_exc.DBAPIError.instance(sql, None, exc, dbapi_error, dialect=conn.dialect) from exc
-
-
-@functools.cache
-def _driver_sql(statement: str, dialect: Dialect) -> str:
-    """The SQL of one of ingest's per-request statements for the DBAPI driver of
-    ``dialect``, with named parameters (``:name`` for sqlite3, ``%(name)s`` for psycopg),
-    compiled once per engine by SQLAlchemy from the models.
-
-    Raises RuntimeError if a parameter needs SQLAlchemy's conversion on its way in (the
-    driver would then get the wrong value): such a statement must go through ``execute``.
-    """
-    compiler_dialect = sqlite.dialect(paramstyle="named") if dialect.name == "sqlite" else dialect
-    built = _jobs_upsert(dialect.name) if statement == "jobs_upsert" else _SESSION_PROGRESS
-    compiled = built.compile(dialect=compiler_dialect)
-    for name, bind in compiled.binds.items():
-        if bind.type.bind_processor(compiler_dialect) is not None:
-            raise RuntimeError(f"parameter {name} of {statement} needs SQLAlchemy's conversion")
-    return compiled.string
-
-
-@functools.cache
-def _jobs_upsert(dialect: str) -> Insert:
-    """Insert each job, or refresh ``last_seen`` and, where a hello told them, world
-    size and backend (a batch alone does not know them)."""
-    table: Table = _T["jobs"]
-    if dialect == "postgresql":
-        stmt: postgresql.Insert | sqlite.Insert = postgresql.insert(table)
-    elif dialect == "sqlite":
-        stmt = sqlite.insert(table)
-    else:
-        raise DatabaseConfigError(
-            f"unsupported database dialect {dialect!r}; use sqlite or postgresql"
-        )
-    return stmt.on_conflict_do_update(
-        index_elements=["job"],
-        set_={
-            "last_seen_unix_ns": stmt.excluded.last_seen_unix_ns,
-            "world_size": func.coalesce(stmt.excluded.world_size, table.c.world_size),
-            "backend": func.coalesce(stmt.excluded.backend, table.c.backend),
-        },
-    )
-
-
 def _session_row(hello: Hello, sessions: dict[str, _Session], rows: _Rows, now_ns: int) -> None:
     info = sessions[hello.session]
     rows.add(
@@ -725,23 +509,6 @@ def _session_row(hello: Hello, sessions: dict[str, _Session], rows: _Rows, now_n
         },
     )
     info.exists = True
-
-
-def _session_progress() -> Update:
-    table = _T["probe_sessions"]
-    return (
-        update(table)
-        .where(table.c.session == bindparam("b_session"))
-        .values(
-            last_seq=bindparam("b_last_seq"),
-            last_seen_unix_ns=bindparam("b_now"),
-            dropped_records_total=bindparam("b_dropped"),
-        )
-    )
-
-
-# Built once: a statement rebuilt per call pays SQLAlchemy's cache-key work each time.
-_SESSION_PROGRESS: Final = _session_progress()
 
 
 def _write_session_progress(conn: Connection, sessions: dict[str, _Session], now_ns: int) -> None:
@@ -783,37 +550,9 @@ def _write_session_progress(conn: Connection, sessions: dict[str, _Session], now
             }
         )
     if missing:
-        conn.execute(insert_ignore(conn, _T["probe_sessions"]), missing)
+        sql.add_missing_sessions(conn, missing)
     if progress:
-        _executemany(conn, _driver_sql("session_progress", conn.dialect), progress)
-
-
-def _apply_acks(conn: Connection, acks: Iterable[CommandAck], now_ns: int) -> None:
-    table = _T["commands"]
-    for ack in acks:
-        conn.execute(
-            update(table)
-            .where(table.c.id == ack.id)
-            .values(
-                status=ack.status,
-                reason=ack.reason,
-                version=ack.version,
-                effective_step=ack.effective_step,
-                updated_unix_s=now_ns / 1e9,
-            )
-        )
-
-
-def _mark_sent(conn: Connection, commands: list[Command], now_ns: int) -> None:
-    if not commands:
-        return
-    table = _T["commands"]
-    conn.execute(
-        update(table)
-        .where(table.c.id.in_([c.id for c in commands]))
-        .where(table.c.status == "pending")
-        .values(status="sent", updated_unix_s=now_ns / 1e9)
-    )
+        sql.advance_sessions(conn, progress)
 
 
 def _finite(value: float | None) -> float | None:

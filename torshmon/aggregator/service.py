@@ -9,6 +9,10 @@ once after an ingest that brought a new finding, the evaluation tick asks the li
 state for its findings, runs the rules engine, stores findings and alert
 transitions, hands alerts to the notifier, which never blocks this loop, and sends
 the link checks the live state asks for.
+
+This is the one module that wires the parts: each receives the narrow things it
+needs (the history store, the command sink, the live state, a registry, a clock),
+never the ``Aggregator``.
 """
 
 from __future__ import annotations
@@ -21,19 +25,17 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
 
-import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from sqlalchemy import select, update
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import make_url
 
 from torshmon.aggregator import api, otel
 from torshmon.aggregator.alert import Alert
 from torshmon.aggregator.alerting import AlertEngine
 from torshmon.aggregator.commands import CommandBook, CommandStatus
+from torshmon.aggregator.dispatch import CommandDispatch
 from torshmon.aggregator.findings import Finding
 from torshmon.aggregator.guard import RequestGuard, ServerLog, log_rejection, read_body
 from torshmon.aggregator.ingest import IngestStore, Stored
@@ -53,9 +55,9 @@ from torshmon.aggregator.writer import (
 )
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.metrics import MetricSpec
-from torshmon.history.db import make_engine, normalize_url, sqlite_path, upgrade
-from torshmon.history.models import Base
+from torshmon.history.db import normalize_url, sqlite_path, upgrade
 from torshmon.history.reader import reader_of
+from torshmon.history.store import HistoryStore
 from torshmon.redact import redact_url
 from torshmon.wire import (
     SCHEMA_VERSION,
@@ -69,9 +71,6 @@ from torshmon.wire import (
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-_T = Base.metadata.tables
-
 INGEST_PATH = "/api/v1/ingest"
 
 #: Called with each alert transition that has the ``autotune`` action (the tuner hooks here).
@@ -84,7 +83,8 @@ class Aggregator:
     ``registry`` receives the job-level and service metrics (a fresh one per test);
     ``targets`` overrides the notification targets of ``settings.notify``;
     ``clock`` is Unix seconds (detection and rules use it); ``tuner_settings`` are the
-    autotuner's defaults for every tuning session.
+    autotuner's defaults for every tuning session; ``tracer`` replaces the OTLP
+    exporter set up from the settings (spans to memory in tests).
     """
 
     def __init__(
@@ -97,6 +97,7 @@ class Aggregator:
         clock: Callable[[], float] = time.time,
         migrate: bool = True,
         tuner_settings: TunerSettings | None = None,
+        tracer: otel.Tracing | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
@@ -104,8 +105,10 @@ class Aggregator:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._migrate = migrate
         self.rules = rules if rules is not None else self._load_rules()
-        self.engine: Engine | None = None
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torshmon-writer")
+        self.store = HistoryStore(
+            settings.db_url, aggregator_id=settings.aggregator_id, writer=self.writer
+        )
         self.commands = CommandBook(
             timeout_s=settings.command_timeout_s, clock=clock, on_change=self._command_changed
         )
@@ -125,13 +128,18 @@ class Aggregator:
         )
         self._unwritten_findings: list[Finding] = []
         self._unwritten_alerts: list[Alert] = []
-        self.tracer = otel.Tracing(settings.otlp_endpoint, service_instance=settings.aggregator_id)
+        self.tracer = (
+            tracer
+            if tracer is not None
+            else otel.Tracing(settings.otlp_endpoint, service_instance=settings.aggregator_id)
+        )
         self.ingest: IngestWriter | None = None
         #: job -> the agent that last delivered its rank 0's data (commands go there)
         self.rank0_agent: dict[str, str] = {}
-        self.action_hooks: dict[str, list[ActionHook]] = {}
-        self.command_hooks: list[Callable[[CommandStatus], None]] = [self._link_check_status]
-        self._alert_rows: dict[str, int] = {}
+        self.dispatch = CommandDispatch(self.commands, self.store, self.live, clock)
+        self.command_hooks: list[Callable[[CommandStatus], None]] = [
+            self.dispatch.link_check_status
+        ]
         self._finding_keys: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -140,7 +148,18 @@ class Aggregator:
         self._started = False
         self.port: int | None = None
         self._metrics()
-        self.tuning = TuningManager(self, settings=tuner_settings)
+        self.tuning = TuningManager(
+            store=self.store,
+            commands=self.dispatch,
+            jobs=self.live,
+            notifier=self.notifier,
+            tracer=self.tracer,
+            registry=self.registry,
+            clock=clock,
+            settings=tuner_settings,
+        )
+        self.command_hooks.append(self.tuning.on_command_status)
+        self.action_hooks: dict[str, list[ActionHook]] = {"autotune": [self.tuning.on_alert]}
 
     def _load_rules(self) -> RuleSet:
         if self.settings.rules_path:
@@ -162,7 +181,7 @@ class Aggregator:
             registry=r,
         )
         self.live.register(r)
-        r.register(_NotifierCollector(self))
+        r.register(_NotifierCollector(self.notifier))
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -194,24 +213,29 @@ class Aggregator:
                     reader.role,
                     "; ".join(reader.for_admin),
                 )
-        self.engine = make_engine(url)
+        self.store.open()
         if self.settings.ingest_process and _other_process_can_open(url):
             ingest = ProcessIngest(url, self.settings.aggregator_id)
             await ingest.start()
             self.ingest = ingest
         else:
-            store = IngestStore(self.engine, aggregator_id=self.settings.aggregator_id)
+            store = IngestStore(self.store.engine, aggregator_id=self.settings.aggregator_id)
             self.ingest = ThreadIngest(store, self.writer)
-        await loop.run_in_executor(self.writer, self._restore_alerts)
-        await loop.run_in_executor(self.writer, self._restore_jobs)
+        await self._restore_alerts()
+        await self._restore_jobs()
         await self.tuning.start()
         await self.notifier.start()
-        app = web.Application(
-            client_max_size=self.settings.max_body_bytes,
-            middlewares=[api.error_middleware, self.guard.middleware()],
+        app = api.make_app(
+            self.settings,
+            guard=self.guard,
+            store=self.store,
+            live=self.live,
+            commands=self.dispatch,
+            tuning=self.tuning,
+            registry=self.registry,
+            clock=self.clock,
         )
         app.router.add_post(INGEST_PATH, self._ingest)
-        api.add_routes(app, self)
         # Bodies are inflated by read_body, which answers a broken or unknown content
         # coding with a 4xx; aiohttp's own inflating logs them as unhandled errors.
         # ServerLog keeps aiohttp's 400s for malformed HTTP out of the error log.
@@ -262,8 +286,7 @@ class Aggregator:
                 errors.append(exc)
         self.writer.shutdown(wait=True)
         self.tracer.shutdown()
-        if self.engine is not None:
-            self.engine.dispose()
+        self.store.close()
         for error in errors:
             log.error("aggregator shutdown step failed: %s", error)
 
@@ -283,21 +306,9 @@ class Aggregator:
         if self._started:
             await self.evaluate()
 
-    # -- helpers for the API -------------------------------------------------------------
-    async def write(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the writer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.writer, fn, *args)
-
-    async def read(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on a reader thread."""
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-    def authorized(self, request: web.Request) -> bool:
-        return self.guard.authorized(request.headers)
-
     # -- ingest --------------------------------------------------------------------------
     async def _ingest(self, request: web.Request) -> web.Response:
-        if not self.authorized(request):
+        if not self.guard.authorized(request.headers):
             self.m_batches.labels("unauthorized").inc()
             return api.error(401, "missing or wrong bearer token")
         try:
@@ -401,9 +412,7 @@ class Aggregator:
         self._unwritten_alerts += transitions
         if self._unwritten_findings or self._unwritten_alerts:
             try:
-                await self.write(
-                    self._persist, self._unwritten_findings, self._unwritten_alerts, now
-                )
+                await self.store.record(self._unwritten_findings, self._unwritten_alerts, now)
             except Exception:
                 log.exception("storing findings and alert transitions failed; retrying next tick")
             else:
@@ -420,9 +429,8 @@ class Aggregator:
                             hook(alert)
                         except Exception:
                             log.exception("action %s failed for %s", action, alert.rule)
-        for status in self.commands.expire():
-            await self.write(self._persist_command, status)
-        await self._send_link_checks(now)
+        await self.dispatch.expire()
+        await self.dispatch.send_link_checks(now)
         try:
             await self.tuning.tick()
         except Exception:
@@ -430,171 +438,23 @@ class Aggregator:
         self.live.expire(now)
         return transitions
 
-    def _persist(self, findings: list[Finding], alerts: list[Alert], now: float) -> None:
-        if self.engine is None:
-            return
-        with self.engine.begin() as conn:
-            if findings:
-                conn.execute(_T["findings"].insert(), [_finding_row(f, now) for f in findings])
-            for alert in alerts:
-                self._persist_alert(conn, alert, now)
-
-    def _persist_alert(self, conn: Any, alert: Alert, now: float) -> None:
-        table = _T["alerts"]
-        row_id = self._alert_rows.get(alert.fingerprint)
-        values: dict[str, Any] = {
-            "state": alert.state,
-            "value": alert.value,
-            "annotations": dict(alert.annotations),
-            "updated_unix_s": now,
-        }
-        if alert.state == "firing":
-            values["fired_at_unix_s"] = now
-        if alert.state == "resolved":
-            values["ends_at_unix_s"] = alert.ends_at_unix_s or now
-        if row_id is None:
-            rank = alert.labels.get("rank")
-            result = conn.execute(
-                table.insert().values(
-                    fingerprint=alert.fingerprint,
-                    rule=alert.rule,
-                    severity=alert.severity,
-                    job=alert.labels.get("job", ""),
-                    rank=int(rank) if rank is not None and rank.isdigit() else None,
-                    labels=dict(alert.labels),
-                    starts_at_unix_s=alert.starts_at_unix_s,
-                    aggregator_id=self.settings.aggregator_id,
-                    **values,
-                )
-            )
-            row_id = int(result.inserted_primary_key[0])
-        else:
-            conn.execute(update(table).where(table.c.id == row_id).values(**values))
-        conn.execute(
-            _T["alert_events"]
-            .insert()
-            .values(alert_id=row_id, state=alert.state, ts_unix_s=now, value=alert.value)
-        )
-        if alert.state == "resolved":
-            self._alert_rows.pop(alert.fingerprint, None)
-        else:
-            self._alert_rows[alert.fingerprint] = row_id
-
-    def _restore_alerts(self) -> None:
+    async def _restore_alerts(self) -> None:
         """Resume pending and firing alerts this aggregator left in SQL."""
-        if self.engine is None:
-            return
-        table = _T["alerts"]
-        with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(table).where(
-                    table.c.state.in_(["pending", "firing"]),
-                    table.c.aggregator_id == self.settings.aggregator_id,
-                )
-            ).mappings()
-            alerts = []
-            for row in rows:
-                self._alert_rows[row["fingerprint"]] = int(row["id"])
-                alerts.append(
-                    Alert(
-                        rule=row["rule"],
-                        state=row["state"],
-                        severity=row["severity"],
-                        labels=dict(row["labels"] or {}),
-                        annotations=dict(row["annotations"] or {}),
-                        value=row["value"],
-                        starts_at_unix_s=row["starts_at_unix_s"],
-                    )
-                )
+        alerts = await self.store.open_alerts()
         if alerts:
             self.alerts.restore(alerts)
             log.info("resumed %d pending or firing alerts", len(alerts))
 
-    def _restore_jobs(self) -> None:
+    async def _restore_jobs(self) -> None:
         """Give the live state the world size of the jobs this aggregator served until it
         stopped (and that were not idle yet): their probes will not say hello again."""
-        if self.engine is None:
-            return
-        table = _T["jobs"]
-        since_ns = int((self.clock() - self.live.idle_s) * 1e9)
-        with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(table.c.job, table.c.world_size, table.c.last_seen_unix_ns).where(
-                    table.c.aggregator_id == self.settings.aggregator_id,
-                    table.c.world_size.is_not(None),
-                    table.c.last_seen_unix_ns >= since_ns,
-                )
-            ).all()
-        for job, world_size, last_seen_ns in rows:
-            self.live.restore_job(job, int(world_size), last_seen_ns / 1e9)
-        if rows:
-            log.info("resumed %d running jobs from the history", len(rows))
+        jobs = await self.store.running_jobs(self.clock() - self.live.idle_s)
+        for job in jobs:
+            self.live.restore_job(job.job, job.world_size, job.last_seen_unix_s)
+        if jobs:
+            log.info("resumed %d running jobs from the history", len(jobs))
 
     # -- commands ------------------------------------------------------------------------
-    async def submit_command(self, job: str, kind: str, args: dict[str, object]) -> CommandStatus:
-        """Queue a command for ``job``'s rank 0; stored in SQL before it can be sent."""
-        command = self.commands.new(job, kind, args)
-        now = self.clock()
-        await self.write(self._insert_command, command, now)
-        return self.commands.add(command)
-
-    def _insert_command(self, command: Any, now: float) -> None:
-        if self.engine is None:
-            return
-        with self.engine.begin() as conn:
-            conn.execute(
-                _T["commands"]
-                .insert()
-                .values(
-                    id=command.id,
-                    job=command.job,
-                    kind=command.kind,
-                    args=dict(command.args),
-                    status="pending",
-                    reason="",
-                    created_unix_s=now,
-                    updated_unix_s=now,
-                    aggregator_id=self.settings.aggregator_id,
-                )
-            )
-
-    def _persist_command(self, status: CommandStatus) -> None:
-        if self.engine is None:
-            return
-        table = _T["commands"]
-        with self.engine.begin() as conn:
-            conn.execute(
-                update(table)
-                .where(table.c.id == status.command.id)
-                .values(
-                    status=status.status, reason=status.reason, updated_unix_s=status.updated_unix_s
-                )
-            )
-
-    async def request_link_check(
-        self, job: str, args: dict[str, object], reason: str = "requested"
-    ) -> CommandStatus:
-        """Queue a link check for ``job``; its results are read into slow_link findings."""
-        status = await self.submit_command(job, "link_check", args)
-        self.live.link_check_sent(job, status.command.id, reason, self.clock())
-        return status
-
-    async def _send_link_checks(self, now: float) -> None:
-        for job, reason in self.live.link_checks_due(now):
-            try:
-                args = self.live.link_check_args(job)
-                status = await self.request_link_check(job, args, reason)
-            except Exception:
-                log.exception("could not send a link check to job %s", job)
-                continue
-            log.info("link check %s sent to job %s: %s", status.command.id, job, reason)
-
-    def _link_check_status(self, status: CommandStatus) -> None:
-        if status.command.kind == "link_check" and status.done:
-            self.live.link_check_done(
-                status.command.job, status.command.id, status.status, self.clock()
-            )
-
     def _command_changed(self, status: CommandStatus) -> None:
         for hook in self.command_hooks:
             try:
@@ -607,21 +467,13 @@ class Aggregator:
         while True:
             await asyncio.sleep(self.settings.retention_interval_s)
             try:
-                await self.write(self.run_retention)
+                await self.store.apply_retention(
+                    self.clock(),
+                    raw_retention_s=self.settings.raw_retention_s,
+                    rollup_retention_s=self.settings.rollup_retention_s,
+                )
             except Exception:
                 log.exception("retention failed; retrying next interval")
-
-    def run_retention(self) -> object:
-        from torshmon.history.retention import apply_retention
-
-        if self.engine is None:
-            return None
-        return apply_retention(
-            self.engine,
-            now_unix_s=self.clock(),
-            raw_retention_s=self.settings.raw_retention_s,
-            rollup_retention_s=self.settings.rollup_retention_s,
-        )
 
 
 def _other_process_can_open(url: str) -> bool:
@@ -651,33 +503,14 @@ def _series_windows_s(rules: RuleSet) -> dict[str, float]:
     return windows
 
 
-def _finding_row(f: Finding, now: float) -> dict[str, Any]:
-    rank = f.labels.get("rank")
-    return {
-        "kind": f.kind,
-        "job": f.labels.get("job", ""),
-        "rank": int(rank) if rank is not None and rank.isdigit() else None,
-        "metric": f.labels.get("metric"),
-        "value": f.value,
-        "score": f.score,
-        "summary": f.summary,
-        "recommendation": f.recommendation,
-        "severity": f.severity,
-        "since_unix_s": f.since_unix_s,
-        "detected_unix_s": now,
-        # Detectors may put tuples, sets or numpy scalars in details: JSON-safe as text.
-        "details": msgspec.to_builtins(dict(f.details), str_keys=True, enc_hook=str),
-    }
-
-
 class _NotifierCollector:
     """Exports the notifier's per-target counters (``notify.STAT_NAMES``)."""
 
-    def __init__(self, aggregator: Aggregator) -> None:
-        self._aggregator = aggregator
+    def __init__(self, notifier: Notifier) -> None:
+        self._notifier = notifier
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._aggregator.notifier.stats()
+        stats = self._notifier.stats()
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for stat in STAT_NAMES:
             spec = catalogue.METRICS[f"torshmon_notifications_{stat}"]

@@ -9,6 +9,12 @@ every event that changed them, exports metrics and spans, and notifies when a
 session ends. Everything runs on the aggregator's event loop: command status
 changes arrive from the writer thread and are marshalled onto the loop, and one lock
 per manager keeps decisions executing in the order the sessions returned them.
+
+The manager sees only what it needs, each a narrow interface: a store for its
+sessions, a command sink, a view of the jobs' live data, an alert sink for the
+notifications, a tracer, a registry and a clock. The service wires them and routes
+command statuses (``on_command_status``) and ``autotune`` alert actions (``on_alert``)
+here.
 """
 
 from __future__ import annotations
@@ -16,15 +22,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Final, get_args
+from typing import Any, Final, Protocol, get_args
 
-from prometheus_client import Counter, Gauge
-from sqlalchemy import select, update
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from torshmon.aggregator.alert import Alert
 from torshmon.aggregator.commands import CommandError, CommandStatus
+from torshmon.aggregator.ingest import Stored
 from torshmon.aggregator.tuner import (
     Abort,
     ApplyConfig,
@@ -43,22 +49,56 @@ from torshmon.aggregator.tuner import (
 )
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.codecs import MIB
-from torshmon.history.db import upsert
-from torshmon.history.models import Base
-
-if TYPE_CHECKING:
-    from torshmon.aggregator.ingest import Stored
-    from torshmon.aggregator.service import Aggregator
-    from torshmon.wire import StepRecord
+from torshmon.history.store import TuningSessionRow, TuningTrialRow
+from torshmon.wire import StepRecord
 
 log = logging.getLogger(__name__)
 
-_T = Base.metadata.tables
 PHASES: Final = get_args(Phase)
 #: The rule name of the notification sent when a session ends.
 FINISHED_RULE: Final = "Autotune Finished"
 #: torch's default first bucket cap (``dist._DEFAULT_FIRST_BUCKET_BYTES``), MiB.
 _TORCH_FIRST_BUCKET_MB: Final = 1.0
+
+
+class TuningStore(Protocol):
+    """Where sessions and trials are kept (``torshmon.history.store.HistoryStore``)."""
+
+    async def save_tuning(
+        self, session: TuningSessionRow, trials: Sequence[TuningTrialRow]
+    ) -> None: ...
+
+    async def unfinished_tuning(self) -> list[TuningSessionRow]: ...
+
+    async def abort_tuning(self, session_id: str, reason: str, now_unix_s: float) -> None: ...
+
+
+class CommandSink(Protocol):
+    """Queues a command for a job's rank 0 (``dispatch.CommandDispatch``)."""
+
+    async def submit_command(
+        self, job: str, kind: str, args: Mapping[str, object]
+    ) -> CommandStatus: ...
+
+
+class JobView(Protocol):
+    """What the live state knows of a job (``live.LiveState``)."""
+
+    def job_config(self, job: str) -> dict[str, Any] | None: ...
+
+    def job_summary(self, job: str) -> dict[str, Any] | None: ...
+
+
+class AlertSink(Protocol):
+    """Takes alerts to notify (``notify.Notifier``); never blocks."""
+
+    def submit(self, alerts: Sequence[Alert]) -> None: ...
+
+
+class DecisionTracer(Protocol):
+    """Records a tuning decision as a span (``otel.Tracing``)."""
+
+    def record_decision(self, name: str, attributes: dict[str, str | float | int]) -> None: ...
 
 
 class TuningConflict(RuntimeError):
@@ -96,14 +136,25 @@ class TuningManager:
 
     def __init__(
         self,
-        aggregator: Aggregator,
         *,
+        store: TuningStore,
+        commands: CommandSink,
+        jobs: JobView,
+        notifier: AlertSink,
+        tracer: DecisionTracer,
+        registry: CollectorRegistry,
+        clock: Callable[[], float],
         settings: TunerSettings | None = None,
         space: SearchSpace | None = None,
         seed: int | None = None,
         retune: RetuneSettings | None = None,
     ) -> None:
-        self.a = aggregator
+        self._store = store
+        self._commands = commands
+        self._jobs = jobs
+        self._notifier = notifier
+        self._tracer = tracer
+        self._clock = clock
         self.retune = retune if retune is not None else RetuneSettings()
         self._drift: dict[str, DriftWatch] = {}
         self.settings = settings if settings is not None else TunerSettings()
@@ -114,7 +165,7 @@ class TuningManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
-        r = aggregator.registry
+        r = registry
         trials, best, state = (
             catalogue.TUNER_TRIALS_TOTAL,
             catalogue.TUNER_BEST_SCORE,
@@ -129,12 +180,10 @@ class TuningManager:
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Hook into the aggregator and resume this aggregator's unfinished sessions."""
+        """Resume this aggregator's unfinished sessions (on the loop that runs them)."""
         self._loop = asyncio.get_running_loop()
-        self.a.command_hooks.append(self._command_changed)
-        self.a.action_hooks.setdefault("autotune", []).append(self._on_alert)
-        rows = await self.a.write(self._load_unfinished)
-        now = self.a.clock()
+        rows = await self._store.unfinished_tuning()
+        now = self._clock()
         for row in rows:
             await self._resume(row, now)
 
@@ -165,7 +214,7 @@ class TuningManager:
         entry = self._active.get(job)
         if entry is None or entry.session.done:
             return False
-        decision = entry.session.abort(reason, self.a.clock())
+        decision = entry.session.abort(reason, self._clock())
         if not restore:
             decision = replace(decision, restore_config=None)
         await self._execute(entry, decision)
@@ -200,7 +249,7 @@ class TuningManager:
         baseline = self._baseline(job)
         session_id = uuid.uuid4().hex[:16]
         seed = self.seed if self.seed is not None else int(session_id[:8], 16)
-        now = self.a.clock()
+        now = self._clock()
         entry = _Active(session_id, job, trigger, TuningSession(space, settings, seed=seed), now)
         self._active[job] = entry
         decision = entry.session.start(now, baseline)
@@ -209,7 +258,7 @@ class TuningManager:
         return session_id
 
     def _baseline(self, job: str) -> TrialConfig:
-        config = self.a.live.job_config(job)
+        config = self._jobs.job_config(job)
         if config is not None:
             return TrialConfig(
                 bucket_cap_mb=config["bucket_cap_bytes"] / MIB,
@@ -217,7 +266,7 @@ class TuningManager:
                 codec=config["codec"],
                 codec_params=dict(config["codec_params"]),
             )
-        summary = self.a.live.job_summary(job)
+        summary = self._jobs.job_summary(job)
         cap_bytes = summary["bucket_cap_bytes"] if summary is not None else None
         if cap_bytes is None:
             raise TuningUnavailable(
@@ -228,7 +277,7 @@ class TuningManager:
         cap = cap_bytes / MIB
         return TrialConfig(cap, min(cap, _TORCH_FIRST_BUCKET_MB))
 
-    def _on_alert(self, alert: Alert) -> None:
+    def on_alert(self, alert: Alert) -> None:
         """The ``autotune`` action of a firing alert: tune its job unless already tuning."""
         job = alert.job
         if not job or job in self._active:
@@ -245,7 +294,7 @@ class TuningManager:
 
     def observe(self, stored: Stored) -> None:
         """Rank 0's steps of each ingest, in order (called on the loop after storage)."""
-        now = self.a.clock()
+        now = self._clock()
         for batch, _node in stored.batches:
             if batch.rank != 0:
                 continue
@@ -287,14 +336,14 @@ class TuningManager:
 
     async def tick(self) -> None:
         """The evaluation tick: timeouts of every active session."""
-        now = self.a.clock()
+        now = self._clock()
         for entry in list(self._active.values()):
             decision = entry.session.on_timeout(now)
             if decision is not None:
                 await self._execute(entry, decision)
 
-    def _command_changed(self, status: CommandStatus) -> None:
-        """Any thread: hand final statuses to the loop."""
+    def on_command_status(self, status: CommandStatus) -> None:
+        """The command book's hook (any thread): hand final statuses to the loop."""
         if not status.done or self._loop is None:
             return
         try:
@@ -307,7 +356,7 @@ class TuningManager:
         if entry is None or status.command.id != entry.command_id:
             return
         entry.command_id = None
-        now = self.a.clock()
+        now = self._clock()
         if status.status == "applied" and status.version is not None:
             step = status.effective_step if status.effective_step is not None else 0
             decision = entry.session.on_applied(status.version, step, now)
@@ -349,12 +398,14 @@ class TuningManager:
             log.warning("tuning %s aborted: %s", job, decision.reason)
             if decision.restore_config is not None:
                 try:
-                    await self.a.submit_command(job, "config", decision.restore_config.args())
+                    await self._commands.submit_command(
+                        job, "config", decision.restore_config.args()
+                    )
                 except CommandError as exc:
                     log.error("tuning %s: could not restore the config: %s", job, exc)
             self._notify(entry, session.summary(), "warning")
         self._update_metrics(entry)
-        await self.a.write(self._persist, entry, session.to_state())
+        await self._store.save_tuning(*_rows(entry, session.to_state()))
         if session.done and self._active.get(job) is entry:
             del self._active[job]
             self._ended[job] = entry
@@ -367,14 +418,14 @@ class TuningManager:
         reference = trials[-1] if decision.changed else trials[0]
         if len(reference.windows) < 2:
             return
-        now = self.a.clock()
+        now = self._clock()
         self._drift[entry.job] = DriftWatch(reference.windows, entry.session.unit, now, self.retune)
 
     async def _push(self, entry: _Active, decision: ApplyConfig) -> None:
         try:
-            status = await self.a.submit_command(entry.job, "config", decision.args)
+            status = await self._commands.submit_command(entry.job, "config", decision.args)
         except CommandError as exc:
-            follow = entry.session.on_rejected(str(exc), self.a.clock())
+            follow = entry.session.on_rejected(str(exc), self._clock())
             if follow is not None:
                 # Recursion is bounded: the session concludes after max_failures refusals.
                 self._trace(entry, follow)
@@ -410,10 +461,10 @@ class TuningManager:
         else:
             name = "abort"
             attributes["torshmon.tuning.reason"] = decision.reason
-        self.a.tracer.record_decision(name, attributes)
+        self._tracer.record_decision(name, attributes)
 
     def _notify(self, entry: _Active, summary: str, severity: str) -> None:
-        now = self.a.clock()
+        now = self._clock()
         labels = {"alertname": FINISHED_RULE, "severity": severity, "job": entry.job}
         alert = Alert(
             rule=FINISHED_RULE,
@@ -430,7 +481,7 @@ class TuningManager:
             # One notification per session, not per job: sessions repeat.
             fingerprint=f"tune-{entry.session_id}",
         )
-        self.a.notifier.submit([alert])
+        self._notifier.submit([alert])
 
     def _update_metrics(self, entry: _Active) -> None:
         session, job = entry.session, entry.job
@@ -444,99 +495,21 @@ class TuningManager:
         for phase in PHASES:
             self.m_state.labels(job, phase).set(1.0 if phase == session.phase else 0.0)
 
-    # -- SQL (writer thread) -------------------------------------------------------------
-
-    def _persist(self, entry: _Active, state: dict[str, Any]) -> None:
-        engine = self.a.engine
-        if engine is None:
-            return
-        session = entry.session
-        baseline = session.baseline
-        final = session.final_config
-        best = session.best
-        best_config = final or (best.config if best is not None else baseline)
-        trials = session.trials
-        sessions, trials_table = _T["tuning_sessions"], _T["tuning_trials"]
-        row = {
-            "id": entry.session_id,
-            "job": entry.job,
-            "state": session.phase,
-            "trigger": entry.trigger[:200],
-            "started_unix_s": entry.started_unix_s,
-            "ended_unix_s": state.get("ended_unix_s"),
-            "baseline_config": baseline.to_dict() if baseline is not None else {},
-            "best_config": best_config.to_dict() if best_config is not None else None,
-            "baseline_score": trials[0].score if trials else None,
-            "best_score": session.best_score,
-            "reason": session.reason,
-            "aggregator_id": self.a.settings.aggregator_id,
-            "state_blob": state,
-        }
-        with engine.begin() as conn:
-            conn.execute(upsert(conn, sessions).values(**row))
-            existing = {
-                int(r.trial_index): int(r.id)
-                for r in conn.execute(
-                    select(trials_table.c.id, trials_table.c.trial_index).where(
-                        trials_table.c.session_id == entry.session_id
-                    )
-                )
-            }
-            for trial in trials:
-                values = _trial_row(entry, trial)
-                row_id = existing.get(trial.index)
-                if row_id is None:
-                    conn.execute(trials_table.insert().values(**values))
-                else:
-                    if values["command_id"] is None:
-                        del values["command_id"]  # known before a restart, not after
-                    conn.execute(
-                        update(trials_table).where(trials_table.c.id == row_id).values(**values)
-                    )
-
-    def _load_unfinished(self) -> list[dict[str, Any]]:
-        engine = self.a.engine
-        if engine is None:
-            return []
-        table = _T["tuning_sessions"]
-        with engine.connect() as conn:
-            rows = conn.execute(
-                select(table)
-                .where(
-                    table.c.aggregator_id == self.a.settings.aggregator_id,
-                    table.c.state.not_in(["finished", "aborted"]),
-                )
-                .order_by(table.c.started_unix_s)
-            ).mappings()
-            return [dict(r) for r in rows]
-
-    def _mark_aborted(self, session_id: str, reason: str, now: float) -> None:
-        engine = self.a.engine
-        if engine is None:
-            return
-        table = _T["tuning_sessions"]
-        with engine.begin() as conn:
-            conn.execute(
-                update(table)
-                .where(table.c.id == session_id)
-                .values(state="aborted", reason=reason, ended_unix_s=now)
-            )
-
-    async def _resume(self, row: dict[str, Any], now: float) -> None:
-        job, session_id = str(row["job"]), str(row["id"])
+    async def _resume(self, row: TuningSessionRow, now: float) -> None:
+        job, session_id = row.job, row.id
         try:
-            session = TuningSession.from_state(row["state_blob"] or {})
+            session = TuningSession.from_state(dict(row.state_blob))
         except TunerError as exc:
             log.error("tuning %s: session %s cannot be resumed: %s", job, session_id, exc)
-            await self.a.write(self._mark_aborted, session_id, f"not resumable: {exc}", now)
+            await self._store.abort_tuning(session_id, f"not resumable: {exc}", now)
             return
         previous = self._active.get(job)
         if previous is not None:
             # Only one session per job: the newer one (rows come oldest first) wins.
             reason = f"superseded by session {session_id} on resume"
-            await self.a.write(self._mark_aborted, previous.session_id, reason, now)
+            await self._store.abort_tuning(previous.session_id, reason, now)
         session.resume(now)
-        entry = _Active(session_id, job, str(row["trigger"]), session, float(row["started_unix_s"]))
+        entry = _Active(session_id, job, row.trigger, session, row.started_unix_s)
         entry.counted = {t.index for t in session.trials if t.decision is not None}
         self._active[job] = entry
         log.info("tuning %s: resumed session %s in phase %s", job, session_id, session.phase)
@@ -549,18 +522,42 @@ class TuningManager:
             await self._execute(entry, None)
 
 
-def _trial_row(entry: _Active, trial: Trial) -> dict[str, Any]:
-    return {
-        "session_id": entry.session_id,
-        "job": entry.job,
-        "trial_index": trial.index,
-        "config": trial.config.to_dict(),
-        "command_id": entry.trial_commands.get(trial.index),
-        "state": trial.state,
-        "windows": list(trial.windows),
-        "score": trial.score,
-        "decision": trial.decision,
-        "reason": trial.reason,
-        "started_unix_s": trial.started_unix_s,
-        "ended_unix_s": trial.ended_unix_s,
-    }
+def _rows(entry: _Active, state: dict[str, Any]) -> tuple[TuningSessionRow, list[TuningTrialRow]]:
+    """The stored rows of ``entry``'s session (``state``: its ``to_state()``) and trials."""
+    session = entry.session
+    baseline = session.baseline
+    best = session.best
+    best_config = session.final_config or (best.config if best is not None else baseline)
+    trials = session.trials
+    row = TuningSessionRow(
+        id=entry.session_id,
+        job=entry.job,
+        state=session.phase,
+        trigger=entry.trigger[:200],
+        started_unix_s=entry.started_unix_s,
+        ended_unix_s=state.get("ended_unix_s"),
+        baseline_config=baseline.to_dict() if baseline is not None else {},
+        best_config=best_config.to_dict() if best_config is not None else None,
+        baseline_score=trials[0].score if trials else None,
+        best_score=session.best_score,
+        reason=session.reason,
+        state_blob=state,
+    )
+    return row, [_trial_row(entry, trial) for trial in trials]
+
+
+def _trial_row(entry: _Active, trial: Trial) -> TuningTrialRow:
+    return TuningTrialRow(
+        session_id=entry.session_id,
+        job=entry.job,
+        trial_index=trial.index,
+        config=trial.config.to_dict(),
+        command_id=entry.trial_commands.get(trial.index),
+        state=trial.state,
+        windows=list(trial.windows),
+        score=trial.score,
+        decision=trial.decision,
+        reason=trial.reason,
+        started_unix_s=trial.started_unix_s,
+        ended_unix_s=trial.ended_unix_s,
+    )

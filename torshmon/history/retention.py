@@ -55,17 +55,8 @@ RAW_TABLES: Final[Mapping[str, str]] = {
 }
 
 _NS_PER_S: Final = 1_000_000_000
-_ROLLUP_COLUMNS: Final = (
-    "key",
-    "rank",
-    "metric",
-    "resolution_s",
-    "bucket_start_unix_s",
-    "count",
-    "sum",
-    "min",
-    "max",
-)
+#: The columns of ``rollups`` in the model's order, which ``_roll_up``'s SELECT follows.
+_ROLLUP_COLUMNS: Final = tuple(Base.metadata.tables["rollups"].columns.keys())
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +186,7 @@ def _roll_up(
     for metric in source.metrics:
         value = table.c[metric]
         query = (
-            select(
+            select(  # one value per _ROLLUP_COLUMNS entry, in its order
                 key,
                 rank,
                 literal(metric, String, literal_execute=True),

@@ -1,0 +1,310 @@
+"""The OpenAPI 3.1 description of the aggregator's HTTP API (``/api/v1/openapi.json``).
+
+Row schemas come from the SQLAlchemy models and the ingest schema from the wire
+types, so the document, the tables and the API cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from sqlalchemy import Table
+from sqlalchemy import types as sa_types
+
+from torshmon.history.models import Base
+from torshmon.wire import Command, IngestBatch, IngestReply
+
+_T = Base.metadata.tables
+
+
+def _column_schema(column: Any) -> dict[str, Any]:
+    t = column.type
+    if isinstance(t, sa_types.Boolean):
+        schema: dict[str, Any] = {"type": "boolean"}
+    elif isinstance(t, (sa_types.Integer, sa_types.BigInteger)):
+        schema = {"type": "integer"}
+    elif isinstance(t, (sa_types.Float, sa_types.Numeric)):
+        schema = {"type": "number"}
+    elif isinstance(t, sa_types.String):
+        schema = {"type": "string"}
+        if t.length:
+            schema["maxLength"] = t.length
+    else:
+        schema = {}
+    if column.nullable:
+        schema = {"anyOf": [schema, {"type": "null"}]}
+    if column.comment:
+        schema["description"] = column.comment
+    return schema
+
+
+def _table_schema(table: Table) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": table.comment or f"A row of the {table.name} table.",
+        "properties": {c.name: _column_schema(c) for c in table.columns},
+    }
+
+
+def _any_value_schema(t: type) -> dict[str, Any]:
+    """``object`` (a command's free-form arguments) is any JSON value."""
+    if t is object:
+        return {"description": "any JSON value"}
+    raise NotImplementedError(t)
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 description of this API, built from the wire schema and the models."""
+    (batch_ref, reply_ref, command_ref), wire = msgspec.json.schema_components(
+        [IngestBatch, IngestReply, Command],
+        ref_template="#/components/schemas/{name}",
+        schema_hook=_any_value_schema,
+    )
+    schemas: dict[str, Any] = dict(wire)
+    for name in (
+        "jobs",
+        "probe_sessions",
+        "alerts",
+        "findings",
+        "tuning_sessions",
+        "tuning_trials",
+        "commands",
+    ):
+        schemas[f"row_{name}"] = _table_schema(_T[name])
+    schemas["Error"] = {
+        "type": "object",
+        "properties": {"error": {"type": "string"}, "status": {"type": "integer"}},
+        "required": ["error", "status"],
+    }
+
+    def ref(name: str) -> dict[str, str]:
+        return {"$ref": f"#/components/schemas/{name}"}
+
+    def listing(key: str, row: str, params: tuple[str, ...]) -> dict[str, Any]:
+        return {
+            "get": {
+                "summary": f"List {key}, newest first",
+                "parameters": [
+                    {"name": p, "in": "query", "required": False, "schema": {"type": "string"}}
+                    for p in (*params, "limit")
+                ],
+                "responses": {
+                    "200": _json_response(
+                        {
+                            "type": "object",
+                            "properties": {key: {"type": "array", "items": ref(row)}},
+                        }
+                    ),
+                    "400": _json_response(ref("Error")),
+                    "401": _json_response(ref("Error")),
+                },
+            }
+        }
+
+    job_param = {"name": "job", "in": "path", "required": True, "schema": {"type": "string"}}
+    paths: dict[str, Any] = {
+        "/api/v1/ingest": {
+            "post": {
+                "summary": "Agent ingest: spool records, idempotent by agent_id + seq (gzip JSON)",
+                "requestBody": {"content": {"application/json": {"schema": batch_ref}}},
+                "responses": {
+                    "200": _json_response(reply_ref),
+                    "400": _json_response(ref("Error")),
+                    "401": _json_response(ref("Error")),
+                    "413": _json_response(ref("Error")),
+                    "503": _json_response(ref("Error")),
+                },
+            }
+        },
+        "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _json_response({})}}},
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus exposition of the job-level and service metrics",
+                "responses": {"200": {"description": "text exposition format"}},
+            }
+        },
+        "/api/v1/jobs": listing("jobs", "row_jobs", ()),
+        "/api/v1/jobs/{job}": {
+            "get": {
+                "summary": "One job with its live summary and communication config",
+                "parameters": [job_param],
+                "responses": {
+                    "200": _json_response(ref("row_jobs")),
+                    "404": _json_response(ref("Error")),
+                },
+            }
+        },
+        "/api/v1/jobs/{job}/ranks": {
+            "get": {
+                "summary": "The ranks (probe sessions) of a job with their live summary",
+                "parameters": [job_param],
+                "responses": {"200": _json_response({"type": "object"})},
+            }
+        },
+        "/api/v1/jobs/{job}/report": {
+            "get": {
+                "summary": "Bottleneck report with recommendations",
+                "parameters": [job_param],
+                "responses": {
+                    "200": _json_response({"type": "object"}),
+                    "404": _json_response(ref("Error")),
+                },
+            }
+        },
+        "/api/v1/jobs/{job}/commands": {
+            "post": {
+                "summary": "Queue a command (kind 'config': request_config arguments) for rank 0",
+                "parameters": [job_param],
+                "requestBody": {
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "properties": {
+                                    "kind": {"type": "string"},
+                                    "args": {"type": "object"},
+                                },
+                            }
+                        }
+                    }
+                },
+                "responses": {
+                    "202": _json_response(command_ref),
+                    "400": _json_response(ref("Error")),
+                },
+            }
+        },
+        "/api/v1/jobs/{job}/link-check": {
+            "post": {
+                "summary": (
+                    "Run a pairwise link check on every rank of the job at one step; "
+                    "a slow link becomes a slow_link finding naming the rank"
+                ),
+                "parameters": [job_param],
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "properties": {
+                                    "size_bytes": {
+                                        "type": "integer",
+                                        "description": "bytes each rank of a pair sends",
+                                    },
+                                    "repeats": {
+                                        "type": "integer",
+                                        "description": "exchanges per pair; the fastest counts",
+                                    },
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "202": _json_response(command_ref),
+                    "400": _json_response(ref("Error")),
+                },
+            }
+        },
+        "/api/v1/jobs/{job}/tune": {
+            "post": {
+                "summary": "Start an autotuning session for the job; returns its id",
+                "parameters": [job_param],
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "properties": {
+                                    "max_trials": {"type": "integer", "minimum": 1},
+                                    "pinned": {
+                                        "type": "array",
+                                        "items": {"enum": ["bucket_cap_mb", "codec"]},
+                                    },
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "201": _json_response(
+                        {
+                            "type": "object",
+                            "properties": {
+                                "session_id": {"type": "string"},
+                                "job": {"type": "string"},
+                            },
+                        }
+                    ),
+                    "400": _json_response(ref("Error")),
+                    "404": _json_response(ref("Error")),
+                    "409": _json_response(ref("Error")),
+                },
+            }
+        },
+        "/api/v1/commands/{id}": {
+            "get": {
+                "summary": "Where a command stands (pending, sent, applied, rejected, ...)",
+                "parameters": [
+                    {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {
+                    "200": _json_response(ref("row_commands")),
+                    "404": _json_response(ref("Error")),
+                },
+            }
+        },
+        "/api/v1/alerts": listing("alerts", "row_alerts", ("job", "state", "rule", "severity")),
+        "/api/v1/anomalies": listing("anomalies", "row_findings", ("job", "kind", "metric")),
+        "/api/v1/tuning/sessions": listing("sessions", "row_tuning_sessions", ("job", "state")),
+        "/api/v1/tuning/trials": listing("trials", "row_tuning_trials", ("job", "session_id")),
+        "/api/v1/query": {
+            "post": {
+                "summary": "Read-only SQL on the history (enforced by the database)",
+                "requestBody": {
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "required": ["sql"],
+                                "properties": {
+                                    "sql": {"type": "string"},
+                                    "format": {"enum": ["json", "csv", "table"]},
+                                },
+                            }
+                        }
+                    }
+                },
+                "responses": {
+                    "200": _json_response({"type": "object"}),
+                    "400": _json_response(ref("Error")),
+                },
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "torshmon aggregator",
+            "version": "1",
+            "description": (
+                "Refused before any path: a Host that is not one of the aggregator's names "
+                "(421; a request with the bearer token may use any), another Origin or "
+                "Sec-Fetch-Site cross-site (403), a POST whose Content-Type is not "
+                "application/json (415), a Content-Encoding other than gzip (415)."
+            ),
+        },
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+        "paths": paths,
+    }
+
+
+def _json_response(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": "JSON", "content": {"application/json": {"schema": schema}}}

@@ -1,0 +1,29 @@
+"""The store: every statement the daemons run on the history, built from the models.
+
+``state`` is the aggregator's own state (alerts, findings, commands, tuning, the
+API's listings, retention) behind ``HistoryStore``; ``ingest`` the per-request
+statements and bulk inserts of ingest. Not here: the read-only user queries
+(``torshmon.history.query``, run as the reader role), and migrations.
+"""
+
+from torshmon.history.store.state import (
+    LISTING_ORDER,
+    FilterError,
+    HistoryStore,
+    Listing,
+    Row,
+    RunningJob,
+    TuningSessionRow,
+    TuningTrialRow,
+)
+
+__all__ = [
+    "LISTING_ORDER",
+    "FilterError",
+    "HistoryStore",
+    "Listing",
+    "Row",
+    "RunningJob",
+    "TuningSessionRow",
+    "TuningTrialRow",
+]

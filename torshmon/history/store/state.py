@@ -1,0 +1,478 @@
+"""The aggregator's state in SQL: every statement its service, API and autotuner run.
+
+One ``HistoryStore`` per aggregator. Its methods are coroutines that say which
+thread runs them: writes go to the aggregator's one writer thread (SQLite takes one
+writer at a time, and the order of writes is the order of calls), reads to the
+default executor. Rows in and out are frozen dataclasses, or the aggregator's own
+``Alert`` and ``Finding``; their fields are checked against the SQLAlchemy models
+at import, so a column added to a model and not here fails loudly, naming it.
+
+Beside it: ingest's statements (``torshmon.history.store.ingest``, run by the ingest
+store on this store's engine or in the ingest process) and the retention job's
+(``torshmon.history.retention``, called from here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Final, Literal, TypeVar
+
+import msgspec
+from sqlalchemy import Table, select, update
+from sqlalchemy import types as sa_types
+from sqlalchemy.engine import Connection, Engine
+
+from torshmon.aggregator.alert import Alert
+from torshmon.aggregator.findings import Finding
+from torshmon.history.db import make_engine, upsert
+from torshmon.history.models import Base
+from torshmon.history.retention import RetentionReport, apply_retention
+
+T = TypeVar("T")
+_T = Base.metadata.tables
+
+#: A row as the API answers it: column name -> value, as the database returned it.
+Row = dict[str, Any]
+
+#: The tables the API lists, each with the column it lists them by, newest first.
+Listing = Literal[
+    "jobs", "probe_sessions", "alerts", "findings", "tuning_sessions", "tuning_trials", "commands"
+]
+LISTING_ORDER: Final[Mapping[str, str]] = {
+    "jobs": "last_seen_unix_ns",
+    "probe_sessions": "last_seen_unix_ns",
+    "alerts": "id",
+    "findings": "id",
+    "tuning_sessions": "started_unix_s",
+    "tuning_trials": "id",
+    "commands": "created_unix_s",
+}
+
+
+class FilterError(ValueError):
+    """A listing filter whose value does not fit its column; the text names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunningJob:
+    """A job this aggregator served until it stopped, as ``jobs`` remembers it."""
+
+    job: str
+    world_size: int
+    last_seen_unix_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TuningSessionRow:
+    """One row of ``tuning_sessions`` (the store adds ``aggregator_id``)."""
+
+    id: str
+    job: str
+    state: str
+    trigger: str
+    started_unix_s: float
+    ended_unix_s: float | None
+    baseline_config: Mapping[str, Any]
+    best_config: Mapping[str, Any] | None
+    baseline_score: float | None
+    best_score: float | None
+    reason: str
+    state_blob: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TuningTrialRow:
+    """One row of ``tuning_trials``; ``command_id`` None keeps the stored one."""
+
+    session_id: str
+    job: str
+    trial_index: int
+    config: Mapping[str, Any]
+    command_id: str | None
+    state: str
+    windows: Sequence[float]
+    score: float | None
+    decision: str | None
+    reason: str
+    started_unix_s: float | None
+    ended_unix_s: float | None
+
+
+def _check_fields(cls: type, table: str, added: frozenset[str] = frozenset()) -> None:
+    """Fail at import when ``cls``'s fields and ``added`` are not ``table``'s columns."""
+    columns = {c.name for c in _T[table].columns if c.identity is None}
+    names = {f.name for f in dataclasses.fields(cls)} | added
+    if names != columns:
+        raise RuntimeError(
+            f"{cls.__name__} does not match the model of {table}: missing "
+            f"{sorted(columns - names)}, unknown {sorted(names - columns)}"
+        )
+
+
+_check_fields(TuningSessionRow, "tuning_sessions", frozenset({"aggregator_id"}))
+_check_fields(TuningTrialRow, "tuning_trials")
+
+
+def _row(record: Any) -> dict[str, Any]:
+    """A dataclass row as column values (mappings and sequences as plain JSON types)."""
+    values = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if isinstance(value, Mapping):
+            value = dict(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        values[f.name] = value
+    return values
+
+
+class HistoryStore:
+    """The history as the aggregator reads and writes it (see the module's docstring).
+
+    ``open`` before use and ``close`` after; until ``open`` the store holds nothing:
+    writes do nothing and reads find nothing. ``writer`` is the one thread that writes.
+    """
+
+    def __init__(self, url: str, *, aggregator_id: str, writer: Executor) -> None:
+        self.url = url
+        self.aggregator_id = aggregator_id
+        self._writer = writer
+        self._engine: Engine | None = None
+        self._alert_rows: dict[str, int] = {}  # fingerprint -> alerts.id of open alerts
+
+    def open(self) -> None:
+        """Make the engine (no connection yet); raises DatabaseConfigError for a bad URL."""
+        if self._engine is None:
+            self._engine = make_engine(self.url)
+
+    def close(self) -> None:
+        """Close the engine's connections; safe to call twice."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.dispose()
+
+    @property
+    def engine(self) -> Engine:
+        """The open engine, shared with the ingest store; RuntimeError before ``open``."""
+        if self._engine is None:
+            raise RuntimeError("the history store is not open")
+        return self._engine
+
+    async def _write(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    # -- alerts and findings -----------------------------------------------------------
+
+    async def record(
+        self, findings: Sequence[Finding], alerts: Sequence[Alert], now_unix_s: float
+    ) -> None:
+        """Store new findings and alert transitions in one transaction."""
+        await self._write(self._record, list(findings), list(alerts), now_unix_s)
+
+    def _record(self, findings: list[Finding], alerts: list[Alert], now: float) -> None:
+        if self._engine is None:
+            return
+        with self._engine.begin() as conn:
+            if findings:
+                conn.execute(_T["findings"].insert(), [_finding_row(f, now) for f in findings])
+            opened: dict[str, int | None] = {}
+            for alert in alerts:
+                opened[alert.fingerprint] = self._record_alert(conn, alert, now, opened)
+        # Only once committed: a failed write is retried whole with the next tick's.
+        for fingerprint, row_id in opened.items():
+            if row_id is None:
+                self._alert_rows.pop(fingerprint, None)
+            else:
+                self._alert_rows[fingerprint] = row_id
+
+    def _record_alert(
+        self, conn: Connection, alert: Alert, now: float, opened: Mapping[str, int | None]
+    ) -> int | None:
+        """Insert or update ``alert``'s row and add its event; its row id while open."""
+        table = _T["alerts"]
+        fingerprint = alert.fingerprint
+        row_id = opened[fingerprint] if fingerprint in opened else self._alert_rows.get(fingerprint)
+        values: dict[str, Any] = {
+            "state": alert.state,
+            "value": alert.value,
+            "annotations": dict(alert.annotations),
+            "updated_unix_s": now,
+        }
+        if alert.state == "firing":
+            values["fired_at_unix_s"] = now
+        if alert.state == "resolved":
+            values["ends_at_unix_s"] = alert.ends_at_unix_s or now
+        if row_id is None:
+            result = conn.execute(
+                table.insert().values(
+                    fingerprint=fingerprint,
+                    rule=alert.rule,
+                    severity=alert.severity,
+                    job=alert.labels.get("job", ""),
+                    rank=_rank(alert.labels),
+                    labels=dict(alert.labels),
+                    starts_at_unix_s=alert.starts_at_unix_s,
+                    aggregator_id=self.aggregator_id,
+                    **values,
+                )
+            )
+            key = result.inserted_primary_key
+            if key is None:
+                raise RuntimeError("the database returned no id for a new alert row")
+            row_id = int(key[0])
+        else:
+            conn.execute(update(table).where(table.c.id == row_id).values(**values))
+        conn.execute(
+            _T["alert_events"]
+            .insert()
+            .values(alert_id=row_id, state=alert.state, ts_unix_s=now, value=alert.value)
+        )
+        return None if alert.state == "resolved" else row_id
+
+    async def open_alerts(self) -> list[Alert]:
+        """The pending and firing alerts this aggregator left, to resume them."""
+        return await self._write(self._open_alerts)
+
+    def _open_alerts(self) -> list[Alert]:
+        if self._engine is None:
+            return []
+        table = _T["alerts"]
+        alerts = []
+        with self._engine.connect() as conn:
+            rows = conn.execute(
+                select(table).where(
+                    table.c.state.in_(["pending", "firing"]),
+                    table.c.aggregator_id == self.aggregator_id,
+                )
+            ).mappings()
+            for row in rows:
+                self._alert_rows[row["fingerprint"]] = int(row["id"])
+                alerts.append(
+                    Alert(
+                        rule=row["rule"],
+                        state=row["state"],
+                        severity=row["severity"],
+                        labels=dict(row["labels"] or {}),
+                        annotations=dict(row["annotations"] or {}),
+                        value=row["value"],
+                        starts_at_unix_s=row["starts_at_unix_s"],
+                    )
+                )
+        return alerts
+
+    # -- jobs ----------------------------------------------------------------------------
+
+    async def running_jobs(self, since_unix_s: float) -> list[RunningJob]:
+        """This aggregator's jobs with a known world size, seen since ``since_unix_s``."""
+        return await self._write(self._running_jobs, since_unix_s)
+
+    def _running_jobs(self, since_unix_s: float) -> list[RunningJob]:
+        if self._engine is None:
+            return []
+        table = _T["jobs"]
+        with self._engine.connect() as conn:
+            rows = conn.execute(
+                select(table.c.job, table.c.world_size, table.c.last_seen_unix_ns).where(
+                    table.c.aggregator_id == self.aggregator_id,
+                    table.c.world_size.is_not(None),
+                    table.c.last_seen_unix_ns >= int(since_unix_s * 1e9),
+                )
+            ).all()
+        return [RunningJob(job, int(size), seen_ns / 1e9) for job, size, seen_ns in rows]
+
+    # -- commands ------------------------------------------------------------------------
+
+    async def add_command(
+        self, command_id: str, job: str, kind: str, args: Mapping[str, object], now_unix_s: float
+    ) -> None:
+        """Store a new command as pending (before it can be sent)."""
+        await self._write(self._add_command, command_id, job, kind, dict(args), now_unix_s)
+
+    def _add_command(
+        self, command_id: str, job: str, kind: str, args: dict[str, object], now: float
+    ) -> None:
+        if self._engine is None:
+            return
+        with self._engine.begin() as conn:
+            conn.execute(
+                _T["commands"]
+                .insert()
+                .values(
+                    id=command_id,
+                    job=job,
+                    kind=kind,
+                    args=args,
+                    status="pending",
+                    reason="",
+                    created_unix_s=now,
+                    updated_unix_s=now,
+                    aggregator_id=self.aggregator_id,
+                )
+            )
+
+    async def set_command_status(
+        self, command_id: str, status: str, reason: str, updated_unix_s: float
+    ) -> None:
+        """Store where a command stands now (expired, ...)."""
+        await self._write(self._set_command_status, command_id, status, reason, updated_unix_s)
+
+    def _set_command_status(
+        self, command_id: str, status: str, reason: str, updated_unix_s: float
+    ) -> None:
+        if self._engine is None:
+            return
+        table = _T["commands"]
+        with self._engine.begin() as conn:
+            conn.execute(
+                update(table)
+                .where(table.c.id == command_id)
+                .values(status=status, reason=reason, updated_unix_s=updated_unix_s)
+            )
+
+    # -- tuning --------------------------------------------------------------------------
+
+    async def save_tuning(
+        self, session: TuningSessionRow, trials: Sequence[TuningTrialRow]
+    ) -> None:
+        """Insert or update a tuning session and its trials in one transaction."""
+        await self._write(self._save_tuning, session, list(trials))
+
+    def _save_tuning(self, session: TuningSessionRow, trials: list[TuningTrialRow]) -> None:
+        if self._engine is None:
+            return
+        sessions, trials_table = _T["tuning_sessions"], _T["tuning_trials"]
+        with self._engine.begin() as conn:
+            row = _row(session) | {"aggregator_id": self.aggregator_id}
+            conn.execute(upsert(conn, sessions).values(**row))
+            existing = {
+                int(r.trial_index): int(r.id)
+                for r in conn.execute(
+                    select(trials_table.c.id, trials_table.c.trial_index).where(
+                        trials_table.c.session_id == session.id
+                    )
+                )
+            }
+            for trial in trials:
+                values = _row(trial)
+                row_id = existing.get(trial.trial_index)
+                if row_id is None:
+                    conn.execute(trials_table.insert().values(**values))
+                else:
+                    if values["command_id"] is None:
+                        del values["command_id"]  # known before a restart, not after
+                    conn.execute(
+                        update(trials_table).where(trials_table.c.id == row_id).values(**values)
+                    )
+
+    async def unfinished_tuning(self) -> list[TuningSessionRow]:
+        """This aggregator's sessions that neither finished nor aborted, oldest first."""
+        return await self._write(self._unfinished_tuning)
+
+    def _unfinished_tuning(self) -> list[TuningSessionRow]:
+        if self._engine is None:
+            return []
+        table = _T["tuning_sessions"]
+        names = [f.name for f in dataclasses.fields(TuningSessionRow)]
+        with self._engine.connect() as conn:
+            rows = conn.execute(
+                select(*(table.c[n] for n in names))
+                .where(
+                    table.c.aggregator_id == self.aggregator_id,
+                    table.c.state.not_in(["finished", "aborted"]),
+                )
+                .order_by(table.c.started_unix_s)
+            ).mappings()
+            return [
+                TuningSessionRow(**{n: r[n] for n in names} | {"state_blob": r["state_blob"] or {}})
+                for r in rows
+            ]
+
+    async def abort_tuning(self, session_id: str, reason: str, now_unix_s: float) -> None:
+        """Mark a stored session aborted (one that cannot or must not be resumed)."""
+        await self._write(self._abort_tuning, session_id, reason, now_unix_s)
+
+    def _abort_tuning(self, session_id: str, reason: str, now: float) -> None:
+        if self._engine is None:
+            return
+        table = _T["tuning_sessions"]
+        with self._engine.begin() as conn:
+            conn.execute(
+                update(table)
+                .where(table.c.id == session_id)
+                .values(state="aborted", reason=reason, ended_unix_s=now)
+            )
+
+    # -- listings and retention ----------------------------------------------------------
+
+    async def rows(self, listing: Listing, filters: Mapping[str, str], limit: int) -> list[Row]:
+        """Up to ``limit`` rows of ``listing`` whose columns equal ``filters``, newest
+        first. FilterError names a filter value that does not fit its column."""
+        return await self._read(self._rows, _T[listing], dict(filters), limit)
+
+    def _rows(self, table: Table, filters: dict[str, str], limit: int) -> list[Row]:
+        if self._engine is None:
+            return []
+        query = select(table)
+        for name, text in filters.items():
+            column = table.c[name]
+            value: object = text
+            if isinstance(column.type, (sa_types.Integer, sa_types.BigInteger)):
+                try:
+                    value = int(text)
+                except ValueError:
+                    raise FilterError(f"{name} must be an integer") from None
+            query = query.where(column == value)
+        query = query.order_by(table.c[LISTING_ORDER[table.name]].desc()).limit(limit)
+        with self._engine.connect() as conn:
+            return [dict(r) for r in conn.execute(query).mappings()]
+
+    async def apply_retention(
+        self, now_unix_s: float, *, raw_retention_s: float, rollup_retention_s: float
+    ) -> RetentionReport | None:
+        """Roll up and delete old rows (``torshmon.history.retention``); None unopened."""
+        return await self._write(
+            self.apply_retention_now, now_unix_s, raw_retention_s, rollup_retention_s
+        )
+
+    def apply_retention_now(
+        self, now_unix_s: float, raw_retention_s: float, rollup_retention_s: float
+    ) -> RetentionReport | None:
+        """``apply_retention`` on the calling thread."""
+        if self._engine is None:
+            return None
+        return apply_retention(
+            self._engine,
+            now_unix_s=now_unix_s,
+            raw_retention_s=raw_retention_s,
+            rollup_retention_s=rollup_retention_s,
+        )
+
+
+def _rank(labels: Mapping[str, str]) -> int | None:
+    rank = labels.get("rank")
+    return int(rank) if rank is not None and rank.isdigit() else None
+
+
+def _finding_row(f: Finding, now: float) -> dict[str, Any]:
+    return {
+        "kind": f.kind,
+        "job": f.labels.get("job", ""),
+        "rank": _rank(f.labels),
+        "metric": f.labels.get("metric"),
+        "value": f.value,
+        "score": f.score,
+        "summary": f.summary,
+        "recommendation": f.recommendation,
+        "severity": f.severity,
+        "since_unix_s": f.since_unix_s,
+        "detected_unix_s": now,
+        # Detectors may put tuples, sets or numpy scalars in details: JSON-safe as text.
+        "details": msgspec.to_builtins(dict(f.details), str_keys=True, enc_hook=str),
+    }
