@@ -74,6 +74,7 @@ def add_routes(app: web.Application, aggregator: Aggregator) -> None:
     r.add_get("/api/v1/jobs/{job}/report", h.report)
     r.add_post("/api/v1/jobs/{job}/commands", h.post_command)
     r.add_post("/api/v1/jobs/{job}/tune", h.tune)
+    r.add_delete("/api/v1/jobs/{job}/tune", h.abort_tuning)
     r.add_post("/api/v1/jobs/{job}/link-check", h.link_check)
     r.add_get("/api/v1/commands/{id}", h.command)
     r.add_get("/api/v1/alerts", h.alerts)
@@ -206,6 +207,21 @@ class _Handlers:
         except TunerError as exc:
             return error(400, str(exc))
         return web.json_response({"session_id": session_id, "job": job}, status=201)
+
+    async def abort_tuning(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        job = request.match_info["job"]
+        body = await self._json_body(request)
+        unknown = sorted(set(body) - {"reason", "restore"})
+        if unknown:
+            return error(400, f"unknown field(s) {', '.join(unknown)}; allowed: reason, restore")
+        reason = body.get("reason", "aborted through the API")
+        restore = body.get("restore", True)
+        if not isinstance(reason, str) or not isinstance(restore, bool):
+            return error(400, 'expected {"reason": str, "restore": bool}')
+        if not await self.a.tuning.abort_session(job, reason, restore=restore):
+            return error(404, f"job {job!r} has no active tuning session")
+        return web.json_response({"job": job, "aborted": True})
 
     async def command(self, request: web.Request) -> web.Response:
         self._auth(request)
@@ -578,7 +594,39 @@ def openapi_document() -> dict[str, Any]:
                     "404": _json_response(ref("Error")),
                     "409": _json_response(ref("Error")),
                 },
-            }
+            },
+            "delete": {
+                "summary": "Abort the job's active tuning session (restore: push the "
+                "incumbent config back, the default)",
+                "parameters": [job_param],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "properties": {
+                                    "reason": {"type": "string"},
+                                    "restore": {"type": "boolean"},
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _json_response(
+                        {
+                            "type": "object",
+                            "properties": {
+                                "job": {"type": "string"},
+                                "aborted": {"type": "boolean"},
+                            },
+                        }
+                    ),
+                    "400": _json_response(ref("Error")),
+                    "404": _json_response(ref("Error")),
+                },
+            },
         },
         "/api/v1/commands/{id}": {
             "get": {
