@@ -2,13 +2,16 @@
 
 An aggregator (SQLite history, detection, alert rules, API on a loopback port)
 and an agent (probe socket, spool, forwarding) run in this process; a real
-multi-process gloo DDP job trains an MLP with the probe attached. Progress shows
-while it runs; the summary at the end comes from the SQL history.
+multi-process gloo DDP job trains an MLP with the probe attached. The demo drives
+them as any user would: progress and tuning go through the aggregator's HTTP API
+(as ``torshmon tune`` does) and the summary at the end comes from the SQL history
+(as ``torshmon query`` reads it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -24,6 +27,8 @@ from torshmon.faults import Fault, FaultRunner
 from torshmon.launch import run_ranks
 
 if TYPE_CHECKING:
+    import aiohttp
+
     from torshmon.aggregator.service import Aggregator
     from torshmon.aggregator.tuner import Trial, TunerSettings, TuningSession
     from torshmon.linkshape import LinkShaper
@@ -71,7 +76,7 @@ class DemoConfig:
     link_rate: str | None = None
     #: The job's time limit (``launch.run_ranks``); every rank is stopped past it.
     timeout_s: float = 3600.0
-    #: Tune the job (the aggregator's TuningManager, as ``torshmon tune`` does) once it
+    #: Tune the job (``POST /api/v1/jobs/{job}/tune``, as ``torshmon tune`` does) once it
     #: trains; the job stops soon after the session ends (``steps`` stays an upper bound).
     autotune: bool = False
     #: Configs the session measures, the baseline included (None: the tuner's default).
@@ -189,10 +194,14 @@ class DemoResult:
 #: ``on_tick(aggregator, shaper)``: called on the event loop every ``tick_s`` while the job
 #: runs; ``shaper`` is the running LinkShaper (None without ``link_rate``), so a hook can
 #: change link rates mid-run (``shaper.set_rate("100mbit", rank=1)``; tc runs for a few
-#: tens of ms, on the loop). A hook must not raise: an exception ends the demo.
+#: tens of ms, on the loop). A hook must not raise: an exception ends the demo. The
+#: hooks are seams for tests that watch the running aggregator; the demo itself goes
+#: through the HTTP API.
 TickHook = Callable[["Aggregator", "LinkShaper | None"], None]
 #: ``on_progress(aggregator)``: called every ``progress_s`` while the job runs.
 ProgressHook = Callable[["Aggregator"], None]
+#: ``on_line(text)``: a line for people (progress, tuning trials), as the demo prints them.
+LineHook = Callable[[str], None]
 
 
 async def run_system(
@@ -204,6 +213,7 @@ async def run_system(
     on_tick: TickHook | None = None,
     tick_s: float = 0.25,
     tuner_settings: TunerSettings | None = None,
+    on_line: LineHook | None = None,
 ) -> DemoResult:
     """Aggregator + agent + the job, to completion; everything is flushed at the end.
 
@@ -213,8 +223,10 @@ async def run_system(
     With ``config.autotune`` a tuning session (``tuner_settings``, else the tuner's
     defaults) starts as soon as the job reports its config; when it ends, the ranks
     stop at the next agreed step (a stop file); a session still running when the job
-    reaches ``steps`` is aborted.
+    reaches ``steps`` is aborted. ``on_line`` gets the progress lines (every
+    ``progress_s``) and the tuning session's trials as they start and end.
     """
+    import aiohttp
     from prometheus_client import CollectorRegistry
 
     from torshmon.agent.daemon import Agent, AgentSettings
@@ -238,14 +250,19 @@ async def run_system(
             settings = AggregatorSettings(
                 port=config.port, db_url=config.db_url, token=token, aggregator_id="demo"
             )
-            async with Aggregator(
-                settings,
-                registry=CollectorRegistry(),
-                # As before settings held targets: the demo notifies the TORSHMON_* ones.
-                targets=targets if targets is not None else targets_from_env(),
-                tuner_settings=tuner_settings,
-            ) as aggregator:
+            async with (
+                Aggregator(
+                    settings,
+                    registry=CollectorRegistry(),
+                    # As before settings held targets: the demo notifies the TORSHMON_* ones.
+                    targets=targets if targets is not None else targets_from_env(),
+                    tuner_settings=tuner_settings,
+                ) as aggregator,
+                aiohttp.ClientSession() as http,
+            ):
                 port = aggregator.port or 0
+                api = ApiClient(http, f"http://127.0.0.1:{port}", token)
+                watch = _Watch(api, config, on_line)
                 agent_settings = AgentSettings(
                     socket_path=os.path.join(tmp, "agent.sock"),
                     metrics_port=config.agent_metrics_port,
@@ -264,27 +281,33 @@ async def run_system(
                         if job.done():
                             break
                         if autotune is not None:
-                            await autotune.tick(aggregator)
+                            await autotune.tick(api)
+                            await watch.tuning(autotune.session)
                         if links is not None and shaper is not None:
                             await asyncio.to_thread(links.tick, shaper)
                         if on_tick is not None:
                             on_tick(aggregator, shaper)
-                        if on_progress is not None and time.monotonic() >= next_progress:
+                        if time.monotonic() >= next_progress:
                             next_progress += progress_s
-                            on_progress(aggregator)
+                            await watch.progress()
+                            if on_progress is not None:
+                                on_progress(aggregator)
                     results = job.result()
                     if config.linger_s:
                         await asyncio.sleep(config.linger_s)
                     if autotune is not None:
-                        await autotune.close(aggregator)
-                # The agent flushed its spool on close; one last look at what arrived.
-                await aggregator.evaluate()
-                newest_first = await aggregator.store.rows("alerts", {"job": config.job}, 10_000)
-                alerts = newest_first[::-1]
+                        await autotune.close(api)
+            # The agent flushed its spool on close and the aggregator ran a last
+            # evaluation on its own: the history now holds everything that arrived.
+            alerts = await asyncio.to_thread(_alert_rows, config.db_url, config.job)
+            tuning = None
+            if autotune is not None and autotune.session_id is not None:
+                tuning = await asyncio.to_thread(
+                    _stored_session, config.db_url, autotune.session_id
+                )
     finally:
         if shaper is not None:
             shaper.close()
-    tuning = autotune.session if autotune is not None else None
     return DemoResult(
         time.monotonic() - started,
         results,
@@ -327,40 +350,73 @@ class _SlowLinks:
         return os.path.exists(os.path.join(self.signal_dir, f"fault{index}.{what}"))
 
 
+class ApiClient:
+    """The aggregator's HTTP API as any client calls it: a bearer token, JSON both ways."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, token: str | None) -> None:
+        self._session = session
+        self._base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+
+    async def call(
+        self, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> tuple[int, Any]:
+        """(status, decoded JSON) of one request; HTTP errors are returned, not raised.
+        A body goes as ``application/json`` (the aggregator refuses any other kind)."""
+        async with self._session.request(
+            method, self._base_url + path, json=body, headers=self._headers
+        ) as response:
+            return response.status, await response.json(content_type=None)
+
+    async def stored_session(self, session_id: str) -> TuningSession | None:
+        """A tuning session as stored in the history (the read-only query API), rebuilt
+        read-only from its state; None if it is not stored (yet)."""
+        status, reply = await self.call("POST", "/api/v1/query", {"sql": _session_sql(session_id)})
+        if status != 200 or not reply["rows"]:
+            return None
+        return _session_from_blob(reply["rows"][0][0])
+
+
 class _Autotune:
-    """Drives the demo's one tuning session from ``run_system``'s loop."""
+    """Drives the demo's one tuning session through the HTTP API, as ``torshmon tune``
+    does, from ``run_system``'s loop."""
 
     def __init__(self, config: DemoConfig) -> None:
         self.config = config
+        self.session_id: str | None = None
         self.session: TuningSession | None = None
         self.stopping = False
 
-    async def tick(self, aggregator: Aggregator) -> None:
-        from torshmon.aggregator.tuner import TunerError
-        from torshmon.aggregator.tuning import TuningConflict, TuningUnavailable
-
-        tuning, job = aggregator.tuning, self.config.job
+    async def tick(self, api: ApiClient) -> None:
         if self.stopping:
             return
-        if self.session is None:
-            if tuning.active(job) is None:  # else: resumed from this history file
-                try:
-                    await tuning.start_session(
-                        job,
-                        trigger="torshmon demo --autotune",
-                        max_trials=self.config.tune_max_trials,
-                    )
-                except TuningUnavailable:
-                    return  # the job has not reported its config yet
-                except TuningConflict:
-                    pass  # an alert's autotune action was first: follow that session
-                except TunerError as exc:  # e.g. the job runs a config outside the space
-                    log.error("autotune: cannot tune job %s: %s", job, exc)
-                    self._stop()
+        job = self.config.job
+        if self.session_id is None:
+            body: dict[str, Any] = {}
+            if self.config.tune_max_trials is not None:
+                body["max_trials"] = self.config.tune_max_trials
+            status, reply = await api.call("POST", f"/api/v1/jobs/{_quote(job)}/tune", body)
+            if status == 404:
+                return  # the job has not reported its config yet
+            if status == 409:
+                # An alert's autotune action was first, or the session was resumed from
+                # this history file: follow that session.
+                self.session_id = await _active_session_id(api, job)
+                if self.session_id is None:
                     return
-            self.session = tuning.session(job)
-        elif tuning.active(job) is None:
-            self._stop()
+            elif status == 400:  # e.g. the job runs a config outside the space
+                log.error("autotune: cannot tune job %s: %s", job, reply.get("error"))
+                self._stop()
+                return
+            elif status != 201:
+                raise RuntimeError(f"autotune: POST .../tune answered {status}: {reply}")
+            else:
+                self.session_id = str(reply["session_id"])
+        session = await api.stored_session(self.session_id)
+        if session is not None:
+            self.session = session
+            if session.done:
+                self._stop()
 
     def _stop(self) -> None:
         """Have the ranks stop at their next agreed step."""
@@ -368,11 +424,82 @@ class _Autotune:
             self.stopping = True
             Path(self.config.stop_file).touch()
 
-    async def close(self, aggregator: Aggregator) -> None:
+    async def close(self, api: ApiClient) -> None:
         """The job is over: a session still running can never finish."""
         steps = self.config.steps
         reason = f"the job stopped (its {steps} steps are done) before the session ended"
-        await aggregator.tuning.abort_session(self.config.job, reason, restore=False)
+        body = {"reason": reason, "restore": False}
+        await api.call("DELETE", f"/api/v1/jobs/{_quote(self.config.job)}/tune", body)
+
+
+class _Watch:
+    """The lines ``run_system`` hands ``on_line``: progress and the tuning trials."""
+
+    def __init__(self, api: ApiClient, config: DemoConfig, on_line: LineHook | None) -> None:
+        self.api = api
+        self.config = config
+        self.on_line = on_line
+        self.trials = TuningProgress(config.job)
+
+    async def progress(self) -> None:
+        if self.on_line is None:
+            return
+        job = _quote(self.config.job)
+        status, row = await self.api.call("GET", f"/api/v1/jobs/{job}")
+        summary = row.get("live") if status == 200 else None
+        firing: list[dict[str, Any]] = []
+        if summary:
+            status, reply = await self.api.call(
+                "GET", f"/api/v1/alerts?job={job}&state=firing&limit=1000"
+            )
+            firing = reply["alerts"] if status == 200 else []
+        self.on_line(progress_line(summary, firing, self.config))
+
+    async def tuning(self, session: TuningSession | None) -> None:
+        if self.on_line is None:
+            return
+        for line in self.trials.new_lines(session):
+            self.on_line(line)
+
+
+async def _active_session_id(api: ApiClient, job: str) -> str | None:
+    status, reply = await api.call("GET", f"/api/v1/tuning/sessions?job={_quote(job)}")
+    if status != 200:
+        return None
+    for row in reply["sessions"]:  # newest first
+        if row["state"] not in ("finished", "aborted"):
+            return str(row["id"])
+    return None
+
+
+def _quote(text: str) -> str:
+    from urllib.parse import quote
+
+    return quote(text, safe="")
+
+
+def _sql_text(text: str) -> str:
+    """``text`` as an SQL string literal."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _session_sql(session_id: str) -> str:
+    return f"SELECT state_blob FROM tuning_sessions WHERE id = {_sql_text(session_id)}"
+
+
+def _session_from_blob(blob: Any) -> TuningSession:
+    from torshmon.aggregator.tuner import TuningSession
+
+    state = json.loads(blob) if isinstance(blob, str) else blob
+    return TuningSession.from_state(state or {})
+
+
+def _stored_session(db_url: str, session_id: str) -> TuningSession | None:
+    """The session as the history holds it (``torshmon query``), or None."""
+    from torshmon.history.query import run_query
+
+    result = run_query(db_url, _session_sql(session_id))
+    return _session_from_blob(result.rows[0][0]) if result.rows else None
 
 
 def _start_shaper(config: DemoConfig) -> LinkShaper | None:
@@ -396,14 +523,29 @@ def _launch(shaper: LinkShaper | None, config: DemoConfig, socket_path: str) -> 
     )
 
 
-def progress_line(aggregator: Any, config: DemoConfig) -> str:
-    summary = aggregator.live.job_summary(config.job)
+def _alert_rows(db_url: str, job: str) -> list[dict[str, Any]]:
+    """The job's alerts as the history holds them (``torshmon query``), oldest first."""
+    from torshmon.history.query import run_query
+
+    result = run_query(db_url, f"SELECT * FROM alerts WHERE job = {_sql_text(job)} ORDER BY id")
+    rows = [dict(zip(result.columns, row, strict=True)) for row in result.rows]
+    for row in rows:
+        for name in ("labels", "annotations"):  # JSON columns arrive as their text
+            if isinstance(row[name], str):
+                row[name] = json.loads(row[name])
+    return rows
+
+
+def progress_line(
+    summary: dict[str, Any] | None, firing: Sequence[dict[str, Any]], config: DemoConfig
+) -> str:
+    """One progress line from the job's live summary and its firing alerts (the API's
+    ``GET /api/v1/jobs/{job}`` ``live`` and ``GET /api/v1/alerts`` rows)."""
     if not summary or summary["last_step"] < 0:
         return "waiting for the ranks to start..."
     step_ms = 1e3 * (summary["step_duration_s"] or 0.0)
     comm = summary["communication_time_ratio"] or 0.0
-    firing = [a for a in aggregator.alerts.active() if a.state == "firing"]
-    alerts = ", ".join(sorted({_alert_name(a.labels) for a in firing})) or "none"
+    alerts = ", ".join(sorted({_alert_name(a["labels"]) for a in firing})) or "none"
     throughput = summary["throughput_samples_per_s"] or 0.0
     return (
         f"step {summary['last_step']:>5}/{config.steps}  {step_ms:7.1f} ms/step  "
@@ -435,25 +577,13 @@ def run_demo(config: DemoConfig) -> int:
             flush=True,
         )
 
-    def show(aggregator: Any) -> None:
-        print(progress_line(aggregator, config), flush=True)
-
-    tuning_lines = TuningProgress(config.job)
-
-    def tick(aggregator: Aggregator, shaper: LinkShaper | None) -> None:
-        for line in tuning_lines.new_lines(aggregator):
-            print(line, flush=True)
+    def show(line: str) -> None:
+        print(line, flush=True)
 
     from torshmon.linkshape import LinkShapingError, LinkShapingUnavailable
 
     try:
-        result = asyncio.run(
-            run_system(
-                config,
-                on_progress=None if config.quiet else show,
-                on_tick=tick if config.autotune and not config.quiet else None,
-            )
-        )
+        result = asyncio.run(run_system(config, on_line=None if config.quiet else show))
     except LinkShapingUnavailable as exc:
         print(f"torshmon demo: --link-rate needs link shaping: {exc}", file=sys.stderr)
         return 2
@@ -474,8 +604,8 @@ class TuningProgress:
         self._decided: set[int] = set()
         self._ended = False
 
-    def new_lines(self, aggregator: Aggregator) -> list[str]:
-        session = aggregator.tuning.session(self.job)
+    def new_lines(self, session: TuningSession | None) -> list[str]:
+        """The lines not yet given for ``session`` (the job's, as stored)."""
         if session is None:
             return []
         lines = []

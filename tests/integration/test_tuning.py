@@ -270,3 +270,32 @@ async def test_abort_session_ends_it_cleanly_and_keeps_it_readable(tmp_path: Pat
     assert row == {"id": session_id, "state": "aborted", "reason": "the job stopped"}
     # restore=False: nothing was pushed to a job that is gone.
     assert len(_rows(db_url, "SELECT id FROM commands")) == commands_before
+
+
+async def test_the_api_aborts_a_session(tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'history.db'}"
+    token = secrets.token_hex(8)
+    settings = AggregatorSettings(port=0, db_url=db_url, token=token, aggregator_id="shard-d")
+    async with (
+        Aggregator(settings, registry=CollectorRegistry(), targets=[], clock=lambda: 4000.0) as agg,
+        aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http,
+    ):
+        url = f"http://127.0.0.1:{agg.port}/api/v1/jobs/j/tune"
+        _report_bucket_cap(agg, "j", 25 * 2**20)
+        async with http.post(url, json={}) as response:
+            assert response.status == 201
+            session_id = (await response.json())["session_id"]
+        commands_before = len(_rows(db_url, "SELECT id FROM commands"))
+        body = {"reason": "the job stopped", "restore": False}
+        async with http.delete(url, json=body) as response:
+            assert response.status == 200, await response.text()
+            assert await response.json() == {"job": "j", "aborted": True}
+        async with http.delete(url, json=body) as response:
+            assert response.status == 404
+        async with http.delete(url, json={"restore": "yes"}) as response:
+            assert response.status == 400
+        async with http.delete(url, json={"colour": "red"}) as response:
+            assert response.status == 400
+    [row] = _rows(db_url, "SELECT id, state, reason FROM tuning_sessions")
+    assert row == {"id": session_id, "state": "aborted", "reason": "the job stopped"}
+    assert len(_rows(db_url, "SELECT id FROM commands")) == commands_before

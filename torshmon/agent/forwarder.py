@@ -28,6 +28,7 @@ import msgspec
 from yarl import URL
 
 from torshmon.agent.spool import Spool
+from torshmon.backoff import backoff_s
 from torshmon.redact import Redactor, redact_url, url_secrets
 from torshmon.wire import SCHEMA_VERSION, IngestReply, WireError, decode_json
 
@@ -416,9 +417,12 @@ class Forwarder:
 
     def _backoff_s(self) -> float:
         """Exponential in the failures so far, capped, with half of it randomised."""
-        exponent = min(self.consecutive_failures - 1, 60)
-        delay = min(self._backoff_max_s, self._backoff_initial_s * 2.0**exponent)
-        return delay * (0.5 + 0.5 * self._rng.random())
+        return backoff_s(
+            self.consecutive_failures,
+            initial_s=self._backoff_initial_s,
+            max_s=self._backoff_max_s,
+            rng=self._rng,
+        )
 
 
 __all__ = ["Forwarder", "check_aggregator_url"]

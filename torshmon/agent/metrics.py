@@ -45,6 +45,7 @@ from prometheus_client.utils import floatToGoString
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.metrics import MetricSpec
 from torshmon.labels import LabelCap
+from torshmon.ratelog import LogLimiter
 from torshmon.wire import (
     DURATION_BUCKETS_S,
     STEP_DURATION_BUCKETS_S,
@@ -204,7 +205,7 @@ class AgentMetrics:
         self._ranks: dict[tuple[str, int], _RankState] = {}
         self._agent_state = AgentState()
         self._gauge_functions: dict[str, tuple[str, Callable[[], float]]] = {}
-        self._bad_hist_logged = False
+        self._bad_hist_log = LogLimiter()  # once
         self._collector = _AgentCollector(self)
         registry.register(self._collector)
 
@@ -321,8 +322,7 @@ class AgentMetrics:
             collective.bytes_total += stat.size_bytes
             if len(stat.duration_hist) == expected:
                 collective.histogram.merge(stat.duration_hist, stat.duration_s)
-            elif not self._bad_hist_logged:
-                self._bad_hist_logged = True
+            elif self._bad_hist_log.allow():
                 log.warning(
                     "skipping collective histograms with %d counts; expected %d",
                     len(stat.duration_hist),

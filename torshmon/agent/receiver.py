@@ -22,11 +22,11 @@ import os
 import selectors
 import socket
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO
 
+from torshmon.ratelog import LogLimiter
 from torshmon.wire import (
     FRAME_HEADER,
     MAX_FRAME_BYTES,
@@ -102,14 +102,14 @@ class ProbeReceiver:
         self._selector_fd = -1
         self._window: asyncio.TimerHandle | None = None
         self._last_seq: dict[str, int] = {}
-        self._last_reject_log = 0.0
+        self._reject_log = LogLimiter(_REJECT_LOG_INTERVAL_S)
         # A dict, not a set: ``probes`` lists them in the order they connected.
         self._connections: dict[_ProbeConnection, None] = {}
         self._waiting: dict[asyncio.Future[None], list[tuple[_ProbeConnection, int | None]]] = {}
         # Batches whose store has started but not finished, by (session, seq): a resend
         # of one is acknowledged with that store, and a failed store forgets its seqs.
         self._in_flight: dict[tuple[str, int], asyncio.Future[None]] = {}
-        self._on_message_failed = False
+        self._on_message_log = LogLimiter()  # once
         self.frames_accepted = 0
         self.frames_rejected = 0
         self.duplicates = 0
@@ -316,16 +316,13 @@ class ProbeReceiver:
                 self._on_message(message)
             except Exception:
                 # Watching (metrics, progress) must not cost the data: it is still stored.
-                if not self._on_message_failed:
-                    self._on_message_failed = True
+                if self._on_message_log.allow():
                     log.exception("on_message failed (logged once); the message is kept")
         return True
 
     def _reject(self, exc: Exception) -> None:
         self.frames_rejected += 1
-        now = time.monotonic()
-        if now - self._last_reject_log >= _REJECT_LOG_INTERVAL_S:
-            self._last_reject_log = now
+        if self._reject_log.allow():
             log.warning("rejected a probe frame (%d so far): %s", self.frames_rejected, exc)
 
 

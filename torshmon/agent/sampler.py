@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 # No stubs unless types-psutil is installed; either way this line checks clean.
 import psutil  # type: ignore[import-untyped, unused-ignore]
 
+from torshmon.ratelog import LogLimiter
 from torshmon.wire import GpuSample, NodeSample, RankProcess
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class NodeSampler:
         self._iowait_ratio = 0.0
         self._processes: dict[int, psutil.Process] = {}
         self._nvml: Any = None
-        self._gpu_error_logged = False
+        self._gpu_error_log = LogLimiter()  # once
         if gpu is not False:
             self._nvml = _load_nvml(required=gpu is True)
 
@@ -145,8 +146,7 @@ class NodeSampler:
                     )
                 )
         except nvml.NVMLError as exc:
-            if not self._gpu_error_logged:
-                self._gpu_error_logged = True
+            if self._gpu_error_log.allow():
                 log.info("reading GPUs through NVML failed, reporting none: %s", exc)
             return []
         return gpus

@@ -25,12 +25,12 @@ import logging
 import os
 import sqlite3
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Final, Literal
 
 from torshmon.paths import secure_private_file
+from torshmon.ratelog import LogLimiter
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Spool:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._dropped_since_log = 0
-        self._last_drop_log = float("-inf")
+        self._drop_log = LogLimiter(_DROP_LOG_INTERVAL_S)
         self._conn: sqlite3.Connection | None = self._open(synchronous)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -214,8 +214,7 @@ class Spool:
 
     def _log_drops(self, dropped: int) -> None:
         self._dropped_since_log += dropped
-        now = time.monotonic()
-        if now - self._last_drop_log >= _DROP_LOG_INTERVAL_S:
+        if self._drop_log.allow():
             log.warning(
                 "spool %s is over its %d byte bound: dropped the %d oldest records "
                 "(%d in total); is the aggregator reachable?",
@@ -224,7 +223,6 @@ class Spool:
                 self._dropped_since_log,
                 self._dropped,
             )
-            self._last_drop_log = now
             self._dropped_since_log = 0
 
     def peek(self, limit: int, max_bytes: int) -> list[tuple[int, bytes]]:

@@ -97,7 +97,7 @@ class CommandSink(Protocol):
 
 
 class Tuning(Protocol):
-    """Starts tuning sessions (``tuning.TuningManager``)."""
+    """Starts and aborts tuning sessions (``tuning.TuningManager``)."""
 
     async def start_session(
         self,
@@ -107,6 +107,8 @@ class Tuning(Protocol):
         max_trials: int | None = ...,
         pinned: Iterable[str] = ...,
     ) -> str: ...
+
+    async def abort_session(self, job: str, reason: str, *, restore: bool = ...) -> bool: ...
 
 
 def make_app(
@@ -139,6 +141,7 @@ def make_app(
     r.add_get("/api/v1/jobs/{job}/report", h.report)
     r.add_post("/api/v1/jobs/{job}/commands", h.post_command)
     r.add_post("/api/v1/jobs/{job}/tune", h.tune)
+    r.add_delete("/api/v1/jobs/{job}/tune", h.abort_tuning)
     r.add_post("/api/v1/jobs/{job}/link-check", h.link_check)
     r.add_get("/api/v1/commands/{id}", h.command)
     r.add_get("/api/v1/alerts", h.alerts)
@@ -291,6 +294,21 @@ class _Handlers:
         except TunerError as exc:
             return error(400, str(exc))
         return web.json_response({"session_id": session_id, "job": job}, status=201)
+
+    async def abort_tuning(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        job = request.match_info["job"]
+        body = await self._json_body(request)
+        unknown = sorted(set(body) - {"reason", "restore"})
+        if unknown:
+            return error(400, f"unknown field(s) {', '.join(unknown)}; allowed: reason, restore")
+        reason = body.get("reason", "aborted through the API")
+        restore = body.get("restore", True)
+        if not isinstance(reason, str) or not isinstance(restore, bool):
+            return error(400, 'expected {"reason": str, "restore": bool}')
+        if not await self._tuning.abort_session(job, reason, restore=restore):
+            return error(404, f"job {job!r} has no active tuning session")
+        return web.json_response({"job": job, "aborted": True})
 
     async def command(self, request: web.Request) -> web.Response:
         self._auth(request)

@@ -20,7 +20,6 @@ import hmac
 import ipaddress
 import logging
 import re
-import time
 import zlib
 from collections.abc import Mapping
 from typing import Any, Final
@@ -31,6 +30,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
 from torshmon.aggregator.settings import HOST_NAME, AggregatorSettings
+from torshmon.ratelog import LogLimiter
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ _SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
 _LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "[::1]"})
 _HOST_HEADER: Final = re.compile(rf"(?P<name>{HOST_NAME.pattern})(?::[0-9]*)?")
 _GZIP_WBITS: Final = 16 + zlib.MAX_WBITS  # a gzip header and trailer, not zlib's
-_last_rejection_log = 0.0
+#: One line per 10 s for all rejections: a broken agent must not flood the logs.
+_rejection_log: Final = LogLimiter(10.0)
 
 
 def log_rejection(request: web.Request, reason: str) -> None:
@@ -48,10 +49,7 @@ def log_rejection(request: web.Request, reason: str) -> None:
 
 
 def _warn_rejected(what: str, reason: str) -> None:
-    global _last_rejection_log
-    now = time.monotonic()
-    if now - _last_rejection_log >= 10.0:
-        _last_rejection_log = now
+    if _rejection_log.allow():
         log.warning("rejected %s: %s", what, reason)
 
 

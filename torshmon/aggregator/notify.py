@@ -36,6 +36,7 @@ from yarl import URL
 from torshmon import __version__
 from torshmon.aggregator.alert import Alert
 from torshmon.aggregator.slack import slack_payload
+from torshmon.backoff import backoff_s
 from torshmon.redact import Redactor
 
 log = logging.getLogger(__name__)
@@ -345,8 +346,7 @@ def retry_delay_s(
     """Seconds to wait after failed ``attempt`` (1-based): ``initial_s * 2**(attempt-1)``
     capped at ``max_s``, randomised to between half and all of it. A server's
     Retry-After wins when longer, up to ``max_s``."""
-    base = min(max_s, initial_s * 2.0 ** min(attempt - 1, 60))
-    delay = base * (0.5 + 0.5 * rng.random())
+    delay = backoff_s(attempt, initial_s=initial_s, max_s=max_s, rng=rng)
     if retry_after_s is not None:
         delay = max(delay, min(retry_after_s, max_s))
     return delay

@@ -243,7 +243,39 @@ def openapi_document() -> dict[str, Any]:
                     "404": _json_response(ref("Error")),
                     "409": _json_response(ref("Error")),
                 },
-            }
+            },
+            "delete": {
+                "summary": "Abort the job's active tuning session (restore: push the "
+                "incumbent config back, the default)",
+                "parameters": [job_param],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "properties": {
+                                    "reason": {"type": "string"},
+                                    "restore": {"type": "boolean"},
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _json_response(
+                        {
+                            "type": "object",
+                            "properties": {
+                                "job": {"type": "string"},
+                                "aborted": {"type": "boolean"},
+                            },
+                        }
+                    ),
+                    "400": _json_response(ref("Error")),
+                    "404": _json_response(ref("Error")),
+                },
+            },
         },
         "/api/v1/commands/{id}": {
             "get": {

@@ -58,13 +58,10 @@ Decisions:
 
 from __future__ import annotations
 
-import bisect
 import math
-import operator
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
 from typing import Annotated, Final
 
 import msgspec
@@ -83,10 +80,6 @@ _MIN_HISTORY: Final = 5
 
 def _rank_of(item: tuple[int, Finding | None]) -> int:
     return item[0]
-
-
-#: ``deque.append`` as a plain function, to append to many deques in one ``map``.
-_append: Callable[[deque[float], float], None] = deque.append
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,9 +196,6 @@ class _RankState:
 
     def smoothed(self) -> float:
         return _median(sorted(self.recent))
-
-
-_history_of: Callable[[_RankState], deque[float]] = operator.attrgetter("history")
 
 
 @dataclass(slots=True)
@@ -365,8 +355,6 @@ class StragglerDetector:
         if state is None:
             state = self._jobs[job] = _JobState(pair_history=deque(maxlen=self._history_steps))
         if len(values) >= 2:
-            # Once per step for every rank of the job: after smoothing, the per-rank work
-            # is done in C (``map``, ``sorted``); only flagged and busy ranks get more.
             ranks = list(values)
             states, smoothed = self._smooth(state, values)
             state.complete_steps += 1
@@ -377,7 +365,8 @@ class StragglerDetector:
             else:
                 flagged = {} if warming_up else self._robust(ranks, smoothed)
             if warming_up:
-                _consume(map(_append, map(_history_of, states), smoothed))
+                for rank_state, x in zip(states, smoothed, strict=True):
+                    rank_state.history.append(x)
             else:
                 self._settle(job, step, ts_unix_s, state, values, states, smoothed, flagged)
         return _active_findings(state)
@@ -387,27 +376,13 @@ class StragglerDetector:
     ) -> tuple[list[_RankState], list[float]]:
         """Each rank's state, with its value added to its recent ones, and the median of
         those, in the order of ``values``."""
-        known = state.ranks.get
-        three = self._smoothing == 3
         states: list[_RankState] = []
         smoothed: list[float] = []
         for rank, x in values.items():
-            rank_state = known(rank) or self._new_rank(state, rank)
+            rank_state = state.ranks.get(rank) or self._new_rank(state, rank)
+            rank_state.recent.append(x)
             states.append(rank_state)
-            recent = rank_state.recent
-            recent.append(x)
-            if three and len(recent) == 3:
-                # The default window: its median by comparisons, without sorting a copy.
-                # Ties resolve as the stable sort would (the same object, so even the
-                # sign of a zero is the same).
-                a, b, c = recent
-                if b < a:
-                    a, b = b, a
-                if c < b:
-                    b = a if c < a else c
-                smoothed.append(b)
-            else:
-                smoothed.append(_median(sorted(recent)))
+            smoothed.append(rank_state.smoothed())
         return states, smoothed
 
     def _settle(
@@ -427,14 +402,10 @@ class StragglerDetector:
         for rank, score in flagged.items():
             if self._new_for_rank(state.ranks[rank], score):
                 scores[rank] = score
-        histories = map(_history_of, states)
-        if scores:
-            # A scored step never enters the rank's history.
-            for rank, history, x in zip(values, histories, smoothed, strict=True):
-                if rank not in scores:
-                    history.append(x)
-        else:
-            _consume(map(_append, histories, smoothed))
+        # A scored step never enters the rank's history.
+        for rank, rank_state, x in zip(values, states, smoothed, strict=True):
+            if rank not in scores:
+                rank_state.history.append(x)
         busy = state.busy
         if not (scores or busy):
             return
@@ -488,24 +459,15 @@ class StragglerDetector:
         z-score and the minimum slowdown, in the order of ``ranks``."""
         ordered = sorted(values)
         median = _median(ordered)
-        mad = _mad(ordered, median)
+        mad = _median(sorted(abs(x - median) for x in ordered))
         scale = max(mad, self._mad_floor_ratio * median, _TINY)
-        # A rank's z passes the threshold only if its value passes ``median + margin``
-        # (z > 0 needs x > median); half the margin leaves room for rounding, so only
-        # the ranks above ``cut`` (usually none) are scored.
-        margin = 0.5 * self._z_threshold * scale / _MAD_TO_Z
-        cut = median + margin if margin > 1e-9 * median else median
         flagged: dict[int, _Score] = {}
-        if ordered[-1] <= cut:
-            return flagged
-        above = map(operator.lt, repeat(cut), values)
-        for rank, x in compress(zip(ranks, values, strict=True), above):
+        for rank, x in zip(ranks, values, strict=True):
             z = _MAD_TO_Z * (x - median) / scale
             if z <= self._z_threshold:
                 continue
-            # Only the (few) candidates pay for the median of their peers.
             peers = ordered.copy()
-            del peers[bisect.bisect_left(peers, x)]
+            peers.remove(x)
             peer_median = _median(peers)
             if peer_median <= 0 or x < peer_median * (1 + self._min_slowdown):
                 continue
@@ -615,58 +577,9 @@ class StragglerDetector:
         )
 
 
-def _usable(compute_s_by_rank: Mapping[int, float]) -> Mapping[int, float]:
-    """The finite, non-negative compute times (all of them, without a copy, as a rule)."""
-    values = compute_s_by_rank.values()
-    # A NaN or an infinity makes the sum non-finite (so may an overflow: then it is
-    # the filter that decides).
-    if values and math.isfinite(sum(values)) and min(values) >= 0:
-        return compute_s_by_rank
+def _usable(compute_s_by_rank: Mapping[int, float]) -> dict[int, float]:
+    """The finite, non-negative compute times."""
     return {rank: x for rank, x in compute_s_by_rank.items() if math.isfinite(x) and x >= 0}
-
-
-def _mad(ordered: list[float], center: float) -> float:
-    """``_median(sorted(abs(x - center) for x in ordered))`` of a sorted, non-empty list,
-    without building and sorting the deviations.
-
-    The deviations of the values below ``center``, read downwards, and of the others,
-    read upwards, are two sorted runs (rounding is monotonic), so the k-th smallest
-    deviation is found by bisection over how many of it come from the lower run.
-    """
-    split = bisect.bisect_left(ordered, center)
-    above = len(ordered) - split
-
-    def low(i: int) -> float:  # the i-th smallest deviation below the center
-        return abs(ordered[split - 1 - i] - center)
-
-    def high(j: int) -> float:  # the j-th smallest deviation at or above the center
-        return abs(ordered[split + j] - center)
-
-    def kth(k: int) -> float:
-        # i of the k + 1 smallest are low ones: the least i whose next low deviation
-        # is not below the last high one taken.
-        first, last = max(0, k + 1 - above), min(k + 1, split)
-        i = bisect.bisect_left(
-            range(first, last + 1),
-            True,
-            key=lambda i: i == split or i == k + 1 or high(k - i) <= low(i),
-        )
-        i += first
-        taken = k + 1 - i
-        if i == 0:
-            return high(taken - 1)
-        if taken == 0:
-            return low(i - 1)
-        return max(low(i - 1), high(taken - 1))
-
-    n = len(ordered)
-    mid = n // 2
-    return kth(mid) if n % 2 else (kth(mid - 1) + kth(mid)) / 2
-
-
-def _consume(calls: Iterable[object]) -> None:
-    """Run an iterator of calls (a ``map``) to its end, in C."""
-    deque(calls, maxlen=0)
 
 
 def _center_spread(values: Iterable[float]) -> tuple[float, float]:

@@ -28,6 +28,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from torshmon.probe.events import CollectiveEvent, StepEvents
 from torshmon.probe.inflight import InflightTable
+from torshmon.ratelog import LogLimiter
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ class CollectiveTracer:
         self._events = events
         self._groups: dict[Any, tuple[str, int]] = {}
         self._default_group: Any = None
-        self._failed_ops: set[str] = set()
+        self._failure_log = LogLimiter()  # once per op
 
     # -- installation -----------------------------------------------------------------
     def install(self) -> None:
@@ -331,8 +332,7 @@ class CollectiveTracer:
             return work
 
     def _note_failure(self, op: str) -> None:
-        if op not in self._failed_ops:
-            self._failed_ops.add(op)
+        if self._failure_log.allow(op):
             log.warning(
                 "torshmon: could not time %s calls; they run unmonitored", op, exc_info=True
             )

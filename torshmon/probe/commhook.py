@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from torshmon.probe.events import BucketEvent, CollectiveEvent, StepEvents
 from torshmon.probe.inflight import InflightTable
+from torshmon.ratelog import LogLimiter
 
 if TYPE_CHECKING:
     from torshmon.probe.codecs import Codec, CodecStats
@@ -54,7 +55,7 @@ class DispatchingCommHook:
         self._events = events
         self._layout: dict[int, tuple[int, int]] = {}  # index -> (bytes, parameters)
         self._codec: Codec | None = None
-        self._failed = False
+        self._failure_log = LogLimiter()
         self.enabled = True
         self.measure_error = False  # set per step by the monitor (sampled)
 
@@ -142,8 +143,7 @@ class DispatchingCommHook:
         return on_done
 
     def _note_failure(self) -> None:
-        if not self._failed:
-            self._failed = True
+        if self._failure_log.allow():
             log.warning("torshmon: bucket timing failed; buckets run unmonitored", exc_info=True)
 
 

@@ -30,6 +30,7 @@ from torshmon.probe.inflight import InflightTable
 from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkCheckRequest
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
 from torshmon.probe.shipper import Outbox, Shipper
+from torshmon.ratelog import LogLimiter
 from torshmon.wire import (
     NAME_MAX_CHARS,
     SCHEMA_VERSION,
@@ -137,7 +138,7 @@ class Monitor:
         self._step_start_ns = 0
         self._in_step = False
         self._closed = False
-        self._failures: set[str] = set()
+        self._failure_log = LogLimiter()  # once per kind of record
         self._inflight = InflightTable()
         self._tracer = CollectiveTracer(self._inflight, self._current_events)
         self._hook: DispatchingCommHook | None = None
@@ -509,8 +510,7 @@ class Monitor:
         )
 
     def _note_failure(self, what: str) -> None:
-        if what not in self._failures:
-            self._failures.add(what)
+        if self._failure_log.allow(what):
             log.warning("torshmon: recording %s failed; skipping", what, exc_info=True)
 
 

@@ -30,10 +30,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from torshmon.backoff import backoff_s
 from torshmon.probe.events import RawStep
 from torshmon.probe.fastlane import FastLane
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.summary import summarize_step
+from torshmon.ratelog import LogLimiter
 from torshmon.wire import (
     FRAME_HEADER,
     SCHEMA_VERSION,
@@ -186,10 +188,10 @@ class Shipper:
         self._dropped_here = 0
         self._sock: socket.socket | None = None
         self._next_connect = 0.0
-        self._backoff_s = 0.1
+        self._connect_failures = 0
         self._last_batch = 0.0
         self._was_connected = False
-        self._warned_down = False
+        self._down_log = LogLimiter()  # once per outage
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torshmon-shipper", daemon=True)
 
@@ -292,8 +294,8 @@ class Shipper:
             self._schedule_reconnect(exc)
             return
         self._sock = sock
-        self._backoff_s = 0.1
-        self._warned_down = False
+        self._connect_failures = 0
+        self._down_log.reset()
         if self._was_connected:
             log.info(
                 "torshmon: reconnected to agent at %s; %d step records dropped so far",
@@ -321,16 +323,16 @@ class Shipper:
             self._schedule_reconnect(exc)
 
     def _schedule_reconnect(self, exc: Exception) -> None:
-        if not self._warned_down:
-            self._warned_down = True
+        if self._down_log.allow():
             log.warning(
                 "torshmon: agent at %s unavailable (%s); buffering up to %d step records",
                 self._socket_path,
                 exc,
                 self._max_buffered_steps,
             )
-        self._next_connect = time.monotonic() + self._backoff_s
-        self._backoff_s = min(self._reconnect_max_s, self._backoff_s * 2)
+        self._connect_failures += 1
+        delay_s = backoff_s(self._connect_failures, initial_s=0.1, max_s=self._reconnect_max_s)
+        self._next_connect = time.monotonic() + delay_s
 
     def _disconnect(self) -> None:
         sock, self._sock = self._sock, None
