@@ -61,7 +61,7 @@ from typing import Any
 import _table  # benchmarks/ is the script's own folder, first on sys.path
 
 from torshmon import linkshape
-from torshmon.aggregator.tuner import (
+from torshmon.aggregator.core.tuner import (
     DEFAULT_CODECS,
     SearchSpace,
     TrialConfig,

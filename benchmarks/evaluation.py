@@ -41,7 +41,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from ingest import INGEST_PATH, SimulatedAgent, Workload
 
-from torshmon.aggregator import alerting, hang, linkcheck, live, series, straggler
+from torshmon.aggregator.core import alert_engine as alerting
+from torshmon.aggregator.core import hang, linkcheck, live, series, straggler
 from torshmon.aggregator.service import Aggregator
 from torshmon.aggregator.settings import AggregatorSettings
 

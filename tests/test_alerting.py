@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torshmon.aggregator.alert import Alert, fingerprint
-from torshmon.aggregator.alerting import AlertEngine
-from torshmon.aggregator.findings import Finding
-from torshmon.aggregator.rules import RuleSet, default_rules, load_rules_text
-from torshmon.aggregator.series import LabelSet, SeriesStore, labelset
+from torshmon.aggregator.core.alert import Alert, fingerprint
+from torshmon.aggregator.core.alert_engine import AlertEngine
+from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.rules import RuleSet, default_rules, load_rules_text
+from torshmon.aggregator.core.series import LabelSet, SeriesStore, labelset
 
 RANK0 = labelset(job="j", rank="0")
 

@@ -14,14 +14,14 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, Counter
 
-from torshmon.aggregator import api
-from torshmon.aggregator.alert import Alert
-from torshmon.aggregator.commands import CommandBook, CommandStatus
-from torshmon.aggregator.findings import Finding
-from torshmon.aggregator.guard import RequestGuard
+from torshmon.aggregator.core.alert import Alert
+from torshmon.aggregator.core.commands import CommandBook, CommandStatus
+from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.tuner import TunerError
+from torshmon.aggregator.http import api
+from torshmon.aggregator.http.guard import RequestGuard
 from torshmon.aggregator.settings import AggregatorSettings
-from torshmon.aggregator.tuner import TunerError
-from torshmon.aggregator.tuning import TuningConflict, TuningUnavailable
+from torshmon.aggregator.tuning_manager import TuningConflict, TuningUnavailable
 from torshmon.history.models import Base
 from torshmon.history.store import HistoryStore, TuningSessionRow
 

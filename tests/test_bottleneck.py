@@ -5,8 +5,8 @@ from typing import Any
 
 import pytest
 
-from torshmon.aggregator.bottleneck import JobSnapshot, Thresholds, bottleneck_report
-from torshmon.aggregator.findings import SEVERITIES
+from torshmon.aggregator.core.bottleneck import JobSnapshot, Thresholds, bottleneck_report
+from torshmon.aggregator.core.findings import SEVERITIES
 
 HEALTHY = JobSnapshot(
     communication_time_ratio=0.2,

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from torshmon.agent.metrics import AgentMetrics
-from torshmon.aggregator.rules import METRIC_LABELS
+from torshmon.aggregator.core.rules import METRIC_LABELS
 from torshmon.aggregator.service import Aggregator
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.catalogue import metrics as catalogue

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torshmon.aggregator.commands import CommandBook
+from torshmon.aggregator.core.commands import CommandBook
 
 
 def _book() -> tuple[CommandBook, list[str]]:

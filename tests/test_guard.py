@@ -8,7 +8,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from torshmon.aggregator.guard import RequestGuard, gunzip
+from torshmon.aggregator.http.guard import RequestGuard, gunzip
 from torshmon.aggregator.settings import AggregatorSettings
 
 JSON = {"Content-Type": "application/json"}

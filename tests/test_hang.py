@@ -8,8 +8,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from torshmon.aggregator.findings import Finding
-from torshmon.aggregator.hang import HangDetector
+from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.hang import HangDetector
 from torshmon.wire import InflightOp
 
 DATA = Path(__file__).parent / "data" / "detection"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from torshmon.aggregator.alert import Alert
+from torshmon.aggregator.core.alert import Alert
 from torshmon.history.models import Base
 from torshmon.history.store import FilterError, HistoryStore, RunningJob
 

@@ -12,17 +12,17 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from torshmon.aggregator.alerting import AlertEngine
-from torshmon.aggregator.linkcheck import (
+from torshmon.aggregator.core.alert_engine import AlertEngine
+from torshmon.aggregator.core.linkcheck import (
     LinkChecker,
     LinkCheckSettings,
     _Baseline,
     localize,
     pair_bandwidths,
 )
-from torshmon.aggregator.promrules import expression, to_prometheus
-from torshmon.aggregator.rules import RuleError, default_rules, load_rules_text
-from torshmon.aggregator.series import SeriesStore
+from torshmon.aggregator.core.promrules import expression, to_prometheus
+from torshmon.aggregator.core.rules import RuleError, default_rules, load_rules_text
+from torshmon.aggregator.core.series import SeriesStore
 from torshmon.wire import LinkCheckResult, LinkPeerResult
 
 MB = 4 * 2**20

@@ -6,8 +6,8 @@ import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.integration import wire_factory as wf
+from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.ingest import Stored
-from torshmon.aggregator.live import LiveState
 from torshmon.labels import MAX_LABEL_VALUES, OTHER
 from torshmon.wire import AppliedConfig, BucketStat, DdpStats, StepRecord
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from torshmon.aggregator.alert import Alert
-from torshmon.aggregator.notify import (
+from torshmon.aggregator.core.alert import Alert
+from torshmon.aggregator.notify.delivery import (
     MAX_ALERTS_PER_MESSAGE,
     STAT_NAMES,
     ZERO_TIME,
@@ -28,7 +28,7 @@ from torshmon.aggregator.notify import (
     slack_payload,
     targets_from_env,
 )
-from torshmon.aggregator.slack import MAX_ALERTS_SHOWN, format_duration, format_value
+from torshmon.aggregator.notify.slack import MAX_ALERTS_SHOWN, format_value, human_duration
 
 SECRET_PATH = "/services/T0SECRET/B0SECRET/xoxbSuperSecretPathValue"
 TOKEN = "tok-9f8e7d6c5b4a"
@@ -220,8 +220,8 @@ def test_value_and_duration_formats() -> None:
     assert format_value(0.97312) == "0.9731"
     assert format_value(123456789.0) == "1.235e+08"
     assert format_value(float("nan")) == "n/a"
-    assert format_duration(3723.4) == "1h 2m 3s"
-    assert format_duration(-5) == "0s"
+    assert human_duration(3723.4) == "1h 2m 3s"
+    assert human_duration(-5) == "0s"
 
 
 # -- Alertmanager payloads ------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torshmon.aggregator.otel import traces_url
+from torshmon.aggregator.notify.otel import traces_url
 
 
 @pytest.mark.parametrize(

@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from torshmon.aggregator.promrules import (
+from torshmon.aggregator.core.promrules import (
     check_rules_cli,
     export_rules_cli,
     expression,
     to_prometheus,
 )
-from torshmon.aggregator.rules import default_rules, load_rules_text
+from torshmon.aggregator.core.rules import default_rules, load_rules_text
 
 PROMTOOL = "/usr/bin/promtool"
 DATA = Path(__file__).parent / "data" / "rules"

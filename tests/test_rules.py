@@ -5,18 +5,18 @@ from pathlib import Path
 
 import pytest
 
-from torshmon.aggregator.findings import SEVERITIES
-from torshmon.aggregator.rules import (
+from torshmon.aggregator.core.findings import SEVERITIES
+from torshmon.aggregator.core.rules import (
     KNOWN_METRICS,
     Rule,
     RuleError,
     alert_name,
     default_rules,
     default_summary,
-    format_duration,
     load_rules,
     load_rules_text,
     parse_duration,
+    prometheus_duration,
     render_template,
 )
 
@@ -325,8 +325,8 @@ def test_parse_duration_rejects(text: str) -> None:
         (3661.5, "1h1m1s500ms"),
     ],
 )
-def test_format_duration(seconds: float, text: str) -> None:
-    assert format_duration(seconds) == text
+def test_prometheus_duration(seconds: float, text: str) -> None:
+    assert prometheus_duration(seconds) == text
     assert seconds == 0 or parse_duration(text) == seconds
 
 

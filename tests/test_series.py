@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torshmon.aggregator.series import Cursor, LabelSet, SeriesStore, labelset, labelset_from
+from torshmon.aggregator.core.series import Cursor, LabelSet, SeriesStore, labelset, labelset_from
 
 
 def test_labelset_is_sorted_whatever_the_input_order() -> None:

@@ -8,13 +8,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from torshmon.aggregator.hang import HangDetector, HangSettings
-from torshmon.aggregator.linkcheck import LinkCheckSettings
-from torshmon.aggregator.live import LiveState
-from torshmon.aggregator.notify import AlertmanagerTarget, SlackTarget, WebhookTarget
+from torshmon.aggregator.core.hang import HangDetector, HangSettings
+from torshmon.aggregator.core.linkcheck import LinkCheckSettings
+from torshmon.aggregator.core.live import LiveState
+from torshmon.aggregator.core.straggler import StragglerDetector, StragglerSettings
+from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings
+from torshmon.aggregator.notify.delivery import AlertmanagerTarget, SlackTarget, WebhookTarget
 from torshmon.aggregator.settings import AggregatorSettings, SettingsError, load_settings
-from torshmon.aggregator.straggler import StragglerDetector, StragglerSettings
-from torshmon.aggregator.zscore import ZScoreDetector, ZScoreSettings
 from torshmon.settings import parse_duration_s, parse_size_bytes
 
 

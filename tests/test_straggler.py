@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torshmon.aggregator.straggler import (
+from torshmon.aggregator.core.straggler import (
     CompleteStep,
     StepCollector,
     StragglerDetector,

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torshmon.aggregator.tuner import (
+from torshmon.aggregator.core.tuner import (
     CODEC_NAMES,
     DEFAULT_CODECS,
     DEFAULT_MAX_RELATIVE_ERROR,

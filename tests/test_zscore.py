@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torshmon.aggregator.findings import Finding
-from torshmon.aggregator.zscore import RollingStats, ZScoreDetector
+from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.zscore import RollingStats, ZScoreDetector
 
 LABELS = {"job": "demo", "rank": "1"}
 

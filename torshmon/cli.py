@@ -329,8 +329,8 @@ def _run_aggregator(args: argparse.Namespace, redact: Redactor) -> int:
 
     from sqlalchemy.exc import SQLAlchemyError
 
-    from torshmon.aggregator.notify import AlertmanagerTarget, WebhookTarget
-    from torshmon.aggregator.rules import RuleError
+    from torshmon.aggregator.core.rules import RuleError
+    from torshmon.aggregator.notify.delivery import AlertmanagerTarget, WebhookTarget
     from torshmon.aggregator.service import run_aggregator
     from torshmon.aggregator.settings import SettingsError, load_settings
     from torshmon.history.db import DatabaseConfigError
@@ -504,7 +504,7 @@ def _run_tune(args: argparse.Namespace, redact: Redactor) -> int:
 
 
 def _run_rules(args: argparse.Namespace) -> int:
-    from torshmon.aggregator.promrules import check_rules_cli, export_rules_cli
+    from torshmon.aggregator.core.promrules import check_rules_cli, export_rules_cli
 
     if args.rules_command == "check":
         return check_rules_cli(args.file)

@@ -29,8 +29,8 @@ from torshmon.launch import run_ranks
 if TYPE_CHECKING:
     import aiohttp
 
+    from torshmon.aggregator.core.tuner import Trial, TunerSettings, TuningSession
     from torshmon.aggregator.service import Aggregator
-    from torshmon.aggregator.tuner import Trial, TunerSettings, TuningSession
     from torshmon.linkshape import LinkShaper
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ async def run_system(
     from prometheus_client import CollectorRegistry
 
     from torshmon.agent.daemon import Agent, AgentSettings
-    from torshmon.aggregator.notify import targets_from_env
+    from torshmon.aggregator.notify.delivery import targets_from_env
     from torshmon.aggregator.service import Aggregator
     from torshmon.aggregator.settings import AggregatorSettings
 
@@ -488,7 +488,7 @@ def _session_sql(session_id: str) -> str:
 
 
 def _session_from_blob(blob: Any) -> TuningSession:
-    from torshmon.aggregator.tuner import TuningSession
+    from torshmon.aggregator.core.tuner import TuningSession
 
     state = json.loads(blob) if isinstance(blob, str) else blob
     return TuningSession.from_state(state or {})

@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, text
 
 from tests.integration import wire_factory as wf
 from tests.integration.aggregator_thread import AggregatorThread
-from torshmon.aggregator import otel
+from torshmon.aggregator.notify import otel
 from torshmon.aggregator.settings import AggregatorSettings
 
 pytestmark = pytest.mark.integration

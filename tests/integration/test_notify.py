@@ -16,8 +16,8 @@ import pytest
 from aiohttp import web
 
 from tests.test_notify import check_block_kit
-from torshmon.aggregator.alert import Alert
-from torshmon.aggregator.notify import (
+from torshmon.aggregator.core.alert import Alert
+from torshmon.aggregator.notify.delivery import (
     ZERO_TIME,
     AlertmanagerTarget,
     Notifier,

@@ -202,7 +202,7 @@ def _time_checks(rank: int, world: int, size_bytes: int, repeats: int, reps: int
 def test_link_check_cost(shaping: None, rate: str | None) -> None:
     """What one check as the aggregator sends it (1 MiB each way per pair, best of 2
     exchanges, 3 ranks) costs the job."""
-    from torshmon.aggregator.linkcheck import LinkCheckSettings
+    from torshmon.aggregator.core.linkcheck import LinkCheckSettings
     from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, rounds
 
     repeats = LinkCheckSettings().repeats

@@ -20,11 +20,11 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import create_engine, text
 
 from tests.integration import wire_factory as wf
-from torshmon.aggregator.commands import CommandStatus
+from torshmon.aggregator.core.commands import CommandStatus
+from torshmon.aggregator.core.tuner import TunerSettings, TuningSession
 from torshmon.aggregator.ingest import Stored
 from torshmon.aggregator.service import Aggregator
 from torshmon.aggregator.settings import AggregatorSettings
-from torshmon.aggregator.tuner import TunerSettings, TuningSession
 from torshmon.demo import DemoConfig, train_rank
 from torshmon.launch import run_ranks
 from torshmon.wire import DdpStats

@@ -20,10 +20,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from torshmon.aggregator import otel
+from torshmon.aggregator.core.tuner import TunerSettings
+from torshmon.aggregator.notify import otel
 from torshmon.aggregator.service import Aggregator
 from torshmon.aggregator.settings import AggregatorSettings
-from torshmon.aggregator.tuner import TunerSettings
 from torshmon.demo import DemoConfig, train_rank
 from torshmon.launch import run_ranks
 

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from torshmon.aggregator.commands import CommandBook, CommandStatus
+from torshmon.aggregator.core.commands import CommandBook, CommandStatus
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class CommandStore(Protocol):
 
 
 class LinkChecks(Protocol):
-    """The live state's link-check schedule (``torshmon.aggregator.live.LiveState``)."""
+    """The live state's link-check schedule (``torshmon.aggregator.core.live.LiveState``)."""
 
     def link_checks_due(self, now_unix_s: float) -> list[tuple[str, str]]: ...
 

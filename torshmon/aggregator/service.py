@@ -31,20 +31,21 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from sqlalchemy.engine import make_url
 
-from torshmon.aggregator import api, otel
-from torshmon.aggregator.alert import Alert
-from torshmon.aggregator.alerting import AlertEngine
-from torshmon.aggregator.commands import CommandBook, CommandStatus
+from torshmon.aggregator.core.alert import Alert
+from torshmon.aggregator.core.alert_engine import AlertEngine
+from torshmon.aggregator.core.commands import CommandBook, CommandStatus
+from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.live import LiveState
+from torshmon.aggregator.core.rules import RuleSet, default_rules, load_rules
+from torshmon.aggregator.core.tuner import TunerSettings
 from torshmon.aggregator.dispatch import CommandDispatch
-from torshmon.aggregator.findings import Finding
-from torshmon.aggregator.guard import RequestGuard, ServerLog, log_rejection, read_body
+from torshmon.aggregator.http import api
+from torshmon.aggregator.http.guard import RequestGuard, ServerLog, log_rejection, read_body
 from torshmon.aggregator.ingest import IngestStore, Stored
-from torshmon.aggregator.live import LiveState
-from torshmon.aggregator.notify import STAT_NAMES, Notifier, Target
-from torshmon.aggregator.rules import RuleSet, default_rules, load_rules
+from torshmon.aggregator.notify import otel
+from torshmon.aggregator.notify.delivery import STAT_NAMES, Notifier, Target
 from torshmon.aggregator.settings import AggregatorSettings
-from torshmon.aggregator.tuner import TunerSettings
-from torshmon.aggregator.tuning import TuningManager
+from torshmon.aggregator.tuning_manager import TuningManager
 from torshmon.aggregator.writer import (
     IngestWriter,
     ProcessIngest,

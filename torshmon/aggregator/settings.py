@@ -17,17 +17,17 @@ from typing import Annotated, Any
 
 import msgspec
 
-from torshmon.aggregator.hang import HangSettings
-from torshmon.aggregator.linkcheck import LinkCheckSettings
-from torshmon.aggregator.notify import (
+from torshmon.aggregator.core.hang import HangSettings
+from torshmon.aggregator.core.linkcheck import LinkCheckSettings
+from torshmon.aggregator.core.straggler import StragglerSettings
+from torshmon.aggregator.core.zscore import ZScoreSettings
+from torshmon.aggregator.notify.delivery import (
     AlertmanagerTarget,
     SlackTarget,
     Target,
     WebhookTarget,
     targets_from_env,
 )
-from torshmon.aggregator.straggler import StragglerSettings
-from torshmon.aggregator.zscore import ZScoreSettings
 from torshmon.history.db import DB_URL_ENV, DEFAULT_DB_URL, DatabaseConfigError, normalize_url
 from torshmon.history.reader import QUERY_DB_URL_ENV, reader_url
 from torshmon.settings import Layers, Section, SettingsError, setting

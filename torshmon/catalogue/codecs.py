@@ -1,7 +1,7 @@
 """The gradient codecs and DDP bucket caps the probe accepts: names, params, bounds.
 
 The probe implements these codecs (``torshmon.probe.codecs``) and the autotuner
-searches over them (``torshmon.aggregator.tuner``); both read this one table, so
+searches over them (``torshmon.aggregator.core.tuner``); both read this one table, so
 a request the tuner makes is one the probe accepts. Pure and torch-free: the
 aggregator and the CLI import it without loading torch.
 """

@@ -31,8 +31,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from torshmon.aggregator.alert import AlertState
-from torshmon.aggregator.findings import FindingKind
+from torshmon.aggregator.core.alert import AlertState
+from torshmon.aggregator.core.findings import FindingKind
 
 #: Surrogate key type: SQLite's INTEGER PRIMARY KEY is its rowid (fast); PostgreSQL bigint.
 ID_TYPE: Final = BigInteger().with_variant(Integer, "sqlite")

@@ -6,7 +6,7 @@ An active test can: ranks are paired in a round-robin tournament (the circle
 method), and in each round each pair sends ``size_bytes`` each way at once. A pair
 is only as fast as the slower of its two links, so the rank whose pairs are all
 slow is the one at fault (the aggregator decides, see
-``torshmon.aggregator.linkcheck``).
+``torshmon.aggregator.core.linkcheck``).
 
 The check runs on the probe's side gloo group (the one the config consensus uses),
 at a step boundary agreed through that consensus, so every rank runs the same

@@ -26,8 +26,8 @@ from sqlalchemy import Table, select, update
 from sqlalchemy import types as sa_types
 from sqlalchemy.engine import Connection, Engine
 
-from torshmon.aggregator.alert import Alert
-from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.core.alert import Alert
+from torshmon.aggregator.core.findings import Finding
 from torshmon.history.db import make_engine, upsert
 from torshmon.history.models import Base
 from torshmon.history.retention import RetentionReport, apply_retention

@@ -45,7 +45,7 @@ from typing import Annotated, Final, Protocol
 
 import msgspec
 
-from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.core.findings import Finding
 from torshmon.settings import Section, setting
 
 DEFAULT_PG: Final = "default"

@@ -24,13 +24,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from torshmon.aggregator.commands import CommandError, CommandStatus
-from torshmon.aggregator.findings import Finding
-from torshmon.aggregator.guard import RequestGuard, read_body
-from torshmon.aggregator.openapi import openapi_document
+from torshmon.aggregator.core.commands import CommandError, CommandStatus
+from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.tuner import TunerError
+from torshmon.aggregator.http.guard import RequestGuard, read_body
+from torshmon.aggregator.http.openapi import openapi_document
 from torshmon.aggregator.settings import AggregatorSettings
-from torshmon.aggregator.tuner import TunerError
-from torshmon.aggregator.tuning import TuningConflict, TuningUnavailable
+from torshmon.aggregator.tuning_manager import TuningConflict, TuningUnavailable
 from torshmon.history.query import QueryError, format_result, json_value, run_query
 from torshmon.history.store import FilterError, Listing, Row
 

@@ -49,7 +49,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Annotated
 
-from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.core.findings import Finding
 from torshmon.settings import setting
 from torshmon.wire import LinkCheckResult
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Final
 
-from torshmon.aggregator.findings import SEVERITIES, Finding
+from torshmon.aggregator.core.findings import SEVERITIES, Finding
 
 _COMMUNICATION_ADVICE: Final = (
     "Communication takes too much of the step: raise the DDP bucket cap (bucket_cap_mb) "

@@ -34,8 +34,8 @@ import msgspec
 from yarl import URL
 
 from torshmon import __version__
-from torshmon.aggregator.alert import Alert
-from torshmon.aggregator.slack import slack_payload
+from torshmon.aggregator.core.alert import Alert
+from torshmon.aggregator.notify.slack import slack_payload
 from torshmon.backoff import backoff_s
 from torshmon.redact import Redactor
 

@@ -31,7 +31,7 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
-from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.core.findings import Finding
 from torshmon.settings import Section, setting
 
 Direction = Literal["up", "down", "both"]

@@ -66,7 +66,7 @@ from typing import Annotated, Final
 
 import msgspec
 
-from torshmon.aggregator.findings import Finding
+from torshmon.aggregator.core.findings import Finding
 from torshmon.settings import Section, setting
 
 #: Scales the MAD of a normal distribution to its standard deviation (Iglewicz-Hoaglin).

@@ -31,15 +31,15 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from torshmon.aggregator.alert import Alert
-from torshmon.aggregator.bottleneck import JobSnapshot, bottleneck_report
-from torshmon.aggregator.findings import Finding
-from torshmon.aggregator.hang import HangDetector, HangSettings
+from torshmon.aggregator.core.alert import Alert
+from torshmon.aggregator.core.bottleneck import JobSnapshot, bottleneck_report
+from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.hang import HangDetector, HangSettings
+from torshmon.aggregator.core.linkcheck import LinkChecker, LinkCheckSettings
+from torshmon.aggregator.core.series import LabelSet, SeriesStore
+from torshmon.aggregator.core.straggler import StepCollector, StragglerDetector, StragglerSettings
+from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings
 from torshmon.aggregator.ingest import Stored
-from torshmon.aggregator.linkcheck import LinkChecker, LinkCheckSettings
-from torshmon.aggregator.series import LabelSet, SeriesStore
-from torshmon.aggregator.straggler import StepCollector, StragglerDetector, StragglerSettings
-from torshmon.aggregator.zscore import ZScoreDetector, ZScoreSettings
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.metrics import MetricSpec
 from torshmon.labels import LabelCap

@@ -39,15 +39,15 @@ from typing import Final
 
 import yaml
 
-from torshmon.aggregator.rules import (
+from torshmon.aggregator.core.rules import (
     Rule,
     RuleError,
     RuleSet,
     alert_name,
     default_rules,
     default_summary,
-    format_duration,
     load_rules,
+    prometheus_duration,
 )
 from torshmon.catalogue import metrics as catalogue
 
@@ -104,13 +104,15 @@ def expression(rule: Rule) -> str:
     metric = rule.metric or ""
     if rule.kind == "absent":
         name = f"{_PREFIX}{metric}_count" if metric in _HISTOGRAMS else _PREFIX + metric
-        return f"absent_over_time({name}{_matchers(rule.matchers)}[{format_duration(rule.for_s)}])"
+        return (
+            f"absent_over_time({name}{_matchers(rule.matchers)}[{prometheus_duration(rule.for_s)}])"
+        )
     if rule.kind == "nonfinite":
         value = _value(rule)
         return f"({value} != {value}) or (abs({value}) == +Inf)"
     comparison = f"{rule.op} {rule.threshold!r}"
     if rule.kind == "rate":
-        window = format_duration(rule.window_s)
+        window = prometheus_duration(rule.window_s)
         if metric in _HISTOGRAMS:
             # deriv() needs a range of samples; a subquery gives one for the ratio.
             inner = f"deriv(({_value(rule)})[{window}:])"
@@ -169,13 +171,13 @@ def _escape(value: str) -> str:
 def _prometheus_rule(rule: Rule) -> dict[str, object]:
     entry: dict[str, object] = {"alert": alert_name(rule.name), "expr": expression(rule)}
     if rule.kind != "absent" and rule.for_s > 0:
-        entry["for"] = format_duration(rule.for_s)
+        entry["for"] = prometheus_duration(rule.for_s)
     entry["labels"] = {**rule.labels, "severity": rule.severity}
     templates = dict(rule.annotations)
     if rule.kind == "absent":
         # Prometheus knows only that nothing matched: no labels, no age to show.
         summary: str | None = (
-            f"{{alertname}}: no {rule.metric} sample for {format_duration(rule.for_s)}"
+            f"{{alertname}}: no {rule.metric} sample for {prometheus_duration(rule.for_s)}"
         )
     else:
         summary = default_summary(rule) or _FINDING_SUMMARY.get(rule.kind)

@@ -44,16 +44,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, NamedTuple
 
-from torshmon.aggregator.alert import Alert, AlertState
-from torshmon.aggregator.findings import Finding
-from torshmon.aggregator.rules import (
+from torshmon.aggregator.core.alert import Alert, AlertState
+from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.rules import (
     FINDING_KINDS,
     Rule,
     RuleSet,
     default_summary,
     render_template,
 )
-from torshmon.aggregator.series import Cursor, LabelSet, SeriesStore, labelset_from
+from torshmon.aggregator.core.series import Cursor, LabelSet, SeriesStore, labelset_from
 
 log = logging.getLogger(__name__)
 

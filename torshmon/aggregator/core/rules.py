@@ -71,7 +71,7 @@ from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from torshmon import yamlfile
-from torshmon.aggregator.findings import SEVERITIES
+from torshmon.aggregator.core.findings import SEVERITIES
 
 __all__ = [
     "ACTIONS",
@@ -90,10 +90,10 @@ __all__ = [
     "alert_name",
     "default_rules",
     "default_summary",
-    "format_duration",
     "load_rules",
     "load_rules_text",
     "parse_duration",
+    "prometheus_duration",
     "render_template",
 ]
 
@@ -299,7 +299,7 @@ def parse_duration(text: str | float) -> float:
     return seconds
 
 
-def format_duration(seconds: float) -> str:
+def prometheus_duration(seconds: float) -> str:
     """A Prometheus duration for ``seconds`` (``2m``, ``1m30s``, ``500ms``; ``0s`` for 0)."""
     remaining_ms = round(seconds * 1000)
     if remaining_ms <= 0:
@@ -334,7 +334,7 @@ def default_summary(rule: Rule) -> str | None:
     if rule.kind == "rate":
         return (
             f"{name}: {rule.metric} changes by {{value:.4g}}/s over "
-            f"{format_duration(rule.window_s)} ({rule.op} {rule.threshold:g}){where}"
+            f"{prometheus_duration(rule.window_s)} ({rule.op} {rule.threshold:g}){where}"
         )
     if rule.kind == "nonfinite":
         return f"{name}: {rule.metric} is {{value}}{where}"
@@ -346,7 +346,8 @@ def default_summary(rule: Rule) -> str | None:
 
 def default_rules() -> RuleSet:
     """The rules shipped with torshmon (``default_rules.yaml``, DESIGN.md's table)."""
-    text = resources.files("torshmon.aggregator").joinpath("default_rules.yaml").read_text("utf-8")
+    shipped = resources.files("torshmon.aggregator.core").joinpath("default_rules.yaml")
+    text = shipped.read_text("utf-8")
     return load_rules_text(text, source="default_rules.yaml")
 
 

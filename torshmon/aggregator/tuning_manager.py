@@ -28,10 +28,9 @@ from typing import Any, Final, Protocol, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from torshmon.aggregator.alert import Alert
-from torshmon.aggregator.commands import CommandError, CommandStatus
-from torshmon.aggregator.ingest import Stored
-from torshmon.aggregator.tuner import (
+from torshmon.aggregator.core.alert import Alert
+from torshmon.aggregator.core.commands import CommandError, CommandStatus
+from torshmon.aggregator.core.tuner import (
     Abort,
     ApplyConfig,
     Decision,
@@ -47,6 +46,7 @@ from torshmon.aggregator.tuner import (
     TunerSettings,
     TuningSession,
 )
+from torshmon.aggregator.ingest import Stored
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.codecs import MIB
 from torshmon.history.store import TuningSessionRow, TuningTrialRow

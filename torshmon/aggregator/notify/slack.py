@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Final
 
-from torshmon.aggregator.alert import Alert
+from torshmon.aggregator.core.alert import Alert
 
 #: Block Kit limits that a message from here could reach.
 MAX_BLOCKS: Final = 50
@@ -126,7 +126,7 @@ def _alert_blocks(alert: Alert) -> list[dict[str, Any]]:
 def _times(alert: Alert) -> list[dict[str, str]]:
     elements = [_mrkdwn(f"Started {_slack_date(alert.starts_at_unix_s)}", MAX_FIELD_CHARS)]
     if alert.state == "resolved" and alert.ends_at_unix_s is not None:
-        lasted = format_duration(alert.ends_at_unix_s - alert.starts_at_unix_s)
+        lasted = human_duration(alert.ends_at_unix_s - alert.starts_at_unix_s)
         elements.append(
             _mrkdwn(f"Resolved {_slack_date(alert.ends_at_unix_s)} (lasted {lasted})", 2000)
         )
@@ -198,7 +198,7 @@ def format_value(value: float | None) -> str:
     return f"{value:.4g}"
 
 
-def format_duration(seconds: float) -> str:
+def human_duration(seconds: float) -> str:
     """``1h 2m 3s`` style; negative or tiny durations show as ``0s``."""
     total = max(0, round(seconds))
     hours, rest = divmod(total, 3600)
@@ -210,4 +210,4 @@ def format_duration(seconds: float) -> str:
     return " ".join(parts)
 
 
-__all__ = ["MAX_ALERTS_SHOWN", "format_duration", "format_value", "slack_payload"]
+__all__ = ["MAX_ALERTS_SHOWN", "format_value", "human_duration", "slack_payload"]

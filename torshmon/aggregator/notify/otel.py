@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Status, StatusCode, set_span_in_context
 
 if TYPE_CHECKING:
-    from torshmon.aggregator.alert import Alert
+    from torshmon.aggregator.core.alert import Alert
     from torshmon.aggregator.ingest import Stored
 
 log = logging.getLogger(__name__)

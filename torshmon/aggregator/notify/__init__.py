@@ -1,0 +1,1 @@
+"""Notification: targets, delivery with retries, Slack and Alertmanager payloads, OTLP."""
