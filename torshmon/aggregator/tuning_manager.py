@@ -36,7 +36,6 @@ from torshmon.aggregator.core.tuner import (
     Decision,
     DriftWatch,
     Finish,
-    Phase,
     RetuneSettings,
     SearchSpace,
     StepSample,
@@ -46,6 +45,7 @@ from torshmon.aggregator.core.tuner import (
     TunerSettings,
     TuningSession,
 )
+from torshmon.aggregator.core.tuner.session import Phase
 from torshmon.aggregator.ingest import Stored
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.codecs import MIB

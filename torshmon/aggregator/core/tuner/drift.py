@@ -1,0 +1,125 @@
+"""Re-tuning on drift: when a finished session's job is tuned again."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from scipy import stats  # type: ignore[import-untyped]  # scipy ships no type stubs
+
+from torshmon.aggregator.core.tuner.config import (
+    TunerError,
+)
+from torshmon.aggregator.core.tuner.events import (
+    StepSample,
+)
+from torshmon.aggregator.core.tuner.settings import at_least, in_open_interval
+
+if TYPE_CHECKING:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class RetuneSettings:
+    """When a finished session's job is tuned again because its throughput drifted.
+
+    After a session ends, the job's throughput (windows of ``window_steps`` steps, as a
+    session scores them) is compared with the session's verified windows by a one-sided
+    Mann-Whitney U test over the last ``windows`` windows. The job drifts while that
+    test says lower at level ``alpha`` AND the median is below the reference by more
+    than ``threshold`` (0.15 = 15 %); drifting without a break for ``for_s`` seconds
+    starts a new session, at most one per ``min_interval_s`` per job (counted from the
+    end of the last session). ``enabled=False`` turns it off. TunerError names a bad value.
+    """
+
+    enabled: bool = True
+    threshold: float = 0.15
+    alpha: float = 0.01
+    window_steps: int = 10
+    windows: int = 5
+    for_s: float = 300.0
+    min_interval_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise TunerError(f"enabled must be true or false, got {self.enabled!r}")
+        in_open_interval("threshold", self.threshold, 0.0, 1.0)
+        in_open_interval("alpha", self.alpha, 0.0, 1.0)
+        at_least("window_steps", self.window_steps, 1)
+        at_least("windows", self.windows, 2)
+        in_open_interval("for_s", self.for_s, 0.0, math.inf, closed_low=True)
+        in_open_interval("min_interval_s", self.min_interval_s, 0.0, math.inf, closed_low=True)
+
+
+class DriftWatch:
+    """Watches one job after its session ended; says when its throughput drifted away.
+
+    ``reference`` are the windows the session stood by (the verification's, or the
+    baseline's when it left the job alone), ``unit`` their unit, ``ended_unix_s`` when
+    the session ended. Only steps of the first config version seen are used: a later
+    version (someone changed the config) ends the watch, since the reference no longer
+    describes the job. Pure: ``observe`` takes ``now``; not thread-safe.
+    """
+
+    def __init__(
+        self,
+        reference: Sequence[float],
+        unit: str,
+        ended_unix_s: float,
+        settings: RetuneSettings | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else RetuneSettings()
+        if len(reference) < 2:
+            raise TunerError(f"a drift watch needs >= 2 reference windows, got {len(reference)}")
+        self.reference = tuple(reference)
+        self.unit = unit
+        self.ended_unix_s = ended_unix_s
+        self.version: int | None = None
+        self.stopped = False
+        self.drifting_since: float | None = None
+        self.ratio: float | None = None  # median of the recent windows over the reference's
+        self._rates: list[float] = []
+        self._windows: list[float] = []
+
+    def observe(self, sample: StepSample, now: float) -> str | None:
+        """Feed one of rank 0's steps; returns why to re-tune once drift has lasted, else None."""
+        if self.stopped:
+            return None
+        if self.version is None:
+            self.version = sample.config_version
+        elif sample.config_version != self.version:
+            self.stopped = True  # the config changed under us: the reference is void
+            return None
+        rate = sample.rate()
+        if rate is None or rate[1] != self.unit:
+            return None
+        self._rates.append(rate[0])
+        if len(self._rates) < self.settings.window_steps:
+            return None
+        self._windows.append(len(self._rates) / sum(1.0 / r for r in self._rates))
+        self._rates.clear()
+        del self._windows[: -self.settings.windows]
+        return self._judge(now)
+
+    def _judge(self, now: float) -> str | None:
+        s = self.settings
+        if len(self._windows) < s.windows:
+            return None
+        self.ratio = statistics.median(self._windows) / statistics.median(self.reference)
+        p = float(stats.mannwhitneyu(self._windows, self.reference, alternative="less").pvalue)
+        if not (p < s.alpha and self.ratio < 1 - s.threshold):
+            self.drifting_since = None
+            return None
+        if self.drifting_since is None:
+            self.drifting_since = now
+        if now - self.drifting_since < s.for_s:
+            return None
+        if now - self.ended_unix_s < s.min_interval_s:
+            return None
+        return (
+            f"throughput drifted {self.ratio - 1:+.0%} from the tuned {self.unit} "
+            f"(p={p:.2g}) for {now - self.drifting_since:.0f} s"
+        )
