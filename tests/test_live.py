@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.integration import wire_factory as wf
 from torshmon.aggregator.core.live import LiveState
+from torshmon.aggregator.core.live_metrics import LiveCollector
 from torshmon.aggregator.ingest import Stored
 from torshmon.labels import MAX_LABEL_VALUES, OTHER
 from torshmon.wire import AppliedConfig, BucketStat, DdpStats, StepRecord
@@ -23,7 +24,7 @@ def _stored(*, steps: bool) -> Stored:
 def test_a_job_and_node_idle_past_the_limit_are_forgotten_with_their_metrics() -> None:
     live = LiveState(idle_s=60.0)
     registry = CollectorRegistry()
-    live.register(registry)
+    registry.register(LiveCollector(live))
     live.observe(_stored(steps=True), now_unix_s=1000.0)
     assert registry.get_sample_value("torshmon_steps_total", {"job": "j", "rank": "1"}) == 1.0
 
@@ -228,7 +229,7 @@ def test_a_batch_naming_2000_ops_groups_and_codecs_keeps_metrics_bounded() -> No
     """Past the cap, op, pg and codec values fold into 'other' as they are taken in."""
     live = LiveState(idle_s=60.0)
     registry = CollectorRegistry()
-    live.register(registry)
+    registry.register(LiveCollector(live))
     hello = wf.hello("j", 0, 1)
     batch = wf.batch(hello, 1, [wf.step_naming(1, 2000)])
     live.observe(Stored(acked_seq=1, hellos=[hello], batches=[(batch, "n")]), now_unix_s=1000.0)

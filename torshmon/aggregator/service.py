@@ -36,6 +36,7 @@ from torshmon.aggregator.core.alert_engine import AlertEngine
 from torshmon.aggregator.core.commands import CommandBook, CommandStatus
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.live import LiveState
+from torshmon.aggregator.core.live_metrics import LiveCollector
 from torshmon.aggregator.core.rules import RuleSet, default_rules, load_rules
 from torshmon.aggregator.core.tuner import TunerSettings
 from torshmon.aggregator.dispatch import CommandDispatch
@@ -181,7 +182,7 @@ class Aggregator:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
             registry=r,
         )
-        self.live.register(r)
+        r.register(LiveCollector(self.live))
         r.register(_NotifierCollector(self.notifier))
 
     # -- lifecycle -----------------------------------------------------------------------
