@@ -171,7 +171,7 @@ class FiringWatch:
 async def run_one(
     kind: str | None, seed: int, *, steps: int | None = None, step_sleep_s: float = 0.1
 ) -> tuple[RunResult, list[dict[str, Any]]]:
-    from torshmon.aggregator.notify.delivery import SlackTarget
+    from torshmon.aggregator.notify.targets import SlackTarget
     from torshmon.demo import DemoConfig, run_system
 
     world_size = WORLD_SIZE.get(kind or "", 2)

@@ -10,25 +10,33 @@ from typing import Any
 import pytest
 
 from torshmon.aggregator.core.alert import Alert
-from torshmon.aggregator.notify.delivery import (
+from torshmon.aggregator.notify.alertmanager import (
     MAX_ALERTS_PER_MESSAGE,
-    STAT_NAMES,
     ZERO_TIME,
-    AlertmanagerTarget,
-    Notifier,
-    SlackTarget,
-    WebhookTarget,
     alertmanager_v2_alerts,
     alertmanager_webhook_payload,
     group_alerts,
     group_key,
+    rfc3339,
+)
+from torshmon.aggregator.notify.delivery import (
+    STAT_NAMES,
+    Notifier,
     parse_retry_after,
     retry_delay_s,
-    rfc3339,
+)
+from torshmon.aggregator.notify.slack import (
+    MAX_ALERTS_SHOWN,
+    format_value,
+    human_duration,
     slack_payload,
+)
+from torshmon.aggregator.notify.targets import (
+    AlertmanagerTarget,
+    SlackTarget,
+    WebhookTarget,
     targets_from_env,
 )
-from torshmon.aggregator.notify.slack import MAX_ALERTS_SHOWN, format_value, human_duration
 
 SECRET_PATH = "/services/T0SECRET/B0SECRET/xoxbSuperSecretPathValue"
 TOKEN = "tok-9f8e7d6c5b4a"

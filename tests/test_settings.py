@@ -13,7 +13,7 @@ from torshmon.aggregator.core.linkcheck import LinkCheckSettings
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.straggler import StragglerDetector, StragglerSettings
 from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings
-from torshmon.aggregator.notify.delivery import AlertmanagerTarget, SlackTarget, WebhookTarget
+from torshmon.aggregator.notify.targets import AlertmanagerTarget, SlackTarget, WebhookTarget
 from torshmon.aggregator.settings import AggregatorSettings, SettingsError, load_settings
 from torshmon.settings import parse_duration_s, parse_size_bytes
 

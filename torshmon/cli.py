@@ -330,7 +330,7 @@ def _run_aggregator(args: argparse.Namespace, redact: Redactor) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
     from torshmon.aggregator.core.rules import RuleError
-    from torshmon.aggregator.notify.delivery import AlertmanagerTarget, WebhookTarget
+    from torshmon.aggregator.notify.targets import AlertmanagerTarget, WebhookTarget
     from torshmon.aggregator.service import run_aggregator
     from torshmon.aggregator.settings import SettingsError, load_settings
     from torshmon.history.db import DatabaseConfigError

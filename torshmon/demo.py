@@ -230,7 +230,7 @@ async def run_system(
     from prometheus_client import CollectorRegistry
 
     from torshmon.agent.daemon import Agent, AgentSettings
-    from torshmon.aggregator.notify.delivery import targets_from_env
+    from torshmon.aggregator.notify.targets import targets_from_env
     from torshmon.aggregator.service import Aggregator
     from torshmon.aggregator.settings import AggregatorSettings
 

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from tests.test_notify import check_block_kit
-from torshmon.aggregator.notify.delivery import SlackTarget
+from torshmon.aggregator.notify.targets import SlackTarget
 from torshmon.demo import DemoConfig, run_system
 from torshmon.faults import parse_fault
 from torshmon.history.query import run_query

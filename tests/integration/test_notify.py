@@ -17,15 +17,13 @@ from aiohttp import web
 
 from tests.test_notify import check_block_kit
 from torshmon.aggregator.core.alert import Alert
-from torshmon.aggregator.notify.delivery import (
+from torshmon.aggregator.notify.alertmanager import (
     ZERO_TIME,
-    AlertmanagerTarget,
-    Notifier,
-    SlackTarget,
-    WebhookTarget,
     alertmanager_webhook_payload,
     group_key,
 )
+from torshmon.aggregator.notify.delivery import Notifier
+from torshmon.aggregator.notify.targets import AlertmanagerTarget, SlackTarget, WebhookTarget
 
 pytestmark = pytest.mark.integration
 

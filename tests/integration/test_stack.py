@@ -33,7 +33,7 @@ import yaml
 from aiohttp import web
 
 from tests.integration.conftest import ReceiverThread
-from torshmon.aggregator.notify.delivery import AlertmanagerTarget
+from torshmon.aggregator.notify.targets import AlertmanagerTarget
 from torshmon.demo import DemoConfig, run_system
 from torshmon.faults import parse_fault
 

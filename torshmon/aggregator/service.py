@@ -44,7 +44,8 @@ from torshmon.aggregator.http import api
 from torshmon.aggregator.http.guard import RequestGuard, ServerLog, log_rejection, read_body
 from torshmon.aggregator.ingest import IngestStore, Stored
 from torshmon.aggregator.notify import otel
-from torshmon.aggregator.notify.delivery import STAT_NAMES, Notifier, Target
+from torshmon.aggregator.notify.delivery import STAT_NAMES, Notifier
+from torshmon.aggregator.notify.targets import Target
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.aggregator.tuning_manager import TuningManager
 from torshmon.aggregator.writer import (

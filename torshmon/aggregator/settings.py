@@ -21,7 +21,7 @@ from torshmon.aggregator.core.hang import HangSettings
 from torshmon.aggregator.core.linkcheck import LinkCheckSettings
 from torshmon.aggregator.core.straggler import StragglerSettings
 from torshmon.aggregator.core.zscore import ZScoreSettings
-from torshmon.aggregator.notify.delivery import (
+from torshmon.aggregator.notify.targets import (
     AlertmanagerTarget,
     SlackTarget,
     Target,

@@ -7,7 +7,8 @@ groups what arrived by (alertname, job), and sends one message per group, retryi
 connection errors, 5xx and 429 with exponential backoff and jitter. A dead endpoint
 therefore only delays its own queue.
 
-Webhook URLs and tokens are secrets (a Slack webhook URL is a credential): logs and
+Targets are in ``targets``, Alertmanager's payloads in ``alertmanager``, Slack's in
+``slack``. Webhook URLs and tokens are secrets (a Slack webhook URL is a credential): logs and
 exception messages name a target by its ``name`` only, and anything a server or an
 exception says is scrubbed of the target's URL, path and token before it is logged.
 """
@@ -19,317 +20,41 @@ import contextlib
 import email.utils
 import logging
 import math
-import os
 import random
-import re
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import timezone
 from typing import Any, Final
 
 import aiohttp
 import msgspec
-from yarl import URL
 
 from torshmon import __version__
 from torshmon.aggregator.core.alert import Alert
+from torshmon.aggregator.notify.alertmanager import (
+    alertmanager_v2_alerts,
+    alertmanager_webhook_payload,
+    group_alerts,
+    group_indices,
+)
 from torshmon.aggregator.notify.slack import slack_payload
+from torshmon.aggregator.notify.targets import (
+    AlertmanagerTarget,
+    SlackTarget,
+    Target,
+    WebhookTarget,
+)
 from torshmon.backoff import backoff_s
 from torshmon.redact import Redactor
 
 log = logging.getLogger(__name__)
 
-#: Go's zero time, which Alertmanager writes as ``endsAt`` of an alert not yet ended.
-ZERO_TIME: Final = "0001-01-01T00:00:00Z"
-#: Alerts per message for the JSON targets; Slack summarises beyond its own limit.
-MAX_ALERTS_PER_MESSAGE: Final = 500
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _DEDUP_CAPACITY: Final = 65536
 _MAX_LOGGED_BODY_CHARS: Final = 200
 #: The start of an error body that is scrubbed of secrets before it is cut for a log.
 _SCRUBBED_BODY_BYTES: Final = 8192
-
-
-# -- targets ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class SlackTarget:
-    """A Slack incoming webhook; the URL is a secret and is left out of ``repr``."""
-
-    url: str = field(repr=False)
-    name: str = "slack"
-
-    def __post_init__(self) -> None:
-        _check_name(self.name)
-        _check_url(f"target {self.name!r} url", self.url)
-
-
-@dataclass(frozen=True, slots=True)
-class WebhookTarget:
-    """A generic webhook that receives Alertmanager's webhook payload (version 4)."""
-
-    url: str = field(repr=False)
-    name: str = "webhook"
-    bearer_token: str | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        _check_name(self.name)
-        _check_url(f"target {self.name!r} url", self.url)
-        if self.bearer_token is not None and not _is_token(self.bearer_token):
-            raise ValueError(
-                f"target {self.name!r} bearer token must be non-empty printable ASCII "
-                "without spaces"
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class AlertmanagerTarget:
-    """An Alertmanager, fed through POST ``{base_url}/api/v2/alerts``.
-
-    Alertmanager resolves an alert nobody re-sends, so firing alerts are re-posted every
-    ``resend_interval_s`` with ``endsAt`` four intervals ahead, as Prometheus does.
-    """
-
-    base_url: str = field(repr=False)
-    name: str = "alertmanager"
-    resend_interval_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        _check_name(self.name)
-        _check_url(f"target {self.name!r} base url", self.base_url)
-        if not (self.resend_interval_s > 0 and math.isfinite(self.resend_interval_s)):
-            raise ValueError(
-                f"target {self.name!r} resend_interval_s must be a positive number of "
-                f"seconds, got {self.resend_interval_s}"
-            )
-
-    @property
-    def alerts_url(self) -> str:
-        return self.base_url.rstrip("/") + "/api/v2/alerts"
-
-
-Target = SlackTarget | WebhookTarget | AlertmanagerTarget
-
-
-def targets_from_env(env: Mapping[str, str] | None = None) -> list[Target]:
-    """Targets named by ``TORSHMON_SLACK_WEBHOOK_URL``, ``TORSHMON_WEBHOOK_URL`` (with
-    ``TORSHMON_WEBHOOK_TOKEN``) and ``TORSHMON_ALERTMANAGER_URL``; each may be a
-    comma-separated list. ``TORSHMON_WEBHOOK_TOKEN`` is one token for every webhook or
-    one per webhook URL, in order. Targets are named ``slack``, ``slack-2``, ...
-
-    ``env`` defaults to ``os.environ``. Raises ValueError naming the variable and item;
-    never echoes the URL or token.
-    """
-    env = os.environ if env is None else env
-    slack = _env_list(env, "TORSHMON_SLACK_WEBHOOK_URL")
-    hooks = _env_list(env, "TORSHMON_WEBHOOK_URL")
-    tokens = _env_list(env, "TORSHMON_WEBHOOK_TOKEN")
-    managers = _env_list(env, "TORSHMON_ALERTMANAGER_URL")
-    if tokens and not hooks:
-        raise ValueError("TORSHMON_WEBHOOK_TOKEN is set but TORSHMON_WEBHOOK_URL is not")
-    if len(tokens) not in (0, 1, len(hooks)):
-        raise ValueError(
-            f"TORSHMON_WEBHOOK_TOKEN has {len(tokens)} tokens for {len(hooks)} webhook URLs; "
-            "give one token for all of them or one per URL"
-        )
-    targets: list[Target] = []
-    for index, url in enumerate(slack):
-        _check_url(_env_item("TORSHMON_SLACK_WEBHOOK_URL", index, slack), url)
-        targets.append(SlackTarget(url, name=_nth("slack", index)))
-    for index, url in enumerate(hooks):
-        _check_url(_env_item("TORSHMON_WEBHOOK_URL", index, hooks), url)
-        token = tokens[index if len(tokens) > 1 else 0] if tokens else None
-        if token is not None and not _is_token(token):
-            raise ValueError(
-                f"{_env_item('TORSHMON_WEBHOOK_TOKEN', index, tokens)} must be printable "
-                "ASCII without spaces"
-            )
-        targets.append(WebhookTarget(url, name=_nth("webhook", index), bearer_token=token))
-    for index, url in enumerate(managers):
-        _check_url(_env_item("TORSHMON_ALERTMANAGER_URL", index, managers), url)
-        targets.append(AlertmanagerTarget(url, name=_nth("alertmanager", index)))
-    return targets
-
-
-def _env_list(env: Mapping[str, str], key: str) -> list[str]:
-    return [item.strip() for item in env.get(key, "").split(",") if item.strip()]
-
-
-def _env_item(key: str, index: int, items: Sequence[str]) -> str:
-    return key if len(items) == 1 else f"{key} item {index + 1}"
-
-
-def _nth(base: str, index: int) -> str:
-    return base if index == 0 else f"{base}-{index + 1}"
-
-
-def _check_name(name: str) -> None:
-    if not _NAME.match(name):
-        raise ValueError(
-            f"target name {name!r} must be 1-64 characters of letters, digits, '_', '.', "
-            "':' or '-' (it becomes a metric label)"
-        )
-
-
-def _is_token(token: str) -> bool:
-    return bool(token) and all(33 <= ord(c) <= 126 for c in token)
-
-
-def _check_url(what: str, url: str) -> None:
-    """ValueError unless ``url`` is http(s) with a host; the message never echoes it."""
-    try:
-        parsed = URL(url)
-        host = parsed.host
-    except (ValueError, TypeError):
-        # ``from None``: the parser's own message may quote the URL.
-        raise ValueError(f"{what} is not a valid URL") from None
-    if parsed.scheme not in ("http", "https"):
-        raise ValueError(f"{what} must start with http:// or https://")
-    if not host:
-        raise ValueError(f"{what} has no host")
-
-
-# -- payloads -----------------------------------------------------------------------------
-
-
-def rfc3339(unix_s: float | None) -> str:
-    """Unix seconds as RFC 3339 in UTC (Go's RFC3339Nano style); None is Go's zero time."""
-    if unix_s is None:
-        return ZERO_TIME
-    text = datetime.fromtimestamp(unix_s, tz=timezone.utc).isoformat(timespec="microseconds")
-    whole, fraction = text.removesuffix("+00:00").split(".")
-    fraction = fraction.rstrip("0")
-    return f"{whole}.{fraction}Z" if fraction else f"{whole}Z"
-
-
-def group_key(alertname: str, job: str) -> str:
-    """The group's identity, written as Alertmanager writes its group keys."""
-    labels = msgspec.json.encode(alertname).decode(), msgspec.json.encode(job).decode()
-    return f"{{}}:{{alertname={labels[0]}, job={labels[1]}}}"
-
-
-def group_alerts(alerts: Sequence[Alert]) -> list[tuple[str, list[Alert]]]:
-    """Alerts as messages: grouped by (alertname, job) in arrival order.
-
-    A fingerprint that comes back in a group (firing, then resolved) starts a new
-    message, so every message holds one state per alert and states arrive in order.
-    Groups over MAX_ALERTS_PER_MESSAGE are split too.
-    """
-    return [(key, [alerts[i] for i in indices]) for key, indices in _group_indices(alerts)]
-
-
-def _group_indices(alerts: Sequence[Alert]) -> list[tuple[str, list[int]]]:
-    """``group_alerts`` as positions in ``alerts``."""
-    open_groups: dict[tuple[str, str], tuple[list[int], set[str]]] = {}
-    messages: list[tuple[str, list[int]]] = []
-    for index, alert in enumerate(alerts):
-        grouping = (alert.labels.get("alertname") or alert.rule, alert.job)
-        current = open_groups.get(grouping)
-        if (
-            current is None
-            or alert.fingerprint in current[1]
-            or len(current[0]) >= MAX_ALERTS_PER_MESSAGE
-        ):
-            current = open_groups[grouping] = ([], set())
-            messages.append((group_key(*grouping), current[0]))
-        current[0].append(index)
-        current[1].add(alert.fingerprint)
-    return messages
-
-
-def alertmanager_webhook_payload(
-    alerts: Sequence[Alert],
-    *,
-    receiver: str,
-    group_key: str,
-    external_url: str,
-    generator_url: str | None = None,
-) -> dict[str, Any]:
-    """Alertmanager's webhook body (version "4") for one group of alerts.
-
-    ``generatorURL`` of each alert is ``generator_url``, by default ``external_url``.
-    Raises ValueError for an empty group, a pending alert, or a resolved one without
-    ``ends_at_unix_s``.
-    """
-    if not alerts:
-        raise ValueError("alertmanager_webhook_payload needs at least one alert, got none")
-    for alert in alerts:
-        _check_sendable(alert)
-    common_labels = _common(a.labels for a in alerts)
-    return {
-        "version": "4",
-        "groupKey": group_key,
-        "truncatedAlerts": 0,
-        "status": "firing" if any(a.state == "firing" for a in alerts) else "resolved",
-        "receiver": receiver,
-        "groupLabels": {k: v for k, v in common_labels.items() if k in ("alertname", "job")},
-        "commonLabels": common_labels,
-        "commonAnnotations": _common(a.annotations for a in alerts),
-        "externalURL": external_url,
-        "alerts": [
-            {
-                "status": alert.state,
-                "labels": dict(alert.labels),
-                "annotations": dict(alert.annotations),
-                "startsAt": rfc3339(alert.starts_at_unix_s),
-                "endsAt": rfc3339(alert.ends_at_unix_s if alert.state == "resolved" else None),
-                "generatorURL": external_url if generator_url is None else generator_url,
-                "fingerprint": alert.fingerprint,
-            }
-            for alert in alerts
-        ],
-    }
-
-
-def alertmanager_v2_alerts(
-    alerts: Sequence[Alert], *, generator_url: str, firing_ends_at_unix_s: float | None = None
-) -> list[dict[str, Any]]:
-    """The body of POST /api/v2/alerts.
-
-    A resolved alert carries its resolve time as ``endsAt``. A firing one carries
-    ``firing_ends_at_unix_s`` when given (a time after the next re-send, so Alertmanager
-    resolves it if the sender dies) and no ``endsAt`` otherwise, which Alertmanager reads
-    as "resolve after resolve_timeout unless re-sent". Raises ValueError as
-    ``alertmanager_webhook_payload`` does.
-    """
-    body: list[dict[str, Any]] = []
-    for alert in alerts:
-        _check_sendable(alert)
-        entry: dict[str, Any] = {
-            "labels": dict(alert.labels),
-            "annotations": dict(alert.annotations),
-            "startsAt": rfc3339(alert.starts_at_unix_s),
-        }
-        ends_at = alert.ends_at_unix_s if alert.state == "resolved" else firing_ends_at_unix_s
-        if ends_at is not None:
-            entry["endsAt"] = rfc3339(ends_at)
-        if generator_url:
-            # Alertmanager validates it as a URI: an empty string is left out, not sent.
-            entry["generatorURL"] = generator_url
-        body.append(entry)
-    return body
-
-
-def _check_sendable(alert: Alert) -> None:
-    if alert.state not in ("firing", "resolved"):
-        raise ValueError(
-            f"alert {alert.fingerprint} is {alert.state!r}; only 'firing' or 'resolved' "
-            "alerts are notified"
-        )
-    if alert.state == "resolved" and alert.ends_at_unix_s is None:
-        raise ValueError(f"resolved alert {alert.fingerprint} has no ends_at_unix_s")
-
-
-def _common(mappings: Iterable[Mapping[str, str]]) -> dict[str, str]:
-    """The key/value pairs every mapping has."""
-    iterator = iter(mappings)
-    common = dict(next(iterator, {}))
-    for mapping in iterator:
-        common = {k: v for k, v in common.items() if mapping.get(k) == v}
-    return common
 
 
 # -- retries ------------------------------------------------------------------------------
@@ -685,7 +410,7 @@ class _Worker:
         drained = self._inflight = list(self._queue)
         self._queue.clear()
         batch = [item.alert for item in drained]
-        for key, indices in _group_indices(batch):
+        for key, indices in group_indices(batch):
             ok = await self._deliver(key, [batch[i] for i in indices])
             items = [drained[i] for i in indices]
             for item in items:
@@ -831,22 +556,4 @@ def _redactor(target: Target) -> Redactor:
     return redact
 
 
-__all__ = [
-    "MAX_ALERTS_PER_MESSAGE",
-    "STAT_NAMES",
-    "ZERO_TIME",
-    "AlertmanagerTarget",
-    "Notifier",
-    "SlackTarget",
-    "Target",
-    "WebhookTarget",
-    "alertmanager_v2_alerts",
-    "alertmanager_webhook_payload",
-    "group_alerts",
-    "group_key",
-    "parse_retry_after",
-    "retry_delay_s",
-    "rfc3339",
-    "slack_payload",
-    "targets_from_env",
-]
+__all__ = ["STAT_NAMES", "Notifier", "parse_retry_after", "retry_delay_s"]
