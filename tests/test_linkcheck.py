@@ -21,7 +21,8 @@ from torshmon.aggregator.core.linkcheck import (
     pair_bandwidths,
 )
 from torshmon.aggregator.core.promrules import expression, to_prometheus
-from torshmon.aggregator.core.rules import RuleError, default_rules, load_rules_text
+from torshmon.aggregator.core.rule_file import default_rules, load_rules_text
+from torshmon.aggregator.core.rules import RuleError
 from torshmon.aggregator.core.series import SeriesStore
 from torshmon.wire import LinkCheckResult, LinkPeerResult
 

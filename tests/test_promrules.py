@@ -12,7 +12,7 @@ from torshmon.aggregator.core.promrules import (
     expression,
     to_prometheus,
 )
-from torshmon.aggregator.core.rules import default_rules, load_rules_text
+from torshmon.aggregator.core.rule_file import default_rules, load_rules_text
 
 PROMTOOL = "/usr/bin/promtool"
 DATA = Path(__file__).parent / "data" / "rules"

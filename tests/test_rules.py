@@ -6,19 +6,17 @@ from pathlib import Path
 import pytest
 
 from torshmon.aggregator.core.findings import SEVERITIES
+from torshmon.aggregator.core.rule_file import default_rules, load_rules, load_rules_text
 from torshmon.aggregator.core.rules import (
     KNOWN_METRICS,
     Rule,
     RuleError,
     alert_name,
-    default_rules,
     default_summary,
-    load_rules,
-    load_rules_text,
     parse_duration,
     prometheus_duration,
-    render_template,
 )
+from torshmon.aggregator.core.templates import render_template
 
 DATA = Path(__file__).parent / "data" / "rules"
 

@@ -37,7 +37,8 @@ from torshmon.aggregator.core.commands import CommandBook, CommandStatus
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.live_metrics import LiveCollector
-from torshmon.aggregator.core.rules import RuleSet, default_rules, load_rules
+from torshmon.aggregator.core.rule_file import default_rules, load_rules
+from torshmon.aggregator.core.rules import RuleSet
 from torshmon.aggregator.core.tuner import TunerSettings
 from torshmon.aggregator.dispatch import CommandDispatch
 from torshmon.aggregator.http import api

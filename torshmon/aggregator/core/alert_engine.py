@@ -46,14 +46,9 @@ from typing import Final, Literal, NamedTuple
 
 from torshmon.aggregator.core.alert import Alert, AlertState
 from torshmon.aggregator.core.findings import Finding
-from torshmon.aggregator.core.rules import (
-    FINDING_KINDS,
-    Rule,
-    RuleSet,
-    default_summary,
-    render_template,
-)
+from torshmon.aggregator.core.rules import FINDING_KINDS, Rule, RuleSet, default_summary
 from torshmon.aggregator.core.series import Cursor, LabelSet, SeriesStore, labelset_from
+from torshmon.aggregator.core.templates import render_template
 
 log = logging.getLogger(__name__)
 

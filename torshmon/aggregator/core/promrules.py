@@ -39,14 +39,13 @@ from typing import Final
 
 import yaml
 
+from torshmon.aggregator.core.rule_file import default_rules, load_rules
 from torshmon.aggregator.core.rules import (
     Rule,
     RuleError,
     RuleSet,
     alert_name,
-    default_rules,
     default_summary,
-    load_rules,
     prometheus_duration,
 )
 from torshmon.catalogue import metrics as catalogue
