@@ -97,7 +97,8 @@ from torshmon.aggregator.ingest import (
     STEP_SAMPLE_FIELDS,
     insert_rows,
 )
-from torshmon.history.db import make_engine, upgrade
+from torshmon.history.db import make_engine
+from torshmon.history.migrate import upgrade
 from torshmon.wire import (
     DURATION_BUCKETS_S,
     SCHEMA_VERSION,

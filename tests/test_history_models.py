@@ -15,18 +15,17 @@ from torshmon.history.db import (
     DEFAULT_DB_URL,
     DatabaseConfigError,
     WriterConnection,
-    alembic_dir,
     begin_write,
     db_url,
     insert_ignore,
     make_engine,
     normalize_url,
     schema_differences,
-    upgrade,
     upsert,
 )
 from torshmon.history.docs import main as docs_main
 from torshmon.history.docs import render_tables_markdown
+from torshmon.history.migrate import alembic_dir, upgrade
 from torshmon.history.models import ROLLUP_SOURCES, Base, Step
 from torshmon.history.query import run_query
 

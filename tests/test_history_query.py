@@ -9,7 +9,8 @@ import pytest
 from sqlalchemy import insert, text
 from sqlalchemy.exc import DatabaseError
 
-from torshmon.history.db import make_engine, upgrade
+from torshmon.history.db import make_engine
+from torshmon.history.migrate import upgrade
 from torshmon.history.models import Base
 from torshmon.history.query import QueryError, QueryResult, format_result, run_query
 

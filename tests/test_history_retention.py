@@ -8,7 +8,8 @@ import pytest
 from sqlalchemy import func, insert, select
 from sqlalchemy.engine import Engine
 
-from torshmon.history.db import make_engine, upgrade
+from torshmon.history.db import make_engine
+from torshmon.history.migrate import upgrade
 from torshmon.history.models import ROLLUP_SOURCES, Base
 from torshmon.history.retention import RAW_TABLES, RetentionReport, apply_retention
 

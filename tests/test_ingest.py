@@ -14,7 +14,8 @@ from sqlalchemy.engine import Engine
 
 from tests.integration import wire_factory as wf
 from torshmon.aggregator.ingest import IngestStore, insert_rows, rebuild
-from torshmon.history.db import make_engine, upgrade
+from torshmon.history.db import make_engine
+from torshmon.history.migrate import upgrade
 from torshmon.history.models import Base
 from torshmon.wire import SCHEMA_VERSION, DdpStats, IngestBatch, IngestRecord, SpoolRecord
 

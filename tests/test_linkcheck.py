@@ -344,7 +344,8 @@ def test_slow_link_findings_fit_the_migrated_history(tmp_path: Path) -> None:
     from sqlalchemy import insert
     from sqlalchemy.exc import IntegrityError
 
-    from torshmon.history.db import make_engine, upgrade
+    from torshmon.history.db import make_engine
+    from torshmon.history.migrate import upgrade
     from torshmon.history.models import Base
 
     url = f"sqlite:///{tmp_path / 'h.db'}"

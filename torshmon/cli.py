@@ -387,7 +387,8 @@ def _run_query(args: argparse.Namespace, redact: Redactor) -> int:
 
 
 def _run_db(args: argparse.Namespace, redact: Redactor) -> int:
-    from torshmon.history.db import db_url, upgrade
+    from torshmon.history.db import db_url
+    from torshmon.history.migrate import upgrade
 
     url = db_url(args.db)
     try:

@@ -18,15 +18,8 @@ from sqlalchemy.exc import DBAPIError
 
 from tests.pg import pg_database, pg_schema_url, pg_url  # noqa: F401  (fixtures)
 from tests.test_history_retention import NOW, T0, check_retention, expected_rollups, fill
-from torshmon.history.db import (
-    UPGRADE_LOCK_KEY,
-    alembic_dir,
-    insert_ignore,
-    make_engine,
-    schema_differences,
-    upgrade,
-    upsert,
-)
+from torshmon.history.db import insert_ignore, make_engine, schema_differences, upsert
+from torshmon.history.migrate import UPGRADE_LOCK_KEY, alembic_dir, upgrade
 from torshmon.history.models import Base
 from torshmon.history.query import QueryError, format_result, run_query
 from torshmon.history.reader import reader_url
@@ -148,7 +141,7 @@ def test_upgrade_empty_database_gives_exactly_the_models_schema(engine: Engine) 
 
 
 def test_upgrade_from_two_processes_at_once(pg_url: str) -> None:  # noqa: F811
-    code = "import sys; from torshmon.history.db import upgrade; upgrade(sys.argv[1])"
+    code = "import sys; from torshmon.history.migrate import upgrade; upgrade(sys.argv[1])"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, pg_url],

@@ -25,7 +25,8 @@ from sqlalchemy.engine import make_url
 from tests.integration.aggregator_thread import AggregatorThread
 from tests.pg import PG_URL, pg_database, unique_name
 from torshmon.aggregator.settings import AggregatorSettings
-from torshmon.history.db import make_engine, upgrade
+from torshmon.history.db import make_engine
+from torshmon.history.migrate import upgrade
 from torshmon.history.models import Base
 from torshmon.history.query import DEFAULT_MAX_CELL_BYTES, QueryError, run_query
 from torshmon.history.reader import (
@@ -310,7 +311,7 @@ def test_the_cli_refuses_in_one_line_and_takes_a_query_url(history_db: str) -> N
 
 def test_upgrades_of_two_databases_make_one_new_reader_role_at_once() -> None:
     code = (
-        "import sys; from torshmon.history.db import upgrade\n"
+        "import sys; from torshmon.history.migrate import upgrade\n"
         "print(upgrade(sys.argv[1], reader_role=sys.argv[2]).for_admin)"
     )
     with (

@@ -59,7 +59,8 @@ from torshmon.aggregator.writer import (
 )
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.metrics import MetricSpec
-from torshmon.history.db import normalize_url, sqlite_path, upgrade
+from torshmon.history.db import normalize_url, sqlite_path
+from torshmon.history.migrate import upgrade
 from torshmon.history.reader import reader_of
 from torshmon.history.store import HistoryStore
 from torshmon.redact import redact_url

@@ -12,15 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Final
 from urllib.parse import quote
 
-import psycopg
-from sqlalchemy import Table, create_engine, event, text
+from sqlalchemy import Table, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
@@ -29,9 +27,6 @@ from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 from sqlalchemy.sql.dml import Insert
 
 from torshmon.redact import Redactor, redact_url, url_secrets
-
-if TYPE_CHECKING:
-    from torshmon.history.reader import ReaderSetup
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +39,8 @@ DEFAULT_READER_ROLE: Final = "torshmon_reader"
 #: How long a SQLite connection waits for another writer's lock, milliseconds.
 SQLITE_BUSY_TIMEOUT_MS: Final = 10_000
 
-#: pg_advisory_lock key serialising ``upgrade`` across processes (any fixed bigint).
-UPGRADE_LOCK_KEY: Final = 0x746F7273686D6E01
-
-_UPGRADE_THREAD_LOCK: Final = threading.Lock()
-
 #: Execution option that makes SQLite start the transaction with BEGIN IMMEDIATE.
-_BEGIN_IMMEDIATE: Final = "torshmon_sqlite_begin_immediate"
+BEGIN_IMMEDIATE: Final = "torshmon_sqlite_begin_immediate"
 
 #: Pragmas a read-only SQLite connection may still run with an argument: they only read.
 _READ_PRAGMAS: Final = frozenset(
@@ -275,7 +265,7 @@ def _sqlite_on_connect(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry
 
 
 def _sqlite_on_begin(conn: Connection) -> None:
-    if conn.get_execution_options().get(_BEGIN_IMMEDIATE):
+    if conn.get_execution_options().get(BEGIN_IMMEDIATE):
         conn.exec_driver_sql("BEGIN IMMEDIATE")
     else:
         conn.exec_driver_sql("BEGIN")
@@ -291,7 +281,7 @@ def begin_write(engine: Engine) -> Iterator[Connection]:
     """
     with engine.connect() as conn:
         if conn.dialect.name == "sqlite":
-            conn = conn.execution_options(**{_BEGIN_IMMEDIATE: True})
+            conn = conn.execution_options(**{BEGIN_IMMEDIATE: True})
         with conn.begin():
             yield conn
 
@@ -332,86 +322,8 @@ class WriterConnection:
     def _open(self) -> Connection:
         conn = self.engine.connect()
         if conn.dialect.name == "sqlite":
-            conn = conn.execution_options(**{_BEGIN_IMMEDIATE: True})
+            conn = conn.execution_options(**{BEGIN_IMMEDIATE: True})
         return conn
-
-
-def alembic_dir() -> Path:
-    """The package's Alembic migrations (``torshmon/history/migrations``), shipped in the
-    wheel; DatabaseConfigError if an install lost them."""
-    path = Path(__file__).resolve().parent / "migrations"
-    if not (path / "env.py").is_file():
-        raise DatabaseConfigError(
-            f"no Alembic migrations at {path}: the torshmon install is incomplete; "
-            "reinstall it"
-        )
-    return path
-
-
-def upgrade(
-    url: str,
-    *,
-    reader_role: str | None = DEFAULT_READER_ROLE,
-    reader_password: str | None = None,
-) -> ReaderSetup | None:
-    """Migrate the database at ``url`` to the newest schema (Alembic head).
-
-    On PostgreSQL it then makes ``reader_role`` (unless None) a login role that can
-    only read the history tables, with ``reader_password`` if given, and returns what
-    it did and what an administrator has to do because this user may not (see
-    ``reader.ensure_reader_role``); on SQLite it returns None.
-
-    Safe on an up-to-date database, and concurrently from several processes: on
-    PostgreSQL a session advisory lock serialises them, on SQLite the write lock.
-    Threads of one process take turns (Alembic's ``context`` is process-global).
-    """
-    from alembic import command
-    from alembic.config import Config
-
-    from torshmon.history.reader import ensure_reader_role
-
-    url = normalize_url(url)
-    config = Config()
-    config.set_main_option("script_location", str(alembic_dir()))
-    engine = make_engine(url)
-    setup = None
-    try:
-        with _UPGRADE_THREAD_LOCK, engine.connect() as conn:
-            if conn.dialect.name == "postgresql":
-                conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": UPGRADE_LOCK_KEY})
-                conn.commit()
-                try:
-                    _run_alembic(command, config, conn)
-                    if reader_role is not None:
-                        setup = ensure_reader_role(
-                            _psycopg_connection(conn), reader_role, password=reader_password
-                        )
-                finally:
-                    if conn.in_transaction():
-                        conn.rollback()  # a failed migration left it aborted
-                    conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": UPGRADE_LOCK_KEY})
-                    conn.commit()
-            else:
-                conn = conn.execution_options(**{_BEGIN_IMMEDIATE: True})
-                _run_alembic(command, config, conn)
-    finally:
-        engine.dispose()
-    return setup
-
-
-def _psycopg_connection(conn: Connection) -> psycopg.Connection[Any]:
-    driver = conn.connection.driver_connection
-    if not isinstance(driver, psycopg.Connection):
-        raise DatabaseConfigError(f"unexpected PostgreSQL driver connection {type(driver)!r}")
-    return driver
-
-
-def _run_alembic(command: Any, config: Any, conn: Connection) -> None:
-    config.attributes["connection"] = conn
-    command.upgrade(config, "head")
-    if conn.in_transaction():
-        conn.commit()
-    log.info("history database at Alembic head")
 
 
 def schema_differences(conn: Connection) -> list[object]:

@@ -1,6 +1,6 @@
 """Alembic environment of the torshmon history schema.
 
-``torshmon.history.db.upgrade`` passes an open connection in
+``torshmon.history.migrate.upgrade`` passes an open connection in
 ``config.attributes["connection"]`` (holding its lock); the alembic command line
 connects to ``TORSHMON_DB_URL`` or, failing that, ``sqlalchemy.url`` of alembic.ini.
 """
