@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torshmon import __version__
 from torshmon.paths import default_agent_socket
 from torshmon.probe import _torch_compat
 from torshmon.probe.collectives import CollectiveTracer
@@ -31,6 +30,7 @@ from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkChec
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
 from torshmon.probe.shipper import Outbox, Shipper
 from torshmon.ratelog import LogLimiter
+from torshmon.version import __version__
 from torshmon.wire import (
     NAME_MAX_CHARS,
     SCHEMA_VERSION,

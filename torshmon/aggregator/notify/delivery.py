@@ -31,7 +31,6 @@ from typing import Any, Final
 import aiohttp
 import msgspec
 
-from torshmon import __version__
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.notify.alertmanager import (
     alertmanager_v2_alerts,
@@ -48,6 +47,7 @@ from torshmon.aggregator.notify.targets import (
 )
 from torshmon.backoff import backoff_s
 from torshmon.redact import Redactor
+from torshmon.version import __version__
 
 log = logging.getLogger(__name__)
 
