@@ -135,7 +135,7 @@ def _rank_main(
 ) -> None:
     if netns is not None:
         # First thing: a socket stays in the namespace it was created in.
-        from torshmon.linkshape import enter_netns
+        from torshmon.netns import enter_netns
 
         try:
             enter_netns(netns)

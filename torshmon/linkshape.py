@@ -45,8 +45,6 @@ unshaped speed of the veths (CPU bound) shape nothing.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import itertools
 import logging
 import os
@@ -58,6 +56,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
+
+from torshmon.netns import NETNS_DIR, enter_netns
 
 __all__ = [
     "LinkShaper",
@@ -72,12 +72,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-NETNS_DIR = "/var/run/netns"
 NAME_PREFIX = "torshmon-ls"
 RANK_IFNAME = "eth0"
 _SUBNET = "10.213"
 _MAX_RANKS = 250 * 256
-_CLONE_NEWNET = 0x40000000
 _CAP_NET_ADMIN = 12
 _CAP_SYS_ADMIN = 21
 # A whole 64 KiB GSO super-packet must fit in the bucket, or tbf splits it in
@@ -127,23 +125,6 @@ def parse_rate(text: str) -> int:
     if bits < 8:
         raise ValueError(f"invalid link rate {text!r}: must be at least 8bit")
     return bits
-
-
-def enter_netns(name: str) -> None:
-    """Move the calling thread into the named network namespace (``ip netns`` name).
-
-    Call it before opening any socket: a socket stays in the namespace it was
-    made in. Threads started afterwards inherit the namespace, threads started
-    before do not. Raises OSError if the namespace does not exist or setns fails.
-    """
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"setns into network namespace {name!r}: {os.strerror(errno)}")
-    finally:
-        os.close(fd)
 
 
 def available() -> tuple[bool, str]:
