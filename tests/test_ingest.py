@@ -13,7 +13,8 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from tests.integration import wire_factory as wf
-from torshmon.aggregator.ingest import IngestStore, insert_rows, rebuild
+from torshmon.aggregator.core.stored import rebuild
+from torshmon.aggregator.ingest import IngestStore, insert_rows
 from torshmon.history.db import make_engine
 from torshmon.history.migrate import upgrade
 from torshmon.history.models import Base

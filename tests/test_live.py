@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tests.integration import wire_factory as wf
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.live_metrics import LiveCollector
-from torshmon.aggregator.ingest import Stored
+from torshmon.aggregator.core.stored import Stored
 from torshmon.labels import MAX_LABEL_VALUES, OTHER
 from torshmon.wire import AppliedConfig, BucketStat, DdpStats, StepRecord
 

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 from tests.integration import wire_factory as wf
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.commands import CommandError, CommandStatus
+from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.tuner import TunerError, TunerSettings
-from torshmon.aggregator.ingest import Stored
 from torshmon.aggregator.tuning_manager import (
     FINISHED_RULE,
     TuningConflict,

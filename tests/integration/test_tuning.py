@@ -21,8 +21,8 @@ from sqlalchemy import create_engine, text
 
 from tests.integration import wire_factory as wf
 from torshmon.aggregator.core.commands import CommandStatus
+from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.tuner import TunerSettings, TuningSession
-from torshmon.aggregator.ingest import Stored
 from torshmon.aggregator.service import Aggregator
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.demo import DemoConfig, train_rank

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 from tests.integration import wire_factory as wf
 from tests.integration.test_tuning import _report_bucket_cap
 from torshmon.aggregator.core.commands import CommandStatus
+from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.tuner import RetuneSettings, TunerSettings
-from torshmon.aggregator.ingest import Stored
 from torshmon.aggregator.service import Aggregator
 from torshmon.aggregator.settings import AggregatorSettings
 

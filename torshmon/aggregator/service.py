@@ -39,11 +39,12 @@ from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.live_metrics import LiveCollector
 from torshmon.aggregator.core.rule_file import default_rules, load_rules
 from torshmon.aggregator.core.rules import RuleSet
+from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.tuner import TunerSettings
 from torshmon.aggregator.dispatch import CommandDispatch
 from torshmon.aggregator.http import api
 from torshmon.aggregator.http.guard import RequestGuard, ServerLog, log_rejection, read_body
-from torshmon.aggregator.ingest import IngestStore, Stored
+from torshmon.aggregator.ingest import IngestStore
 from torshmon.aggregator.notify import otel
 from torshmon.aggregator.notify.delivery import STAT_NAMES, Notifier
 from torshmon.aggregator.notify.targets import Target

@@ -1,6 +1,6 @@
 """The autotuner in the aggregator: runs one ``TuningSession`` per job against the real job.
 
-The pure session (``tuner.py``) decides; this module does the I/O around it. It
+The pure session (``core.tuner``) decides; this module does the I/O around it. It
 pushes each ``ApplyConfig`` as a ``config`` command and routes only that command's
 final acknowledgement back (applied -> ``on_applied``, rejected or expired ->
 ``on_rejected``), feeds rank 0's step records in order (``observe``), calls
@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.commands import CommandError, CommandStatus
+from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.tuner import (
     Abort,
     ApplyConfig,
@@ -46,7 +47,6 @@ from torshmon.aggregator.core.tuner import (
     TuningSession,
 )
 from torshmon.aggregator.core.tuner.session import Phase
-from torshmon.aggregator.ingest import Stored
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.codecs import MIB
 from torshmon.history.store import TuningSessionRow, TuningTrialRow

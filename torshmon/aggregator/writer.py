@@ -42,7 +42,8 @@ from typing import Any, Final, Protocol
 from sqlalchemy import exc as sa_exc
 
 import torshmon
-from torshmon.aggregator.ingest import IngestStore, Stored, StoreSummary, rebuild
+from torshmon.aggregator.core.stored import Stored, StoreSummary, rebuild
+from torshmon.aggregator.ingest import IngestStore
 from torshmon.history.db import make_engine
 from torshmon.wire import Command, IngestBatch, decode_json
 

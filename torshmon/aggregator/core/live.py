@@ -29,9 +29,9 @@ from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.hang import HangDetector, HangSettings
 from torshmon.aggregator.core.linkcheck import LinkChecker, LinkCheckSettings
 from torshmon.aggregator.core.series import LabelSet, SeriesStore
+from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.straggler import StepCollector, StragglerDetector, StragglerSettings
 from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings
-from torshmon.aggregator.ingest import Stored
 from torshmon.labels import LabelCap
 from torshmon.wire import (
     DURATION_BUCKETS_S,

@@ -25,7 +25,7 @@ from opentelemetry.trace import Status, StatusCode, set_span_in_context
 
 if TYPE_CHECKING:
     from torshmon.aggregator.core.alert import Alert
-    from torshmon.aggregator.ingest import Stored
+    from torshmon.aggregator.core.stored import Stored
 
 log = logging.getLogger(__name__)
 
