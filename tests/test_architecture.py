@@ -105,6 +105,27 @@ def test_no_aggregator_module_is_longer_than_the_bar() -> None:
     assert not too_long, f"over {MAX_AGGREGATOR_LINES} lines: {too_long}"
 
 
+def test_the_aggregator_core_does_no_io() -> None:
+    """The pure core imports its own modules and torch-free leaves, never the shell."""
+    allowed = {
+        "torshmon.catalogue.codecs",
+        "torshmon.catalogue.metrics",
+        "torshmon.labels",
+        "torshmon.settings",
+        "torshmon.wire",
+        "torshmon.yamlfile",
+    }
+    core = "torshmon.aggregator.core"
+    outside = {
+        f"{name} -> {target}"
+        for name, targets in import_graph().items()
+        if name.startswith(core)
+        for target in targets
+        if not target.startswith(core) and target not in allowed
+    }
+    assert not outside, sorted(outside)
+
+
 def test_the_cycle_finder_reports_a_cycle_hidden_behind_type_checking() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
