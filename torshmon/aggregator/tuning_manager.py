@@ -46,7 +46,7 @@ from torshmon.aggregator.core.tuner import (
     TunerSettings,
     TuningSession,
 )
-from torshmon.aggregator.core.tuner.session import Phase
+from torshmon.aggregator.core.tuner.state import Phase
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.codecs import MIB
 from torshmon.history.store import TuningSessionRow, TuningTrialRow

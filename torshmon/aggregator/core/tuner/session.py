@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import optuna
 from scipy import stats  # type: ignore[import-untyped]  # scipy ships no type stubs
 
 from torshmon.aggregator.core.tuner.config import (
-    CodecChoice,
     TrialConfig,
     TunerError,
 )
@@ -29,83 +25,20 @@ from torshmon.aggregator.core.tuner.events import (
     Trial,
     TrialDecision,
 )
+from torshmon.aggregator.core.tuner.proposals import ask, bucket_screen, codec_screen
 from torshmon.aggregator.core.tuner.settings import TunerSettings
 from torshmon.aggregator.core.tuner.space import SearchSpace
+from torshmon.aggregator.core.tuner.state import (
+    STATE_VERSION,
+    Pending,
+    Phase,
+    Segment,
+    SessionState,
+    Told,
+)
 
 if TYPE_CHECKING:
     pass
-
-
-#: The codec screen: one choice per family, in order of typical benefit on a slow link.
-_SCREEN: Final[tuple[tuple[str, Mapping[str, float | int]], ...]] = (
-    ("powersgd", {"rank": 4}),
-    ("fp16", {}),
-    ("int8", {"bits": 8}),
-    ("topk", {"ratio": 0.01}),
-)
-_STATE_VERSION: Final = 1
-#: TPE's candidates per ask (optuna's default is 24): with a dozen trials there is no
-#: budget for exploration, so the proposal is the best of many candidates.
-_TPE_CANDIDATES: Final = 100
-_PENALTY_FACTOR: Final = 0.5
-Phase: TypeAlias = Literal["created", "applying", "measuring", "finished", "aborted"]
-
-
-@dataclass(slots=True)
-class _Segment:
-    """Steps being measured for one applied config version."""
-
-    version: int
-    first_step: int  # the first step measured, after the warm-up
-    last_step: int = -1
-    rates: list[float] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    errors: list[float] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Pending:
-    config: TrialConfig
-    purpose: Purpose
-    trial_index: int | None
-
-
-@dataclass(slots=True)
-class _Told:
-    """One point told to the optimiser; ``value`` None means "rejected" (penalised)."""
-
-    params: dict[str, Any]
-    value: float | None
-
-
-@dataclass(slots=True)
-class _State:
-    space: SearchSpace
-    settings: TunerSettings
-    seed: int
-    v: int = _STATE_VERSION
-    phase: Phase = "created"
-    baseline: TrialConfig | None = None
-    current: TrialConfig | None = None  # what the job runs, as far as we know
-    pending: _Pending | None = None
-    segment: _Segment | None = None
-    trials: list[Trial] = field(default_factory=list)
-    told: list[_Told] = field(default_factory=list)
-    screen: list[TrialConfig] = field(default_factory=list)
-    bucket_screened: bool = False
-    incumbent: int = 0
-    banned: list[str] = field(default_factory=list)
-    measured: list[TrialConfig] = field(default_factory=list)
-    repeats: int = 0
-    failures: int = 0
-    loss_reference: list[float] = field(default_factory=list)
-    unit: str = ""
-    deadline_unix_s: float | None = None
-    started_unix_s: float | None = None
-    ended_unix_s: float | None = None
-    reason: str = ""
-    final_config: TrialConfig | None = None
-    summary: str = ""
 
 
 class TuningSession:
@@ -124,7 +57,7 @@ class TuningSession:
     ) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
             raise TunerError(f"seed must be an integer in [0, 2**32), got {seed!r}")
-        self._s = _State(
+        self._s = SessionState(
             space=space if space is not None else SearchSpace(),
             settings=settings if settings is not None else TunerSettings(),
             seed=seed,
@@ -144,13 +77,13 @@ class TuningSession:
         After a restart call ``resume(now)`` so that timeouts count from then. Raises
         TunerError for a blob of another version or shape.
         """
-        if state.get("v") != _STATE_VERSION:
+        if state.get("v") != STATE_VERSION:
             raise TunerError(
                 f"tuner state version {state.get('v')!r} is not supported; "
-                f"this tuner reads version {_STATE_VERSION}"
+                f"this tuner reads version {STATE_VERSION}"
             )
         try:
-            restored = msgspec.convert(dict(state), _State)
+            restored = msgspec.convert(dict(state), SessionState)
         except (msgspec.ValidationError, ValueError) as exc:
             raise TunerError(f"invalid tuner state: {exc}") from exc
         session = cls.__new__(cls)
@@ -252,7 +185,7 @@ class TuningSession:
             raise TunerError(f"the session has already started (phase {s.phase!r})")
         s.started_unix_s = now
         s.baseline = s.current = baseline_config
-        s.screen = self._codec_screen(baseline_config)
+        s.screen = codec_screen(s.space, s.settings, baseline_config)
         s.trials.append(Trial(0, "baseline", baseline_config, now))
         return self._apply(now, baseline_config, "baseline", 0, "measure the job's own config")
 
@@ -367,7 +300,7 @@ class TuningSession:
     def _measure(self, now: float, version: int, first_step: int) -> None:
         s = self._s
         s.phase = "measuring"
-        s.segment = _Segment(version=version, first_step=first_step)
+        s.segment = Segment(version=version, first_step=first_step)
         s.deadline_unix_s = now + s.settings.step_timeout_s
 
     def _active(self) -> Trial:
@@ -565,7 +498,7 @@ class TuningSession:
         s = self._s
         s.phase = "applying"
         s.segment = None
-        s.pending = _Pending(config, purpose, index)
+        s.pending = Pending(config, purpose, index)
         s.deadline_unix_s = now + s.settings.apply_timeout_s
         return ApplyConfig(config, reason, purpose, index)
 
@@ -606,30 +539,6 @@ class TuningSession:
 
     # -- the optimiser -------------------------------------------------------------------
 
-    def _codec_screen(self, baseline: TrialConfig) -> list[TrialConfig]:
-        """The first proposals: the strongest codecs at the job's own cap."""
-        s = self._s
-        space = s.space
-        if not space.tunes_codec:
-            return []
-        labels = {c.label for c in space.codecs}
-        cap = space.snap_bucket(baseline.bucket_cap_mb) if space.tunes_bucket else None
-        options = [CodecChoice(c, p) for c, p in _SCREEN if CodecChoice(c, p).label in labels]
-        return [space.make_config(cap, o, baseline) for o in options][: s.settings.codec_screen]
-
-    def _bucket_screen(self) -> list[TrialConfig]:
-        """After the codec screen: the incumbent's codec at caps a factor either way, so
-        that the optimiser learns early which way the bucket size goes."""
-        s = self._s
-        if not s.space.tunes_bucket:
-            return []
-        best = s.trials[s.incumbent].config
-        option = best.choice if s.space.tunes_codec else None
-        return [
-            s.space.make_config(s.space.snap_bucket(best.bucket_cap_mb * f), option, s.baseline)
-            for f in s.settings.bucket_screen
-        ]
-
     def _propose(self) -> TrialConfig | None:
         """The next config to measure; None once the optimiser only repeats itself."""
         s = self._s
@@ -638,13 +547,15 @@ class TuningSession:
         while s.screen or not s.bucket_screened:
             if not s.screen:
                 s.bucket_screened = True
-                s.screen = self._bucket_screen()
+                s.screen = bucket_screen(
+                    s.space, s.settings, s.trials[s.incumbent].config, s.baseline
+                )
                 continue
             config = s.screen.pop(0)
             if not self._known(config):
                 return config
         while s.repeats < s.settings.max_repeats:
-            config = s.space.config_for(self._ask(), s.baseline)
+            config = s.space.config_for(ask(s.space, s.settings, s.seed, s.told), s.baseline)
             if not self._known(config):
                 s.repeats = 0
                 return config
@@ -674,34 +585,7 @@ class TuningSession:
     def _tell(self, config: TrialConfig, value: float | None) -> None:
         params = self._s.space.params_for(config)
         if params is not None:
-            self._s.told.append(_Told(params, value))
-
-    def _ask(self) -> dict[str, Any]:
-        s = self._s
-        dims = s.space.dimensions()
-        scores = [t.value for t in s.told if t.value is not None]
-        penalty = _PENALTY_FACTOR * min(scores) if scores else 0.0
-        # A fresh sampler per ask, seeded by the history's length: the proposal depends
-        # on (seed, history) only, so a restored session asks exactly the same.
-        with _quiet_optuna():
-            sampler = optuna.samplers.TPESampler(
-                seed=(s.seed * 1_000_003 + len(s.told)) % 2**32,
-                n_startup_trials=s.settings.n_startup_trials,
-                n_ei_candidates=_TPE_CANDIDATES,
-                multivariate=True,
-            )
-            study = optuna.create_study(direction="maximize", sampler=sampler)
-            study.add_trials(
-                [
-                    optuna.trial.create_trial(
-                        params=t.params,
-                        distributions={k: dims[k] for k in t.params},
-                        value=penalty if t.value is None else t.value,
-                    )
-                    for t in s.told
-                ]
-            )
-            return dict(study.ask(dims).params)
+            self._s.told.append(Told(params, value))
 
     # -- words ---------------------------------------------------------------------------
 
@@ -741,16 +625,3 @@ class TuningSession:
         if best is not None and best.score and base.score:
             tried = f"; best tried {best.config.describe()} at {best.score / base.score - 1:+.0%}"
         return f"left unchanged ({s.baseline.describe()}): {s.reason}{tried}; {trials} trials"
-
-
-@contextlib.contextmanager
-def _quiet_optuna() -> Iterator[None]:
-    """Silence optuna's per-study INFO line and its experimental-feature warning."""
-    previous = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            yield
-    finally:
-        optuna.logging.set_verbosity(previous)
