@@ -15,10 +15,8 @@ import math
 import operator
 import statistics
 import threading
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from itertools import compress, repeat
+from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat
 from typing import Any, cast
 
 import msgspec
@@ -28,25 +26,24 @@ from torshmon.aggregator.core.bottleneck import JobSnapshot, bottleneck_report
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.hang import HangDetector, HangSettings
 from torshmon.aggregator.core.linkcheck import LinkChecker, LinkCheckSettings
-from torshmon.aggregator.core.series import LabelSet, SeriesStore
+from torshmon.aggregator.core.rank_state import (
+    JobState,
+    RankState,
+    copy_rank,
+    observe_collectives,
+)
+from torshmon.aggregator.core.series import SeriesStore
 from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.straggler import StepCollector, StragglerDetector, StragglerSettings
 from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings
 from torshmon.labels import LabelCap
 from torshmon.wire import (
-    DURATION_BUCKETS_S,
     STEP_DURATION_BUCKETS_S,
-    AppliedConfig,
     Batch,
-    CollectiveStat,
     NodeSample,
     StepRecord,
 )
 
-#: The buckets of a collective-duration histogram, by index.
-_COLL_BUCKETS = range(len(DURATION_BUCKETS_S) + 1)
-#: How many recent steps the job-level means (bottleneck report, summaries) cover.
-_RECENT = 50
 #: The fields of a batch's steps that ``_observe_steps`` reads, as columns.
 _STEP_FIELDS = (
     "end_unix_ns",
@@ -72,74 +69,13 @@ _STEP_COLUMNS: Callable[[list[_Row]], tuple[_Row, ...]] = operator.itemgetter(
     *map(StepRecord.__struct_fields__.index, _STEP_FIELDS)
 )
 _astuple: Callable[[StepRecord], tuple[Any, ...]] = msgspec.structs.astuple
-#: The step-duration histogram bucket of a duration (as ``_Histogram.counts`` indexes).
+#: The step-duration histogram bucket of a duration (as ``Histogram.counts`` indexes).
 _STEP_BUCKET: Callable[[float], int] = functools.partial(
     bisect.bisect_left, STEP_DURATION_BUCKETS_S
 )
 #: ``x > 0`` as a C call (False for NaN, as the comparison is).
 _POSITIVE: Callable[[float], bool] = functools.partial(operator.lt, 0.0)
 _first: Callable[[tuple[int, Finding]], int] = operator.itemgetter(0)
-
-
-@dataclass(slots=True)
-class _Histogram:
-    """Cumulative histogram: per-bucket counts (non-cumulative), sum and count."""
-
-    counts: list[int]
-    sum: float = 0.0
-    count: int = 0
-
-
-@dataclass(slots=True)
-class _Recent:
-    """The last ``_RECENT`` steps' durations, communication waits and compute times
-    (seconds), as columns: a batch's steps go in without a tuple per step."""
-
-    duration_s: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))
-    wait_s: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))
-    compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))
-
-    def rows(self) -> Iterator[tuple[float, float, float]]:
-        """(duration, wait, compute) of each step, oldest first."""
-        return zip(self.duration_s, self.wait_s, self.compute_s, strict=True)
-
-
-@dataclass(slots=True)
-class RankState:
-    node: str = ""
-    last_step: int = -1
-    last_seen_unix_s: float = 0.0  # aggregator clock: the last batch, heartbeats included
-    steps_total: int = 0
-    samples_total: float = 0.0
-    dropped_records_total: int = 0
-    duration_s: float = math.nan
-    comm_wait_s: float = math.nan
-    compute_s: float = math.nan
-    communication_time_ratio: float = math.nan
-    samples_per_s: float = math.nan
-    loss: float = math.nan
-    nonfinite_loss_total: int = 0
-    config_version: int = 0
-    rss_bytes: float = math.nan
-    compression: dict[str, float] = field(default_factory=dict)  # codec -> ratio
-    relative_error: dict[str, float] = field(default_factory=dict)  # codec -> latest
-    wire_bytes_total: dict[str, float] = field(default_factory=dict)  # codec -> bytes
-    step_hist: _Histogram = field(
-        default_factory=lambda: _Histogram([0] * (len(STEP_DURATION_BUCKETS_S) + 1))
-    )
-    collectives: dict[tuple[str, str], _Histogram] = field(default_factory=dict)
-    busbw: dict[tuple[str, str], float] = field(default_factory=dict)
-    recent: _Recent = field(default_factory=_Recent)
-    labels: LabelSet = ()
-
-
-@dataclass(slots=True)
-class JobState:
-    world_size: int | None = None
-    ranks: dict[int, RankState] = field(default_factory=dict)
-    config: AppliedConfig | None = None
-    bucket_cap_bytes: int | None = None
-    collector: StepCollector | None = None
 
 
 class LiveState:
@@ -352,7 +288,7 @@ class LiveState:
         if any(collectives):
             for step_collectives in collectives:
                 if step_collectives:
-                    _observe_collectives(r, step_collectives, batch.job, self._labels)
+                    observe_collectives(r, step_collectives, batch.job, self._labels)
         if any(buckets):
             fold = self._labels.value
             for step_buckets in buckets:
@@ -605,7 +541,7 @@ class LiveState:
                     name: (
                         job.bucket_cap_bytes,
                         job.config.codec if job.config else None,
-                        [(rank, _copy_rank(r)) for rank, r in job.ranks.items()],
+                        [(rank, copy_rank(r)) for rank, r in job.ranks.items()],
                     )
                     for name, job in self.jobs.items()
                 },
@@ -622,43 +558,6 @@ class LiveState:
                 "alerts": list(self._alerts),
                 "labels_folded": self._labels.folded(),
             }
-
-
-def _copy_rank(r: RankState) -> RankState:
-    """A copy safe to read outside the lock: the exported mutable members are copied,
-    ``recent`` (not exported) is left empty."""
-    return replace(
-        r,
-        compression=dict(r.compression),
-        relative_error=dict(r.relative_error),
-        wire_bytes_total=dict(r.wire_bytes_total),
-        step_hist=_Histogram(list(r.step_hist.counts), r.step_hist.sum, r.step_hist.count),
-        collectives={
-            k: _Histogram(list(h.counts), h.sum, h.count) for k, h in r.collectives.items()
-        },
-        busbw=dict(r.busbw),
-        recent=_Recent(),
-    )
-
-
-def _observe_collectives(
-    r: RankState, collectives: Sequence[CollectiveStat], job: str, labels: LabelCap
-) -> None:
-    by_key, busbw = r.collectives, r.busbw
-    for c in collectives:
-        key = (c.op, c.pg)
-        if key not in by_key:  # a pair kept before is kept as it is
-            key = labels.collective(job, c.op, c.pg)
-        hist = by_key.get(key)
-        if hist is None:
-            hist = by_key[key] = _Histogram([0] * len(_COLL_BUCKETS))
-        counts, added = hist.counts, c.duration_hist
-        # Only the buckets the op fell in (usually one of them); extra buckets are ignored.
-        for i in compress(_COLL_BUCKETS, added):
-            counts[i] += added[i]
-        hist.sum += c.duration_s
-        hist.count += c.count
-        busbw[key] = c.busbw_bytes_per_s
 
 
 def _mean(values: Sequence[float]) -> float | None:
