@@ -155,6 +155,7 @@ def _common(mappings: Iterable[Mapping[str, str]]) -> dict[str, str]:
         common = {k: v for k, v in common.items() if mapping.get(k) == v}
     return common
 
+
 __all__ = [
     "MAX_ALERTS_PER_MESSAGE",
     "ZERO_TIME",

@@ -153,4 +153,5 @@ def _check_url(what: str, url: str) -> None:
     if not host:
         raise ValueError(f"{what} has no host")
 
+
 __all__ = ["AlertmanagerTarget", "SlackTarget", "Target", "WebhookTarget", "targets_from_env"]
