@@ -13,13 +13,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from torshmon.aggregator.core.alert_engine import AlertEngine
-from torshmon.aggregator.core.linkcheck import (
-    LinkChecker,
-    LinkCheckSettings,
-    _Baseline,
-    localize,
-    pair_bandwidths,
-)
+from torshmon.aggregator.core.linkcheck import LinkChecker, LinkCheckSettings, _Baseline
+from torshmon.aggregator.core.localization import localize, pair_bandwidths
 from torshmon.aggregator.core.promrules import expression, to_prometheus
 from torshmon.aggregator.core.rule_file import default_rules, load_rules_text
 from torshmon.aggregator.core.rules import RuleError

@@ -5,8 +5,9 @@ at the pace of its slowest link) while compute time stays as it was, so neither
 the straggler detector nor per-rank timings can name the rank. The probe can run
 an active test (``torshmon.probe.linkcheck``): every pair of ranks exchanges a
 block of bytes, timed. This module decides when a job needs one and reads the
-results. It is pure: observations and an explicit ``now`` in, decisions and
-``Finding`` records out; the service submits the commands.
+results (whose link is slow is ``localization``'s part). It is pure: observations
+and an explicit ``now`` in, decisions and ``Finding`` records out; the service
+submits the commands.
 
 When: a job's communication wait rises while its compute does not (the median
 over ranks of recent comm wait at least ``comm_rise`` times its baseline, and
@@ -17,18 +18,6 @@ slow-link finding is active, so that the finding clears when the link recovers.
 A rise that ``max_unexplained`` checks in a row do not explain becomes the new
 baseline. Baselines keep only steps that were not elevated, so a slow period
 does not become normal while checks keep finding its cause.
-
-Who: a pair is as fast as the slower of its two links, so each rank's link is at
-least as fast as its fastest pair. That estimate (the rank's best pair bandwidth)
-is compared with the median estimate over the ranks; a rank below ``slow_ratio``
-of it is slow. Taking the best pair means noise (a busy CPU only ever slows an
-exchange) flags a rank only if it slows every pair of that rank. At world size 2
-there is one pair and a pairwise test cannot say which end is slow: the pair is
-compared with the median it reached in this job's earlier checks that found
-nothing slow (the reference check after warm-up is the first), a slow reading is
-confirmed by a second check at once, and the finding's ``rank`` label names both
-ends, ``"0-1"``. With every link of the job equally
-slow, nothing stands out and nothing is named.
 
 Noise: each pair exchanges ``repeats`` times and its fastest exchange counts. A
 check prompted by the job's timings (communication rose) names a rank at once; a
@@ -45,17 +34,16 @@ import math
 import statistics
 from array import array
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Annotated
 
 from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.localization import Localization, Pair, localize, pair_bandwidths
 from torshmon.settings import setting
 from torshmon.wire import LinkCheckResult
 
-__all__ = ["LinkCheckSettings", "LinkChecker", "Localization", "localize", "pair_bandwidths"]
-
-Pair = tuple[int, int]
+__all__ = ["LinkCheckSettings", "LinkChecker"]
 
 RECOMMENDATION = (
     "Check the rank's network path: NIC and cable, the switch port and its error "
@@ -127,63 +115,6 @@ class LinkCheckSettings:
                 f"baseline_steps ({self.baseline_steps}) must be >= min_baseline_steps "
                 f"({self.min_baseline_steps})"
             )
-
-
-@dataclass(frozen=True, slots=True)
-class Localization:
-    """What one check says. ``bandwidth_by_rank``: each rank's best pair (bytes/s);
-    ``reference_bytes_per_s``: what a rank is compared with; ``slow``: the ranks named
-    (empty if none), or at world size 2 the pair, if it is slow. ``duration_s``: the
-    longest any rank was held by the check (its cost to the job)."""
-
-    pairs: Mapping[Pair, float]
-    bandwidth_by_rank: Mapping[int, float]
-    reference_bytes_per_s: float | None
-    slow: tuple[int, ...] = ()
-    duration_s: float = 0.0
-
-
-def pair_bandwidths(results: Iterable[LinkCheckResult]) -> dict[Pair, float]:
-    """Bytes/s of every pair, from whichever side timed it faster (both timed one exchange)."""
-    out: dict[Pair, float] = {}
-    for result in results:
-        for peer in result.peers:
-            if peer.duration_s <= 0 or peer.peer == result.rank:
-                continue
-            pair = (min(result.rank, peer.peer), max(result.rank, peer.peer))
-            bandwidth = peer.size_bytes / peer.duration_s
-            out[pair] = max(out.get(pair, 0.0), bandwidth)
-    return out
-
-
-def localize(
-    world_size: int,
-    pairs: Mapping[Pair, float],
-    *,
-    slow_ratio: float = 0.5,
-    reference_pair: Mapping[Pair, float] | None = None,
-) -> Localization:
-    """Name the slow ranks of one check (see the module docstring for the method).
-
-    ``reference_pair`` (world size 2 only) holds what each pair reached in earlier
-    checks of the job that found nothing slow.
-    """
-    by_rank: dict[int, float] = {}
-    for (a, b), bandwidth in pairs.items():
-        for rank in (a, b):
-            by_rank[rank] = max(by_rank.get(rank, 0.0), bandwidth)
-    if world_size == 2:
-        pair = (0, 1)
-        reference = (reference_pair or {}).get(pair)
-        slow: tuple[int, ...] = ()
-        if pair in pairs and reference is not None and pairs[pair] < slow_ratio * reference:
-            slow = pair
-        return Localization(dict(pairs), by_rank, reference, slow)
-    if len(by_rank) < 3:
-        return Localization(dict(pairs), by_rank, None)
-    reference = statistics.median(by_rank.values())
-    slow = tuple(sorted(r for r, bw in by_rank.items() if bw < slow_ratio * reference))
-    return Localization(dict(pairs), by_rank, reference, slow)
 
 
 class _Baseline:
