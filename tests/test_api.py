@@ -5,8 +5,6 @@ The request guard runs before every handler, as in the service."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -123,17 +121,6 @@ class Api:
     async def post(self, path: str, body: object) -> tuple[int, Any]:
         async with self.client.post(path, json=body, headers=AUTH) as response:
             return response.status, await response.json()
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[HistoryStore]:
-    writer = ThreadPoolExecutor(1)
-    store = HistoryStore(f"sqlite:///{tmp_path / 'h.db'}", aggregator_id="a1", writer=writer)
-    store.open()
-    Base.metadata.create_all(store.engine)
-    yield store
-    writer.shutdown(wait=True)
-    store.close()
 
 
 @pytest.fixture

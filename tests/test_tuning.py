@@ -4,9 +4,7 @@ a fake command sink, fake live data, a recording notifier and tracer, a fake clo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -115,17 +113,6 @@ class Parts:
             clock=self.clock,
             **kwargs,
         )
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[HistoryStore]:
-    writer = ThreadPoolExecutor(1)
-    store = HistoryStore(f"sqlite:///{tmp_path / 'h.db'}", aggregator_id="a1", writer=writer)
-    store.open()
-    Base.metadata.create_all(store.engine)
-    yield store
-    writer.shutdown(wait=True)
-    store.close()
 
 
 @pytest.fixture
