@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,3 +99,36 @@ def test_a_bad_rule_file_is_one_line_from_the_wheel(installed: Path, tmp_path: P
     checked = torshmon(installed, tmp_path, "rules", "check", str(rules))
     assert checked.returncode != 0
     assert checked.stderr.strip() == f"{rules}:2: unsupported YAML tag !!python/name:os.system"
+
+
+def test_the_sdist_carries_what_a_user_builds_and_tests_with(tmp_path: Path) -> None:
+    """The source distribution: license, migrations, tests and their data, dashboards."""
+    code = (
+        "import sys; from setuptools import build_meta; "
+        "print(build_meta.build_sdist(sys.argv[1]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    sdist = tmp_path / done.stdout.split()[-1]
+    with tarfile.open(sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+        pkg_info = tar.extractfile(f"{sdist.name.removesuffix('.tar.gz')}/PKG-INFO")
+        assert pkg_info is not None
+        metadata = pkg_info.read().decode()
+    for path in (
+        "LICENSE",
+        "torshmon/history/migrations/env.py",
+        "torshmon/history/migrations/versions/0001_initial.py",
+        "torshmon/aggregator/core/default_rules.yaml",
+        "tests/conftest.py",
+        "dashboards/build.py",
+        "docs/security.md",
+        "scripts/setup",
+    ):
+        assert path in names, path
+    assert any(name.startswith("tests/data/") for name in names)
+    assert not any("__pycache__" in name for name in names)
+    assert "License-Expression: Apache-2.0" in metadata
+    assert (REPO_ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
