@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -126,18 +125,20 @@ def test_constructor_rejects_bad_bounds(kwargs: dict[str, float], message: str) 
         SeriesStore(**kwargs)  # type: ignore[arg-type]
 
 
-def test_a_hundred_thousand_adds_cost_well_under_300_ms_of_cpu() -> None:
+def test_a_hundred_thousand_adds_keep_one_series_per_rank_and_metric() -> None:
+    # The CPU cost of this load is measured in benchmarks/series.py, not timed here.
     store = SeriesStore()
     ranks = [labelset(job="j", rank=str(rank)) for rank in range(256)]
     metrics = ["step_duration_seconds", "compute_seconds", "comm_wait_seconds", "loss"]
-    started = time.process_time()
-    for ts in range(100_000 // (len(ranks) * len(metrics)) + 1):
+    steps = 100_000 // (len(ranks) * len(metrics)) + 1
+    for ts in range(steps):
         for labels in ranks:
             for metric in metrics:
-                store.add(metric, labels, float(ts), 1.0)
-    elapsed_s = time.process_time() - started
+                store.add(metric, labels, float(ts), float(ts))
     assert store.series_count() == len(ranks) * len(metrics)
-    assert elapsed_s < 0.3, f"{elapsed_s:.3f} s of CPU for ~10^5 adds"
+    assert store.out_of_order_total == 0
+    newest = {(labels, value) for labels, _, value in store.latest("loss")}
+    assert newest == {(labels, float(steps - 1)) for labels in ranks}
 
 
 def _one_by_one_and_many(
