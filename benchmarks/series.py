@@ -32,9 +32,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _table import format_table  # noqa: E402
+from _table import format_table
 
-from torshmon.aggregator.core.series import SeriesStore, labelset  # noqa: E402
+from torshmon.aggregator.core.series import SeriesStore, labelset
 
 RANKS = 256
 METRICS = ("step_duration_seconds", "compute_seconds", "comm_wait_seconds", "loss")
