@@ -3,7 +3,6 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-import time
 from collections.abc import Sequence
 
 import pytest
@@ -536,7 +535,8 @@ def test_stale_after_must_be_positive() -> None:
         AlertEngine(default_rules(), stale_after_s=0.0)
 
 
-def test_evaluating_thousands_of_series_is_cheap() -> None:
+def test_thousands_of_healthy_series_raise_nothing_and_one_bad_job_one_alert() -> None:
+    # What an evaluation of this many series costs is measured in benchmarks/evaluation.py.
     engine = AlertEngine(default_rules())
     series = SeriesStore()
     metrics = ["communication_time_ratio", "loss", "step_duration_seconds"]
@@ -551,13 +551,15 @@ def test_evaluating_thousands_of_series_is_cheap() -> None:
                 float(ts),
                 1e9,
             )
-    engine.evaluate(60.0, series, [])
-    started = time.process_time()
-    for now in range(61, 66):
-        engine.evaluate(float(now), series, [])
-    per_evaluation_s = (time.process_time() - started) / 5
     assert series.series_count() == 4000
-    assert per_evaluation_s < 0.1, f"{per_evaluation_s:.3f} s of CPU per evaluation"
+    for now in range(60, 66):
+        assert engine.evaluate(float(now), series, []) == []
+    for rank in range(1, 1000, 4):
+        series.add("communication_time_ratio", labelset(job="j1", rank=str(rank)), 66.0, 0.9)
+    fired = engine.evaluate(66.0, series, [])
+    assert [(alert.rule, alert.labels["job"]) for alert in fired] == [
+        ("High Communication Overhead", "j1")
+    ]
 
 
 EVERY_SERIES = """
