@@ -89,16 +89,23 @@ def test_a_straggler_sleeps_its_own_compute_times_the_slowdown_only_on_its_rank(
     assert runner.events["fault0_end_unix_s"] >= runner.events["fault0_onset_unix_s"]
 
 
-def test_a_regression_slows_every_rank_by_the_same_step_interval() -> None:
+def test_a_regression_stretches_the_step_not_the_pause_between_steps() -> None:
     fault = parse_fault("regression:slowdown=1,from=6")
     runners = [FaultRunner(rank, (fault,)) for rank in range(2)]
     for runner in runners:
-        _loop(runner, 5, compute_s=0.004)
+        for step in range(1, 6):
+            runner.begin_step(step)
+            time.sleep(0.004)  # the step's own work
+            runner.end_compute(step)
+            time.sleep(0.05)  # a harness's pause between steps: not part of the step
+        # every rank's normal step is its in-step time, whatever the pause after it
+        assert 0.004 <= runner.normal_step_s(0.0) < 0.05
         started = time.perf_counter()
         runner.begin_step(6)
         runner.end_compute(6)
         assert time.perf_counter() - started >= 0.004
         assert runner.events["fault0_onset_step"] == 6.0
+        assert runner.normal_step_s(0.0) < 0.05  # a faulty step is not a normal one
 
 
 def test_a_hang_stops_the_rank_once_before_its_step() -> None:

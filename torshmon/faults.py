@@ -12,9 +12,11 @@ Kinds (defaults in brackets):
   ``1 + F`` times longer: it sleeps F times its own normal compute time (the median
   of its steps before the fault) inside each step.
 - ``regression:slowdown=F[0.5],from=S[20],to=E``: the whole job's steps take ``1 + F``
-  times longer (a bad library upgrade, a slower input pipeline): every rank sleeps F
-  times the job's normal step interval (the median before the fault, the same on every
-  rank of a synchronous job, so no rank looks slower than another).
+  times longer (a bad library upgrade, a slower kernel): every rank sleeps F times the
+  job's normal step time inside the step (the median, before the fault, of the time
+  from ``begin_step`` to ``end_compute``: the same on every rank of a synchronous job,
+  so no rank looks slower than another). Time the job spends between steps (a
+  harness's pause) is not a step's and is not stretched.
 - ``hang:rank=R[1],from=S[20],seconds=T[8]``: at the start of step S rank R stops for
   T seconds before its forward pass, so its peers enter the step's gradient
   all-reduce and wait for it. The job resumes afterwards.
@@ -193,7 +195,7 @@ class FaultRunner:
     signal_dir: str | None = None
     events: dict[str, float] = field(default_factory=dict)
     _compute_s: list[float] = field(default_factory=list)
-    _intervals_s: list[float] = field(default_factory=list)
+    _step_s: list[float] = field(default_factory=list)
     _step_started: float = 0.0
     _leaked: list[Any] = field(default_factory=list)
 
@@ -219,13 +221,7 @@ class FaultRunner:
                 self._track(index, fault, step)
                 time.sleep(fault.amount)
                 self.events[f"fault{index}_end_unix_s"] = time.time()
-        now = time.perf_counter()
-        # The interval just ended is the previous step's: normal only if no fault hit it.
-        # Any rank's fault counts: in a synchronous job a peer's fault slows this rank too.
-        normal = not any(f.active(step - 1) for f in self.faults)
-        if self._step_started and normal and len(self._intervals_s) < 50:
-            self._intervals_s.append(now - self._step_started)
-        self._step_started = now
+        self._step_started = time.perf_counter()
 
     def _signal(self, index: int, fault: Fault, step: int) -> None:
         if self.signal_dir is None:
@@ -255,6 +251,10 @@ class FaultRunner:
                 self._leak(fault.amount)
             elif step >= (fault.stop_step or step + 1):
                 self._leaked.clear()
+        # A step is normal only if no fault hit it. Any rank's fault counts: in a
+        # synchronous job a peer's fault slows this rank too.
+        if not any(f.active(step) for f in self.faults) and len(self._step_s) < 50:
+            self._step_s.append(elapsed)
         slow = [f for i, f in self._mine(("straggler",)) if self._track(i, f, step)]
         if slow:
             time.sleep(sum(f.amount for f in slow) * _median(self._compute_s, elapsed))
@@ -262,7 +262,12 @@ class FaultRunner:
             self._compute_s.append(elapsed)
         job_wide = [f for i, f in self._mine(("regression",)) if self._track(i, f, step)]
         if job_wide:
-            time.sleep(sum(f.amount for f in job_wide) * _median(self._intervals_s, elapsed))
+            time.sleep(sum(f.amount for f in job_wide) * self.normal_step_s(elapsed))
+
+    def normal_step_s(self, default: float) -> float:
+        """The median time from ``begin_step`` to ``end_compute`` over the first fault-free
+        steps (``default`` before any): what a regression stretches."""
+        return _median(self._step_s, default)
 
     def _leak(self, mb: float) -> None:
         import torch

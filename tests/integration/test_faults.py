@@ -92,7 +92,7 @@ async def test_a_memory_leak_fires_memory_leak_naming_the_rank_and_resolves(
 
 
 async def test_a_regression_fires_step_time_anomaly_and_no_straggler(tmp_path: Path) -> None:
-    result = await _run(tmp_path, 150, "regression:slowdown=1.5,from=40,to=100")
+    result = await _run(tmp_path, 150, "regression:slowdown=4,from=40,to=100")
     alert = _one(result, "Step Time Anomaly")
     assert alert["fired_at_unix_s"] >= _onset(result) - 0.5
     assert alert["state"] == "resolved"
