@@ -483,11 +483,14 @@ async def test_submit_drops_oldest_when_full_and_deduplicates() -> None:
     await notifier.aclose()  # twice is safe
 
 
-async def test_submit_never_raises_on_bad_input() -> None:
-    notifier = Notifier([SlackTarget("http://127.0.0.1:9/a")])
-    notifier.submit([object()])  # type: ignore[list-item]
+async def test_bad_input_costs_only_itself() -> None:
+    notifier = Notifier([SlackTarget("http://127.0.0.1:9/a", name="s")])
     notifier.submit(None)  # type: ignore[arg-type]
+    notifier.submit([object(), _alert(rank="1"), None, _alert(rank="2")])  # type: ignore[list-item]
+    # the two real alerts behind and between the bad items are queued, nothing else
+    assert notifier.stats()["s"]["queued"] == 2
     await notifier.aclose()
+    assert notifier.stats()["s"]["dropped_total"] == 2  # never started: undelivered
 
 
 def test_notifier_validates_its_settings() -> None:

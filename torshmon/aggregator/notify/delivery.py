@@ -255,16 +255,22 @@ class Notifier:
         after ``aclose()`` are not sent. A resolved alert without an end time ends now.
         """
         try:
-            for alert in alerts:
+            batch = list(alerts)
+        except TypeError:
+            log.error("submitting alerts for notification failed: not a sequence of alerts")
+            return
+        for alert in batch:
+            # One bad item costs only itself: the ingest path must not fail, and the other
+            # alerts of the batch must still go out, because of a notification problem.
+            try:
                 if alert.state not in ("firing", "resolved") or "notify" not in alert.actions:
                     continue
                 if alert.state == "resolved" and alert.ends_at_unix_s is None:
                     alert = replace(alert, ends_at_unix_s=self._settings.wall_clock())
                 for worker in self._workers:
                     worker.offer(alert, closed=self._closed)
-        except Exception:
-            # The ingest path must not fail because of a notification problem.
-            log.exception("submitting alerts for notification failed")
+            except Exception:
+                log.exception("submitting an alert for notification failed")
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Counters (STAT_NAMES) per target name, for the torshmon_notifications_* metrics."""
