@@ -73,7 +73,12 @@ def _teacher() -> tuple[Any, Any, Any]:
     return weight, x, x @ weight.t()
 
 
-def _attach(ddp: Any, codec: Any, calls: list[tuple[int, int, int, float | None, bool]]) -> None:
+# One reduction: bucket index, raw bytes, wire bytes, relative error, written in place,
+# compression ratio as the codec reports it.
+Call = tuple[int, int, int, float | None, bool, float]
+
+
+def _attach(ddp: Any, codec: Any, calls: list[Call]) -> None:
     # Unannotated on purpose: DDP inspects a hook's annotations as real objects, and
     # this module's annotations are strings.
     def hook(state, bucket):  # type: ignore[no-untyped-def]
@@ -84,8 +89,7 @@ def _attach(ddp: Any, codec: Any, calls: list[tuple[int, int, int, float | None,
             tensor, stats = done.value()
             in_place = tensor.data_ptr() == buffer.data_ptr() and tensor.shape == buffer.shape
             record = (bucket.index(), stats.raw_bytes, stats.wire_bytes)
-            calls.append((*record, stats.relative_error, in_place))
-            assert stats.compression_ratio == stats.wire_bytes / stats.raw_bytes
+            calls.append((*record, stats.relative_error, in_place, stats.compression_ratio))
             return tensor
 
         return future.then(unpack)
@@ -103,7 +107,7 @@ def _train(rank: int, run: Run, steps: int) -> dict[str, Any]:
     label, name, params = run
     group = dist.distributed_c10d._get_default_group()
     ddp = DistributedDataParallel(_model(), process_group=group, bucket_cap_mb=BUCKET_CAP_MB)
-    calls: list[tuple[int, int, int, float | None, bool]] = []
+    calls: list[Call] = []
     codec = make_codec(name, group, params) if name is not None else None
     if codec is not None:
         _attach(ddp, codec, calls)
@@ -218,20 +222,28 @@ def test_relative_errors_are_plausible(results: Results) -> None:
         assert worst["fp16"] < worst["bf16"] < min(_errors(results["topk"]))
 
 
+def _expected_wire_bytes(label: str, raw: int) -> int:
+    """What each codec sends for a bucket of ``raw`` bytes of float32, from its format."""
+    numel = raw // 4
+    if label == "none":
+        return raw
+    if label in ("fp16", "bf16"):
+        return raw // 2
+    if label == "int8":
+        return numel + 4  # one byte per value and a float32 scale
+    if label == "topk":
+        return -(-numel // 10) * 8  # 10% of the values, as int32 index + float32 value
+    assert label == "powersgd", label
+    # Rank-4 factors of the near-square view, unless they would not be smaller.
+    cols = math.isqrt(numel - 1) + 1
+    factors = 4 * (-(-numel // cols) + cols)
+    return factors * 4 if factors < numel else raw
+
+
 def test_compression_ratios_match_the_payloads(results: Results) -> None:
     for label, ranks in results.items():
-        for index, raw, wire, _, _ in (call for rank in ranks for call in rank["calls"]):
-            numel = raw // 4
-            if label == "none":
-                assert wire == raw
-            elif label in ("fp16", "bf16"):
-                assert wire == raw // 2
-            elif label == "int8":
-                assert wire == numel + 4
-            elif label == "topk":
-                assert wire == -(-numel // 10) * 8
-            elif label == "powersgd":
-                # Rank-4 factors of the near-square view, unless they would not be smaller.
-                cols = math.isqrt(numel - 1) + 1
-                factors = 4 * (-(-numel // cols) + cols)
-                assert wire == (factors * 4 if factors < numel else raw), (index, numel)
+        for index, raw, wire, _, _, ratio in (call for rank in ranks for call in rank["calls"]):
+            expected = _expected_wire_bytes(label, raw)
+            assert wire == expected, (label, index, raw)
+            # the ratio the metrics export is the payload's, not only self-consistent
+            assert ratio == pytest.approx(expected / raw), (label, index, raw)
