@@ -153,7 +153,7 @@ async def test_slack_gets_grouped_valid_block_kit_once_per_state(receiver: Recei
     try:
         a1, a2, other = _alert(rank="1"), _alert(rank="2"), _alert(rank="0", job="eval-7")
         notifier.submit([a1, other])
-        await asyncio.sleep(0.05)  # within the group wait: joins a1's message
+        await asyncio.sleep(0)  # the worker starts a1's group wait; a2 comes within it
         notifier.submit([a2])
         await _until(lambda: len(receiver.bodies) == 2)
         by_job = {body["blocks"][0]["text"]["text"]: body for body in receiver.bodies}
@@ -171,13 +171,15 @@ async def test_slack_gets_grouped_valid_block_kit_once_per_state(receiver: Recei
         notifier.submit([a1])  # delivered already: not again
         notifier.submit([_alert("resolved", rank="1")])
         await _until(lambda: len(receiver.bodies) == 3)
-        await asyncio.sleep(0.3)  # a duplicate would have been sent by now
-        assert len(receiver.bodies) == 3
+        # Delivery keeps submission order: a duplicate of a1 would arrive before this.
+        notifier.submit([_alert(rank="5", job="later-1")])
+        await _until(lambda: len(receiver.bodies) == 4)
         assert "RESOLVED" in receiver.bodies[2]["blocks"][0]["text"]["text"]
+        assert "job=later-1" in receiver.bodies[3]["text"]
         check_block_kit(receiver.bodies[2])
         stats = notifier.stats()["slack"]
         assert (stats["sent_total"], stats["deduplicated_total"], stats["failed_total"]) == (
-            3,
+            4,
             1,
             0,
         )
@@ -325,8 +327,11 @@ async def test_alertmanager_target_resends_firing_and_stops_after_resolve(
         notifier.submit([_alert("resolved")])
         await _until(lambda: receiver.bodies[-1][0]["endsAt"] < receiver.bodies[-2][0]["endsAt"])
         count = len(receiver.bodies)
-        await asyncio.sleep(0.4)
-        assert len(receiver.bodies) == count  # nothing left to re-send
+        # Another alert's re-sends mark time: the resolved one must be in none of them.
+        notifier.submit([_alert(rank="8")])
+        await _until(lambda: len(receiver.bodies) >= count + 3, timeout_s=2)
+        later = [alert["labels"]["rank"] for body in receiver.bodies[count:] for alert in body]
+        assert later == ["8"] * len(later)  # nothing of rank 3 left to re-send
 
 
 @pytest.fixture
