@@ -26,19 +26,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Generic, TypeVar
 
-from grafana_foundation_sdk.builders import bargauge, prometheus, statetimeline
-from grafana_foundation_sdk.builders import common as common_builders
-from grafana_foundation_sdk.builders import dashboard as dashboard_builders
-from grafana_foundation_sdk.builders import heatmap as heatmap_builders
-from grafana_foundation_sdk.builders import stat as stat_builders
-from grafana_foundation_sdk.builders import table as table_builders
-from grafana_foundation_sdk.builders import timeseries as timeseries_builders
-from grafana_foundation_sdk.cog import builder as cogbuilder
-from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models import common as common_models
-from grafana_foundation_sdk.models import dashboard as dashboard_models
-from grafana_foundation_sdk.models import heatmap as heatmap_models
-from grafana_foundation_sdk.models import prometheus as prometheus_models
+try:
+    from grafana_foundation_sdk.builders import bargauge, prometheus, statetimeline
+    from grafana_foundation_sdk.builders import common as common_builders
+    from grafana_foundation_sdk.builders import dashboard as dashboard_builders
+    from grafana_foundation_sdk.builders import heatmap as heatmap_builders
+    from grafana_foundation_sdk.builders import stat as stat_builders
+    from grafana_foundation_sdk.builders import table as table_builders
+    from grafana_foundation_sdk.builders import timeseries as timeseries_builders
+    from grafana_foundation_sdk.cog import builder as cogbuilder
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import common as common_models
+    from grafana_foundation_sdk.models import dashboard as dashboard_models
+    from grafana_foundation_sdk.models import heatmap as heatmap_models
+    from grafana_foundation_sdk.models import prometheus as prometheus_models
+except ImportError as exc:  # a build-time tool, in the dev extra
+    raise SystemExit(
+        f"dashboards/build.py needs grafana-foundation-sdk (pip install -e '.[dev]'): {exc}"
+    ) from None
 
 from torshmon.catalogue.metrics import METRICS
 
