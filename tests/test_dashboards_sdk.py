@@ -38,6 +38,7 @@ def test_query_variables_show_their_query_as_definition() -> None:
 
 def test_extended_adds_fields_to_what_the_sdk_builds() -> None:
     build = load_module(ROOT / "dashboards" / "build.py", "torshmon_dashboards_build_sdk")
+
     def as_json(model: Any) -> dict[str, Any]:
         result: dict[str, Any] = json.loads(json.dumps(model, cls=build.JSONEncoder))
         return result
