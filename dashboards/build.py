@@ -1,14 +1,17 @@
 """Writes torshmon's Grafana dashboards (Grafana 10+ JSON) into this folder.
 
-The six dashboards share their variables (data source, job, node, rank), panel
-defaults and layout, so they are generated here rather than edited by hand::
+The panels are built with Grafana's own SDK, grafana-foundation-sdk (a build-time
+tool in the ``dev`` extra: neither torshmon nor Grafana needs it at run time). The six
+dashboards share their variables (data source, job, node, rank), panel defaults and
+layout, so they are generated here rather than edited by hand::
 
     python dashboards/build.py            # rewrite the JSON files
     python dashboards/build.py --check    # exit 1 if a file is out of date
 
-Every query reads metrics named in ``torshmon.catalogue.metrics`` (checked when
-the files are written) from Prometheus scraping the aggregator (job-level series)
-and the agents (node and agent-health series); see deploy/prometheus.yml.
+Each panel's PromQL is written once, in its definition under "the dashboards" below.
+Every query reads metrics named in ``torshmon.catalogue.metrics`` (checked when the
+files are written) from Prometheus scraping the aggregator (job-level series) and
+the agents (node and agent-health series); see deploy/prometheus.yml.
 ``$__rate_interval`` is Grafana's, so the same panel works for any scrape interval.
 """
 
@@ -19,9 +22,28 @@ import json
 import re
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Generic, TypeVar
+
+try:
+    from grafana_foundation_sdk.builders import bargauge, prometheus, statetimeline
+    from grafana_foundation_sdk.builders import common as common_builders
+    from grafana_foundation_sdk.builders import dashboard as dashboard_builders
+    from grafana_foundation_sdk.builders import heatmap as heatmap_builders
+    from grafana_foundation_sdk.builders import stat as stat_builders
+    from grafana_foundation_sdk.builders import table as table_builders
+    from grafana_foundation_sdk.builders import timeseries as timeseries_builders
+    from grafana_foundation_sdk.cog import builder as cogbuilder
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import common as common_models
+    from grafana_foundation_sdk.models import dashboard as dashboard_models
+    from grafana_foundation_sdk.models import heatmap as heatmap_models
+    from grafana_foundation_sdk.models import prometheus as prometheus_models
+except ImportError as exc:  # a build-time tool, in the dev extra
+    raise SystemExit(
+        f"dashboards/build.py needs grafana-foundation-sdk (pip install -e '.[dev]'): {exc}"
+    ) from None
 
 from torshmon.catalogue.metrics import METRICS
 
@@ -29,10 +51,8 @@ HERE: Final = Path(__file__).resolve().parent
 #: The data source the provisioning in grafana/ creates (a variable, so that the
 #: dashboards also import into a Grafana whose Prometheus has another uid).
 DATASOURCE_UID: Final = "torshmon-prometheus"
-DATASOURCE: Final = {"type": "prometheus", "uid": "${datasource}"}
-SCHEMA_VERSION: Final = 39
+DATASOURCE: Final = dashboard_models.DataSourceRef(type_val="prometheus", uid="${datasource}")
 TAG: Final = "torshmon"
-GRID_WIDTH: Final = 24
 
 # Label selectors shared by the panels.
 JOB: Final = 'job="$job"'
@@ -41,42 +61,31 @@ NODES: Final = 'node=~"$node"'
 RATE: Final = "$__rate_interval"
 METRIC_NAME: Final = re.compile(r"\btorshmon_[a-z0-9_]+")
 
+Thresholds = tuple[tuple[str, float | None], ...]
+PanelBuilder = (
+    timeseries_builders.Panel
+    | stat_builders.Panel
+    | statetimeline.Panel
+    | table_builders.Panel
+    | bargauge.Panel
+    | heatmap_builders.Panel
+)
+T = TypeVar("T")
+P = TypeVar("P", bound=PanelBuilder)
+
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """One PromQL target; ``instant`` for tables and current values."""
+    """One PromQL target: its expression and legend (``{{label}}`` templates)."""
 
     expr: str
     legend: str = ""
-    instant: bool = False
-    table: bool = False
-    heatmap: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Panel:
-    """One panel; ``kind`` is a Grafana panel type. Sizes are grid units (24 wide)."""
-
-    kind: str
-    title: str
-    queries: tuple[Query, ...]
-    description: str = ""
-    unit: str = "short"
-    width: int = 12
-    height: int = 8
-    min_value: float | None = None
-    max_value: float | None = None
-    thresholds: tuple[tuple[str, float | None], ...] = ()
-    threshold_lines: bool = False
-    stack: bool = False
-    stat_text: str = "auto"
-    transformations: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
     title: str
-    panels: tuple[Panel, ...]
+    panels: tuple[PanelBuilder, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +96,7 @@ class Dashboard:
     title: str
     description: str
     rows: tuple[Row, ...]
-    extra_variables: tuple[dict[str, Any], ...] = ()
-    tags: tuple[str, ...] = ()
+    extra_variables: tuple[cogbuilder.Builder[Any], ...] = ()
 
     @property
     def uid(self) -> str:
@@ -99,6 +107,33 @@ class Dashboard:
         return f"{self.slug}.json"
 
 
+# -- what the SDK's Grafana 10.1 models lack ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Extended:
+    """A built SDK object plus JSON fields its model has no attribute for."""
+
+    model: Any
+    fields: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.model.to_json(), **self.fields}
+
+
+@dataclass(slots=True)
+class Extended(cogbuilder.Builder[T], Generic[T]):
+    """An SDK builder whose result carries extra JSON fields: a Prometheus annotation's
+    ``titleFormat``/``textFormat``/``step`` and a query variable's ``definition`` (the
+    text Grafana shows in the variables list)."""
+
+    builder: cogbuilder.Builder[T]
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> T:
+        return _Extended(self.builder.build(), self.fields)  # type: ignore[return-value]
+
+
 # -- panel shorthands ---------------------------------------------------------------------
 
 
@@ -106,38 +141,235 @@ def q(expr: str, legend: str = "") -> Query:
     return Query(expr, legend)
 
 
-def timeseries(title: str, *queries: Query, **options: Any) -> Panel:
-    return Panel("timeseries", title, queries, **options)
+def _target(query: Query, ref_id: str, *, instant: bool, fmt: str = "") -> prometheus.Dataquery:
+    target = (
+        prometheus.Dataquery()
+        .datasource(DATASOURCE)
+        .ref_id(ref_id)
+        .expr(query.expr)
+        .legend_format(query.legend or "__auto")
+        .editor_mode(prometheus_models.QueryEditorMode.CODE)
+    )
+    target = target.instant() if instant else target.range()
+    if fmt:
+        target = target.format(prometheus_models.PromQueryFormat(fmt))
+    return target
 
 
-def stat(title: str, *queries: Query, **options: Any) -> Panel:
+def _thresholds(steps: Thresholds) -> dashboard_builders.ThresholdsConfig:
+    return (
+        dashboard_builders.ThresholdsConfig()
+        .mode(dashboard_models.ThresholdsMode.ABSOLUTE)
+        .steps(
+            [dashboard_models.Threshold(value=v, color=c) for c, v in steps or (("green", None),)]
+        )
+    )
+
+
+def _panel(
+    panel: P,
+    title: str,
+    queries: Sequence[Query],
+    *,
+    description: str = "",
+    unit: str = "short",
+    width: int = 12,
+    height: int = 8,
+    min_value: float | None = None,
+    max_value: float | None = None,
+    thresholds: Thresholds = (),
+    instant: bool = False,
+    fmt: str = "",
+) -> P:
+    """What every panel has: title, data source, queries A, B, ..., unit, size, thresholds."""
+    if not 1 <= width <= 24:
+        raise ValueError(f"panel {title!r} width {width} is not 1..24")
+    built: Any = (
+        panel.title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .targets(
+            [
+                _target(query, chr(ord("A") + index), instant=instant, fmt=fmt)
+                for index, query in enumerate(queries)
+            ]
+        )
+        .unit(unit)
+        .span(width)
+        .height(height)
+        .thresholds(_thresholds(thresholds))
+        .mappings([])
+    )
+    if min_value is not None:
+        built = built.min(min_value)
+    if max_value is not None:
+        built = built.max(max_value)
+    return built  # type: ignore[no-any-return]
+
+
+def _legend() -> common_builders.VizLegendOptions:
+    return (
+        common_builders.VizLegendOptions()
+        .display_mode(common_models.LegendDisplayMode.LIST)
+        .placement(common_models.LegendPlacement.BOTTOM)
+        .show_legend(True)
+    )
+
+
+def _last_value() -> common_builders.ReduceDataOptions:
+    return common_builders.ReduceDataOptions().calcs(["lastNotNull"]).fields("").values(False)
+
+
+def _palette() -> dashboard_builders.FieldColor:
+    return dashboard_builders.FieldColor().mode(dashboard_models.FieldColorModeId.PALETTE_CLASSIC)
+
+
+def timeseries(
+    title: str,
+    *queries: Query,
+    stack: bool = False,
+    threshold_lines: bool = False,
+    **options: Any,
+) -> timeseries_builders.Panel:
+    lines = "line" if threshold_lines else "off"
+    return (
+        _panel(timeseries_builders.Panel(), title, queries, **options)
+        .color_scheme(_palette())
+        .draw_style(common_models.GraphDrawStyle.LINE)
+        .line_width(1)
+        .fill_opacity(30 if stack else 10)
+        .show_points(common_models.VisibilityMode.NEVER)
+        .span_nulls(False)
+        .stacking(
+            common_builders.StackingConfig()
+            .mode(common_models.StackingMode.NORMAL if stack else common_models.StackingMode.NONE)
+            .group("A")
+        )
+        .thresholds_style(
+            common_builders.GraphThresholdsStyleConfig().mode(
+                common_models.GraphTresholdsStyleMode(lines)  # sic: the SDK's spelling
+            )
+        )
+        .legend(_legend())
+        .tooltip(
+            common_builders.VizTooltipOptions()
+            .mode(common_models.TooltipDisplayMode.MULTI)
+            .sort(common_models.SortOrder.DESCENDING)
+        )
+    )
+
+
+def stat(
+    title: str, *queries: Query, stat_text: str = "auto", **options: Any
+) -> stat_builders.Panel:
     """A current value with its sparkline (a range query reduced to its last value)."""
     options.setdefault("width", 4)
     options.setdefault("height", 4)
-    return Panel("stat", title, queries, **options)
-
-
-def timeline(title: str, *queries: Query, **options: Any) -> Panel:
-    return Panel("state-timeline", title, queries, **options)
-
-
-def table(title: str, *queries: Query, **options: Any) -> Panel:
-    return Panel(
-        "table",
-        title,
-        tuple(Query(x.expr, x.legend, instant=True, table=True) for x in queries),
-        **options,
+    return (
+        _panel(stat_builders.Panel(), title, queries, **options)
+        .color_scheme(
+            dashboard_builders.FieldColor().mode(dashboard_models.FieldColorModeId.THRESHOLDS)
+        )
+        .reduce_options(_last_value())
+        .color_mode(common_models.BigValueColorMode.VALUE)
+        .graph_mode(common_models.BigValueGraphMode.AREA)
+        .justify_mode(common_models.BigValueJustifyMode.AUTO)
+        .orientation(common_models.VizOrientation.AUTO)
+        .text_mode(common_models.BigValueTextMode(stat_text))
     )
 
 
-def bars(title: str, *queries: Query, **options: Any) -> Panel:
-    return Panel(
-        "bargauge", title, tuple(Query(x.expr, x.legend, instant=True) for x in queries), **options
+def timeline(title: str, *queries: Query, **options: Any) -> statetimeline.Panel:
+    """Whether a 0/1 series is set over time ("yes" in red)."""
+    return (
+        _panel(
+            statetimeline.Panel(),
+            title,
+            queries,
+            thresholds=(("transparent", None), ("red", 1)),
+            **options,
+        )
+        .color_scheme(
+            dashboard_builders.FieldColor().mode(dashboard_models.FieldColorModeId.THRESHOLDS)
+        )
+        .mappings(
+            [
+                dashboard_models.ValueMap(
+                    options={
+                        "0": dashboard_models.ValueMappingResult(text="no"),
+                        "1": dashboard_models.ValueMappingResult(text="yes"),
+                    }
+                )
+            ]
+        )
+        .fill_opacity(70)
+        .line_width(0)
+        .legend(_legend())
+        .tooltip(common_builders.VizTooltipOptions().mode(common_models.TooltipDisplayMode.SINGLE))
+        .show_value(common_models.VisibilityMode.NEVER)
+        .merge_values(True)
+        .row_height(0.9)
+        .align_value(common_models.TimelineValueAlignment.LEFT)
     )
 
 
-def heatmap(title: str, expr: str, **options: Any) -> Panel:
-    return Panel("heatmap", title, (Query(expr, "{{le}}", heatmap=True),), **options)
+def table(
+    title: str, *queries: Query, transformations: Iterable[dict[str, Any]] = (), **options: Any
+) -> table_builders.Panel:
+    """Instant queries as table rows; ``transformations`` as Grafana names them."""
+    return (
+        _panel(table_builders.Panel(), title, queries, instant=True, fmt="table", **options)
+        .color_scheme(_palette())
+        .transformations(
+            [
+                dashboard_models.DataTransformerConfig(id_val=t["id"], options=t["options"])
+                for t in transformations
+            ]
+        )
+        .show_header(True)
+        .cell_height(common_models.TableCellHeight.SM)
+        .footer(common_builders.TableFooterOptions().show(False).reducer([]))
+    )
+
+
+def bars(title: str, *queries: Query, **options: Any) -> bargauge.Panel:
+    """The current value of each series as a horizontal bar."""
+    return (
+        _panel(bargauge.Panel(), title, queries, instant=True, **options)
+        .color_scheme(_palette())
+        .reduce_options(_last_value())
+        .display_mode(common_models.BarGaugeDisplayMode.GRADIENT)
+        .orientation(common_models.VizOrientation.HORIZONTAL)
+        .show_unfilled(True)
+    )
+
+
+def heatmap(title: str, expr: str, **options: Any) -> heatmap_builders.Panel:
+    """A Prometheus histogram's buckets (``le``) over time, as Prometheus computed them."""
+    return (
+        _panel(heatmap_builders.Panel(), title, (Query(expr, "{{le}}"),), fmt="heatmap", **options)
+        .color_scheme(_palette())
+        .calculate(False)
+        .cell_gap(1)
+        .color(
+            heatmap_builders.HeatmapColorOptions()
+            .mode(heatmap_models.HeatmapColorMode.SCHEME)
+            .scheme("Spectral")
+            .steps(64)
+            .exponent(0.5)
+        )
+        .y_axis(
+            heatmap_builders.YAxisConfig()
+            .unit("s")
+            .axis_placement(common_models.AxisPlacement.LEFT)
+        )
+        .rows_frame(
+            heatmap_builders.RowsHeatmapOptions().layout(common_models.HeatmapCellLayout.AUTO)
+        )
+        .show_legend()
+        .show_tooltip()
+        .hide_y_histogram()
+    )
 
 
 def mean_step(selector: str, by: str = "") -> str:
@@ -901,45 +1133,49 @@ def alerts() -> Dashboard:
 DASHBOARDS: Final = (job_overview, ranks, collectives, ddp, autotuner, alerts)
 
 
-# -- JSON -------------------------------------------------------------------------------
+# -- rendering with the SDK -----------------------------------------------------------------
 
 
 def _query_variable(
     name: str, label: str, query: str, *, multi: bool, include_all: bool = True
-) -> dict[str, Any]:
-    return {
-        "name": name,
-        "label": label,
-        "type": "query",
-        "datasource": DATASOURCE,
-        "definition": query,
-        "query": {"query": query, "refId": f"torshmon-{name}"},
-        "refresh": 2,
-        "sort": 3 if name == "rank" else 1,
-        "multi": multi,
-        "includeAll": include_all,
-        "current": {"selected": True, "text": ["All"], "value": ["$__all"]} if include_all else {},
-        "hide": 0,
-        "regex": "",
-        "options": [],
-        "skipUrlSync": False,
-    }
+) -> Extended[dashboard_models.VariableModel]:
+    all_selected = dashboard_models.VariableOption(selected=True, text=["All"], value=["$__all"])
+    variable = (
+        dashboard_builders.QueryVariable(name)
+        .label(label)
+        .datasource(DATASOURCE)
+        .query({"query": query, "refId": f"torshmon-{name}"})
+        .refresh(dashboard_models.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(
+            dashboard_models.VariableSort.NUMERICAL_ASC
+            if name == "rank"
+            else dashboard_models.VariableSort.ALPHABETICAL_ASC
+        )
+        .multi(multi)
+        .include_all(include_all)
+        .hide(dashboard_models.VariableHide.DONT_HIDE)
+        .regex("")
+        .options([])
+    )
+    if include_all:
+        variable = variable.current(all_selected)
+    return Extended(variable, {"definition": query})
 
 
-def variables(extra: Iterable[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+def variables(
+    extra: Iterable[cogbuilder.Builder[Any]] = (),
+) -> list[cogbuilder.Builder[Any]]:
     """Data source, job, node and rank, then the dashboard's own."""
-    datasource = {
-        "name": "datasource",
-        "label": "Data source",
-        "type": "datasource",
-        "query": "prometheus",
-        "current": {"selected": False, "text": "Prometheus", "value": DATASOURCE_UID},
-        "hide": 0,
-        "regex": "",
-        "options": [],
-        "refresh": 1,
-        "skipUrlSync": False,
-    }
+    datasource = (
+        dashboard_builders.DatasourceVariable("datasource")
+        .label("Data source")
+        .type("prometheus")
+        .current(
+            dashboard_models.VariableOption(selected=False, text="Prometheus", value=DATASOURCE_UID)
+        )
+        .hide(dashboard_models.VariableHide.DONT_HIDE)
+        .regex("")
+    )
     return [
         datasource,
         _query_variable(
@@ -959,238 +1195,68 @@ def variables(extra: Iterable[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     ]
 
 
-def _target(query: Query, ref_id: str) -> dict[str, Any]:
-    target: dict[str, Any] = {
-        "datasource": DATASOURCE,
-        "refId": ref_id,
-        "expr": query.expr,
-        "legendFormat": query.legend or "__auto",
-        "range": not query.instant,
-        "instant": query.instant,
-        "editorMode": "code",
+def alerts_annotation() -> Extended[dashboard_models.AnnotationQuery]:
+    """Firing alerts of the job (Prometheus' ALERTS series) marked on every time axis."""
+    query = (
+        dashboard_builders.AnnotationQuery()
+        .name("torshmon alerts")
+        .datasource(DATASOURCE)
+        .enable(True)
+        .icon_color("red")
+        .expr(f'ALERTS{{{JOB}, alertstate="firing"}}')
+    )
+    fields = {
+        "step": "15s",
+        "titleFormat": "{{alertname}}",
+        "textFormat": "rank {{rank}}",
+        "useValueForTime": False,
     }
-    if query.table:
-        target["format"] = "table"
-    elif query.heatmap:
-        target["format"] = "heatmap"
-    return target
+    return Extended(query, fields)
 
 
-def _thresholds(steps: Sequence[tuple[str, float | None]]) -> dict[str, Any]:
-    if not steps:
-        steps = (("green", None),)
-    return {
-        "mode": "absolute",
-        "steps": [{"color": color, "value": value} for color, value in steps],
-    }
-
-
-def _field_config(panel: Panel) -> dict[str, Any]:
-    defaults: dict[str, Any] = {
-        "unit": panel.unit,
-        "color": {"mode": "thresholds" if panel.kind == "stat" else "palette-classic"},
-        "thresholds": _thresholds(panel.thresholds),
-        "mappings": [],
-    }
-    if panel.min_value is not None:
-        defaults["min"] = panel.min_value
-    if panel.max_value is not None:
-        defaults["max"] = panel.max_value
-    if panel.kind == "timeseries":
-        defaults["custom"] = {
-            "drawStyle": "line",
-            "lineWidth": 1,
-            "fillOpacity": 30 if panel.stack else 10,
-            "showPoints": "never",
-            "spanNulls": False,
-            "stacking": {"mode": "normal" if panel.stack else "none", "group": "A"},
-            "thresholdsStyle": {"mode": "line" if panel.threshold_lines else "off"},
-        }
-    if panel.kind == "state-timeline":
-        defaults["color"] = {"mode": "thresholds"}
-        defaults["thresholds"] = _thresholds((("transparent", None), ("red", 1)))
-        defaults["mappings"] = [
-            {"type": "value", "options": {"0": {"text": "no"}, "1": {"text": "yes"}}}
-        ]
-        defaults["custom"] = {"fillOpacity": 70, "lineWidth": 0}
-    return {"defaults": defaults, "overrides": []}
-
-
-def _options(panel: Panel) -> dict[str, Any]:
-    legend = {"displayMode": "list", "placement": "bottom", "showLegend": True}
-    if panel.kind == "timeseries":
-        return {"legend": legend, "tooltip": {"mode": "multi", "sort": "desc"}}
-    if panel.kind == "stat":
-        return {
-            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-            "colorMode": "value",
-            "graphMode": "area",
-            "justifyMode": "auto",
-            "orientation": "auto",
-            "textMode": panel.stat_text,
-        }
-    if panel.kind == "bargauge":
-        return {
-            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-            "displayMode": "gradient",
-            "orientation": "horizontal",
-            "showUnfilled": True,
-        }
-    if panel.kind == "state-timeline":
-        return {
-            "legend": legend,
-            "tooltip": {"mode": "single"},
-            "showValue": "never",
-            "mergeValues": True,
-            "rowHeight": 0.9,
-            "alignValue": "left",
-        }
-    if panel.kind == "heatmap":
-        return {
-            "calculate": False,
-            "cellGap": 1,
-            "color": {"mode": "scheme", "scheme": "Spectral", "steps": 64, "exponent": 0.5},
-            "yAxis": {"unit": "s", "axisPlacement": "left"},
-            "rowsFrame": {"layout": "auto"},
-            "legend": {"show": True},
-            "tooltip": {"show": True, "yHistogram": False},
-        }
-    if panel.kind == "table":
-        return {"showHeader": True, "cellHeight": "sm", "footer": {"show": False}}
-    raise ValueError(f"unknown panel kind {panel.kind!r}")
-
-
-class _Layout:
-    """Places panels left to right, wrapping at the grid's width."""
-
-    def __init__(self) -> None:
-        self.x = 0
-        self.y = 0
-        self.row_height = 0
-
-    def row(self) -> dict[str, int]:
-        self._newline()
-        pos = {"h": 1, "w": GRID_WIDTH, "x": 0, "y": self.y}
-        self.y += 1
-        return pos
-
-    def place(self, width: int, height: int) -> dict[str, int]:
-        if self.x + width > GRID_WIDTH:
-            self._newline()
-        pos = {"h": height, "w": width, "x": self.x, "y": self.y}
-        self.x += width
-        self.row_height = max(self.row_height, height)
-        return pos
-
-    def _newline(self) -> None:
-        self.y += self.row_height
-        self.x = 0
-        self.row_height = 0
-
-
-def render(dashboard: Dashboard) -> dict[str, Any]:
-    """The dashboard as Grafana's JSON model."""
-    layout = _Layout()
-    panels: list[dict[str, Any]] = []
+def render(dashboard: Dashboard) -> dashboard_builders.Dashboard:
+    """The dashboard as the SDK's builder; panels are laid out left to right by the SDK,
+    a new line when the row's width (24) is full."""
+    builder = (
+        dashboard_builders.Dashboard(dashboard.title)
+        .uid(dashboard.uid)
+        .description(dashboard.description)
+        .tags([TAG])
+        .editable()
+        .tooltip(dashboard_models.DashboardCursorSync.CROSSHAIR)
+        .time("now-30m", "now")
+        .timezone("")
+        .refresh("10s")
+        .version(1)
+        .week_start("")
+        .fiscal_year_start_month(0)
+        .variables(variables(dashboard.extra_variables))
+        .annotation(alerts_annotation())
+        .link(
+            dashboard_builders.DashboardLink("torshmon")
+            .type(dashboard_models.DashboardLinkType.DASHBOARDS)
+            .tags([TAG])
+            .as_dropdown(True)
+            .include_vars(True)
+            .keep_time(True)
+            .icon("external link")
+            .target_blank(False)
+            .tooltip("")
+            .url("")
+        )
+    )
     next_id = 1
     for row in dashboard.rows:
-        panels.append(
-            {
-                "id": next_id,
-                "type": "row",
-                "title": row.title,
-                "collapsed": False,
-                "gridPos": layout.row(),
-                "panels": [],
-            }
-        )
+        builder = builder.with_row(dashboard_builders.Row(row.title).id(next_id))
         next_id += 1
         for panel in row.panels:
-            if not 1 <= panel.width <= GRID_WIDTH:
-                raise ValueError(f"panel {panel.title!r} width {panel.width} is not 1..24")
-            entry: dict[str, Any] = {
-                "id": next_id,
-                "type": panel.kind,
-                "title": panel.title,
-                "description": panel.description,
-                "datasource": DATASOURCE,
-                "gridPos": layout.place(panel.width, panel.height),
-                "targets": [
-                    _target(query, chr(ord("A") + index))
-                    for index, query in enumerate(panel.queries)
-                ],
-                "fieldConfig": _field_config(panel),
-                "options": _options(panel),
-            }
-            if panel.transformations:
-                entry["transformations"] = list(panel.transformations)
-            panels.append(entry)
+            builder = builder.with_panel(panel.id(next_id))
             next_id += 1
-    return {
-        "__requires": [
-            {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.0.0"},
-            {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
-        ],
-        "annotations": {
-            "list": [
-                {
-                    "builtIn": 1,
-                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-                    "enable": True,
-                    "hide": True,
-                    "iconColor": "rgba(0, 211, 255, 1)",
-                    "name": "Annotations & Alerts",
-                    "type": "dashboard",
-                },
-                {
-                    "datasource": DATASOURCE,
-                    "enable": True,
-                    "expr": f'ALERTS{{{JOB}, alertstate="firing"}}',
-                    "iconColor": "red",
-                    "name": "torshmon alerts",
-                    "step": "15s",
-                    "titleFormat": "{{alertname}}",
-                    "textFormat": "rank {{rank}}",
-                    "useValueForTime": False,
-                },
-            ]
-        },
-        "description": dashboard.description,
-        "editable": True,
-        "fiscalYearStartMonth": 0,
-        "graphTooltip": 1,
-        "id": None,
-        "links": [
-            {
-                "title": "torshmon",
-                "type": "dashboards",
-                "tags": [TAG],
-                "asDropdown": True,
-                "includeVars": True,
-                "keepTime": True,
-                "icon": "external link",
-                "targetBlank": False,
-                "tooltip": "",
-                "url": "",
-            }
-        ],
-        "panels": panels,
-        "refresh": "10s",
-        "schemaVersion": SCHEMA_VERSION,
-        "tags": [TAG, *dashboard.tags],
-        "templating": {"list": variables(dashboard.extra_variables)},
-        "time": {"from": "now-30m", "to": "now"},
-        "timepicker": {},
-        "timezone": "",
-        "title": dashboard.title,
-        "uid": dashboard.uid,
-        "version": 1,
-        "weekStart": "",
-    }
+    return builder
 
 
-def dump(model: dict[str, Any]) -> str:
-    return json.dumps(model, indent=2, ensure_ascii=False) + "\n"
+def dump(dashboard: dashboard_builders.Dashboard) -> str:
+    return json.dumps(dashboard.build(), cls=JSONEncoder, indent=2, ensure_ascii=False) + "\n"
 
 
 def catalogued(name: str) -> bool:
@@ -1221,9 +1287,9 @@ def files() -> dict[str, str]:
     unknown metric."""
     out = {}
     for dashboard in (factory() for factory in DASHBOARDS):
-        model = render(dashboard)
-        check_metrics(model, dashboard.filename)
-        out[dashboard.filename] = dump(model)
+        text = dump(render(dashboard))
+        check_metrics(json.loads(text), dashboard.filename)
+        out[dashboard.filename] = text
     return out
 
 
