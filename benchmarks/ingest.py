@@ -45,7 +45,8 @@ other, suffer it differently: read a ratio measured under steal with that in min
 Bare run: the rows ingest writes for the same kind of bodies (``insert_rows``:
 ingest seqs, steps, collectives, DDP statistics, node, GPU and rank samples) are
 built first, then inserted into a fresh database of the same kind with the DBAPI
-cursor's ``executemany`` (one transaction per POST's rows, as ingest commits) in a
+way ingest writes them (one transaction per POST's rows, as ingest commits): the DBAPI
+cursor's ``executemany`` on SQLite, ``COPY ... FROM STDIN`` on PostgreSQL, in a
 tight loop. ``ratio_vs_bare`` is pipeline samples/s over bare samples/s.
 
 Prints one row per run, then (the last line of stdout) one JSON object.
@@ -864,15 +865,16 @@ class BareResult:
     samples_per_cpu_s: float
 
 
-PostRows = list[tuple[str, list[tuple[Any, ...]]]]  # (INSERT statement, rows) per table
+PostRows = list[tuple[str, str, list[tuple[Any, ...]]]]  # (table, SQL, rows) per table
 
 
 def _bare_posts(workload: Workload, dialect: str, posts: int) -> tuple[list[PostRows], int, int]:
-    """The rows ingest writes for ``posts`` POSTs, as (statement, tuples) per table.
+    """The rows ingest writes for ``posts`` POSTs, as (table, SQL, tuples) per table:
+    an INSERT for ``executemany`` on SQLite, a ``COPY ... FROM STDIN`` on PostgreSQL,
+    as ingest writes them.
 
     Returns them, the samples and the steps per round over all of them.
     """
-    marker = "?" if dialect == "sqlite" else "%s"
     tag = uuid.uuid4().hex[:8]
     agents = [SimulatedAgent(i, workload, tag) for i in range(workload.agents)]
     out: list[PostRows] = []
@@ -885,10 +887,13 @@ def _bare_posts(workload: Workload, dialect: str, posts: int) -> tuple[list[Post
         batch = decode_json(gzip.decompress(post.body_gz), IngestBatch)
         post_rows: PostRows = []
         for table, (columns, rows) in insert_rows(batch, time.time_ns()).items():
-            statement = "INSERT INTO {} ({}) VALUES ({})".format(
-                table, ", ".join(columns), ", ".join([marker] * len(columns))
-            )
-            post_rows.append((statement, [_plain(row) for row in rows]))
+            if dialect == "sqlite":
+                statement = "INSERT INTO {} ({}) VALUES ({})".format(
+                    table, ", ".join(columns), ", ".join("?" * len(columns))
+                )
+            else:
+                statement = f"COPY {table} ({', '.join(columns)}) FROM STDIN"
+            post_rows.append((table, statement, [_plain(row) for row in rows]))
         out.append(post_rows)
     return out, samples, steps
 
@@ -899,7 +904,8 @@ def _plain(row: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def measure_bare(plan: Plan, backend: str, db_url: str, repeat: int) -> BareResult:
-    """Insert the same kind of rows with plain executemany for ``plan.bare_s`` seconds."""
+    """Insert the same kind of rows for ``plan.bare_s`` seconds, straight through the
+    DBAPI driver as ingest does (``executemany`` on SQLite, ``COPY`` on PostgreSQL)."""
     upgrade(db_url)
     engine = make_engine(db_url)
     dialect = engine.dialect.name
@@ -915,11 +921,16 @@ def measure_bare(plan: Plan, backend: str, db_url: str, repeat: int) -> BareResu
             for post_rows in posts:
                 if dialect == "sqlite":
                     cursor.execute("BEGIN")
-                for statement, rows in post_rows:
-                    if statement.startswith("INSERT INTO ingest_seqs"):
+                for table, statement, rows in post_rows:
+                    if table == "ingest_seqs":
                         # Seqs are the primary key: renumber them for every round.
                         rows = [(a, seq + rounds * 1_000_000, *rest) for a, seq, *rest in rows]
-                    cursor.executemany(statement, rows)
+                    if dialect == "sqlite":
+                        cursor.executemany(statement, rows)
+                    else:
+                        with cursor.copy(statement) as copy:
+                            for row in rows:
+                                copy.write_row(row)
                 if dialect == "sqlite":
                     cursor.execute("COMMIT")
                 else:
