@@ -173,7 +173,9 @@ class Step(Base):
     job: Mapped[str] = mapped_column(String(200), comment="Job name.")
     rank: Mapped[int] = mapped_column(Integer, comment="Global rank.")
     node: Mapped[str] = mapped_column(String(200), comment="Node the rank runs on.")
-    step: Mapped[int] = mapped_column(BigInteger, comment="Step number (0-based).")
+    step: Mapped[int] = mapped_column(
+        BigInteger, comment="Step number, from 1 (the probe counts a step when it ends)."
+    )
     end_unix_ns: Mapped[int] = mapped_column(
         BigInteger, comment="End of the step, Unix time in nanoseconds."
     )
