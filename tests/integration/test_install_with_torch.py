@@ -3,8 +3,8 @@
 As the README tells users (and ``scripts/setup`` does): ``pip install torch==2.13.0``
 (the local CPU wheel), then the wheel built from this checkout with its ``torch`` extra
 under a constraint that pins that torch, so pip never resolves another one. Both are
-real installs into a venv of the module's own, no links to the tests' torch (about a
-minute: half torch, half the other dependencies). Every command runs from a folder
+real installs into a venv of the module's own, no links to the tests' torch (about 80 s
+here, half torch, half the other dependencies). Every command runs from a folder
 outside the source tree.
 """
 
