@@ -2,7 +2,8 @@
 
 ``torshmon.attach(ddp_model, job=...)`` starts the probe in a training process.
 The probe (and torch) load on first use, so the daemons that import other parts
-of the package do not pay for importing torch.
+of the package do not pay for importing torch, nor need it installed: torch comes
+with the ``torch`` extra (``pip install 'torshmon[torch]'``) on training hosts.
 """
 
 from __future__ import annotations

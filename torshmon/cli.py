@@ -296,6 +296,13 @@ def _run_agent(args: argparse.Namespace, redact: Redactor) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    try:
+        import torshmon.probe  # noqa: F401  (the demo's ranks run the probe, which needs torch)
+    except ImportError as exc:
+        if exc.name != "torch":
+            raise
+        print(f"torshmon demo: {exc}", file=sys.stderr)
+        return 2
     from torshmon.demo import DemoConfig, run_demo
     from torshmon.faults import FaultError, parse_fault
 
