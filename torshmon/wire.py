@@ -310,11 +310,24 @@ class RankProcess(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     rank: Rank
     pid: Count
     rss_bytes: Count
+    #: user + system CPU time of the process since it started
+    cpu_s_total: float = 0.0
+    #: the GPU (NVML index) the process computes on; None when unknown or none
+    gpu: Count | None = None
+
+
+class InterfaceSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One network interface of the node (loopback interfaces are never sampled)."""
+
+    name: Name
+    rx_bytes_total: Count
+    tx_bytes_total: Count
 
 
 class NodeSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The node at one instant. Byte counters are cumulative since boot; ratios are
-    over the interval since the previous sample."""
+    over the interval since the previous sample. The network totals are the sums
+    over ``interfaces`` (loopback left out)."""
 
     ts_unix_ns: Int64
     node: Name
@@ -328,6 +341,7 @@ class NodeSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     disk_write_bytes_total: Count
     gpus: list[GpuSample] = []
     ranks: list[RankProcess] = []
+    interfaces: list[InterfaceSample] = []
 
 
 class SpoolRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
