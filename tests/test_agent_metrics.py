@@ -39,7 +39,13 @@ def _node_sample(**changes: Any) -> NodeSample:
         "disk_read_bytes_total": 3000,
         "disk_write_bytes_total": 4000,
         "gpus": [
-            GpuSample(index=0, utilization_ratio=0.9, memory_used_bytes=5, memory_total_bytes=9)
+            GpuSample(
+                index=0,
+                utilization_ratio=0.9,
+                memory_used_bytes=5,
+                memory_total_bytes=9,
+                uuid="GPU-5a1c",
+            )
         ],
         "ranks": [
             RankProcess(job="train", rank=0, pid=1000, rss_bytes=123456, cpu_s_total=7.5, gpu=0),
@@ -120,7 +126,7 @@ async def test_metrics_served_over_http_carry_no_training_series(
     assert types["torshmon_rank_memory_rss_bytes"] == "gauge"
     # No unbounded labels anywhere (pid is one per connected process).
     allowed = {
-        "job", "rank", "node", "gpu", "interface", "local_rank", "pid",
+        "job", "rank", "node", "gpu", "gpu_uuid", "interface", "local_rank", "pid",
         "daemon", "version", "python", "implementation",
     }  # fmt: skip
     for family in families.values():
@@ -158,14 +164,14 @@ def test_process_metrics_and_rank_info_name_each_local_rank() -> None:
     assert value("torshmon_rank_memory_rss_bytes", rank0) == 123456
     assert value("torshmon_rank_cpu_seconds_total", rank0) == 7.5
     # The agent's own node name, not the probe's; the GPU where NVML saw the pid.
-    info = {**rank0, "local_rank": "0", "pid": "1000", "gpu": "0"}
+    info = {**rank0, "local_rank": "0", "pid": "1000", "gpu": "0", "gpu_uuid": "GPU-5a1c"}
     assert value("torshmon_rank_info", info) == 1
     info1 = {"job": "train", "rank": "1", "node": "n1", "local_rank": "1", "pid": "1001"}
-    assert value("torshmon_rank_info", {**info1, "gpu": ""}) == 1
+    assert value("torshmon_rank_info", {**info1, "gpu": "", "gpu_uuid": ""}) == 1
     # A probe gone from the agent is gone from rank_info.
     metrics.observe_probes([wf.hello("train", 1, 2)])
     assert value("torshmon_rank_info", info) is None
-    assert value("torshmon_rank_info", {**info1, "gpu": ""}) == 1
+    assert value("torshmon_rank_info", {**info1, "gpu": "", "gpu_uuid": ""}) == 1
 
 
 def test_build_info_names_the_agent() -> None:

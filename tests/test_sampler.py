@@ -133,6 +133,7 @@ def _fake_nvml(*, init_fails: bool = False) -> tuple[types.ModuleType, dict[str,
         nvmlDeviceGetHandleByIndex=lambda index: index,
         nvmlDeviceGetUtilizationRates=lambda handle: _Utilization(gpu=[55, 100][handle]),
         nvmlDeviceGetMemoryInfo=lambda handle: _Memory(used=(handle + 1) * 2**30, total=2**34),
+        nvmlDeviceGetUUID=lambda handle: f"GPU-{handle}".encode(),
         # This test process computes on GPU 1.
         nvmlDeviceGetComputeRunningProcesses=lambda handle: (
             [types.SimpleNamespace(pid=os.getpid())] if handle == 1 else []
@@ -151,6 +152,7 @@ def test_gpus_read_through_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
         (1, 1.0, 2**31),
     ]
     assert all(g.memory_total_bytes == 2**34 for g in gpus)
+    assert [g.uuid for g in gpus] == ["GPU-0", "GPU-1"]
     (process,) = sampler.sample([("job", 0, os.getpid())]).ranks
     assert process.gpu == 1
     state["broken"] = 1

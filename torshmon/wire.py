@@ -301,6 +301,8 @@ class GpuSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     utilization_ratio: float
     memory_used_bytes: Count
     memory_total_bytes: Count
+    #: NVML's UUID ("GPU-..."), as DCGM's exporter labels it; "" when unread
+    uuid: Label = ""
 
 
 class RankProcess(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -160,6 +160,7 @@ def _rank_info(probes: Sequence[Hello], node: str, sample: NodeSample | None) ->
     """One series per connected probe; the node is the agent's own name for its node
     (the one its other series carry), the GPU the one NVML saw the process on."""
     gpu_by_pid = {p.pid: p.gpu for p in sample.ranks} if sample is not None else {}
+    uuids = {g.index: g.uuid for g in sample.gpus} if sample is not None else {}
     rows = []
     for hello in sorted(probes, key=lambda h: (h.job, h.rank)):
         gpu = gpu_by_pid.get(hello.pid)
@@ -170,6 +171,7 @@ def _rank_info(probes: Sequence[Hello], node: str, sample: NodeSample | None) ->
             str(hello.local_rank),
             str(hello.pid),
             "" if gpu is None else str(gpu),
+            "" if gpu is None else uuids.get(gpu, ""),
         ]
         rows.append((labels, 1))
     return _family(catalogue.RANK_INFO, rows)

@@ -155,6 +155,7 @@ class NodeSampler:
                         utilization_ratio=_ratio(float(utilization.gpu), 100.0),
                         memory_used_bytes=int(memory.used),
                         memory_total_bytes=int(memory.total),
+                        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
                     )
                 )
         except nvml.NVMLError as exc:
@@ -178,6 +179,11 @@ class NodeSampler:
             if self._gpu_error_log.allow():
                 log.info("reading GPU processes through NVML failed: %s", exc)
         return by_pid
+
+
+def _text(value: str | bytes) -> str:
+    """NVML strings: bytes from older pynvml releases, str from newer ones."""
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _load_nvml(*, required: bool) -> Any:

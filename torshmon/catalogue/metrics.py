@@ -232,9 +232,9 @@ GPU_MEMORY_TOTAL_BYTES: Final = _agent_gauge(
 RANK_INFO: Final = _agent_gauge(
     "rank_info",
     "1 for every training process connected to the agent: which node, local rank, "
-    "process id and GPU (index, '' when unknown) runs the job's rank; join on job and "
-    "rank, or on node and gpu with node and GPU exporters (DCGM).",
-    ("job", "rank", "node", "local_rank", "pid", "gpu"),
+    "process id and GPU (NVML index and UUID, '' when unknown) runs the job's rank; join "
+    "on job and rank, or on node and gpu or gpu_uuid with node and GPU exporters (DCGM).",
+    ("job", "rank", "node", "local_rank", "pid", "gpu", "gpu_uuid"),
 )
 RANK_MEMORY_RSS_BYTES: Final = _agent_gauge(
     "rank_memory_rss_bytes", "Resident memory of the rank's process.", _PROCESS
