@@ -550,7 +550,6 @@ class LiveState:
                     )
                     for name, job in self.jobs.items()
                 },
-                "nodes": dict(self.nodes),
                 "anomalies": self.step_z.active() + self.loss_z.active(),
                 "stragglers": self.straggler.active(),
                 "hangs": list(self._hangs),

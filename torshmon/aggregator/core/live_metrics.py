@@ -2,7 +2,8 @@
 
 ``LiveCollector(live)`` reads ``LiveState.snapshot_for_export`` (a copy taken under the
 live state's lock) and names every family as ``torshmon.catalogue.metrics`` does;
-register it with the registry the service exposes.
+register it with the registry the service exposes. It exports the training series
+only: node and process series are the agents' (one exporter per series).
 """
 
 from __future__ import annotations
@@ -11,19 +12,14 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, TypeAlias
 
-from prometheus_client.metrics_core import (
-    Metric,
-)
+from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.rank_state import RankState
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.metrics import MetricSpec
-from torshmon.wire import (
-    DURATION_BUCKETS_S,
-    STEP_DURATION_BUCKETS_S,
-)
+from torshmon.wire import DURATION_BUCKETS_S, STEP_DURATION_BUCKETS_S
 
 #: What ``snapshot_for_export`` holds per job: bucket cap, codec, (rank, state) pairs.
 _Job: TypeAlias = tuple[int | None, str | None, list[tuple[int, RankState]]]
