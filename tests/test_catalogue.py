@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -11,7 +12,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+import torshmon.version as torshmon
 from torshmon.agent.metrics import AgentMetrics
+from torshmon.aggregator.core.promrules import PER_STEP_MEANS
 from torshmon.aggregator.core.rules import METRIC_LABELS
 from torshmon.aggregator.service import Aggregator
 from torshmon.aggregator.settings import AggregatorSettings
@@ -110,23 +113,44 @@ def test_metric_specs_follow_prometheus_naming() -> None:
         ({"name": "steps_total", "kind": "counter"}, "must match"),
         ({"name": "torshmon_steps", "kind": "counter"}, "only counters end in _total"),
         ({"name": "torshmon_x_total", "kind": "gauge"}, "only counters end in _total"),
-        ({"name": "torshmon_x", "kind": "gauge", "agent": None}, "no daemon exports it"),
+        ({"name": "torshmon_x", "kind": "gauge", "exporter": "both"}, "exporter must be"),
+        # Only a daemon's description of itself may come from each daemon.
+        ({"name": "torshmon_x", "kind": "gauge", "exporter": "each"}, "only an _info gauge"),
+        (
+            {"name": "torshmon_x_info", "kind": "gauge", "exporter": "each"},
+            "only an _info gauge with a daemon label",
+        ),
     ],
 )
 def test_a_spec_against_the_conventions_is_refused(kwargs: dict[str, object], message: str) -> None:
-    fields: dict[str, object] = {"help": "h", "agent": ("node",), **kwargs}
+    fields: dict[str, object] = {"help": "h", "exporter": "agent", "labels": ("node",), **kwargs}
     with pytest.raises(ValueError, match=message):
         MetricSpec(**fields)  # type: ignore[arg-type]
 
 
-def test_a_family_takes_the_exporters_labels_and_its_kind() -> None:
-    cap = catalogue.DDP_BUCKET_CAP_BYTES
-    assert cap.labels("agent") == ("job", "rank")
-    assert cap.labels("aggregator") == ("job",)
-    with pytest.raises(ValueError, match="the agent does not export torshmon_codec_info"):
-        catalogue.CODEC_INFO.gauge("agent")
+def test_every_series_has_one_exporter_but_build_info() -> None:
+    agent = {spec.name for spec in exported_by("agent")}
+    aggregator = {spec.name for spec in exported_by("aggregator")}
+    assert agent & aggregator == {catalogue.BUILD_INFO.name}
+    assert agent | aggregator == set(METRICS)
+    # Node and process facts come from the agent; training series from the aggregator.
+    assert catalogue.RANK_MEMORY_RSS_BYTES.exporter == "agent"
+    assert catalogue.NETWORK_RECEIVE_BYTES_TOTAL.labels == ("node", "interface")
+    for spec in (catalogue.STEPS_TOTAL, catalogue.LOSS, catalogue.COLLECTIVE_DURATION_SECONDS):
+        assert spec.exporter == "aggregator"
+    # RSS under one name.
+    assert [name for name in METRICS if "rss" in name or "resident" in name] == [
+        catalogue.RANK_MEMORY_RSS_BYTES.name
+    ]
+
+
+def test_a_family_takes_the_specs_labels_and_its_kind() -> None:
+    histogram = catalogue.COLLECTIVE_DURATION_SECONDS
+    assert histogram.label_names() == ("job", "op", "pg")
+    assert histogram.label_names(optional=True) == ("job", "op", "pg", "rank")
+    assert histogram.histogram(optional=True).samples == []
     with pytest.raises(TypeError, match="is a gauge, not a counter"):
-        cap.counter("agent")
+        catalogue.DDP_BUCKET_CAP_BYTES.counter()
 
 
 def _families(registry: CollectorRegistry) -> dict[str, tuple[str, str]]:
@@ -170,10 +194,24 @@ def test_the_aggregator_exports_exactly_its_catalogue() -> None:
         aggregator.writer.shutdown()
 
 
-def test_rule_metrics_are_aggregator_metrics_with_their_labels() -> None:
+def test_build_info_names_the_daemon() -> None:
+    (sample,) = catalogue.build_info("aggregator").samples
+    assert sample.labels["daemon"] == "aggregator"
+    assert sample.labels["version"] == torshmon.__version__
+    assert sample.labels["python"] == platform.python_version()
+    assert sample.value == 1
+
+
+def test_rule_metrics_are_catalogued_with_their_labels() -> None:
+    """Each rule metric is a series one daemon exports, or a per-step mean of series
+    with its labels (so the exported Prometheus rules read what is scraped)."""
     for name, labels in METRIC_LABELS.items():
-        spec = METRICS[catalogue.PREFIX + name]
-        assert set(spec.labels("aggregator")) == set(labels), name
+        if name in PER_STEP_MEANS:
+            names = [re.sub(r"_(sum|count)$", "", series) for series in PER_STEP_MEANS[name]]
+        else:
+            names = [catalogue.PREFIX + name]
+        for series in names:
+            assert set(METRICS[series].labels) == set(labels), name
 
 
 # -- docs -----------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from torshmon.aggregator.core.rule_file import default_rules
 from torshmon.aggregator.service import Aggregator
 from torshmon.aggregator.settings import DEFAULT_PORT, AggregatorSettings
 from torshmon.cli import build_parser
-from torshmon.wire import GpuSample, NodeSample, RankProcess
+from torshmon.wire import GpuSample, InterfaceSample, NodeSample, RankProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -131,6 +131,7 @@ def agent_sample_names() -> set[str]:
                 GpuSample(index=0, utilization_ratio=1.0, memory_used_bytes=1, memory_total_bytes=2)
             ],
             ranks=[RankProcess(job="demo", rank=0, pid=1, rss_bytes=1)],
+            interfaces=[InterfaceSample(name="eth0", rx_bytes_total=1, tx_bytes_total=1)],
         )
     )
     return _sample_names(registry)
@@ -331,25 +332,16 @@ def test_alertmanager_groups_like_the_aggregator_and_routes_to_slack() -> None:
             assert hits & names and hits & camel, f"{matcher} must match both name styles"
 
 
-def agent_drop_regex() -> re.Pattern[str]:
+def test_the_scrape_config_needs_no_relabelling() -> None:
+    """Each series has one exporter (only build_info comes from both, told apart by
+    its daemon label), so the shipped config scrapes both daemons as they are."""
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    job = next(j for j in config["scrape_configs"] if j["job_name"] == "torshmon-agent")
-    (rule,) = job["metric_relabel_configs"]
-    assert rule["action"] == "drop" and rule["source_labels"] == ["__name__"]
-    return re.compile(f"(?:{rule['regex']})")  # Prometheus anchors relabel regexes
-
-
-def test_agent_scrape_drops_exactly_what_the_aggregator_also_exports() -> None:
+    for job in config["scrape_configs"]:
+        assert "metric_relabel_configs" not in job and "relabel_configs" not in job, job
     agent = {n for n in agent_sample_names() if not n.endswith("_created")}
-    both = agent & aggregator_sample_names()
-    assert "torshmon_step_duration_seconds_bucket" in both
-    drop = agent_drop_regex()
-    dropped = {n for n in agent if drop.fullmatch(n)}
-    assert dropped == both, (
-        f"dropped but the aggregator lacks: {sorted(dropped - both)}; "
-        f"kept though the aggregator has it: {sorted(both - dropped)}"
-    )
-    assert "torshmon_agent_forward_up" in agent - dropped
+    aggregator = {n for n in aggregator_sample_names() if not n.endswith("_created")}
+    assert agent & aggregator == {"torshmon_build_info"}
+    assert "torshmon_agent_forward_up" in agent
 
 
 # -- docker-compose.yml ---------------------------------------------------------------------

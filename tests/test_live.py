@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.integration import wire_factory as wf
@@ -10,7 +11,7 @@ from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.live_metrics import LiveCollector
 from torshmon.aggregator.core.stored import Stored
 from torshmon.labels import MAX_LABEL_VALUES, OTHER
-from torshmon.wire import AppliedConfig, BucketStat, DdpStats, StepRecord
+from torshmon.wire import AppliedConfig, BucketStat, DdpStats, InflightOp, StepRecord
 
 
 def _stored(*, steps: bool) -> Stored:
@@ -250,3 +251,61 @@ def test_a_batch_naming_2000_ops_groups_and_codecs_keeps_metrics_bounded() -> No
     live.forget("j")
     folded = {"job": "j", "label": "op"}
     assert registry.get_sample_value("torshmon_label_values_folded_total", folded) is None
+
+
+def _two_ranks(live: LiveState, *, urgent: bool = False) -> None:
+    """Two ranks of job j, three steps each (rank 1 twice as slow), rank 1's last batch
+    urgent and inside a collective."""
+    h0, h1 = wf.hello("j", 0, 2), wf.hello("j", 1, 2)
+    steps0 = [wf.step(n, duration_s=0.1, comm_wait_s=0.02) for n in (1, 2, 3)]
+    steps1 = [wf.step(n, duration_s=0.2, comm_wait_s=0.05) for n in (1, 2, 3)]
+    inflight = [
+        InflightOp(pg="0", seq=9, op="all_reduce", size_bytes=8, start_unix_ns=0, age_s=1.5)
+    ]
+    b1 = msgspec.structs.replace(wf.batch(h1, 1, steps1, inflight=inflight), urgent=urgent)
+    stored = Stored(acked_seq=1, hellos=[h0, h1], batches=[(wf.batch(h0, 1, steps0), "a")])
+    stored.batches.append((b1, "a"))
+    live.observe(stored, now_unix_s=1000.0)
+
+
+def test_the_rank_counters_add_every_step_so_rates_give_shares() -> None:
+    live = LiveState(idle_s=60.0)
+    registry = CollectorRegistry()
+    registry.register(LiveCollector(live))
+    _two_ranks(live, urgent=True)
+    value = registry.get_sample_value
+    r1 = {"job": "j", "rank": "1"}
+    assert value("torshmon_steps_total", r1) == 3
+    assert value("torshmon_step_seconds_total", r1) == pytest.approx(0.6)
+    assert value("torshmon_comm_wait_seconds_total", r1) == pytest.approx(0.15)
+    assert value("torshmon_compute_seconds_total", r1) == pytest.approx(0.45)
+    assert value("torshmon_probe_urgent_steps_total", r1) == 3
+    assert value("torshmon_probe_urgent_steps_total", {"job": "j", "rank": "0"}) == 0
+    assert value("torshmon_inflight_oldest_age_seconds", r1) == 1.5
+    # The training series only: node series are the agents' to export.
+    assert value("torshmon_cpu_utilization_ratio", {"node": "node-a"}) is None
+
+
+@pytest.mark.parametrize("per_rank", [False, True])
+def test_the_collective_histogram_is_job_level_unless_asked_per_rank(per_rank: bool) -> None:
+    live = LiveState(idle_s=60.0)
+    registry = CollectorRegistry()
+    registry.register(LiveCollector(live, collectives_per_rank=per_rank))
+    _two_ranks(live)
+    families = {f.name: f for f in registry.collect()}
+    counts = [
+        s for s in families["torshmon_collective_duration_seconds"].samples
+        if s.name.endswith("_count")
+    ]  # fmt: skip
+    collective = {"job": "j", "op": "all_reduce", "pg": "0"}
+    if per_rank:
+        assert sorted((s.labels["rank"], s.value) for s in counts) == [("0", 3), ("1", 3)]
+        assert registry.get_sample_value(
+            "torshmon_collective_bytes_total", {**collective, "rank": "1"}
+        ) == pytest.approx(3 * 4_000_000)
+    else:
+        assert [(s.labels, s.value) for s in counts] == [(collective, 6)]
+        total = registry.get_sample_value("torshmon_collective_bytes_total", collective)
+        assert total == 6 * 4_000_000
+        sum_s = registry.get_sample_value("torshmon_collective_duration_seconds_sum", collective)
+        assert sum_s == pytest.approx(3 * 0.02 + 3 * 0.05)

@@ -8,6 +8,7 @@ import time
 import types
 from dataclasses import dataclass
 
+import psutil  # type: ignore[import-untyped, unused-ignore]
 import pytest
 
 from torshmon.agent.sampler import GpuUnavailableError, NodeSampler
@@ -132,6 +133,11 @@ def _fake_nvml(*, init_fails: bool = False) -> tuple[types.ModuleType, dict[str,
         nvmlDeviceGetHandleByIndex=lambda index: index,
         nvmlDeviceGetUtilizationRates=lambda handle: _Utilization(gpu=[55, 100][handle]),
         nvmlDeviceGetMemoryInfo=lambda handle: _Memory(used=(handle + 1) * 2**30, total=2**34),
+        nvmlDeviceGetUUID=lambda handle: f"GPU-{handle}".encode(),
+        # This test process computes on GPU 1.
+        nvmlDeviceGetComputeRunningProcesses=lambda handle: (
+            [types.SimpleNamespace(pid=os.getpid())] if handle == 1 else []
+        ),
     )
     return module, state
 
@@ -146,6 +152,9 @@ def test_gpus_read_through_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
         (1, 1.0, 2**31),
     ]
     assert all(g.memory_total_bytes == 2**34 for g in gpus)
+    assert [g.uuid for g in gpus] == ["GPU-0", "GPU-1"]
+    (process,) = sampler.sample([("job", 0, os.getpid())]).ranks
+    assert process.gpu == 1
     state["broken"] = 1
     assert sampler.sample([]).gpus == []  # a runtime NVML error means no GPUs, not a crash
     sampler.close()
@@ -173,3 +182,24 @@ def test_default_sampler_on_this_machine() -> None:
         assert not sampler.gpu_enabled
         assert sample.gpus == []
     sampler.close()
+
+
+def test_network_is_sampled_per_interface_without_loopback() -> None:
+    sample = NodeSampler(gpu=False).sample([])
+    names = [i.name for i in sample.interfaces]
+    loopback = {
+        name
+        for name, stats in psutil.net_if_stats().items()
+        if "loopback" in stats.flags.split(",")
+    }
+    assert "lo" in loopback  # this machine has one, else the test shows nothing
+    assert not loopback & set(names)
+    assert set(names) == set(psutil.net_io_counters(pernic=True)) - loopback
+    assert sample.net_rx_bytes_total == sum(i.rx_bytes_total for i in sample.interfaces)
+    assert sample.net_tx_bytes_total == sum(i.tx_bytes_total for i in sample.interfaces)
+
+
+def test_rank_processes_carry_their_cpu_time() -> None:
+    (process,) = NodeSampler(gpu=False).sample([("job", 0, os.getpid())]).ranks
+    assert process.cpu_s_total > 0.0  # this interpreter has run for a while
+    assert process.gpu is None  # no NVML: unknown

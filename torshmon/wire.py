@@ -301,6 +301,8 @@ class GpuSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     utilization_ratio: float
     memory_used_bytes: Count
     memory_total_bytes: Count
+    #: NVML's UUID ("GPU-..."), as DCGM's exporter labels it; "" when unread
+    uuid: Label = ""
 
 
 class RankProcess(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -310,11 +312,24 @@ class RankProcess(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     rank: Rank
     pid: Count
     rss_bytes: Count
+    #: user + system CPU time of the process since it started
+    cpu_s_total: float = 0.0
+    #: the GPU (NVML index) the process computes on; None when unknown or none
+    gpu: Count | None = None
+
+
+class InterfaceSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One network interface of the node (loopback interfaces are never sampled)."""
+
+    name: Name
+    rx_bytes_total: Count
+    tx_bytes_total: Count
 
 
 class NodeSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The node at one instant. Byte counters are cumulative since boot; ratios are
-    over the interval since the previous sample."""
+    over the interval since the previous sample. The network totals are the sums
+    over ``interfaces`` (loopback left out)."""
 
     ts_unix_ns: Int64
     node: Name
@@ -328,6 +343,7 @@ class NodeSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     disk_write_bytes_total: Count
     gpus: list[GpuSample] = []
     ranks: list[RankProcess] = []
+    interfaces: list[InterfaceSample] = []
 
 
 class SpoolRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -19,7 +19,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration import foreign_agent as foreign
 from tests.integration import wire_factory as wf
-from torshmon.labels import MAX_LABEL_VALUES
 from torshmon.launch import free_port, run_ranks
 from torshmon.wire import FRAME_HEADER, decode_ack, encode_frame
 
@@ -178,16 +177,9 @@ def test_2000_distinct_ops_and_groups_leave_the_agents_metrics_small(
         assert decode_ack(_recv_exact(sock, FRAME_HEADER.unpack(header)[0])).seq == 1
     text = _scrape(port)
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    series = [
-        s for s in families["torshmon_collective_bytes"].samples if s.labels.get("job") == "wide"
-    ]
-    assert len(series) == MAX_LABEL_VALUES + 1
-    folded = {
-        s.labels["label"]: s.value
-        for s in families["torshmon_label_values_folded"].samples
-        if s.name.endswith("_total") and s.labels["job"] == "wide"
-    }
-    assert folded == {"op": 1936, "pg": 1936, "codec": 1936}
+    # Collectives are the aggregator's series (capped there); the agent names no op or pg.
+    assert not any(name.startswith("torshmon_collective") for name in families)
+    assert not any("op" in s.labels for f in families.values() for s in f.samples)
     assert len(text) < 256 * 1024  # 4.4 MiB before the cap
 
 

@@ -281,8 +281,9 @@ def test_metrics_are_valid_exposition_with_design_names(agg: AggregatorThread) -
     names = {f.name for f in text_string_to_metric_families(exposition)}
     for name in (
         "torshmon_communication_time_ratio",
-        "torshmon_memory_utilization_ratio",
-        "torshmon_io_wait_time_ratio",
+        "torshmon_step_seconds",
+        "torshmon_comm_wait_seconds",
+        "torshmon_compute_seconds",
         "torshmon_training_efficiency_ratio",
         "torshmon_throughput_samples_per_second",
         "torshmon_step_duration_seconds",
@@ -291,6 +292,8 @@ def test_metrics_are_valid_exposition_with_design_names(agg: AggregatorThread) -
     ):
         assert name in names, name
     assert 'torshmon_step_duration_seconds_count{job="j",rank="1"} 1.0' in exposition
+    # Node series are the agents' to export, even though the aggregator keeps the samples.
+    assert "torshmon_memory_utilization_ratio" not in names
 
 
 def test_plain_json_bodies_are_accepted_too(agg: AggregatorThread) -> None:

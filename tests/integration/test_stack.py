@@ -2,9 +2,9 @@
 
 One demo run (aggregator + agent + a 2-rank gloo DDP job with an injected straggler
 and a live codec change) is scraped by a real Prometheus using deploy/prometheus.yml
-and deploy/torshmon-rules.yml, with only the targets and intervals rewritten. Then
-every PromQL query of every dashboard (template variables substituted as Grafana
-does) must parse and return data. The aggregator pushes its alerts to a real
+and deploy/torshmon-rules.yml (no relabel rule), with only the targets and intervals
+rewritten. Then every PromQL query of every dashboard (template variables substituted
+as Grafana does) must parse and return data. The aggregator pushes its alerts to a real
 Alertmanager running deploy/alertmanager.yml, which must list the straggler alert
 and deliver it to a local stand-in for Slack. deploy/train.py, the job of
 docker-compose.yml and the Kubernetes manifest, runs under torchrun.
@@ -357,7 +357,7 @@ async def check_dashboards(
         __interval=f"{SCRAPE_INTERVAL_S}s",
         __range=f"{int(end - start) + 1}s",
     )
-    has_gpu = bool(GPU_METRICS & sample_names(observed.metrics["aggregator"]))
+    has_gpu = bool(GPU_METRICS & sample_names(observed.metrics["agent"]))
     failures = []
     checked = 0
     for where, template in dashboard_queries():
@@ -382,16 +382,18 @@ async def check_dashboards(
 async def check_one_copy_of_each_series(
     session: aiohttp.ClientSession, prometheus: str, observed: Observed, start: float, end: float
 ) -> None:
-    """The agent's copies of the aggregator's series are dropped at scrape time, so every
-    series Prometheus holds comes from one target."""
-    both = sample_names(observed.metrics["agent"]) & sample_names(observed.metrics["aggregator"])
-    assert "torshmon_steps_total" in both
-    agent_only = sample_names(observed.metrics["agent"]) - both
-    pattern = "|".join(sorted(both | agent_only))
+    """With the shipped config (no relabel rule) every series Prometheus holds comes from
+    one target: only build_info is exported by both daemons, one series each."""
+    agent = sample_names(observed.metrics["agent"])
+    aggregator = sample_names(observed.metrics["aggregator"])
+    assert agent & aggregator == {"torshmon_build_info"}
+    assert "torshmon_steps_total" in aggregator and "torshmon_cpu_utilization_ratio" in agent
+    names = (agent | aggregator) - {"torshmon_build_info"}
+    pattern = "|".join(sorted(names))
     expr = f'count by (__name__) (count by (__name__, instance) ({{__name__=~"{pattern}"}}))'
     status, result, error = await query_range(session, prometheus, expr, start, end)
     assert status == "success", error
-    assert {series["metric"]["__name__"] for series in result} == both | agent_only
+    assert {series["metric"]["__name__"] for series in result} == names
     for series in result:
         counts = {float(v) for _, v in series["values"]}
         assert counts == {1.0}, f"{series['metric']['__name__']} comes from {counts} targets"

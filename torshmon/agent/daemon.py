@@ -161,8 +161,9 @@ class Agent:
 
     # -- probes -----------------------------------------------------------------------
     def _observe(self, message: ProbeMessage) -> None:
-        if isinstance(message, Batch):
-            self.metrics.observe_batch(message)
+        if isinstance(message, Hello):
+            # A new probe shows in torshmon_rank_info at once; gone ones at the next sample.
+            self.metrics.observe_probes(self.server.probes)
 
     def _store(self, message: ProbeMessage, payload: bytes) -> asyncio.Future[None]:
         """The commit that will make this message durable; it fails if the write does.
@@ -240,6 +241,7 @@ class Agent:
             try:
                 sample = self._sample()
                 self.metrics.observe_node(sample)
+                self.metrics.observe_probes(self.server.probes)
                 self._append(SpoolRecord(node_samples=[sample]))
             except Exception:
                 log.exception("node sampling failed; trying again next interval")

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import psutil  # type: ignore[import-untyped, unused-ignore]
 
 from torshmon.ratelog import LogLimiter
-from torshmon.wire import GpuSample, NodeSample, RankProcess
+from torshmon.wire import GpuSample, InterfaceSample, NodeSample, RankProcess
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class NodeSampler:
         """
         self._update_cpu()
         memory = psutil.virtual_memory()
-        net_rx, net_tx = _net_bytes()
+        interfaces = _interfaces()
         disk_read, disk_write = _disk_bytes()
         return NodeSample(
             ts_unix_ns=time.time_ns(),
@@ -79,12 +79,13 @@ class NodeSampler:
             memory_utilization_ratio=_ratio(memory.used, memory.total),
             memory_used_bytes=int(memory.used),
             io_wait_ratio=self._iowait_ratio,
-            net_rx_bytes_total=net_rx,
-            net_tx_bytes_total=net_tx,
+            net_rx_bytes_total=sum(i.rx_bytes_total for i in interfaces),
+            net_tx_bytes_total=sum(i.tx_bytes_total for i in interfaces),
             disk_read_bytes_total=disk_read,
             disk_write_bytes_total=disk_write,
             gpus=self._sample_gpus(),
             ranks=self._sample_ranks(ranks),
+            interfaces=interfaces,
         )
 
     def close(self) -> None:
@@ -112,6 +113,7 @@ class NodeSampler:
     def _sample_ranks(self, ranks: Sequence[tuple[str, int, int]]) -> list[RankProcess]:
         samples: list[RankProcess] = []
         live: dict[int, psutil.Process] = {}
+        gpus = self._gpu_by_pid() if ranks else {}
         for job, rank, pid in ranks:
             process = live.get(pid) or self._processes.get(pid)
             try:
@@ -119,10 +121,20 @@ class NodeSampler:
                 if process is None or not process.is_running():
                     process = psutil.Process(pid)
                 rss = int(process.memory_info().rss)
+                cpu = process.cpu_times()
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
             live[pid] = process
-            samples.append(RankProcess(job=job, rank=rank, pid=pid, rss_bytes=rss))
+            samples.append(
+                RankProcess(
+                    job=job,
+                    rank=rank,
+                    pid=pid,
+                    rss_bytes=rss,
+                    cpu_s_total=cpu.user + cpu.system,
+                    gpu=gpus.get(pid),
+                )
+            )
         # Forget processes no longer served, so the cache stays as small as the rank list.
         self._processes = live
         return samples
@@ -143,6 +155,7 @@ class NodeSampler:
                         utilization_ratio=_ratio(float(utilization.gpu), 100.0),
                         memory_used_bytes=int(memory.used),
                         memory_total_bytes=int(memory.total),
+                        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
                     )
                 )
         except nvml.NVMLError as exc:
@@ -150,6 +163,27 @@ class NodeSampler:
                 log.info("reading GPUs through NVML failed, reporting none: %s", exc)
             return []
         return gpus
+
+    def _gpu_by_pid(self) -> dict[int, int]:
+        """The GPU (NVML index) each process computing on one runs on; {} without NVML."""
+        nvml = self._nvml
+        if nvml is None:
+            return {}
+        by_pid: dict[int, int] = {}
+        try:
+            for index in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                for process in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    by_pid.setdefault(int(process.pid), index)
+        except nvml.NVMLError as exc:
+            if self._gpu_error_log.allow():
+                log.info("reading GPU processes through NVML failed: %s", exc)
+        return by_pid
+
+
+def _text(value: str | bytes) -> str:
+    """NVML strings: bytes from older pynvml releases, str from newer ones."""
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _load_nvml(*, required: bool) -> Any:
@@ -182,11 +216,26 @@ def _read_cpu_times() -> _CpuTimes:
     return _CpuTimes(total, times.idle, getattr(times, "iowait", 0.0))
 
 
-def _net_bytes() -> tuple[int, int]:
-    counters = psutil.net_io_counters()
-    if counters is None:
-        return 0, 0
-    return int(counters.bytes_recv), int(counters.bytes_sent)
+def _interfaces() -> list[InterfaceSample]:
+    """Byte counters of every network interface but loopback ones (``lo`` and any whose
+    flags say loopback): traffic between a node's own processes is not network."""
+    counters = psutil.net_io_counters(pernic=True)
+    stats = psutil.net_if_stats()
+    return [
+        InterfaceSample(
+            name=name, rx_bytes_total=int(c.bytes_recv), tx_bytes_total=int(c.bytes_sent)
+        )
+        for name, c in sorted(counters.items())
+        if not _loopback(name, stats.get(name))
+    ]
+
+
+def _loopback(name: str, stats: Any) -> bool:
+    if name == "lo":
+        return True
+    # psutil's flags ("up,loopback,running") are a string on Linux, BSD and macOS.
+    flags = getattr(stats, "flags", "") if stats is not None else ""
+    return "loopback" in flags.split(",")
 
 
 def _disk_bytes() -> tuple[int, int]:

@@ -59,7 +59,7 @@ from torshmon.aggregator.writer import (
     tune_gc_for_daemon,
 )
 from torshmon.catalogue import metrics as catalogue
-from torshmon.catalogue.metrics import MetricSpec
+from torshmon.catalogue.metrics import MetricSpec, build_info
 from torshmon.history.db import normalize_url, sqlite_path
 from torshmon.history.migrate import upgrade
 from torshmon.history.reader import reader_of
@@ -182,11 +182,13 @@ class Aggregator:
         self.m_ingest_seconds = Histogram(
             spec.name,
             spec.help,
-            spec.labels("aggregator"),
+            spec.labels,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
             registry=r,
         )
-        r.register(LiveCollector(self.live))
+        r.register(
+            LiveCollector(self.live, collectives_per_rank=self.settings.collective_metrics_per_rank)
+        )
         r.register(_NotifierCollector(self.notifier))
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -520,17 +522,18 @@ class _NotifierCollector:
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for stat in STAT_NAMES:
             spec = catalogue.METRICS[f"torshmon_notifications_{stat}"]
-            families[stat] = (
-                spec.counter("aggregator") if spec.kind == "counter" else spec.gauge("aggregator")
-            )
+            families[stat] = spec.counter() if spec.kind == "counter" else spec.gauge()
         for target, counts in stats.items():
             for stat, family in families.items():
                 family.add_metric([target], float(counts.get(stat, 0)))
         yield from families.values()
+        # Here rather than in a collector of its own: one family, and the notifier's
+        # collector is the service's own already.
+        yield build_info("aggregator")
 
 
 def _counter(spec: MetricSpec, registry: CollectorRegistry) -> Counter:
-    return Counter(spec.family_name, spec.help, spec.labels("aggregator"), registry=registry)
+    return Counter(spec.family_name, spec.help, spec.labels, registry=registry)
 
 
 async def run_aggregator(settings: AggregatorSettings) -> int:

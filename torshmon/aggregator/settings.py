@@ -184,6 +184,13 @@ class AggregatorSettings(Section, frozen=True):
             "the writer thread"
         ),
     ] = True
+    collective_metrics_per_rank: Annotated[
+        bool,
+        setting(
+            "export the collective-duration histogram and byte counter per rank (a rank "
+            "label; series grow with the world size) rather than summed over each job's ranks"
+        ),
+    ] = False
     retention_interval_s: Annotated[float, setting("time between retention runs", gt=0)] = 300.0
     raw_retention_s: Annotated[float, setting("how long raw rows are kept", gt=0)] = 86400.0
     rollup_retention_s: Annotated[float, setting("how long per-minute rollups are kept", gt=0)] = (

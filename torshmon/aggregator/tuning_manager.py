@@ -171,11 +171,9 @@ class TuningManager:
             catalogue.TUNER_BEST_SCORE,
             catalogue.TUNER_STATE,
         )
-        self.m_trials = Counter(
-            trials.family_name, trials.help, trials.labels("aggregator"), registry=r
-        )
-        self.m_best = Gauge(best.name, best.help, best.labels("aggregator"), registry=r)
-        self.m_state = Gauge(state.name, state.help, state.labels("aggregator"), registry=r)
+        self.m_trials = Counter(trials.family_name, trials.help, trials.labels, registry=r)
+        self.m_best = Gauge(best.name, best.help, best.labels, registry=r)
+        self.m_state = Gauge(state.name, state.help, state.labels, registry=r)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from torshmon.catalogue.metrics import EXPORTERS, METRICS, MetricSpec
+from torshmon.catalogue.metrics import METRICS, MetricSpec
 
 _INTRO = """\
 # Metrics
@@ -18,32 +18,44 @@ generated from `torshmon/catalogue/metrics.py`; do not edit it by hand
 (`python -m torshmon.catalogue.docs docs/metrics.md`).
 
 The aggregator serves job-level metrics on `/metrics` (default port 9470), each
-agent node-level ones (default port 9465). A name both export means the same in
-both; Prometheus drops the agent's copy where the aggregator has one (see
-[prometheus-grafana.md](prometheus-grafana.md)). Names follow Prometheus
-conventions: prefix `torshmon_`, base units (`_seconds`, `_bytes`, `_ratio` in
-0..1), `_total` for counters; histograms expose `_bucket`, `_sum` and `_count`.
+agent node-level ones (default port 9465). Every series has one exporter: the
+agent exports its node and the training processes on it (RSS, CPU time,
+`torshmon_rank_info`), the aggregator every training series. Scrape both with no
+relabelling and a sum counts each series once. The one name both export is
+`torshmon_build_info`, which describes the daemon itself (label `daemon`).
+
+Join training series to node and GPU exporters through `torshmon_rank_info`, e.g.
+`torshmon_steps_total * on (job, rank) group_left (node, gpu) torshmon_rank_info`.
+For a share of time over any window divide rates of the `_seconds_total`
+counters: `rate(torshmon_comm_wait_seconds_total[5m]) /
+rate(torshmon_step_seconds_total[5m])`.
+
+Labels in *italics* are optional: the collective histogram and byte counter carry
+`rank` only with the aggregator's `collective_metrics_per_rank` setting (see
+[configuration.md](configuration.md)). Names follow Prometheus conventions:
+prefix `torshmon_`, base units (`_seconds`, `_bytes`, `_ratio` in 0..1), `_total`
+for counters; histograms expose `_bucket`, `_sum` and `_count`.
 """
 
 
-def _labels(labels: tuple[str, ...] | None) -> str:
-    if labels is None:
-        return "—"
-    return ", ".join(f"`{label}`" for label in labels) or "(none)"
+def _labels(spec: MetricSpec) -> str:
+    names = [f"`{label}`" for label in spec.labels]
+    names += [f"*`{label}`*" for label in spec.optional_labels]
+    return ", ".join(names) or "(none)"
 
 
 def _row(spec: MetricSpec) -> str:
     help_text = spec.help.replace("|", "\\|")
     unit = spec.unit or "—"
     return (
-        f"| `{spec.name}` | {spec.kind} | {unit} | {_labels(spec.agent)} | "
-        f"{_labels(spec.aggregator)} | {help_text} |"
+        f"| `{spec.name}` | {spec.kind} | {unit} | {spec.exporter} | {_labels(spec)} | "
+        f"{help_text} |"
     )
 
 
 def render_metrics_markdown() -> str:
     """The whole page, one table row per metric in catalogue order."""
-    header = "| name | type | unit | " + " | ".join(f"{e} labels" for e in EXPORTERS) + " | help |"
+    header = "| name | type | unit | exported by | labels | help |"
     lines = [_INTRO, header, "|---|---|---|---|---|---|"]
     lines.extend(_row(spec) for spec in METRICS.values())
     return "\n".join(lines) + "\n"

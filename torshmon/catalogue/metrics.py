@@ -1,20 +1,23 @@
-"""Every metric torshmon exports: name, type, unit, HELP text and labels, per daemon.
+"""Every metric torshmon exports: name, type, unit, HELP text, labels and exporter.
 
-The agent (node-level ``/metrics``) and the aggregator (job-level ``/metrics``)
-build their families from these specs; the dashboards, the rule export and the
-docs (``docs/metrics.md``) read them too. A name both daemons export has one spec
-and one HELP text; its labels are given per daemon, since the aggregator may
-export a job-wide value (``ddp_bucket_cap_bytes``) where the agent has one per
-rank. Prometheus drops from the agent's scrape what the aggregator also exports
-(``deploy/prometheus.yml``).
+Each series has exactly one exporter. The agent (node-level ``/metrics``) exports
+facts about its node and about the training processes on it (CPU, memory,
+network, disk, GPUs; each rank's RSS, CPU time and ``rank_info``); the aggregator
+(job-level ``/metrics``) exports every training series (steps, step time, loss,
+collectives, compression), the detectors' findings, the tuner and its own
+health. Scraped together with no relabelling, a sum over a label counts every
+series once. The one exemption is ``torshmon_build_info``: each daemon describes
+itself, told apart by the ``daemon`` label.
 
-Names follow Prometheus conventions: prefix ``torshmon_``, base units
-(``_seconds``, ``_bytes``, ``_ratio`` in 0..1), ``_total`` for counters. Pure and
-torch-free.
+Both daemons build their families from these specs; the dashboards, the rule
+export and the docs (``docs/metrics.md``) read them too. Names follow Prometheus
+conventions: prefix ``torshmon_``, base units (``_seconds``, ``_bytes``,
+``_ratio`` in 0..1), ``_total`` for counters. Pure and torch-free.
 """
 
 from __future__ import annotations
 
+import platform
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,21 +30,30 @@ from prometheus_client.metrics_core import (
     HistogramMetricFamily,
 )
 
+from torshmon.version import __version__
+
 __all__ = [
+    "EACH",
     "EXPORTERS",
     "METRICS",
     "PREFIX",
     "Exporter",
     "Kind",
     "MetricSpec",
+    "Owner",
+    "build_info",
     "exported_by",
 ]
 
 Kind: TypeAlias = Literal["gauge", "counter", "histogram"]
 Exporter: TypeAlias = Literal["agent", "aggregator"]
+#: Who exports a metric: one daemon, or ``each`` for a series every daemon exports
+#: about itself (labelled ``daemon``), the one exemption from one exporter per series.
+Owner: TypeAlias = Literal["agent", "aggregator", "each"]
 
 PREFIX: Final = "torshmon_"
 EXPORTERS: Final[tuple[Exporter, ...]] = ("agent", "aggregator")
+EACH: Final = "each"
 #: Units a name may end with (before ``_total``), longest first.
 _UNITS: Final = (
     "bytes_per_second",
@@ -57,25 +69,37 @@ _NAME: Final = re.compile(r"^torshmon_[a-z0-9_]+$")
 class MetricSpec:
     """One exported metric. ``name`` is the sample name (a counter's ends in ``_total``).
 
-    ``agent`` and ``aggregator`` are the label names each daemon exports it with,
-    None where that daemon does not export it. ``unit`` is the base unit the name
-    ends with ("" for counts, levels and scores). ValueError on a name against
-    the conventions.
+    ``exporter`` is the one daemon that exports it (``each``: every daemon, about
+    itself, with a ``daemon`` label). ``labels`` are always there; ``optional_labels``
+    only where a setting asks for them (the collective histogram's ``rank``).
+    ``unit`` is the base unit the name ends with ("" for counts, levels and
+    scores). ValueError on a name or owner against the conventions.
     """
 
     name: str
     kind: Kind
     help: str
-    agent: tuple[str, ...] | None = None
-    aggregator: tuple[str, ...] | None = None
+    exporter: Owner
+    labels: tuple[str, ...]
+    optional_labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ValueError(f"metric name {self.name!r} must match {_NAME.pattern}")
         if (self.kind == "counter") != self.name.endswith("_total"):
             raise ValueError(f"metric {self.name!r}: only counters end in _total")
-        if self.agent is None and self.aggregator is None:
-            raise ValueError(f"metric {self.name!r}: no daemon exports it")
+        if self.exporter not in (*EXPORTERS, EACH):
+            raise ValueError(
+                f"metric {self.name!r}: exporter must be agent, aggregator or each, "
+                f"got {self.exporter!r}"
+            )
+        if self.exporter == EACH and not (
+            self.kind == "gauge" and self.name.endswith("_info") and "daemon" in self.labels
+        ):
+            raise ValueError(
+                f"metric {self.name!r}: only an _info gauge with a daemon label may be "
+                "exported by each daemon"
+            )
 
     @property
     def unit(self) -> str:
@@ -88,246 +112,237 @@ class MetricSpec:
         """The name prometheus-client's families and instruments take (no ``_total``)."""
         return self.name.removesuffix("_total") if self.kind == "counter" else self.name
 
-    def labels(self, exporter: Exporter) -> tuple[str, ...]:
-        """The label names ``exporter`` uses; ValueError if it does not export this metric."""
-        labels = self.agent if exporter == "agent" else self.aggregator
-        if labels is None:
-            raise ValueError(f"the {exporter} does not export {self.name}")
-        return labels
+    def exported_by(self, exporter: Exporter) -> bool:
+        """Whether ``exporter`` exports this metric."""
+        return self.exporter in (exporter, EACH)
 
-    def gauge(self, exporter: Exporter) -> GaugeMetricFamily:
-        """An empty gauge family of this metric, labelled as ``exporter`` exports it."""
+    def label_names(self, *, optional: bool = False) -> tuple[str, ...]:
+        """The labels, with the optional ones when ``optional``."""
+        return (*self.labels, *self.optional_labels) if optional else self.labels
+
+    def gauge(self) -> GaugeMetricFamily:
+        """An empty gauge family of this metric."""
         self._expect("gauge")
-        return GaugeMetricFamily(self.name, self.help, labels=self.labels(exporter))
+        return GaugeMetricFamily(self.name, self.help, labels=self.labels)
 
-    def counter(self, exporter: Exporter) -> CounterMetricFamily:
+    def counter(self, *, optional: bool = False) -> CounterMetricFamily:
         """An empty counter family (prometheus-client adds ``_total`` back on exposition)."""
         self._expect("counter")
-        return CounterMetricFamily(self.family_name, self.help, labels=self.labels(exporter))
+        return CounterMetricFamily(
+            self.family_name, self.help, labels=self.label_names(optional=optional)
+        )
 
-    def histogram(self, exporter: Exporter) -> HistogramMetricFamily:
-        """An empty histogram family of this metric, labelled as ``exporter`` exports it."""
+    def histogram(self, *, optional: bool = False) -> HistogramMetricFamily:
+        """An empty histogram family; with ``optional`` it takes the optional labels too."""
         self._expect("histogram")
-        return HistogramMetricFamily(self.name, self.help, labels=self.labels(exporter))
+        return HistogramMetricFamily(
+            self.name, self.help, labels=self.label_names(optional=optional)
+        )
 
     def _expect(self, kind: Kind) -> None:
         if self.kind != kind:
             raise TypeError(f"{self.name} is a {self.kind}, not a {kind}")
 
 
-def _gauge(
+def _spec(
+    kind: Kind,
+    exporter: Owner,
     name: str,
     help: str,
-    *,
-    agent: Sequence[str] | None = None,
-    aggregator: Sequence[str] | None = None,
+    labels: Sequence[str],
+    optional: Sequence[str] = (),
 ) -> MetricSpec:
-    return _spec("gauge", name, help, agent, aggregator)
+    return MetricSpec(PREFIX + name, kind, help, exporter, tuple(labels), tuple(optional))
+
+
+def _agent_gauge(name: str, help: str, labels: Sequence[str] = ("node",)) -> MetricSpec:
+    return _spec("gauge", "agent", name, help, labels)
+
+
+def _agent_counter(name: str, help: str, labels: Sequence[str] = ("node",)) -> MetricSpec:
+    return _spec("counter", "agent", name, help, labels)
+
+
+def _gauge(name: str, help: str, labels: Sequence[str]) -> MetricSpec:
+    return _spec("gauge", "aggregator", name, help, labels)
 
 
 def _counter(
-    name: str,
-    help: str,
-    *,
-    agent: Sequence[str] | None = None,
-    aggregator: Sequence[str] | None = None,
+    name: str, help: str, labels: Sequence[str], optional: Sequence[str] = ()
 ) -> MetricSpec:
-    return _spec("counter", name, help, agent, aggregator)
+    return _spec("counter", "aggregator", name, help, labels, optional)
 
 
 def _histogram(
-    name: str,
-    help: str,
-    *,
-    agent: Sequence[str] | None = None,
-    aggregator: Sequence[str] | None = None,
+    name: str, help: str, labels: Sequence[str], optional: Sequence[str] = ()
 ) -> MetricSpec:
-    return _spec("histogram", name, help, agent, aggregator)
-
-
-def _spec(
-    kind: Kind,
-    name: str,
-    help: str,
-    agent: Sequence[str] | None,
-    aggregator: Sequence[str] | None,
-) -> MetricSpec:
-    return MetricSpec(
-        PREFIX + name,
-        kind,
-        help,
-        None if agent is None else tuple(agent),
-        None if aggregator is None else tuple(aggregator),
-    )
+    return _spec("histogram", "aggregator", name, help, labels, optional)
 
 
 _NODE: Final = ("node",)
 _GPU: Final = ("node", "gpu")
+_INTERFACE: Final = ("node", "interface")
+_PROCESS: Final = ("job", "rank", "node")
 _RANK: Final = ("job", "rank")
 _COLLECTIVE: Final = ("job", "rank", "op", "pg")
 _CODEC: Final = ("job", "rank", "codec")
-
-# -- nodes ----------------------------------------------------------------------------------
-
-CPU_UTILIZATION_RATIO: Final = _gauge(
-    "cpu_utilization_ratio", "CPU busy time over all cores, 0..1.", agent=_NODE, aggregator=_NODE
-)
-MEMORY_UTILIZATION_RATIO: Final = _gauge(
-    "memory_utilization_ratio", "Used over total memory, 0..1.", agent=_NODE, aggregator=_NODE
-)
-MEMORY_USED_BYTES: Final = _gauge("memory_used_bytes", "Memory in use.", agent=_NODE)
-IO_WAIT_TIME_RATIO: Final = _gauge(
-    "io_wait_time_ratio",
-    "CPU time waiting for I/O, 0..1 (0 off Linux).",
-    agent=_NODE,
-    aggregator=_NODE,
-)
-NETWORK_RECEIVE_BYTES_TOTAL: Final = _counter(
-    "network_receive_bytes_total", "Bytes received on all interfaces.", agent=_NODE
-)
-NETWORK_TRANSMIT_BYTES_TOTAL: Final = _counter(
-    "network_transmit_bytes_total", "Bytes sent on all interfaces.", agent=_NODE
-)
-DISK_READ_BYTES_TOTAL: Final = _counter(
-    "disk_read_bytes_total", "Bytes read from all disks.", agent=_NODE
-)
-DISK_WRITTEN_BYTES_TOTAL: Final = _counter(
-    "disk_written_bytes_total", "Bytes written to all disks.", agent=_NODE
-)
-GPU_UTILIZATION_RATIO: Final = _gauge(
-    "gpu_utilization_ratio", "GPU busy time (NVML), 0..1.", agent=_GPU, aggregator=_GPU
-)
-GPU_MEMORY_USED_BYTES: Final = _gauge(
-    "gpu_memory_used_bytes", "GPU memory in use (NVML).", agent=_GPU
-)
-GPU_MEMORY_TOTAL_BYTES: Final = _gauge(
-    "gpu_memory_total_bytes", "GPU memory in total (NVML).", agent=_GPU
-)
-PROCESS_RESIDENT_MEMORY_BYTES: Final = _gauge(
-    "process_resident_memory_bytes",
-    "Resident memory of a training process.",
-    agent=("job", "rank", "node"),
-)
-RANK_MEMORY_RSS_BYTES: Final = _gauge(
-    "rank_memory_rss_bytes",
-    "Resident memory of the rank's process",
-    aggregator=("job", "node", "rank"),
+_LAST_STEP: Final = (
+    " A last-step gauge, kept for threshold rules and current values; for the share over "
+    "a window divide rates of the _seconds_total counters."
 )
 
-# -- ranks ----------------------------------------------------------------------------------
+# -- nodes (the agent) ----------------------------------------------------------------------
+
+CPU_UTILIZATION_RATIO: Final = _agent_gauge(
+    "cpu_utilization_ratio", "CPU busy time over all cores, 0..1."
+)
+MEMORY_UTILIZATION_RATIO: Final = _agent_gauge(
+    "memory_utilization_ratio", "Used over total memory, 0..1."
+)
+MEMORY_USED_BYTES: Final = _agent_gauge("memory_used_bytes", "Memory in use.")
+IO_WAIT_TIME_RATIO: Final = _agent_gauge(
+    "io_wait_time_ratio", "CPU time waiting for I/O, 0..1 (0 off Linux)."
+)
+NETWORK_RECEIVE_BYTES_TOTAL: Final = _agent_counter(
+    "network_receive_bytes_total",
+    "Bytes received, per network interface (loopback interfaces left out).",
+    _INTERFACE,
+)
+NETWORK_TRANSMIT_BYTES_TOTAL: Final = _agent_counter(
+    "network_transmit_bytes_total",
+    "Bytes sent, per network interface (loopback interfaces left out).",
+    _INTERFACE,
+)
+DISK_READ_BYTES_TOTAL: Final = _agent_counter("disk_read_bytes_total", "Bytes read from all disks.")
+DISK_WRITTEN_BYTES_TOTAL: Final = _agent_counter(
+    "disk_written_bytes_total", "Bytes written to all disks."
+)
+GPU_UTILIZATION_RATIO: Final = _agent_gauge(
+    "gpu_utilization_ratio", "GPU busy time (NVML), 0..1.", _GPU
+)
+GPU_MEMORY_USED_BYTES: Final = _agent_gauge(
+    "gpu_memory_used_bytes", "GPU memory in use (NVML).", _GPU
+)
+GPU_MEMORY_TOTAL_BYTES: Final = _agent_gauge(
+    "gpu_memory_total_bytes", "GPU memory in total (NVML).", _GPU
+)
+
+# -- the training processes on a node (the agent) -------------------------------------------
+
+RANK_INFO: Final = _agent_gauge(
+    "rank_info",
+    "1 for every training process connected to the agent: which node, local rank, "
+    "process id and GPU (NVML index and UUID, '' when unknown) runs the job's rank; join "
+    "on job and rank, or on node and gpu or gpu_uuid with node and GPU exporters (DCGM).",
+    ("job", "rank", "node", "local_rank", "pid", "gpu", "gpu_uuid"),
+)
+RANK_MEMORY_RSS_BYTES: Final = _agent_gauge(
+    "rank_memory_rss_bytes", "Resident memory of the rank's process.", _PROCESS
+)
+RANK_CPU_SECONDS_TOTAL: Final = _agent_counter(
+    "rank_cpu_seconds_total", "CPU time (user and system) of the rank's process.", _PROCESS
+)
+
+# -- ranks (the aggregator) -----------------------------------------------------------------
 
 STEP_DURATION_SECONDS: Final = _histogram(
-    "step_duration_seconds", "Training step wall time.", agent=_RANK, aggregator=_RANK
+    "step_duration_seconds", "Training step wall time.", _RANK
 )
-STEPS_TOTAL: Final = _counter(
-    "steps_total", "Training steps reported.", agent=_RANK, aggregator=_RANK
+STEPS_TOTAL: Final = _counter("steps_total", "Training steps reported.", _RANK)
+STEP_SECONDS_TOTAL: Final = _counter(
+    "step_seconds_total", "Wall time of every step reported (step time summed).", _RANK
+)
+COMM_WAIT_SECONDS_TOTAL: Final = _counter(
+    "comm_wait_seconds_total",
+    "Time steps waited for communication; over torshmon_step_seconds_total's rate, the "
+    "share of time spent waiting.",
+    _RANK,
+)
+COMPUTE_SECONDS_TOTAL: Final = _counter(
+    "compute_seconds_total",
+    "Compute time of every step (step time minus communication wait), summed.",
+    _RANK,
 )
 PROBE_URGENT_STEPS_TOTAL: Final = _counter(
     "probe_urgent_steps_total",
     "Steps the probe sent at once through its fast lane (out of line with the rank's "
     "recent steps) rather than with the next batch.",
-    agent=_RANK,
+    _RANK,
 )
 PROBE_DROPPED_RECORDS_TOTAL: Final = _counter(
     "probe_dropped_records_total",
     "Step records the probe dropped since it attached (no or slow agent).",
-    agent=_RANK,
-    aggregator=_RANK,
+    _RANK,
 )
 NONFINITE_LOSS_TOTAL: Final = _counter(
-    "nonfinite_loss_total", "Steps with a NaN or infinite loss", aggregator=_RANK
+    "nonfinite_loss_total", "Steps with a NaN or infinite loss", _RANK
 )
 INFLIGHT_OLDEST_AGE_SECONDS: Final = _gauge(
     "inflight_oldest_age_seconds",
-    "Age of the oldest collective the rank is inside (0 when none).",
-    agent=_RANK,
+    "Age of the oldest collective the rank was inside at its latest report (0 when none).",
+    _RANK,
 )
 COMMUNICATION_TIME_RATIO: Final = _gauge(
     "communication_time_ratio",
-    "Share of the latest step spent waiting for communication, 0..1.",
-    agent=_RANK,
-    aggregator=_RANK,
+    "Share of the latest step spent waiting for communication, 0..1." + _LAST_STEP,
+    _RANK,
 )
 TRAINING_EFFICIENCY_RATIO: Final = _gauge(
     "training_efficiency_ratio",
-    "Compute time over step time of the latest step, 0..1.",
-    agent=_RANK,
-    aggregator=_RANK,
+    "Compute time over step time of the latest step, 0..1." + _LAST_STEP,
+    _RANK,
 )
 THROUGHPUT_SAMPLES_PER_SECOND: Final = _gauge(
-    "throughput_samples_per_second",
-    "Samples per second of the latest step.",
-    agent=_RANK,
-    aggregator=_RANK,
-)
-COMPUTE_SECONDS: Final = _gauge(
-    "compute_seconds", "Compute time of the last step", aggregator=_RANK
-)
-COMM_WAIT_SECONDS: Final = _gauge(
-    "comm_wait_seconds", "Communication wait of the last step", aggregator=_RANK
+    "throughput_samples_per_second", "Samples per second of the rank's latest step.", _RANK
 )
 LOSS: Final = _gauge(
-    "loss",
-    "Training loss of the latest step (the agent: the latest finite one; the aggregator: "
-    "NaN when it was not finite).",
-    agent=_RANK,
-    aggregator=_RANK,
+    "loss", "Training loss of the latest step (NaN when it was not finite).", _RANK
 )
 CONFIG_VERSION: Final = _gauge(
-    "config_version",
-    "Communication config version the rank runs.",
-    agent=_RANK,
-    aggregator=_RANK,
+    "config_version", "Communication config version the rank runs.", _RANK
 )
 DDP_BUCKET_CAP_BYTES: Final = _gauge(
-    "ddp_bucket_cap_bytes",
-    "DDP gradient bucket cap in force.",
-    agent=_RANK,
-    aggregator=("job",),
+    "ddp_bucket_cap_bytes", "DDP gradient bucket cap in force.", ("job",)
 )
-CODEC_INFO: Final = _gauge(
-    "codec_info", "Gradient codec in force (value 1)", aggregator=("job", "codec")
-)
+CODEC_INFO: Final = _gauge("codec_info", "Gradient codec in force (value 1)", ("job", "codec"))
 COMPRESSION_RATIO: Final = _gauge(
     "compression_ratio",
     "Wire bytes over gradient bytes per codec in the latest step (1 uncompressed).",
-    agent=_CODEC,
-    aggregator=_CODEC,
+    _CODEC,
 )
 COMPRESSION_RELATIVE_ERROR: Final = _gauge(
-    "compression_relative_error",
-    "Sampled relative error of the gradient codec",
-    aggregator=_CODEC,
+    "compression_relative_error", "Sampled relative error of the gradient codec", _CODEC
 )
 COMPRESSION_WIRE_BYTES_TOTAL: Final = _counter(
-    "compression_wire_bytes_total",
-    "Bytes the comm hook sent for gradients",
-    aggregator=_CODEC,
+    "compression_wire_bytes_total", "Bytes the comm hook sent for gradients", _CODEC
 )
 
-# -- collectives ----------------------------------------------------------------------------
+# -- collectives (the aggregator) -----------------------------------------------------------
 
 COLLECTIVE_DURATION_SECONDS: Final = _histogram(
     "collective_duration_seconds",
-    "Duration of each collective call.",
-    agent=_COLLECTIVE,
-    aggregator=_COLLECTIVE,
+    "Duration of each collective call, over the job's ranks (per rank with the "
+    "aggregator's collective_metrics_per_rank setting).",
+    ("job", "op", "pg"),
+    optional=("rank",),
 )
 COLLECTIVE_BYTES_TOTAL: Final = _counter(
-    "collective_bytes_total", "Collective message bytes (nccl-tests size).", agent=_COLLECTIVE
+    "collective_bytes_total",
+    "Collective message bytes (nccl-tests size), over the job's ranks (per rank with "
+    "the aggregator's collective_metrics_per_rank setting).",
+    ("job", "op", "pg"),
+    optional=("rank",),
 )
 COLLECTIVE_BUSBW_BYTES_PER_SECOND: Final = _gauge(
     "collective_busbw_bytes_per_second",
     "Bus bandwidth (nccl-tests) of the latest step with this collective.",
-    agent=_COLLECTIVE,
-    aggregator=_COLLECTIVE,
+    _COLLECTIVE,
 )
 LABEL_VALUES_FOLDED_TOTAL: Final = _counter(
     "label_values_folded_total",
     "Op, pg and codec label values a job's probes named past its cap of distinct "
     "values, kept under 'other' instead.",
-    agent=("job", "label"),
-    aggregator=("job", "label"),
+    ("job", "label"),
 )
 
 # -- detectors and alerts -------------------------------------------------------------------
@@ -335,118 +350,121 @@ LABEL_VALUES_FOLDED_TOTAL: Final = _counter(
 ANOMALY_ACTIVE: Final = _gauge(
     "anomaly_active",
     "1 while a rolling z-score anomaly is active on the series",
-    aggregator=("job", "rank", "metric"),
+    ("job", "rank", "metric"),
 )
 ANOMALY_ZSCORE: Final = _gauge(
-    "anomaly_zscore", "z-score of the active anomaly", aggregator=("job", "rank", "metric")
+    "anomaly_zscore", "z-score of the active anomaly", ("job", "rank", "metric")
 )
-STRAGGLER_ACTIVE: Final = _gauge(
-    "straggler_active", "1 while the rank is a straggler", aggregator=_RANK
-)
-STRAGGLER_SCORE: Final = _gauge("straggler_score", "Straggler score of the rank", aggregator=_RANK)
+STRAGGLER_ACTIVE: Final = _gauge("straggler_active", "1 while the rank is a straggler", _RANK)
+STRAGGLER_SCORE: Final = _gauge("straggler_score", "Straggler score of the rank", _RANK)
 HUNG_COLLECTIVE_AGE_SECONDS: Final = _gauge(
     "hung_collective_age_seconds",
     "Age of a collective the rank never joined while its peers wait",
-    aggregator=_COLLECTIVE,
+    _COLLECTIVE,
 )
 SLOW_LINK_BANDWIDTH_BYTES_PER_SECOND: Final = _gauge(
     "slow_link_bandwidth_bytes_per_second",
     "While a link check finds the rank's link slow: the rank's best pair bandwidth "
     "(rank is 'A-B' at world size 2, where only the pair can be named)",
-    aggregator=_RANK,
+    _RANK,
 )
 LINK_BANDWIDTH_BYTES_PER_SECOND: Final = _gauge(
     "link_bandwidth_bytes_per_second",
     "Best pair bandwidth of the rank in the job's latest link check",
-    aggregator=_RANK,
+    _RANK,
 )
 ALERTS: Final = _gauge(
     "alerts",
     "Alerts pending or firing, by rule and severity",
-    aggregator=("alertname", "severity", "state"),
+    ("alertname", "severity", "state"),
 )
 
 # -- the autotuner --------------------------------------------------------------------------
 
 TUNER_TRIALS_TOTAL: Final = _counter(
-    "tuner_trials_total", "Tuning trials decided, by decision", aggregator=("job", "decision")
+    "tuner_trials_total", "Tuning trials decided, by decision", ("job", "decision")
 )
 TUNER_BEST_SCORE: Final = _gauge(
     "tuner_best_score",
     "Best throughput of the job's tuning session (incumbent), samples per second",
-    aggregator=("job",),
+    ("job",),
 )
 TUNER_STATE: Final = _gauge(
-    "tuner_state", "1 for the tuning session's current phase", aggregator=("job", "state")
+    "tuner_state", "1 for the tuning session's current phase", ("job", "state")
 )
 
 # -- the daemons themselves -----------------------------------------------------------------
 
 INGEST_BATCHES_TOTAL: Final = _counter(
-    "ingest_batches_total", "Ingest requests by outcome", aggregator=("outcome",)
+    "ingest_batches_total", "Ingest requests by outcome", ("outcome",)
 )
-INGEST_RECORDS_TOTAL: Final = _counter(
-    "ingest_records_total", "Agent spool records stored", aggregator=()
-)
+INGEST_RECORDS_TOTAL: Final = _counter("ingest_records_total", "Agent spool records stored", ())
 INGEST_DUPLICATES_TOTAL: Final = _counter(
-    "ingest_duplicates_total", "Records or probe batches seen before", aggregator=()
+    "ingest_duplicates_total", "Records or probe batches seen before", ()
 )
 INGEST_SAMPLES_TOTAL: Final = _counter(
-    "ingest_samples_total", "Measurements stored (one number each)", aggregator=()
+    "ingest_samples_total", "Measurements stored (one number each)", ()
 )
 INGEST_DURATION_SECONDS: Final = _histogram(
     "ingest_duration_seconds",
     "Time to store one ingest request (including its wait for the writer)",
-    aggregator=(),
+    (),
 )
 NOTIFICATIONS_SENT_TOTAL: Final = _counter(
     "notifications_sent_total",
     "Notification messages delivered, per target",
-    aggregator=("target",),
+    ("target",),
 )
 NOTIFICATIONS_FAILED_TOTAL: Final = _counter(
     "notifications_failed_total",
     "Notification messages given up on, per target",
-    aggregator=("target",),
+    ("target",),
 )
 NOTIFICATIONS_RETRIES_TOTAL: Final = _counter(
     "notifications_retries_total",
     "Notification delivery retries, per target",
-    aggregator=("target",),
+    ("target",),
 )
 NOTIFICATIONS_DROPPED_TOTAL: Final = _counter(
     "notifications_dropped_total",
     "Alerts dropped before delivery (queue full or shutdown), per target",
-    aggregator=("target",),
+    ("target",),
 )
 NOTIFICATIONS_DEDUPLICATED_TOTAL: Final = _counter(
     "notifications_deduplicated_total",
     "Alerts not sent again because they were already delivered",
-    aggregator=("target",),
+    ("target",),
 )
 NOTIFICATIONS_QUEUED: Final = _gauge(
-    "notifications_queued", "Alerts waiting to be sent, per target", aggregator=("target",)
+    "notifications_queued", "Alerts waiting to be sent, per target", ("target",)
 )
-AGENT_FRAMES_REJECTED_TOTAL: Final = _counter(
-    "agent_frames_rejected_total", "Probe frames the agent rejected.", agent=_NODE
+AGENT_FRAMES_REJECTED_TOTAL: Final = _agent_counter(
+    "agent_frames_rejected_total", "Probe frames the agent rejected."
 )
-AGENT_SPOOL_DROPPED_RECORDS_TOTAL: Final = _counter(
+AGENT_SPOOL_DROPPED_RECORDS_TOTAL: Final = _agent_counter(
     "agent_spool_dropped_records_total",
     "Spool records dropped because the spool was full.",
-    agent=_NODE,
 )
-AGENT_FORWARD_FAILURES_TOTAL: Final = _counter(
-    "agent_forward_failures_total", "Failed forwards to the aggregator.", agent=_NODE
+AGENT_FORWARD_FAILURES_TOTAL: Final = _agent_counter(
+    "agent_forward_failures_total", "Failed forwards to the aggregator."
 )
-AGENT_PROBE_CONNECTIONS: Final = _gauge(
-    "agent_probe_connections", "Probes connected to the agent.", agent=_NODE
+AGENT_PROBE_CONNECTIONS: Final = _agent_gauge(
+    "agent_probe_connections", "Probes connected to the agent."
 )
-AGENT_SPOOL_RECORDS: Final = _gauge(
-    "agent_spool_records", "Records waiting in the spool.", agent=_NODE
+AGENT_SPOOL_RECORDS: Final = _agent_gauge("agent_spool_records", "Records waiting in the spool.")
+AGENT_SPOOL_BYTES: Final = _agent_gauge("agent_spool_bytes", "Bytes of the spool on disk.")
+AGENT_FORWARD_UP: Final = _agent_gauge(
+    "agent_forward_up", "1 when the last forward to the aggregator succeeded."
 )
-AGENT_SPOOL_BYTES: Final = _gauge("agent_spool_bytes", "Bytes of the spool on disk.", agent=_NODE)
-AGENT_FORWARD_UP: Final = _gauge(
-    "agent_forward_up", "1 when the last forward to the aggregator succeeded.", agent=_NODE
+
+
+BUILD_INFO: Final = _spec(
+    "gauge",
+    EACH,
+    "build_info",
+    "1, labelled with the daemon (agent or aggregator) and the torshmon and Python "
+    "versions it runs.",
+    ("daemon", "version", "python", "implementation"),
 )
 
 
@@ -463,9 +481,14 @@ METRICS: Final = _table()
 
 
 def exported_by(exporter: Exporter) -> tuple[MetricSpec, ...]:
-    """The metrics ``exporter`` exports, in catalogue order."""
-    return tuple(
-        spec
-        for spec in METRICS.values()
-        if (spec.agent if exporter == "agent" else spec.aggregator) is not None
+    """The metrics ``exporter`` exports, in catalogue order (``build_info`` included)."""
+    return tuple(spec for spec in METRICS.values() if spec.exported_by(exporter))
+
+
+def build_info(daemon: Exporter) -> GaugeMetricFamily:
+    """``torshmon_build_info`` as ``daemon`` exports it: 1, labelled with the versions."""
+    family = BUILD_INFO.gauge()
+    family.add_metric(
+        [daemon, __version__, platform.python_version(), platform.python_implementation()], 1
     )
+    return family

@@ -184,8 +184,11 @@ class LiveState:
         r.node = node
         r.last_seen_unix_s = now_unix_s
         r.dropped_records_total = batch.dropped_records_total
+        r.inflight_oldest_age_s = max((op.age_s for op in batch.inflight), default=0.0)
         if batch.steps:
             self._observe_steps(batch, job, r)
+            if batch.urgent:
+                r.urgent_steps_total += len(batch.steps)
         if job.world_size is None or batch.rank < job.world_size:
             # The receive time, not the probe's clock: ages are judged against ``now``.
             self.hang.observe(batch.job, batch.rank, now_unix_s, batch.inflight)
@@ -224,6 +227,8 @@ class LiveState:
             counts[bucket] += 1
         hist.sum = functools.reduce(operator.add, durations, hist.sum)  # in step order
         hist.count += n
+        r.comm_wait_s_total = functools.reduce(operator.add, waits, r.comm_wait_s_total)
+        r.compute_s_total = functools.reduce(operator.add, computes, r.compute_s_total)
         recent = r.recent
         recent.duration_s.extend(durations)
         recent.wait_s.extend(waits)
@@ -545,7 +550,6 @@ class LiveState:
                     )
                     for name, job in self.jobs.items()
                 },
-                "nodes": dict(self.nodes),
                 "anomalies": self.step_z.active() + self.loss_z.active(),
                 "stragglers": self.straggler.active(),
                 "hangs": list(self._hangs),

@@ -1,12 +1,15 @@
 """torshmon rules as a Prometheus rule file, and the ``torshmon rules`` commands.
 
 ``to_prometheus`` writes one rule group that ``promtool check rules`` accepts, with
-expressions over the aggregator's job-level ``/metrics``:
+expressions over the series the agents and the aggregator export:
 
 - threshold: ``torshmon_<m>{matchers} > v``; with ``aggregate``:
-  ``avg by (job) (torshmon_<m>) > v``. ``step_duration_seconds`` is a histogram,
-  so its value is ``rate(_sum[1m]) / rate(_count[1m])`` (a mean by group divides
-  the summed rates, which weighs every step equally).
+  ``avg by (job) (torshmon_<m>) > v``. A per-step mean has no series of its own:
+  ``step_duration_seconds`` (a histogram) is ``rate(_sum[1m]) / rate(_count[1m])``,
+  ``comm_wait_seconds`` and ``compute_seconds`` are their ``_seconds_total``
+  counters' rates over ``torshmon_steps_total``'s (a mean by group divides the
+  summed rates, which weighs every step equally). Node series come from the
+  agents, training series from the aggregator: each exactly once.
 - rate: ``deriv(torshmon_<m>[window]) > v``; with ``steady``, ``and`` the rises
   (``changes - resets``: resets counts every decrease) at least that fraction of the
   window's intervals.
@@ -50,18 +53,30 @@ from torshmon.aggregator.core.rules import (
 )
 from torshmon.catalogue import metrics as catalogue
 
-__all__ = ["FORMATS", "check_rules_cli", "export_rules_cli", "expression", "to_prometheus"]
+__all__ = [
+    "FORMATS",
+    "PER_STEP_MEANS",
+    "check_rules_cli",
+    "export_rules_cli",
+    "expression",
+    "to_prometheus",
+]
 
 #: Export formats ``torshmon rules export --format`` accepts.
 FORMATS: Final[tuple[str, ...]] = ("prometheus",)
 
 _PREFIX: Final = catalogue.PREFIX
-#: Histograms by name without the prefix: a rule on one reads its ``_count`` or mean.
-_HISTOGRAMS: Final = frozenset(
-    spec.name.removeprefix(_PREFIX)
-    for spec in catalogue.exported_by("aggregator")
-    if spec.kind == "histogram"
-)
+#: Rule metrics (names without the prefix) whose value is a per-step mean over the
+#: last minute: the rate of the first series over the rate of the second.
+PER_STEP_MEANS: Final[Mapping[str, tuple[str, str]]] = {
+    **{
+        spec.name.removeprefix(_PREFIX): (f"{spec.name}_sum", f"{spec.name}_count")
+        for spec in catalogue.METRICS.values()
+        if spec.kind == "histogram"
+    },
+    "comm_wait_seconds": (catalogue.COMM_WAIT_SECONDS_TOTAL.name, catalogue.STEPS_TOTAL.name),
+    "compute_seconds": (catalogue.COMPUTE_SECONDS_TOTAL.name, catalogue.STEPS_TOTAL.name),
+}
 _PROM_AGGREGATE: Final[Mapping[str, str]] = {
     "mean": "avg",
     "max": "max",
@@ -101,8 +116,9 @@ def expression(rule: Rule) -> str:
         )
         return f"{selector} > 0"
     metric = rule.metric or ""
+    mean = PER_STEP_MEANS.get(metric)
     if rule.kind == "absent":
-        name = f"{_PREFIX}{metric}_count" if metric in _HISTOGRAMS else _PREFIX + metric
+        name = mean[1] if mean is not None else _PREFIX + metric
         return (
             f"absent_over_time({name}{_matchers(rule.matchers)}[{prometheus_duration(rule.for_s)}])"
         )
@@ -112,13 +128,13 @@ def expression(rule: Rule) -> str:
     comparison = f"{rule.op} {rule.threshold!r}"
     if rule.kind == "rate":
         window = prometheus_duration(rule.window_s)
-        if metric in _HISTOGRAMS:
+        if mean is not None:
             # deriv() needs a range of samples; a subquery gives one for the ratio.
             inner = f"deriv(({_value(rule)})[{window}:])"
         else:
             inner = f"deriv({_PREFIX}{metric}{_matchers(rule.matchers)}[{window}])"
         expr = f"{_aggregated(rule, inner)} {comparison}"
-        if rule.steady is not None and rule.aggregate is None and metric not in _HISTOGRAMS:
+        if rule.steady is not None and rule.aggregate is None and mean is None:
             # Rises = value changes - decreases (resets() counts every decrease).
             series = f"{_PREFIX}{metric}{_matchers(rule.matchers)}[{window}]"
             expr += (
@@ -126,13 +142,12 @@ def expression(rule: Rule) -> str:
                 f"{rule.steady!r} * (count_over_time({series}) - 1)"
             )
         return expr
-    if rule.aggregate == "mean" and metric in _HISTOGRAMS:
+    if rule.aggregate == "mean" and mean is not None:
         by = _by(rule)
-        selector = _PREFIX + metric
         match = _matchers(rule.matchers)
         return (
-            f"sum{by} (rate({selector}_sum{match}[1m])) / "
-            f"sum{by} (rate({selector}_count{match}[1m])) {comparison}"
+            f"sum{by} (rate({mean[0]}{match}[1m])) / "
+            f"sum{by} (rate({mean[1]}{match}[1m])) {comparison}"
         )
     return f"{_aggregated(rule, _value(rule))} {comparison}"
 
@@ -141,8 +156,9 @@ def _value(rule: Rule) -> str:
     """The per-series value of a metric rule's metric."""
     metric = rule.metric or ""
     match = _matchers(rule.matchers)
-    if metric in _HISTOGRAMS:
-        return f"rate({_PREFIX}{metric}_sum{match}[1m]) / rate({_PREFIX}{metric}_count{match}[1m])"
+    mean = PER_STEP_MEANS.get(metric)
+    if mean is not None:
+        return f"rate({mean[0]}{match}[1m]) / rate({mean[1]}{match}[1m])"
     return _PREFIX + metric + match
 
 

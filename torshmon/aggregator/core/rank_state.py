@@ -54,8 +54,13 @@ class RankState:
     last_step: int = -1
     last_seen_unix_s: float = 0.0  # aggregator clock: the last batch, heartbeats included
     steps_total: int = 0
+    urgent_steps_total: int = 0
     samples_total: float = 0.0
     dropped_records_total: int = 0
+    # Summed over every step (the step time's sum is ``step_hist.sum``), in step order.
+    comm_wait_s_total: float = 0.0
+    compute_s_total: float = 0.0
+    inflight_oldest_age_s: float = 0.0
     duration_s: float = math.nan
     comm_wait_s: float = math.nan
     compute_s: float = math.nan
@@ -73,6 +78,7 @@ class RankState:
     )
     collectives: dict[tuple[str, str], Histogram] = field(default_factory=dict)
     busbw: dict[tuple[str, str], float] = field(default_factory=dict)
+    collective_bytes_total: dict[tuple[str, str], int] = field(default_factory=dict)
     recent: Recent = field(default_factory=Recent)
     labels: LabelSet = ()
 
@@ -99,6 +105,7 @@ def copy_rank(r: RankState) -> RankState:
             k: Histogram(list(h.counts), h.sum, h.count) for k, h in r.collectives.items()
         },
         busbw=dict(r.busbw),
+        collective_bytes_total=dict(r.collective_bytes_total),
         recent=Recent(),
     )
 
@@ -106,7 +113,7 @@ def copy_rank(r: RankState) -> RankState:
 def observe_collectives(
     r: RankState, collectives: Sequence[CollectiveStat], job: str, labels: LabelCap
 ) -> None:
-    by_key, busbw = r.collectives, r.busbw
+    by_key, busbw, sizes = r.collectives, r.busbw, r.collective_bytes_total
     for c in collectives:
         key = (c.op, c.pg)
         if key not in by_key:  # a pair kept before is kept as it is
@@ -121,3 +128,4 @@ def observe_collectives(
         hist.sum += c.duration_s
         hist.count += c.count
         busbw[key] = c.busbw_bytes_per_s
+        sizes[key] = sizes.get(key, 0) + c.size_bytes
