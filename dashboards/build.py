@@ -381,6 +381,16 @@ def mean_step(selector: str, by: str = "") -> str:
     )
 
 
+def per_step(metric: str, selector: str, by: str = "") -> str:
+    """Seconds of ``metric`` (compute, comm_wait) per step over the rate window: its
+    ``_seconds_total`` counter over the step counter, so any window gives a true mean."""
+    group = f" by ({by})" if by else ""
+    return (
+        f"sum{group} (rate(torshmon_{metric}_seconds_total{{{selector}}}[{RATE}]))"
+        f" / sum{group} (rate(torshmon_steps_total{{{selector}}}[{RATE}]))"
+    )
+
+
 def step_quantile(quantile: float) -> str:
     return (
         f"histogram_quantile({quantile}, sum by (le) "
@@ -472,12 +482,12 @@ def job_overview() -> Dashboard:
             ),
             timeseries(
                 "Compute and communication wait",
-                q(f"avg(torshmon_compute_seconds{{{RANKS}}})", "compute"),
-                q(f"avg(torshmon_comm_wait_seconds{{{RANKS}}})", "communication wait"),
+                q(per_step("compute", RANKS), "compute"),
+                q(per_step("comm_wait", RANKS), "communication wait"),
                 unit="s",
                 stack=True,
-                description="The latest step split into compute and communication wait, "
-                "mean over ranks.",
+                description="A step split into compute and communication wait, mean over "
+                "the selected ranks' steps in the window.",
             ),
             timeseries(
                 "Loss",
@@ -534,11 +544,13 @@ def job_overview() -> Dashboard:
             timeseries(
                 "Network",
                 q(
-                    f"rate(torshmon_network_receive_bytes_total{{{NODES}}}[{RATE}])",
+                    f"sum by (node) (rate(torshmon_network_receive_bytes_total{{{NODES}}}"
+                    f"[{RATE}]))",
                     "{{node}} received",
                 ),
                 q(
-                    f"rate(torshmon_network_transmit_bytes_total{{{NODES}}}[{RATE}])",
+                    f"sum by (node) (rate(torshmon_network_transmit_bytes_total{{{NODES}}}"
+                    f"[{RATE}]))",
                     "{{node}} sent",
                 ),
                 unit="Bps",
@@ -571,17 +583,17 @@ def ranks() -> Dashboard:
         (
             timeseries(
                 "Compute time per rank",
-                q(f"torshmon_compute_seconds{{{RANKS}}}", "rank {{rank}}"),
+                q(per_step("compute", RANKS, "rank"), "rank {{rank}}"),
                 unit="s",
-                description="Step time minus communication wait. This is the straggler "
-                "signal: a slow rank computes longer, while its collectives look fastest "
-                "(it arrives last and waits least).",
+                description="Per step, over the window: step time minus communication "
+                "wait. This is the straggler signal: a slow rank computes longer, while its "
+                "collectives look fastest (it arrives last and waits least).",
             ),
             timeseries(
                 "Compute time relative to the job's median",
                 q(
-                    f"torshmon_compute_seconds{{{RANKS}}} / on (job) group_left () "
-                    f"quantile by (job) (0.5, torshmon_compute_seconds{{{JOB}}})",
+                    f"({per_step('compute', RANKS, 'job, rank')}) / on (job) group_left () "
+                    f"quantile by (job) (0.5, {per_step('compute', JOB, 'job, rank')})",
                     "rank {{rank}}",
                 ),
                 unit="none",
@@ -591,7 +603,7 @@ def ranks() -> Dashboard:
             ),
             timeseries(
                 "Communication wait per rank",
-                q(f"torshmon_comm_wait_seconds{{{RANKS}}}", "rank {{rank}}"),
+                q(per_step("comm_wait", RANKS, "rank"), "rank {{rank}}"),
                 unit="s",
                 description="The ranks that wait longest are waiting for the straggler.",
             ),
@@ -667,8 +679,8 @@ def ranks() -> Dashboard:
             table(
                 "Ranks now",
                 q(f"max by (rank) (torshmon_steps_total{{{RANKS}}})"),
-                q(f"max by (rank) (torshmon_compute_seconds{{{RANKS}}})"),
-                q(f"max by (rank) (torshmon_comm_wait_seconds{{{RANKS}}})"),
+                q(per_step("compute", RANKS, "rank")),
+                q(per_step("comm_wait", RANKS, "rank")),
                 q(f"max by (rank) (torshmon_communication_time_ratio{{{RANKS}}})"),
                 q(f"max by (rank) (torshmon_config_version{{{RANKS}}})"),
                 width=24,
@@ -700,7 +712,10 @@ def ranks() -> Dashboard:
 
 
 def collectives() -> Dashboard:
-    sel = f'{RANKS}, op=~"$op"'
+    # The histogram and byte counters are per job (no rank label) unless the aggregator
+    # runs with collective_metrics_per_rank; bus bandwidth is per rank.
+    sel = f'{JOB}, op=~"$op"'
+    rank_sel = f'{RANKS}, op=~"$op"'
     op_variable = _query_variable(
         "op",
         "Collective",
@@ -739,15 +754,14 @@ def collectives() -> Dashboard:
                 unit="none",
             ),
             timeseries(
-                "Time in collectives per rank",
+                "Communication wait per rank",
                 q(
-                    f"sum by (rank) (rate(torshmon_collective_duration_seconds_sum{{{sel}}}"
-                    f"[{RATE}]))",
+                    f"sum by (rank) (rate(torshmon_comm_wait_seconds_total{{{RANKS}}}[{RATE}]))",
                     "rank {{rank}}",
                 ),
                 unit="percentunit",
-                description="Seconds spent inside collectives per second of wall time. "
-                "The straggler spends the least: its peers wait for it inside the call.",
+                description="Seconds each rank waits on communication per second of wall "
+                "time. The straggler waits the least: its peers wait for it inside the call.",
             ),
         ),
     )
@@ -756,7 +770,10 @@ def collectives() -> Dashboard:
         (
             timeseries(
                 "Bus bandwidth by op",
-                q(f"avg by (op) (torshmon_collective_busbw_bytes_per_second{{{sel}}})", "{{op}}"),
+                q(
+                    f"avg by (op) (torshmon_collective_busbw_bytes_per_second{{{rank_sel}}})",
+                    "{{op}}",
+                ),
                 unit="Bps",
                 description="nccl-tests bus bandwidth of the latest step, mean over ranks: "
                 "comparable across ops and world sizes, and with the link's speed.",
@@ -764,7 +781,7 @@ def collectives() -> Dashboard:
             timeseries(
                 "Bus bandwidth per rank",
                 q(
-                    f"torshmon_collective_busbw_bytes_per_second{{{sel}}}",
+                    f"torshmon_collective_busbw_bytes_per_second{{{rank_sel}}}",
                     "rank {{rank}} {{op}} ({{pg}})",
                 ),
                 unit="Bps",
@@ -857,9 +874,10 @@ def ddp() -> Dashboard:
             timeseries(
                 "Step time and communication wait",
                 q(mean_step(RANKS), "mean step"),
-                q(f"avg(torshmon_comm_wait_seconds{{{RANKS}}})", "communication wait"),
+                q(per_step("comm_wait", RANKS), "communication wait"),
                 unit="s",
-                description="What a bucket or codec change is meant to improve.",
+                description="Per step, mean over ranks: what a bucket or codec change is "
+                "meant to improve.",
             ),
         ),
     )
