@@ -424,6 +424,7 @@ class Monitor:
             rank=self.rank,
             step=done.step,
             duration_s=done.duration_s,
+            host=done.host,
             peers=[
                 LinkPeerResult(peer=p.peer, size_bytes=p.size_bytes, duration_s=p.duration_s)
                 for p in done.peers
