@@ -6,15 +6,18 @@ Needs root and iproute2 (``linkshape.available``), like ``test_slow_link.py``.
 
 from __future__ import annotations
 
+import urllib.error
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.integration.multinode import Cluster, train_until_stopped
-from torshmon.linkshape import available
+from torshmon.linkshape import available, parse_rate
 
 pytestmark = pytest.mark.integration
+
+SLOW_RATE = "100mbit"
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +60,58 @@ def test_each_rank_reports_its_node_and_local_rank(shaping: None, tmp_path: Path
         ranks = {line.split('rank="')[1].split('"')[0] for line in text.splitlines()
                  if 'job="multinode"' in line and 'rank="' in line}  # fmt: skip
         assert ranks == {str(2 * node), str(2 * node + 1)}, text[:2000]
+
+
+def _slow_link_alerts(cluster: Cluster) -> list[dict[str, Any]]:
+    return [a for a in cluster.alerts() if a["rule"] == "Slow Link" and a["state"] == "firing"]
+
+
+def _link_reading(cluster: Cluster) -> dict[str, Any] | None:
+    """The job's latest link check from its report; None before the first (or the job)."""
+    try:
+        report = cluster.api(f"/api/v1/jobs/{cluster.job}/report")
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:  # no live data for the job yet
+            return None
+        raise
+    reading: dict[str, Any] | None = report["link_check"]
+    return reading
+
+
+@pytest.mark.parametrize(("nodes", "named"), [(3, "node1"), (2, "node0-node1")])
+def test_a_slow_node_link_is_named_by_node(
+    shaping: None, tmp_path: Path, nodes: int, named: str
+) -> None:
+    """Two ranks per node; node 1's link at 100 Mbit/s: the Slow Link alert names node 1
+    (with two nodes, their link), and the report shows bandwidth per node pair."""
+    with Cluster(tmp_path, nodes=nodes, ranks_per_node=2) as cluster:
+        job = cluster.start_job(train_until_stopped, str(cluster.stop_file))
+        try:
+            healthy = cluster.wait(lambda: _link_reading(cluster), "the reference check", 90)
+            cluster.shape(1, SLOW_RATE)
+            [alert] = cluster.wait(lambda: _slow_link_alerts(cluster), "the Slow Link alert", 90)
+            slow = _link_reading(cluster)
+            series = cluster.aggregator_metrics()
+        finally:
+            steps = cluster.stop_job(job)
+    assert len(set(steps)) == 1
+    assert healthy["nodes"]["slow_nodes"] == []
+    assert alert["labels"]["node"] == named
+    assert f"of job {cluster.job}" in alert["annotations"]["summary"]
+    assert slow is not None
+    by_pair = slow["nodes"]["node_pairs"]
+    rate_bytes = parse_rate(SLOW_RATE) / 8
+    for pair, bandwidth in by_pair.items():
+        if "node1" in pair.split("-"):
+            assert 0.3 * rate_bytes < bandwidth < 1.3 * rate_bytes, by_pair
+        else:
+            assert bandwidth > 3 * rate_bytes, by_pair
+    # Pairs within a node (loopback) are reported apart, and far faster.
+    for node in range(nodes):
+        [intra] = slow["nodes"]["intra_node_pairs"][f"node{node}"].values()
+        assert intra > 3 * rate_bytes
+    exposed = [
+        line for line in series.splitlines()
+        if line.startswith("torshmon_node_link_bandwidth_bytes_per_second{")
+    ]  # fmt: skip
+    assert len(exposed) == len(by_pair) + nodes, exposed  # node pairs, and each node's own

@@ -141,6 +141,7 @@ class LiveState:
                 if job.world_size != hello.world_size:
                     self._set_world(hello.job, job, hello.world_size)
                 self._rank(hello.job, job, hello.rank).node = hello.node
+                self.links.set_node(hello.job, hello.rank, hello.node)
             for batch, node in stored.batches:
                 self._observe_batch(batch, node, now_unix_s)
             for sample in stored.node_samples:
