@@ -39,12 +39,28 @@ def _ranks_stepping(cluster: Cluster) -> list[dict[str, Any]]:
     return rows if len(stepping) == cluster.world_size else []
 
 
+def _stepped_on(cluster: Cluster, before: dict[int, int], ranks: tuple[int, ...]) -> bool:
+    """Whether each of ``ranks`` has a step past its ``before`` count (the live state
+    restarts from zero with the aggregator, so the newest step number is compared)."""
+    live = {r["rank"]: r["live"] or {} for r in _ranks(cluster)}
+    return all(live.get(rank, {}).get("last_step", -1) > before[rank] for rank in ranks)
+
+
 def test_each_rank_reports_its_node_and_local_rank(shaping: None, tmp_path: Path) -> None:
     with Cluster(tmp_path, nodes=2, ranks_per_node=2) as cluster:
         job = cluster.start_job(train_until_stopped, str(cluster.stop_file))
         try:
             rows = cluster.wait(lambda: _ranks_stepping(cluster), "every rank's steps")
             metrics = [cluster.agent_metrics(node) for node in range(2)]
+            # The harness restarts an agent and the aggregator on their spool and database;
+            # node 1's ranks are then seen stepping on.
+            before = {r["rank"]: r["live"]["last_step"] for r in rows}
+            cluster.kill_agent(1)
+            cluster.start_agent(1)
+            cluster.wait_agent(1)
+            cluster.kill_aggregator()
+            cluster.start_aggregator()
+            cluster.wait(lambda: _stepped_on(cluster, before, (2, 3)), "node 1's ranks", 60)
         finally:
             steps = cluster.stop_job(job)
     assert len(set(steps)) == 1
