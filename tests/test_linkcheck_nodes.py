@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import itertools
 import random
+import socket
 from typing import Any
 
 import pytest
 
 from torshmon.aggregator.core.linkcheck import LinkChecker, reading_json
 from torshmon.aggregator.core.localization import hosts_of, localize_nodes, pair_bandwidths
-from torshmon.probe.linkcheck import rounds, schedule
+from torshmon.probe.linkcheck import host_key, rounds, schedule
 from torshmon.wire import LinkCheckResult, LinkPeerResult
 
 MB = 4 * 2**20
@@ -189,3 +190,11 @@ def test_hosts_whose_agent_names_are_not_distinct_are_named_by_host() -> None:
     _answer(checker, "c1", TRIGGERED, 120.0, _hosts(3, 2), frozenset({0}))
     [finding] = checker.active()
     assert finding.labels["node"] == "10.0.0.1"
+
+
+def test_host_key_is_the_address_towards_the_master(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert host_key() == "127.0.0.1"
+    monkeypatch.delenv("MASTER_ADDR")
+    assert host_key() == socket.gethostname()[:64]

@@ -144,10 +144,13 @@ def host_key() -> str:
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "29500")
     if addr:
         try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((addr, int(port)))
+            family, kind, _, _, target = socket.getaddrinfo(addr, int(port), 0, socket.SOCK_DGRAM)[
+                0
+            ]
+            with socket.socket(family, kind) as probe:
+                probe.connect(target)
                 return str(probe.getsockname()[0])
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             pass
     return socket.gethostname()[:64]
 
