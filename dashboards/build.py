@@ -819,13 +819,37 @@ def collectives() -> Dashboard:
             ),
         ),
     )
+    links = Row(
+        "Network links (latest link check)",
+        (
+            timeseries(
+                "Link bandwidth per rank",
+                q(f"torshmon_link_bandwidth_bytes_per_second{{{RANKS}}} * 8", "rank {{rank}}"),
+                unit="bps",
+                description="Each rank's best pair in the job's latest link check (run when "
+                "communication looks slow). A rank far below the others has the slow link.",
+            ),
+            timeseries(
+                "Link bandwidth per node pair",
+                q(
+                    f"torshmon_node_link_bandwidth_bytes_per_second{{{JOB}}} * 8",
+                    "{{src_node}}-{{dst_node}}",
+                ),
+                unit="bps",
+                description="Between nodes, when nodes run several ranks: a node whose pairs "
+                "all read low has the slow link. src = dst: the best pair inside the node "
+                "(another fabric: loopback, shared memory, NVLink).",
+            ),
+        ),
+    )
     return Dashboard(
         "collectives",
         "torshmon / Collectives",
         "Latency histograms, bus bandwidth and message sizes of torch.distributed "
-        "collectives, by op. DDP's bucket all-reduces appear here while a gradient codec "
-        "runs or when the probe is attached with bucket_timing=True.",
-        (latency, bandwidth),
+        "collectives, by op, and the bandwidth the latest link check measured. DDP's "
+        "bucket all-reduces appear here while a gradient codec runs or when the probe is "
+        "attached with bucket_timing=True.",
+        (latency, bandwidth, links),
         extra_variables=(op_variable,),
     )
 

@@ -44,6 +44,9 @@ class FakeLive:
     def report(self, job: str, now_unix_s: float) -> list[Finding] | None:
         return self.findings.get(job)
 
+    def link_reading(self, job: str) -> dict[str, Any] | None:
+        return None
+
 
 class FakeCommands:
     """A real command book (validation, ids), without the store behind it."""
@@ -330,6 +333,7 @@ async def test_the_report_lists_the_live_bottlenecks(a: Api) -> None:
             "labels": {"job": "j"},
         }
     ]
+    assert body["link_check"] is None  # no check yet
     status, body = await a.get("/api/v1/jobs/k/report")
     assert status == 404
 

@@ -144,7 +144,7 @@ def test_a_slow_link_is_checked_named_rechecked_and_cleared() -> None:
     assert dict(finding.labels) == {"job": "j", "rank": "1"}
     assert finding.value < 0.5 * FAST and finding.score < 0.5
     assert finding.since_unix_s == 116.0
-    assert "Rank 1 of job j has a slow network link" in finding.summary
+    assert "Slow network link at rank 1 of job j" in finding.summary
     assert "ethtool" in finding.recommendation
     assert finding.details["check_id"] == "c1" and finding.details["step"] == 7
 
@@ -308,9 +308,10 @@ def test_slow_link_rules_parse_and_export() -> None:
         "rules:\n  - name: Slow\n    kind: slow_link\n    matchers: {job: train}\n"
     )
     [rule] = ruleset
-    assert rule.instance_labels == ("job", "rank")
+    assert rule.instance_labels == ("job", "rank", "node")
     assert expression(rule) == ('torshmon_slow_link_bandwidth_bytes_per_second{job="train"} > 0')
-    assert "rank {{ $labels.rank }} of job {{ $labels.job }}" in to_prometheus(ruleset)
+    exported = to_prometheus(ruleset)
+    assert "(rank: {{ $labels.rank }}, node: {{ $labels.node }})" in exported
     with pytest.raises(RuleError, match=r"rules\[0\]\.metric: not allowed for kind 'slow_link'"):
         load_rules_text("rules:\n  - name: Slow\n    kind: slow_link\n    metric: loss\n")
     with pytest.raises(RuleError, match=r"unknown field \{op\}"):

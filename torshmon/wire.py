@@ -221,7 +221,9 @@ class LinkCheckResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     ``peers`` holds one entry per peer (a round-robin tournament of rank pairs on the
     probe's side gloo group); ``duration_s`` is how long the whole check held this
-    rank at the step boundary.
+    rank at the step boundary. ``host``: what this rank shares with the ranks of its
+    host (its address; ``torshmon.probe.linkcheck.host_key``); pairs of one host are
+    not its NIC's. Empty from probes before it: every rank on a host of its own.
     """
 
     id: Label
@@ -230,6 +232,7 @@ class LinkCheckResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     step: Count
     duration_s: float
     peers: list[LinkPeerResult] = []
+    host: Label = ""
 
 
 class Hello(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="hello", tag_field="kind"):

@@ -52,6 +52,8 @@ NO_DATA_IN_DEMO = {
     "torshmon_tuner_trials_total": "the demo starts no tuning session",
     "torshmon_tuner_best_score": "the demo starts no tuning session",
     "torshmon_tuner_state": "the demo starts no tuning session",
+    "torshmon_node_link_bandwidth_bytes_per_second": "every rank runs on one host: no node "
+    "pairs (tests/integration/test_multinode.py checks the series)",
 }
 #: Metrics that only exist on a node with NVIDIA GPUs (read through NVML).
 GPU_METRICS = frozenset(

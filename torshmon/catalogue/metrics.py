@@ -365,13 +365,20 @@ HUNG_COLLECTIVE_AGE_SECONDS: Final = _gauge(
 SLOW_LINK_BANDWIDTH_BYTES_PER_SECOND: Final = _gauge(
     "slow_link_bandwidth_bytes_per_second",
     "While a link check finds the rank's link slow: the rank's best pair bandwidth "
-    "(rank is 'A-B' at world size 2, where only the pair can be named)",
-    _RANK,
+    "(rank is 'A-B' at world size 2, where only the pair can be named); when ranks "
+    "share hosts, node names the slow node instead ('A-B' with two nodes) and rank is ''",
+    ("job", "rank", "node"),
 )
 LINK_BANDWIDTH_BYTES_PER_SECOND: Final = _gauge(
     "link_bandwidth_bytes_per_second",
     "Best pair bandwidth of the rank in the job's latest link check",
     _RANK,
+)
+NODE_LINK_BANDWIDTH_BYTES_PER_SECOND: Final = _gauge(
+    "node_link_bandwidth_bytes_per_second",
+    "Bandwidth between two nodes in the job's latest link check, when ranks share "
+    "hosts; src_node = dst_node: the best pair within the node (another fabric)",
+    ("job", "src_node", "dst_node"),
 )
 ALERTS: Final = _gauge(
     "alerts",

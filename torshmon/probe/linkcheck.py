@@ -8,6 +8,15 @@ is only as fast as the slower of its two links, so the rank whose pairs are all
 slow is the one at fault (the aggregator decides, see
 ``torshmon.aggregator.core.linkcheck``).
 
+Ranks that share a host (one network address) talk over loopback or shared memory,
+not over the host's NIC, so their pairs say nothing of it; worse, a rank's best
+pair is then its same-host partner, which hides a slow NIC. The check is therefore
+run per host (``schedule``): first one representative per host (its lowest rank)
+against the other hosts' representatives, alone on the NIC, then every pair within
+each host, all hosts at once. With one rank per host the first part is the whole
+tournament; with all ranks on one host the second is. Each rank learns the hosts
+(``host_key``) once, through one all-gather on the side group.
+
 The check runs on the probe's side gloo group (the one the config consensus uses),
 at a step boundary agreed through that consensus, so every rank runs the same
 rounds in the same order and gloo's point-to-point tags never cross. Each pair first
@@ -17,7 +26,10 @@ link time.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -73,6 +85,7 @@ class LinkCheckDone:
     step: int
     duration_s: float
     peers: tuple[PeerTiming, ...]
+    host: str = ""
 
 
 def rounds(world_size: int) -> list[list[tuple[int, int]]]:
@@ -102,21 +115,69 @@ def rounds(world_size: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-def run_link_check(
-    group: Any, rank: int, world_size: int, size_bytes: int, repeats: int = 1
-) -> list[PeerTiming]:
-    """Run the tournament on ``group`` (a gloo ProcessGroup spanning the job); each pair
-    exchanges ``repeats`` times and the fastest exchange is its timing.
+def schedule(hosts: Sequence[str]) -> list[list[tuple[int, int]]]:
+    """The rounds of a check over ranks on ``hosts`` (one key per rank, ``host_key``).
 
-    Collective: every rank must call it with the same arguments. Blocks until this
-    rank's rounds are done; raises whatever gloo raises for a broken group.
+    First the hosts' representatives (each host's lowest rank) in a tournament over
+    hosts, then each host's own tournament, every host's round ``i`` in one round.
+    Every pair of representatives and every pair of ranks sharing a host meets once;
+    a rank is in at most one pair per round. With every rank on its own host, or
+    all on one, this is ``rounds(len(hosts))``.
+    """
+    members: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        members.setdefault(host, []).append(rank)
+    groups = list(members.values())  # in order of their lowest rank
+    out = []
+    for pairs in rounds(len(groups)) if len(groups) > 1 else []:
+        out.append(sorted((groups[a][0], groups[b][0]) for a, b in pairs))
+    within = [[[(g[a], g[b]) for a, b in r] for r in rounds(len(g))] for g in groups]
+    for i in range(max((len(w) for w in within), default=0)):
+        out.append(sorted(pair for w in within if i < len(w) for pair in w[i]))
+    return out
+
+
+def host_key() -> str:
+    """What ranks sharing this host (and its NIC) have in common: the address this
+    process reaches ``MASTER_ADDR`` from (no packet is sent), or without one the
+    hostname. Ranks in separate network namespaces of one machine count apart."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "29500")
+    if addr:
+        try:
+            family, kind, _, _, target = socket.getaddrinfo(addr, int(port), 0, socket.SOCK_DGRAM)[
+                0
+            ]
+            with socket.socket(family, kind) as probe:
+                probe.connect(target)
+                return str(probe.getsockname()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return socket.gethostname()[:64]
+
+
+def run_link_check(
+    group: Any,
+    rank: int,
+    world_size: int,
+    size_bytes: int,
+    repeats: int = 1,
+    hosts: Sequence[str] | None = None,
+) -> list[PeerTiming]:
+    """Run the check's rounds on ``group`` (a gloo ProcessGroup spanning the job); each
+    pair exchanges ``repeats`` times and the fastest exchange is its timing.
+
+    ``hosts``: each rank's ``host_key`` (None: every rank on its own host, the plain
+    tournament); see ``schedule``. Collective: every rank must call it with the same
+    arguments. Blocks until this rank's rounds are done; raises whatever gloo raises
+    for a broken group.
     """
     ping = torch.zeros(1, dtype=torch.uint8)
     pong = torch.zeros(1, dtype=torch.uint8)
     send = torch.zeros(size_bytes, dtype=torch.uint8)
     recv = torch.empty(size_bytes, dtype=torch.uint8)
     timings = []
-    for pairs in rounds(world_size):
+    plan = schedule(hosts) if hosts is not None else rounds(world_size)
+    for pairs in plan:
         peer = next((b if a == rank else a for a, b in pairs if rank in (a, b)), None)
         if peer is None:
             continue

@@ -42,7 +42,7 @@ from torshmon.probe import _torch_compat
 from torshmon.probe.codecs import Codec, make_codec
 from torshmon.probe.commhook import DispatchingCommHook
 from torshmon.probe.config import MIB, CommConfig, ConfigError, next_config
-from torshmon.probe.linkcheck import LinkCheckDone, LinkCheckRequest, run_link_check
+from torshmon.probe.linkcheck import LinkCheckDone, LinkCheckRequest, host_key, run_link_check
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,7 @@ class Reconfigurator:
         # Collective: every rank creates it at attach, in the same order.
         self._group = dist.new_group(backend="gloo")
         self._rank = self._group.rank()
+        self._hosts: list[str] | None = None  # each rank's host_key, at the first link check
         self._rebuild_unavailable = _torch_compat.reducer_rebuild_unavailable(module)
         self._lock = threading.Lock()
         self._pending: CommConfig | None = None
@@ -262,10 +263,22 @@ class Reconfigurator:
         # Not guarded, like the consensus itself: every rank is inside the same
         # exchanges, and a failure is a broken side group the job would see anyway.
         started = time.perf_counter()
+        if self._hosts is None:
+            # Once per job: which ranks share a host (and so a NIC) does not change.
+            hosts: list[Any] = [None] * self._group.size()
+            dist.all_gather_object(hosts, host_key(), group=self._group)
+            self._hosts = [str(h) for h in hosts]
         timings = run_link_check(
-            self._group, self._rank, self._group.size(), check.size_bytes, check.repeats
+            self._group,
+            self._rank,
+            self._group.size(),
+            check.size_bytes,
+            check.repeats,
+            hosts=self._hosts,
         )
-        done = LinkCheckDone(check, step, time.perf_counter() - started, tuple(timings))
+        done = LinkCheckDone(
+            check, step, time.perf_counter() - started, tuple(timings), self._hosts[self._rank]
+        )
         self._checks_done.append(done)
 
     # -- phases -----------------------------------------------------------------------

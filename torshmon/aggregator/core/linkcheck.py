@@ -5,7 +5,8 @@ at the pace of its slowest link) while compute time stays as it was, so neither
 the straggler detector nor per-rank timings can name the rank. The probe can run
 an active test (``torshmon.probe.linkcheck``): every pair of ranks exchanges a
 block of bytes, timed. This module decides when a job needs one and reads the
-results (whose link is slow is ``localization``'s part). It is pure: observations
+results (whose link is slow is ``localization``'s part; when ranks share hosts it
+is read node by node, and a finding names the node: ``node`` label). It is pure: observations
 and an explicit ``now`` in, decisions and ``Finding`` records out; the service
 submits the commands.
 
@@ -39,14 +40,22 @@ from dataclasses import dataclass, field, replace
 from typing import Annotated
 
 from torshmon.aggregator.core.findings import Finding
-from torshmon.aggregator.core.localization import Localization, Pair, localize, pair_bandwidths
+from torshmon.aggregator.core.localization import (
+    Localization,
+    NodeReading,
+    Pair,
+    hosts_of,
+    localize,
+    localize_nodes,
+    pair_bandwidths,
+)
 from torshmon.settings import setting
 from torshmon.wire import LinkCheckResult
 
-__all__ = ["LinkCheckSettings", "LinkChecker"]
+__all__ = ["LinkCheckSettings", "LinkChecker", "node_details", "reading_json"]
 
 RECOMMENDATION = (
-    "Check the rank's network path: NIC and cable, the switch port and its error "
+    "Check the rank's (or node's) network path: NIC and cable, the switch port and its error "
     "counters, the link speed and duplex negotiated (`ethtool <iface>`, "
     "`ethtool -S <iface>`, `ip -s link`), and traffic shaping or a noisy neighbour "
     "on the host."
@@ -196,6 +205,8 @@ class _Job:
     checks: dict[str, _Check] = field(default_factory=dict)
     findings: dict[str, Finding] = field(default_factory=dict)
     healthy_pairs: dict[Pair, deque[float]] = field(default_factory=dict)
+    healthy_node_pairs: dict[tuple[str, str], deque[float]] = field(default_factory=dict)
+    nodes: dict[int, str] = field(default_factory=dict)  # rank -> its agent's node
     suspects: set[str] = field(default_factory=set)  # named once, awaiting confirmation
     last: Localization | None = None
     referenced: bool = False
@@ -222,6 +233,11 @@ class LinkChecker:
         if state.world_size != world_size:
             state.world_size = world_size
             state.ranks.clear()
+
+    def set_node(self, job: str, rank: int, node: str) -> None:
+        """The node (its agent's ``--node``) that ``rank`` of ``job`` reports from; a
+        check whose ranks share hosts names nodes by it."""
+        self._job(job).nodes[rank] = node
 
     def observe_step(self, job: str, rank: int, comm_wait_s: float, compute_s: float) -> None:
         state = self._jobs.get(job)
@@ -310,7 +326,8 @@ class LinkChecker:
         if self.settings.size_bytes is not None:
             args["size_bytes"] = self.settings.size_bytes
         state = self._jobs.get(job)
-        two = state is not None and state.world_size == 2
+        # One pair carries the whole reading at two ranks, or two nodes (their representatives).
+        two = state is not None and (state.world_size == 2 or len(set(state.nodes.values())) == 2)
         repeats = self.settings.repeats_two_ranks if two else self.settings.repeats
         if repeats > 1:
             args["repeats"] = repeats
@@ -417,28 +434,37 @@ class LinkChecker:
 
     def _read(self, job: str, state: _Job, check: _Check, now_s: float) -> None:
         pairs = pair_bandwidths(check.results.values())
-        reference = {p: statistics.median(v) for p, v in state.healthy_pairs.items() if v}
-        reading = localize(
-            state.world_size, pairs, slow_ratio=self.settings.slow_ratio, reference_pair=reference
-        )
-        if not reading.slow:
-            for pair, bandwidth in pairs.items():
-                state.healthy_pairs.setdefault(pair, deque(maxlen=5)).append(bandwidth)
+        hosts = hosts_of(check.results.values())
+        if hosts is not None:
+            reading, named, units = self._read_nodes(state, hosts, pairs)
+        else:
+            reference = {p: statistics.median(v) for p, v in state.healthy_pairs.items() if v}
+            reading = localize(
+                state.world_size,
+                pairs,
+                slow_ratio=self.settings.slow_ratio,
+                reference_pair=reference,
+            )
+            if not reading.slow:
+                for pair, bandwidth in pairs.items():
+                    state.healthy_pairs.setdefault(pair, deque(maxlen=5)).append(bandwidth)
+            units = state.world_size
+            two = units == 2 and reading.slow
+            named = ["0-1"] if two else [str(r) for r in reading.slow]
         state.last = replace(reading, duration_s=max(r.duration_s for r in check.results.values()))
         state.rejections = 0
         step = max((r.step for r in check.results.values()), default=0)
-        named = (
-            ["0-1"] if state.world_size == 2 and reading.slow else [str(r) for r in reading.slow]
-        )
         # A check the job's own timings asked for (communication rose) is believed at
-        # once at 3+ ranks; any other naming (a reference check, a recheck naming a new
-        # rank, any check of a 2-rank job, whose single pair a busy host can halve once)
+        # once at 3+ ranks (nodes); any other naming (a reference check, a recheck naming
+        # a new one, any check of two, whose single pair a busy host can halve once)
         # stands only when the next check, sent at once, names the same.
-        believed = state.world_size > 2 and check.reason not in _UNPROMPTED
+        believed = units > 2 and check.reason not in _UNPROMPTED
         findings, suspects = {}, set()
         for label in named:
             if believed or label in state.findings or label in state.suspects:
-                if label == "0-1":
+                if label.startswith("node:"):
+                    findings[label] = self._node_finding(job, state, reading, label, check, step)
+                elif label == "0-1":
                     findings[label] = self._pair_finding(job, state, reading, check, step)
                 else:
                     findings[label] = self._rank_finding(
@@ -457,7 +483,86 @@ class LinkChecker:
                     steps.baseline.clear()
                 state.unexplained = 0
 
+    def _read_nodes(
+        self, state: _Job, hosts: dict[int, str], pairs: dict[Pair, float]
+    ) -> tuple[Localization, list[str], int]:
+        """A check of ranks sharing hosts, read node by node: the reading, the labels it
+        names (``node:<name>``, or ``node:<a>-<b>`` at two nodes) and the node count."""
+        nodes = _node_names(hosts, state.nodes)
+        reference = {p: statistics.median(v) for p, v in state.healthy_node_pairs.items() if v}
+        reading = localize_nodes(
+            nodes, pairs, slow_ratio=self.settings.slow_ratio, reference_pair=reference
+        )
+        by_node = reading.nodes
+        if by_node is None:  # localize_nodes always reads nodes
+            raise RuntimeError("localize_nodes returned no node reading")
+        if not by_node.slow:
+            for pair, bandwidth in by_node.pairs.items():
+                state.healthy_node_pairs.setdefault(pair, deque(maxlen=5)).append(bandwidth)
+        units = len(by_node.ranks)
+        if units == 2 and by_node.slow:
+            named = ["node:" + "-".join(by_node.slow)]
+        else:
+            named = [f"node:{name}" for name in by_node.slow]
+        return reading, named, units
+
+    def _node_finding(
+        self,
+        job: str,
+        state: _Job,
+        reading: Localization,
+        label: str,
+        check: _Check,
+        step: int,
+    ) -> Finding:
+        by_node = reading.nodes
+        if by_node is None:
+            raise RuntimeError(f"a node finding from a reading without nodes: {label}")
+        name = label.removeprefix("node:")
+        previous = state.findings.get(label)
+        reference = by_node.reference_bytes_per_s or 0.0
+        others = ", ".join(
+            f"{n} {_rate(bw)}" for n, bw in by_node.bandwidth_by_node.items() if n != name
+        )
+        if name in by_node.bandwidth_by_node:
+            bandwidth = by_node.bandwidth_by_node[name]
+            where = f"at node {name}"
+            measured = (
+                f"its link to the other nodes reaches {_rate(bandwidth)}, "
+                f"{bandwidth / reference:.2f}x the median node's {_rate(reference)} ({others})"
+            )
+        else:
+            a, b = by_node.slow
+            bandwidth = by_node.pairs.get((a, b), 0.0)
+            where = f"between node {a} and node {b}"
+            measured = (
+                f"{_rate(bandwidth)}, {bandwidth / reference:.2f}x the {_rate(reference)} "
+                "it reached before; with two nodes a pairwise test cannot tell which end is "
+                "at fault"
+            )
+        return Finding(
+            kind="slow_link",
+            labels={"job": job, "node": name},
+            value=bandwidth,
+            score=bandwidth / reference if reference > 0 else 0.0,
+            summary=(
+                f"Slow network link {where} of job {job}: {measured} "
+                f"(link check {check.id} at step {step})"
+            ),
+            since_unix_s=previous.since_unix_s if previous is not None else check.sent_s,
+            recommendation=RECOMMENDATION,
+            severity="high",
+            details=self._details(reading, check, step),
+        )
+
     def _details(self, reading: Localization, check: _Check, step: int) -> dict[str, object]:
+        if reading.nodes is not None:
+            return {
+                "check_id": check.id,
+                "step": step,
+                "reason": check.reason,
+                **node_details(reading.nodes),
+            }
         return {
             "check_id": check.id,
             "step": step,
@@ -487,7 +592,7 @@ class LinkChecker:
             value=bandwidth,
             score=bandwidth / reference if reference > 0 else 0.0,
             summary=(
-                f"Rank {rank} of job {job} has a slow network link: its pairs reach "
+                f"Slow network link at rank {rank} of job {job}: its pairs reach "
                 f"{_rate(bandwidth)}, {bandwidth / reference:.2f}x the median rank's "
                 f"{_rate(reference)} (link check {check.id} at step {step})"
             ),
@@ -509,7 +614,7 @@ class LinkChecker:
             value=bandwidth,
             score=bandwidth / reference if reference > 0 else 0.0,
             summary=(
-                f"The link between rank 0 and rank 1 of job {job} is slow: "
+                f"Slow network link between rank 0 and rank 1 of job {job}: "
                 f"{_rate(bandwidth)}, {bandwidth / reference:.2f}x the {_rate(reference)} "
                 f"it reached before (link check {check.id} at step {step}); with two ranks "
                 "a pairwise test cannot tell which end is at fault"
@@ -523,6 +628,48 @@ class LinkChecker:
 
 #: Checks not prompted by the job's timings.
 _UNPROMPTED = frozenset({"reference", "recheck", "confirm", "requested"})
+
+
+def reading_json(reading: Localization) -> dict[str, object]:
+    """A check's reading as JSON (bandwidths in bytes/s), for the API's report."""
+    out: dict[str, object] = {
+        "duration_s": reading.duration_s,
+        "reference_bytes_per_s": reading.reference_bytes_per_s,
+        "slow_ranks": list(reading.slow),
+        "bandwidth_by_rank": {str(r): bw for r, bw in sorted(reading.bandwidth_by_rank.items())},
+        "pairs": {f"{a}-{b}": bw for (a, b), bw in sorted(reading.pairs.items())},
+    }
+    if reading.nodes is not None:
+        out["nodes"] = node_details(reading.nodes)
+    return out
+
+
+def node_details(reading: NodeReading) -> dict[str, object]:
+    """A node reading as JSON: bandwidth (bytes/s) per node and node pair, the pairs
+    within each node apart, each node's ranks."""
+    return {
+        "reference_bytes_per_s": reading.reference_bytes_per_s,
+        "slow_nodes": list(reading.slow),
+        "bandwidth_by_node": dict(reading.bandwidth_by_node),
+        "node_pairs": {f"{a}-{b}": bw for (a, b), bw in reading.pairs.items()},
+        "intra_node_pairs": {
+            node: {f"{a}-{b}": bw for (a, b), bw in sorted(pairs.items())}
+            for node, pairs in reading.intra.items()
+        },
+        "ranks_by_node": {node: list(ranks) for node, ranks in reading.ranks.items()},
+    }
+
+
+def _node_names(hosts: dict[int, str], agent_nodes: dict[int, str]) -> dict[int, str]:
+    """Each rank's node name: its agent's node when the hosts' lowest ranks name
+    distinct ones (the usual case: one agent per host), else its host key."""
+    lowest: dict[str, int] = {}
+    for rank in sorted(hosts):
+        lowest.setdefault(hosts[rank], rank)
+    names = {host: agent_nodes.get(rank, "") for host, rank in lowest.items()}
+    if "" in names.values() or len(set(names.values())) < len(names):
+        names = {host: host for host in lowest}
+    return {rank: names[host] for rank, host in hosts.items()}
 
 
 def _median_comm(steps: Iterable[tuple[float, float]]) -> float:

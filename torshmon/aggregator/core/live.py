@@ -25,7 +25,7 @@ from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.bottleneck import JobSnapshot, bottleneck_report
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.hang import HangDetector, HangSettings
-from torshmon.aggregator.core.linkcheck import LinkChecker, LinkCheckSettings
+from torshmon.aggregator.core.linkcheck import LinkChecker, LinkCheckSettings, reading_json
 from torshmon.aggregator.core.rank_state import (
     JobState,
     RankState,
@@ -141,6 +141,7 @@ class LiveState:
                 if job.world_size != hello.world_size:
                     self._set_world(hello.job, job, hello.world_size)
                 self._rank(hello.job, job, hello.rank).node = hello.node
+                self.links.set_node(hello.job, hello.rank, hello.node)
             for batch, node in stored.batches:
                 self._observe_batch(batch, node, now_unix_s)
             for sample in stored.node_samples:
@@ -181,7 +182,9 @@ class LiveState:
     def _observe_batch(self, batch: Batch, node: str, now_unix_s: float) -> None:
         job = self._job(batch.job)
         r = self._rank(batch.job, job, batch.rank)
-        r.node = node
+        if r.node != node:
+            r.node = node
+            self.links.set_node(batch.job, batch.rank, node)
         r.last_seen_unix_s = now_unix_s
         r.dropped_records_total = batch.dropped_records_total
         r.inflight_oldest_age_s = max((op.age_s for op in batch.inflight), default=0.0)
@@ -436,6 +439,13 @@ class LiveState:
             snapshot = self._snapshot(state)
         return bottleneck_report(job, snapshot, now_unix_s)
 
+    def link_reading(self, job: str) -> dict[str, Any] | None:
+        """``job``'s latest link check as JSON (bytes/s; per node pair when ranks share
+        hosts), or None before its first."""
+        with self._lock:
+            reading = self.links.last(job)
+        return None if reading is None else reading_json(reading)
+
     def _snapshot(self, job: JobState) -> JobSnapshot:
         ratios, efficiency = [], []
         for r in job.ranks.values():
@@ -555,7 +565,7 @@ class LiveState:
                 "hangs": list(self._hangs),
                 "slow_links": self.links.active(),
                 "link_bandwidth": {
-                    name: dict(reading.bandwidth_by_rank)
+                    name: reading  # frozen: safe to read outside the lock
                     for name in self.jobs
                     if (reading := self.links.last(name)) is not None
                 },

@@ -193,11 +193,19 @@ class LiveCollector:
             )
         slow_link = catalogue.SLOW_LINK_BANDWIDTH_BYTES_PER_SECOND.gauge()
         for f in snap["slow_links"]:
-            slow_link.add_metric([f.labels.get("job", ""), f.labels.get("rank", "")], f.value)
+            labels = [f.labels.get(name, "") for name in ("job", "rank", "node")]
+            slow_link.add_metric(labels, f.value)
         link_bw = catalogue.LINK_BANDWIDTH_BYTES_PER_SECOND.gauge()
-        for job, by_rank in snap["link_bandwidth"].items():
-            for rank, bandwidth in sorted(by_rank.items()):
+        node_bw = catalogue.NODE_LINK_BANDWIDTH_BYTES_PER_SECOND.gauge()
+        for job, reading in snap["link_bandwidth"].items():
+            for rank, bandwidth in sorted(reading.bandwidth_by_rank.items()):
                 link_bw.add_metric([job, str(rank)], bandwidth)
+            if reading.nodes is not None:
+                for (src, dst), bandwidth in reading.nodes.pairs.items():
+                    node_bw.add_metric([job, src, dst], bandwidth)
+                for node, pairs in reading.nodes.intra.items():
+                    if pairs:
+                        node_bw.add_metric([job, node, node], max(pairs.values()))
         firing = catalogue.ALERTS.gauge()
         counts: dict[tuple[str, str, str], int] = {}
         for a in snap["alerts"]:
@@ -205,4 +213,4 @@ class LiveCollector:
             counts[key] = counts.get(key, 0) + 1
         for key, n in sorted(counts.items()):
             firing.add_metric(list(key), float(n))
-        yield from (anomaly, zscore, straggler, score, hang, slow_link, link_bw, firing)
+        yield from (anomaly, zscore, straggler, score, hang, slow_link, link_bw, node_bw, firing)

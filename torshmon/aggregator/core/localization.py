@@ -11,6 +11,12 @@ nothing slow (the reference check after warm-up is the first), a slow reading is
 confirmed by a second check at once, and the finding's ``rank`` label names both
 ends, ``"0-1"``. With every link of the job equally slow, nothing stands out and
 nothing is named. When a check is sent and when its naming stands: ``linkcheck``.
+
+Ranks that share a host (the probe's ``host`` in each result) are read node by
+node (``localize_nodes``): a pair of two hosts' representatives measures both
+hosts' NICs, and the same reading applies to nodes instead of ranks (the slowest
+node named, at two nodes the node pair). Pairs within a host (loopback, shared
+memory, NVLink: another fabric) are kept apart and name nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +27,15 @@ from dataclasses import dataclass
 
 from torshmon.wire import LinkCheckResult
 
-__all__ = ["Localization", "Pair", "localize", "pair_bandwidths"]
+__all__ = [
+    "Localization",
+    "NodeReading",
+    "Pair",
+    "hosts_of",
+    "localize",
+    "localize_nodes",
+    "pair_bandwidths",
+]
 
 #: Two ranks, the lower first.
 Pair = tuple[int, int]
@@ -39,6 +53,23 @@ class Localization:
     reference_bytes_per_s: float | None
     slow: tuple[int, ...] = ()
     duration_s: float = 0.0
+    nodes: NodeReading | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeReading:
+    """A check read node by node. ``pairs``: bytes/s between two nodes (their
+    representatives' pair), keyed by node names in node order (that of their lowest
+    rank); ``bandwidth_by_node``: each node's best such pair; ``slow``: the nodes named
+    (at two nodes both, if their link is slow); ``ranks``: each node's ranks;
+    ``intra``: each node's pairs within it, bytes/s (reported apart, never named)."""
+
+    pairs: Mapping[tuple[str, str], float]
+    bandwidth_by_node: Mapping[str, float]
+    reference_bytes_per_s: float | None
+    slow: tuple[str, ...]
+    ranks: Mapping[str, tuple[int, ...]]
+    intra: Mapping[str, Mapping[Pair, float]]
 
 
 def pair_bandwidths(results: Iterable[LinkCheckResult]) -> dict[Pair, float]:
@@ -82,3 +113,59 @@ def localize(
     reference = statistics.median(by_rank.values())
     slow = tuple(sorted(r for r, bw in by_rank.items() if bw < slow_ratio * reference))
     return Localization(dict(pairs), by_rank, reference, slow)
+
+
+def hosts_of(results: Iterable[LinkCheckResult]) -> dict[int, str] | None:
+    """Each rank's host, when the results say ranks share hosts; None when every rank
+    has a host of its own or all share one (no probe host: its own), read by rank."""
+    hosts = {r.rank: r.host or f"rank {r.rank}" for r in results}
+    distinct = len(set(hosts.values()))
+    return hosts if 1 < distinct < len(hosts) else None
+
+
+def localize_nodes(
+    nodes: Mapping[int, str],
+    pairs: Mapping[Pair, float],
+    *,
+    slow_ratio: float = 0.5,
+    reference_pair: Mapping[tuple[str, str], float] | None = None,
+) -> Localization:
+    """Name the slow nodes of one check, ``nodes`` giving each rank's node name
+    (``localize`` applied to nodes; ``reference_pair``: what each node pair reached
+    in earlier checks that found nothing slow, read at two nodes)."""
+    ranks: dict[str, list[int]] = {}
+    for rank in sorted(nodes):
+        ranks.setdefault(nodes[rank], []).append(rank)
+    order = list(ranks)  # by lowest rank
+    index = {name: i for i, name in enumerate(order)}
+    between: dict[Pair, float] = {}
+    intra: dict[str, dict[Pair, float]] = {name: {} for name in order}
+    for (a, b), bandwidth in pairs.items():
+        na, nb = nodes.get(a), nodes.get(b)
+        if na is None or nb is None:
+            continue
+        if na == nb:
+            intra[na][(a, b)] = bandwidth
+            continue
+        key = (min(index[na], index[nb]), max(index[na], index[nb]))
+        between[key] = max(between.get(key, 0.0), bandwidth)
+    reference = {
+        (index[a], index[b]): bw
+        for (a, b), bw in (reference_pair or {}).items()
+        if a in index and b in index
+    }
+    reading = localize(len(order), between, slow_ratio=slow_ratio, reference_pair=reference)
+    by_node = NodeReading(
+        pairs={(order[a], order[b]): bw for (a, b), bw in sorted(between.items())},
+        bandwidth_by_node={order[i]: bw for i, bw in sorted(reading.bandwidth_by_rank.items())},
+        reference_bytes_per_s=reading.reference_bytes_per_s,
+        slow=tuple(order[i] for i in reading.slow),
+        ranks={name: tuple(members) for name, members in ranks.items()},
+        intra=intra,
+    )
+    by_rank: dict[int, float] = {}
+    for (a, b), bandwidth in pairs.items():
+        if nodes.get(a) != nodes.get(b):
+            for rank in (a, b):
+                by_rank[rank] = max(by_rank.get(rank, 0.0), bandwidth)
+    return Localization(dict(pairs), by_rank, reading.reference_bytes_per_s, (), nodes=by_node)

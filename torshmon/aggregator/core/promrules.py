@@ -93,7 +93,7 @@ _FINDING_SUMMARY: Final[Mapping[str, str]] = {
     "anomaly": "{alertname}: {metric} is anomalous in job {job} rank {rank}",
     "straggler": "{alertname}: rank {rank} of job {job} is straggling",
     "hang": "{alertname}: rank {rank} of job {job} is stuck in {op} on group {pg}",
-    "slow_link": "{alertname}: rank {rank} of job {job} has a slow network link",
+    "slow_link": "{alertname}: slow network link in job {job} (rank: {rank}, node: {node})",
 }
 _FLOAT_SPEC: Final = re.compile(r"(\d*)(\.\d+)?([eEfFgG])\Z")
 

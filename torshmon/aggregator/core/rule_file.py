@@ -38,7 +38,9 @@ Kinds (what makes the condition true, per series or per ``by`` group):
 - ``slow_link``: an active Finding of the link checker, which names the rank whose
   network link is slow by a pairwise link check (``rank`` is ``"0-1"`` at world
   size 2, where only the pair can be named); its value is that rank's best pair
-  bandwidth in bytes/s.
+  bandwidth in bytes/s. When ranks share hosts, the finding names a ``node``
+  instead (``"nodeA-nodeB"`` with two nodes), valued at that node's best
+  bandwidth to the other nodes.
 - ``absent``: a series of ``metric`` that was seen has had no sample for ``for``
   (the ``for`` is the silence itself, so such an alert fires as soon as it holds).
 

@@ -60,7 +60,7 @@ FINDING_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
     "anomaly": ("job", "rank", "metric"),
     "straggler": ("job", "rank"),
     "hang": ("job", "rank", "op", "pg"),
-    "slow_link": ("job", "rank"),
+    "slow_link": ("job", "rank", "node"),
 }
 
 

@@ -81,6 +81,8 @@ class LiveView(Protocol):
 
     def report(self, job: str, now_unix_s: float) -> list[Finding] | None: ...
 
+    def link_reading(self, job: str) -> dict[str, Any] | None: ...
+
 
 class CommandSink(Protocol):
     """Queues commands and knows where they stand (``dispatch.CommandDispatch``)."""
@@ -238,6 +240,7 @@ class _Handlers:
                     }
                     for f in findings
                 ],
+                "link_check": self._live.link_reading(job),
             }
         )
 

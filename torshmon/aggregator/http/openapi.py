@@ -144,7 +144,8 @@ def openapi_document() -> dict[str, Any]:
         },
         "/api/v1/jobs/{job}/report": {
             "get": {
-                "summary": "Bottleneck report with recommendations",
+                "summary": "Bottleneck report with recommendations, and the latest link check "
+                "(bandwidth per rank, and per node pair when ranks share hosts)",
                 "parameters": [job_param],
                 "responses": {
                     "200": _json_response({"type": "object"}),
