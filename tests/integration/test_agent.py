@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.ingest_stub import IngestStub
 from torshmon.agent.daemon import Agent, AgentSettings
+from torshmon.catalogue import metrics as catalogue
 from torshmon.launch import free_port, run_ranks
 from torshmon.wire import (
     FRAME_HEADER,
@@ -99,6 +100,15 @@ class AgentProcess:
                     return float(sample.value)
         raise KeyError(name)
 
+    def labels(self, name: str, **match: str) -> list[dict[str, str]]:
+        """The label sets of the samples of ``name`` whose labels include ``match``."""
+        return [
+            sample.labels
+            for family in text_string_to_metric_families(self.get("/metrics"))
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in match.items())
+        ]
+
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
@@ -141,6 +151,35 @@ def _train(rank: int, world: int, sock: str, job: str, steps: int, pause_s: floa
         times.append(time.perf_counter() - start)
     monitor.close(timeout_s=10)
     return times
+
+
+def _train_until(rank: int, world: int, sock: str, job: str, stop_file: str) -> int:
+    """``_train`` until ``stop_file`` appears; every rank stops at the same step."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import torshmon
+    from tests.integration.test_probe import _model
+
+    ddp = DistributedDataParallel(_model())
+    monitor = torshmon.attach(ddp, job=job, agent_socket=sock, flush_interval_s=0.1)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    step = 0
+    while True:
+        with monitor.step(batch_size=4):
+            optimizer.zero_grad()
+            ddp(torch.randn(4, 32)).sum().backward()
+            optimizer.step()
+        step += 1
+        time.sleep(0.01)
+        if step % 10 == 0:
+            flag = torch.tensor([1.0 if os.path.exists(stop_file) else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():
+                break
+    monitor.close(timeout_s=10)
+    return step
 
 
 def _wait_for(condition: Any, timeout_s: float, what: str) -> None:
@@ -268,27 +307,69 @@ def test_wrong_token_keeps_data_spooled_and_says_so(tmp_path: Path, stub: Ingest
         agent.stop()
 
 
+def _spec_of(sample_name: str) -> catalogue.MetricSpec | None:
+    """The catalogue's spec of a sample (a histogram's _bucket/_sum/_count included)."""
+    for suffix in ("", "_bucket", "_sum", "_count", "_created"):
+        if suffix and not sample_name.endswith(suffix):
+            continue
+        spec = catalogue.METRICS.get(sample_name.removesuffix(suffix) if suffix else sample_name)
+        if spec is not None:
+            return spec
+    return None
+
+
 def test_metrics_are_valid_exposition_with_node_and_rank_series(
     tmp_path: Path, stub: IngestStub
 ) -> None:
     agent = AgentProcess(tmp_path, stub.url, "secret").start()
+    stop_file = tmp_path / "stop"
     try:
-        run_ranks(_train, 2, str(agent.socket), "metrics", 15, 0.01, timeout_s=TIMEOUT_S)
-        text = agent.get("/metrics")
-        names = {f.name for f in text_string_to_metric_families(text)}
+        with ThreadPoolExecutor(1) as pool:
+            job = pool.submit(
+                run_ranks, _train_until, 2, str(agent.socket), "metrics", str(stop_file),
+                timeout_s=TIMEOUT_S,
+            )  # fmt: skip
+            try:
+                # The ranks' process facts are there while the ranks run.
+                _wait_for(
+                    lambda: len(agent.labels("torshmon_rank_memory_rss_bytes", job="metrics")) == 2,
+                    60,
+                    "both ranks' process samples",
+                )
+                text = agent.get("/metrics")
+            finally:
+                stop_file.touch()
+                steps = job.result()
+        assert len(set(steps)) == 1
+        samples = {
+            sample.name for f in text_string_to_metric_families(text) for sample in f.samples
+        }
+        # Node facts and the ranks' process facts; job-level training series come from
+        # the aggregator only (one exporter per series).
         for name in (
             "torshmon_memory_utilization_ratio",
             "torshmon_io_wait_time_ratio",
-            "torshmon_communication_time_ratio",
-            "torshmon_training_efficiency_ratio",
-            "torshmon_throughput_samples_per_second",
-            "torshmon_step_duration_seconds",
+            "torshmon_rank_memory_rss_bytes",
+            "torshmon_rank_cpu_seconds_total",
+            "torshmon_rank_info",
         ):
-            assert name in names, name
+            assert name in samples, name
+        ours = {name for name in samples if name.startswith(catalogue.PREFIX)}
+        not_agents = {
+            name for name in ours if (spec := _spec_of(name)) is None or spec.exporter != "agent"
+        }
+        assert not_agents <= {"torshmon_build_info"}, not_agents
         assert agent.metric("torshmon_memory_utilization_ratio", node="test-node") > 0
+        ranks = {
+            (sample.labels["rank"], sample.labels["local_rank"])
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "torshmon_rank_info" and sample.labels.get("job") == "metrics"
+        }
+        assert ranks == {("0", "0"), ("1", "1")}
         promtool = shutil.which("promtool")
         if promtool is None:
-            pytest.skip("promtool not installed (the prometheus package); CI installs it")
+            pytest.fail("promtool not installed (the prometheus package); CI installs it")
         checked = subprocess.run(
             [promtool, "check", "metrics"], input=text, capture_output=True, text=True
         )

@@ -6,6 +6,7 @@ Needs root and iproute2 (``linkshape.available``), like ``test_slow_link.py``.
 
 from __future__ import annotations
 
+import re
 import urllib.error
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,12 @@ def test_each_rank_reports_its_node_and_local_rank(shaping: None, tmp_path: Path
     ]
     # Each agent serves its own node's ranks only.
     for node, text in enumerate(metrics):
-        ranks = {line.split('rank="')[1].split('"')[0] for line in text.splitlines()
-                 if 'job="multinode"' in line and 'rank="' in line}  # fmt: skip
+        ranks = {
+            match.group(1)
+            for line in text.splitlines()
+            if 'job="multinode"' in line
+            for match in re.finditer(r'[{,]rank="(\d+)"', line)
+        }
         assert ranks == {str(2 * node), str(2 * node + 1)}, text[:2000]
 
 
