@@ -305,7 +305,7 @@ def test_the_cli_refuses_in_one_line_and_takes_a_query_url(history_db: str) -> N
     assert (done.returncode, done.stderr) == (1, f"torshmon query: {SUPERUSER_REFUSAL}\n")
     missing = reader_url(history_db, unique_name("torshmon_missing"))
     done = query("--query-db", missing, "SELECT 1")
-    assert done.returncode == 1 and done.stderr.count("\n") == 1
+    assert done.returncode == 2 and done.stderr.count("\n") == 1  # cannot connect: exit 2
     assert "does not exist; run `torshmon db upgrade`" in done.stderr
 
 
