@@ -619,7 +619,7 @@ def _run_tune(args: argparse.Namespace, redact: Redactor) -> int:
         why = exc.reason if isinstance(exc, urllib.error.URLError) else exc
         return _fail("tune", redact, f"cannot reach {redact_url(base)}: {why}", USAGE_ERROR)
     if status != 201:
-        print(f"torshmon tune: {reply.get('error', f'HTTP {status}')}", file=sys.stderr)
+        print(f"torshmon tune: HTTP {status}: {reply.get('error', '')}", file=sys.stderr)
         return 1
     session_id = str(reply["session_id"])
     print(f"tuning session {session_id} started for job {args.job}")
