@@ -256,7 +256,7 @@ TRAINING_EFFICIENCY_RATIO: Final = _gauge(
 )
 THROUGHPUT_SAMPLES_PER_SECOND: Final = _gauge(
     "throughput_samples_per_second",
-    "Samples per second of the latest step.",
+    "Samples per second of the rank's latest step (per rank; sum by job for the job's).",
     agent=_RANK,
     aggregator=_RANK,
 )
@@ -373,7 +373,7 @@ TUNER_TRIALS_TOTAL: Final = _counter(
 )
 TUNER_BEST_SCORE: Final = _gauge(
     "tuner_best_score",
-    "Best throughput of the job's tuning session (incumbent), samples per second",
+    "Best throughput of the job's tuning session (incumbent), samples/s per rank (rank 0's)",
     aggregator=("job",),
 )
 TUNER_STATE: Final = _gauge(
