@@ -36,6 +36,7 @@ from torshmon.history.reader import (
     ensure_reader_role,
     reader_url,
 )
+from torshmon.redact import redact_url
 
 pytestmark = pytest.mark.integration
 
@@ -374,7 +375,7 @@ def test_upgrade_by_an_owner_without_createrole_prints_the_admin_sql() -> None:
         assert done.returncode == 0, done.stderr
         lines = done.stdout.splitlines()
         assert lines[:2] == [
-            "history database at head",
+            f"history database at head: {redact_url(owner_url)}",
             f"queries connect as the reader role {reader}, which this database user may "
             "not set up; an administrator should run:",
         ]
