@@ -160,12 +160,13 @@ class Daemon:
 
 @pytest.fixture
 def aggregator(tmp_path: Path) -> Iterator[tuple[str, Daemon]]:
-    """``torshmon aggregator -v`` on a free port with a token, history in ./h.db."""
+    """``torshmon aggregator -v`` on a free port, history in ./h.db, with the token in
+    the file TORSHMON_TOKEN_FILE names."""
     (tmp_path / "token").write_text(TOKEN + "\n")
     daemon = Daemon(
-        ["aggregator", "-v", "--port", "0", "--db", "h.db", "--token-file", "token"],
+        ["aggregator", "-v", "--port", "0", "--db", "h.db"],
         tmp_path,
-        _env(),
+        _env(TORSHMON_TOKEN_FILE=str(tmp_path / "token")),
     )
     try:
         line = daemon.first_line()
@@ -228,7 +229,8 @@ def test_tune_reads_the_same_variables(tmp_path: Path, aggregator: tuple[str, Da
         done = torshmon(
             "tune", "no-such-job", cwd=tmp_path, env=_env(TORSHMON_AGGREGATOR_URL=url, **env)
         )
-        # The aggregator answered: about the job with the token, refusing without it.
+        # The aggregator answered: about the job with the token, refusing without it
+        # (so it read its own token from TORSHMON_TOKEN_FILE too).
         assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
         assert says in done.stderr.lower() or says in done.stderr, (env, done.stderr)
         assert "Traceback" not in done.stderr
