@@ -269,7 +269,7 @@ def test_finding_rules_take_labels_value_and_texts_from_the_finding() -> None:
     assert _states(alerts) == [("Step Time Anomaly", "firing"), ("Straggler", "firing")]
     anomaly, slow = alerts
     assert anomaly.labels == {
-        "alertname": "Step Time Anomaly",
+        "alertname": "StepTimeAnomaly",
         "severity": "warning",
         "job": "j",
         "metric": "step_duration_seconds",

@@ -15,6 +15,7 @@ from torshmon.history.db import (
     DEFAULT_DB_URL,
     DatabaseConfigError,
     WriterConnection,
+    as_db_url,
     begin_write,
     db_url,
     insert_ignore,
@@ -504,13 +505,28 @@ def test_writer_connection_keeps_one_connection_and_replaces_it_after_a_failure(
 
 
 def test_db_url_prefers_explicit_then_environment_then_default(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("TORSHMON_DB_URL", raising=False)
-    assert db_url(None) == DEFAULT_DB_URL == "sqlite:///torshmon.db"
-    monkeypatch.setenv("TORSHMON_DB_URL", "sqlite:///env.db")
-    assert db_url(None) == "sqlite:///env.db"
-    assert db_url("sqlite:///flag.db") == "sqlite:///flag.db"
+    assert DEFAULT_DB_URL == "sqlite:///torshmon.db"
+    assert db_url(None) == f"sqlite:///{tmp_path / 'torshmon.db'}"
+    monkeypatch.setenv("TORSHMON_DB_URL", "sqlite:////srv/env.db")
+    assert db_url(None) == "sqlite:////srv/env.db"
+    assert db_url("sqlite:////srv/flag.db") == "sqlite:////srv/flag.db"
+    monkeypatch.setenv("TORSHMON_DB_URL", "env.db")  # a path too (issue 18)
+    assert db_url(None) == f"sqlite:///{tmp_path / 'env.db'}"
+
+
+def test_a_db_is_a_url_or_a_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for path in ("h.db", "./h.db", "sub/../h.db", "sqlite:///h.db", "sqlite:///./h.db"):
+        assert as_db_url(path) == f"sqlite:///{tmp_path / 'h.db'}", path
+    assert as_db_url("~/h.db") == f"sqlite:///{tmp_path / 'home' / 'h.db'}"
+    assert as_db_url("sqlite:///h.db?timeout=5") == f"sqlite:///{tmp_path / 'h.db'}?timeout=5"
+    for url in ("sqlite:////srv/h.db", "sqlite://", "sqlite:///:memory:", "postgresql://h/d"):
+        assert as_db_url(url) == url
 
 
 def test_normalize_url_picks_psycopg_and_refuses_other_databases() -> None:

@@ -1,11 +1,17 @@
 from __future__ import annotations
 
+import math
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from torshmon.aggregator.core.alert import Alert
+from torshmon.aggregator.core.alert_engine import AlertEngine
+from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.promrules import (
     check_rules_cli,
     export_rules_cli,
@@ -13,6 +19,9 @@ from torshmon.aggregator.core.promrules import (
     to_prometheus,
 )
 from torshmon.aggregator.core.rule_file import default_rules, load_rules_text
+from torshmon.aggregator.core.rules import FINDING_LABELS, METRIC_LABELS, Rule, RuleSet
+from torshmon.aggregator.core.series import SeriesStore
+from torshmon.catalogue import metrics as catalogue
 
 PROMTOOL = "/usr/bin/promtool"
 DATA = Path(__file__).parent / "data" / "rules"
@@ -336,3 +345,97 @@ def test_exported_good_file_passes_promtool(tmp_path: Path) -> None:
     path.write_text(to_prometheus(load_rules_text((DATA / "good.yaml").read_text())))
     result = _promtool("check", "rules", str(path), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- one alert identity: the aggregator's alerts and the exported rules' (issue 18) --------
+
+#: One value per label name, for the series both paths see.
+LABEL_VALUES = {
+    "job": "train",
+    "rank": "1",
+    "node": "n1",
+    "gpu": "0",
+    "op": "all_reduce",
+    "pg": "0",
+}
+#: The metric each finding kind's rule reads in Prometheus.
+FINDING_METRICS = {
+    "anomaly": catalogue.ANOMALY_ACTIVE,
+    "straggler": catalogue.STRAGGLER_ACTIVE,
+    "hang": catalogue.HUNG_COLLECTIVE_AGE_SECONDS,
+    "slow_link": catalogue.SLOW_LINK_BANDWIDTH_BYTES_PER_SECOND,
+}
+#: What a scrape of the aggregator adds (``honor_labels: true``, as deploy/prometheus.yml).
+SCRAPE_INSTANCE = "aggregator:9470"
+SCRAPE_JOB = "torshmon-aggregator"
+#: Every default rule both paths can alert on. ``absent`` cannot be shared: Prometheus
+#: only knows that no series matched, torshmon which series fell silent.
+SHARED_RULES = [rule for rule in default_rules() if rule.kind != "absent"]
+
+
+def firing_value(rule: Rule) -> float:
+    """A value of ``rule``'s metric that meets its condition (per second for ``rate``)."""
+    if rule.kind == "nonfinite":
+        return math.nan
+    if rule.kind in FINDING_METRICS:
+        return 1.0
+    threshold = rule.threshold or 0.0
+    return next(v for v in (threshold * 2 + 1, threshold / 2) if rule.compare(v))
+
+
+def scraped_series(rule: Rule) -> tuple[str, dict[str, str]]:
+    """The series ``rule``'s exported expression reads, labelled as Prometheus stores it
+    after scraping its exporter (the aggregator or the agent)."""
+    if rule.kind in FINDING_METRICS:
+        spec = FINDING_METRICS[rule.kind]
+    else:
+        spec = catalogue.METRICS[catalogue.PREFIX + (rule.metric or "")]
+    labels = {name: LABEL_VALUES.get(name, rule.metric or "") for name in spec.labels}
+    labels.setdefault("job", SCRAPE_JOB)
+    return spec.name, {**labels, "instance": SCRAPE_INSTANCE}
+
+
+def engine_alert(rule: Rule) -> Alert:
+    """The firing alert the aggregator's engine makes of ``rule`` on ``scraped_series``'s
+    values (a finding with the same labels for finding kinds)."""
+    engine = AlertEngine(RuleSet((rule,), source="default_rules.yaml"))
+    series = SeriesStore()
+    labels = {name: LABEL_VALUES[name] for name in METRIC_LABELS.get(rule.metric or "", ())}
+    findings = []
+    if rule.kind in FINDING_METRICS:
+        finding_labels = {name: LABEL_VALUES.get(name, "") for name in FINDING_LABELS[rule.kind]}
+        if rule.kind == "anomaly":
+            finding_labels["metric"] = rule.metric or ""
+        findings = [Finding(rule.kind, finding_labels, 1.0, 5.0, "found", 0.0)]
+    value = firing_value(rule)
+    for second in range(int(rule.for_s + rule.window_s) + 10):
+        if rule.kind not in FINDING_METRICS:
+            point = value * second if rule.kind == "rate" else value
+            series.add(rule.metric or "", labels, float(second), point)
+        firing = [
+            a for a in engine.evaluate(float(second), series, findings) if a.state == "firing"
+        ]
+        if firing:
+            return firing[0]
+    raise AssertionError(f"rule {rule.name!r} never fired")
+
+
+def prometheus_alert_labels(rule: Rule, exported: Mapping[str, Any]) -> dict[str, str]:
+    """The labels Prometheus gives the exported rule's alert: the result's labels (an
+    aggregation keeps its ``by`` labels), the rule's ``labels`` set over them, an empty
+    value removing one, and ``alertname``."""
+    _, labels = scraped_series(rule)
+    if rule.aggregate is not None:
+        labels = {name: labels[name] for name in rule.by}
+    labels = {**labels, **exported["labels"], "alertname": exported["alert"]}
+    return {name: value for name, value in labels.items() if value}
+
+
+@pytest.mark.parametrize("rule", SHARED_RULES, ids=lambda rule: rule.name)
+def test_default_rule_alerts_alike_from_both_paths(rule: Rule) -> None:
+    (group,) = yaml.safe_load(to_prometheus(default_rules()))["groups"]
+    exported = {entry["alert"]: entry for entry in group["rules"]}
+    alert = engine_alert(rule)
+    assert alert.rule == rule.name  # the title people read stays the rule's own name
+    assert alert.labels["alertname"] in exported
+    assert dict(alert.labels) == prometheus_alert_labels(rule, exported[alert.labels["alertname"]])

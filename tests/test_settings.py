@@ -77,11 +77,21 @@ def test_the_query_url_defaults_to_the_history_url_as_the_reader_role() -> None:
     assert load_settings({"db_url": pg}, env={"TORSHMON_QUERY_DB_URL": reader}).query_db_url == (
         reader
     )
-    assert load_settings({}, env={}).query_db_url == "sqlite:///torshmon.db"
+    assert load_settings({}, env={}).query_db_url == f"sqlite:///{Path.cwd() / 'torshmon.db'}"
     with pytest.raises(SettingsError, match=r"^db_url: database URL mysql://x/y is 'mysql'"):
         load_settings({"db_url": "mysql://x/y"}, env={})
     with pytest.raises(SettingsError, match=r"^query_db_url: database URL mysql://x/y "):
         load_settings({"db_url": pg}, env={"TORSHMON_QUERY_DB_URL": "mysql://x/y"})
+
+
+def test_the_history_is_a_path_or_a_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    file_url = f"sqlite:///{tmp_path / 'h.db'}"
+    assert load_settings({"db_url": "h.db"}, env={}).db_url == file_url
+    assert load_settings({}, env={"TORSHMON_DB_URL": "./h.db"}).db_url == file_url
+    (tmp_path / "conf.yaml").write_text("db_url: h.db\nquery_db_url: q.db\n")
+    settings = load_settings({}, env={}, config_file=tmp_path / "conf.yaml")
+    assert (settings.db_url, settings.query_db_url) == (file_url, f"sqlite:///{tmp_path / 'q.db'}")
 
 
 # -- the one model: layers, units, sections, targets ---------------------------------------

@@ -390,7 +390,7 @@ def test_step_sample_from_a_wire_record() -> None:
     )
     sample = StepSample.from_record(record)
     assert sample == StepSample(7, 3, 128.0, 0.5, 1.5, False, (0.2,))
-    assert sample.rate() == (128.0, "samples/s")
+    assert sample.rate() == (128.0, "samples/s per rank")
     assert StepSample(1, 0, duration_s=0.25).rate() == (4.0, "steps/s")
     assert StepSample(1, 0, samples_per_s=math.inf).rate() is None
 
@@ -679,12 +679,19 @@ def test_unshaped_link_is_left_alone() -> None:
     assert max(throughput(c, UNSHAPED) for c in space.grid(DEFAULT)) < default * 1.01
     for seed in SEEDS:
         job = SimJob(UNSHAPED, seed=seed)
-        _, decisions = drive(TuningSession(space, seed=seed), job)
+        session, decisions = drive(TuningSession(space, seed=seed), job)
         finish = finish_of(decisions)
         assert throughput(finish.best_config, UNSHAPED) >= 0.98 * default
         assert job.config == finish.best_config
         assert not finish.changed and finish.best_config == DEFAULT
         assert "left unchanged" in finish.summary
+        # One count of trials, the one max_trials limits (issue 18: "all 3 trials; 2 trials").
+        measured = [t for t in session.trials if t.kind != "verify" and t.decision != "failed"]
+        assert finish.summary.endswith(f"; {len(measured)} trials done, the baseline included")
+        if "trial limit" in finish.summary:
+            limit = session._s.settings.max_trials
+            assert f"the trial limit ({limit}) reached" in finish.summary
+            assert len(measured) == limit
 
 
 # -- re-tuning on drift ---------------------------------------------------------------------
@@ -709,7 +716,7 @@ def _feed(
 
 def test_drift_watch_fires_only_after_sustained_significant_drift() -> None:
     rng = random.Random(3)
-    watch = DriftWatch(REFERENCE, "samples/s", ended_unix_s=0.0, settings=DRIFT)
+    watch = DriftWatch(REFERENCE, "samples/s per rank", ended_unix_s=0.0, settings=DRIFT)
     # At speed (noise only): never, however long.
     assert _feed(watch, [1000 * rng.uniform(0.97, 1.03) for _ in range(400)], 700.0) == []
     assert watch.drifting_since is None
@@ -727,20 +734,20 @@ def test_drift_watch_fires_only_after_sustained_significant_drift() -> None:
 def test_drift_watch_ignores_small_or_brief_drops_and_respects_the_rate_limit() -> None:
     rng = random.Random(4)
     # 10 % slower is below the 15 % threshold: never.
-    small = DriftWatch(REFERENCE, "samples/s", ended_unix_s=0.0, settings=DRIFT)
+    small = DriftWatch(REFERENCE, "samples/s per rank", ended_unix_s=0.0, settings=DRIFT)
     assert _feed(small, [900 * rng.uniform(0.99, 1.01) for _ in range(400)], 700.0) == []
     # A 40 s dip (shorter than for_s) then back to speed: the clock restarts, no verdict.
-    brief = DriftWatch(REFERENCE, "samples/s", ended_unix_s=0.0, settings=DRIFT)
+    brief = DriftWatch(REFERENCE, "samples/s per rank", ended_unix_s=0.0, settings=DRIFT)
     dip = [600.0] * 40 + [1000.0] * 40 + [600.0] * 40 + [1000.0] * 40
     assert _feed(brief, dip, 700.0) == []
     # Sustained drift right after the session ended: held back until min_interval_s.
-    early = DriftWatch(REFERENCE, "samples/s", ended_unix_s=100.0, settings=DRIFT)
+    early = DriftWatch(REFERENCE, "samples/s per rank", ended_unix_s=100.0, settings=DRIFT)
     verdicts = _feed(early, [600.0] * 800, 110.0)
     assert verdicts and verdicts[0][0] >= 100.0 + DRIFT.min_interval_s
 
 
 def test_drift_watch_stops_when_the_config_changes() -> None:
-    watch = DriftWatch(REFERENCE, "samples/s", ended_unix_s=0.0, settings=DRIFT)
+    watch = DriftWatch(REFERENCE, "samples/s per rank", ended_unix_s=0.0, settings=DRIFT)
     assert _feed(watch, [600.0] * 10, 1000.0, version=3) == []
     assert _feed(watch, [600.0] * 500, 1010.0, version=4) == []
     assert watch.stopped
@@ -752,4 +759,4 @@ def test_retune_settings_name_bad_values() -> None:
     with pytest.raises(TunerError, match="windows must be an integer >= 2"):
         RetuneSettings(windows=1)
     with pytest.raises(TunerError, match="reference windows"):
-        DriftWatch([1.0], "samples/s", 0.0)
+        DriftWatch([1.0], "samples/s per rank", 0.0)

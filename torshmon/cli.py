@@ -6,12 +6,20 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from torshmon.redact import RedactingFilter, Redactor, redact_url
+from torshmon.version import __version__
 
 log = logging.getLogger("torshmon.cli")
+
+#: Exit status of a user error (bad flag, value, path or URL; a database or aggregator
+#: that cannot be reached): one line on stderr, never a traceback. 1 is a failure.
+USAGE_ERROR = 2
+DEFAULT_AGGREGATOR_URL = "http://127.0.0.1:9470"
+TOKEN_FILE_ENV = "TORSHMON_TOKEN_FILE"
 
 
 def _positive_int(text: str) -> int:
@@ -24,22 +32,95 @@ def _positive_int(text: str) -> int:
     return value
 
 
+_DB_HELP = (
+    "history database: a SQLite file path (./torshmon.db) or a URL (sqlite:///PATH, "
+    "postgresql://USER@HOST/DB) ($TORSHMON_DB_URL; default ./torshmon.db)"
+)
 _QUERY_DB_HELP = (
-    "URL queries connect with, on PostgreSQL a reader role's ($TORSHMON_QUERY_DB_URL; "
+    "path or URL queries connect with, on PostgreSQL a reader role's ($TORSHMON_QUERY_DB_URL; "
     "default: the history URL as the user torshmon_reader, password from ~/.pgpass)"
 )
+_TOKEN_HELP = (
+    "file holding the bearer token, not empty ($TORSHMON_TOKEN holds the token itself, "
+    f"${TOKEN_FILE_ENV} names such a file)"
+)
+
+#: The variables each command reads, for its --help; every one is in docs/configuration.md.
+_ENVIRONMENT: Mapping[str, tuple[tuple[str, str], ...]] = {
+    "agent": (
+        ("TORSHMON_AGGREGATOR_URL", "aggregator base URL (--aggregator)"),
+        ("TORSHMON_TOKEN, TORSHMON_TOKEN_FILE", "bearer token, or a file holding it"),
+        ("TORSHMON_AGENT_*", "the other settings, e.g. TORSHMON_AGENT_SOCKET"),
+    ),
+    "aggregator": (
+        ("TORSHMON_DB_URL", "history database, path or URL (--db)"),
+        ("TORSHMON_QUERY_DB_URL", "the reader's URL for queries (--query-db)"),
+        ("TORSHMON_TOKEN, TORSHMON_TOKEN_FILE", "bearer token, or a file holding it"),
+        ("TORSHMON_ALERTMANAGER_URL", "Alertmanager to push alerts to"),
+        ("TORSHMON_SLACK_WEBHOOK_URL", "Slack incoming webhook"),
+        ("TORSHMON_AGGREGATOR_*", "the other settings, e.g. TORSHMON_AGGREGATOR_PORT"),
+    ),
+    "query": (
+        ("TORSHMON_DB_URL", "history database, path or URL (--db)"),
+        ("TORSHMON_QUERY_DB_URL", "the reader's URL for queries (--query-db)"),
+    ),
+    "db": (("TORSHMON_DB_URL", "history database, path or URL (--db)"),),
+    "tune": (
+        ("TORSHMON_AGGREGATOR_URL", "aggregator base URL (--url)"),
+        ("TORSHMON_TOKEN, TORSHMON_TOKEN_FILE", "bearer token, or a file holding it"),
+    ),
+}
+
+
+def _epilog(*commands: str) -> str:
+    rows = dict(row for command in commands for row in _ENVIRONMENT[command])
+    width = max(map(len, rows))
+    lines = [f"  {name:<{width}}  {what}" for name, what in rows.items()]
+    return "environment:\n" + "\n".join(lines) + "\n\nAll settings: docs/configuration.md"
+
+
+def _common_flags(*, config: bool) -> argparse.ArgumentParser:
+    """Flags every command takes after its name too (``torshmon agent -v``).
+
+    Their default is SUPPRESS, so that a subcommand's parser leaves the value the main
+    parser read (``torshmon -v agent``) alone unless the flag is given again.
+    """
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO level"
+    )
+    if config:
+        common.add_argument(
+            "--config", type=Path, default=argparse.SUPPRESS, help="YAML file of settings"
+        )
+    return common
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="torshmon", description="Monitor and tune distributed PyTorch training."
+        prog="torshmon",
+        description="Monitor and tune distributed PyTorch training.",
+        epilog=_epilog("agent", "aggregator", "query", "tune"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"torshmon {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--config", type=Path, help="YAML file of settings (agent and aggregator)")
     commands = parser.add_subparsers(dest="command", required=True)
+    plain, configured = _common_flags(config=False), _common_flags(config=True)
 
-    demo = commands.add_parser(
-        "demo", help="run a real multi-process gloo DDP job with the probe attached"
-    )
+    def command(
+        name: str, help: str, *, config: bool = False, env: str | None = None
+    ) -> argparse.ArgumentParser:
+        return commands.add_parser(
+            name,
+            help=help,
+            parents=[configured if config else plain],
+            epilog=_epilog(env) if env else None,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    demo = command("demo", "run a real multi-process gloo DDP job with the probe attached")
     demo.add_argument("--world-size", type=_positive_int, default=2, help="ranks (default 2)")
     demo.add_argument(
         "--steps",
@@ -56,9 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--job", default="demo", help="job name (default 'demo')")
     demo.add_argument(
         "--db",
-        type=Path,
-        default=Path("torshmon.db"),
-        help="SQLite history file (default ./torshmon.db)",
+        default="torshmon.db",
+        help="SQLite history: a file path or a sqlite:///PATH URL (default ./torshmon.db)",
     )
     demo.add_argument(
         "--port", type=_port, default=0, help="aggregator port (default: any free port)"
@@ -90,8 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
             "see docs/faults.md"
         ),
     )
-    agent = commands.add_parser(
-        "agent", help="the per-node daemon: serves the probes, spools, forwards, /metrics"
+    agent = command(
+        "agent",
+        "the per-node daemon: serves the probes, spools, forwards, /metrics",
+        config=True,
+        env="agent",
     )
     agent.add_argument("--socket", help="probe socket (default $TORSHMON_AGENT_SOCKET)")
     agent.add_argument(
@@ -104,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument(
         "--aggregator", help="aggregator base URL, e.g. http://host:9470 ($TORSHMON_AGGREGATOR_URL)"
     )
-    agent.add_argument("--token-file", type=Path, help="file holding the bearer token (not empty)")
+    agent.add_argument("--token-file", type=Path, help=_TOKEN_HELP)
     agent.add_argument("--spool", help="spool file ($TORSHMON_AGENT_SPOOL)")
     agent.add_argument("--spool-max-mb", type=_positive_int, help="spool bound in MiB (256)")
     agent.add_argument("--node", help="node name (the hostname)")
@@ -112,20 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument(
         "--sample-interval-s", help="node sampling interval: seconds, or 500ms, 1m (2)"
     )
-    agent.add_argument("--config", type=Path, help="YAML file of settings")
 
-    aggregator = commands.add_parser(
-        "aggregator", help="the central daemon: ingest, history, detection, alerts, API"
+    aggregator = command(
+        "aggregator",
+        "the central daemon: ingest, history, detection, alerts, API",
+        config=True,
+        env="aggregator",
     )
     aggregator.add_argument("--host", help="listen address (127.0.0.1)")
     aggregator.add_argument("--port", type=_port, help="listen port (9470)")
-    aggregator.add_argument("--db", help="history database URL ($TORSHMON_DB_URL, ./torshmon.db)")
+    aggregator.add_argument("--db", help=_DB_HELP)
     aggregator.add_argument("--query-db", help=_QUERY_DB_HELP)
     aggregator.add_argument(
-        "--token-file",
-        type=Path,
-        help="file holding the bearer token, not empty ($TORSHMON_TOKEN); needed unless "
-        "--host is loopback",
+        "--token-file", type=Path, help=_TOKEN_HELP + "; needed unless --host is loopback"
     )
     aggregator.add_argument(
         "--allowed-host",
@@ -137,19 +219,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     aggregator.add_argument("--rules", help="alert rule file (the default rules otherwise)")
     aggregator.add_argument("--id", dest="aggregator_id", help="this aggregator's id (shard)")
-    aggregator.add_argument("--config", type=Path, help="YAML file of settings")
 
-    query = commands.add_parser("query", help="read-only SQL on the history")
+    query = command("query", "read-only SQL on the history", env="query")
     query.add_argument("sql", help='e.g. "SELECT rank, avg(duration_s) FROM steps GROUP BY rank"')
-    query.add_argument("--db", help="history database URL ($TORSHMON_DB_URL, ./torshmon.db)")
+    query.add_argument("--db", help=_DB_HELP)
     query.add_argument("--query-db", help=_QUERY_DB_HELP)
     query.add_argument("--format", choices=("table", "csv", "json"), default="table")
     query.add_argument("--max-rows", type=_positive_int, default=10000)
 
-    db = commands.add_parser("db", help="history database maintenance")
+    db = command("db", "history database maintenance", env="db")
     db_commands = db.add_subparsers(dest="db_command", required=True)
-    upgrade = db_commands.add_parser("upgrade", help="apply the Alembic migrations to head")
-    upgrade.add_argument("--db", help="history database URL ($TORSHMON_DB_URL, ./torshmon.db)")
+    upgrade = db_commands.add_parser(
+        "upgrade",
+        help="apply the Alembic migrations to head",
+        parents=[plain],
+        epilog=_epilog("db"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    upgrade.add_argument("--db", help=_DB_HELP)
     upgrade.add_argument(
         "--reader-role",
         default="torshmon_reader",
@@ -161,18 +248,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="PostgreSQL: file holding the reader role's password (none is set without it)",
     )
 
-    rules = commands.add_parser("rules", help="alert rule files")
+    rules = command("rules", "alert rule files")
     rules_commands = rules.add_subparsers(dest="rules_command", required=True)
-    check = rules_commands.add_parser("check", help="validate a rule file")
+    check = rules_commands.add_parser("check", help="validate a rule file", parents=[plain])
     check.add_argument("file", type=Path)
-    export = rules_commands.add_parser("export", help="export rules for another system")
+    export = rules_commands.add_parser(
+        "export", help="export rules for another system", parents=[plain]
+    )
     export.add_argument("file", type=Path, nargs="?", help="rule file (the default rules)")
     export.add_argument("--format", choices=("prometheus",), default="prometheus")
 
-    tune = commands.add_parser("tune", help="start an autotuning session for a running job")
+    tune = command("tune", "start an autotuning session for a running job", env="tune")
     tune.add_argument("job", help="job name")
-    tune.add_argument("--url", default="http://127.0.0.1:9470", help="aggregator base URL")
-    tune.add_argument("--token-file", type=Path, help="file holding the bearer token (not empty)")
+    tune.add_argument(
+        "--url",
+        "--aggregator",
+        dest="url",
+        help=f"aggregator base URL ($TORSHMON_AGGREGATOR_URL; default {DEFAULT_AGGREGATOR_URL})",
+    )
+    tune.add_argument("--token-file", type=Path, help=_TOKEN_HELP)
     tune.add_argument("--max-trials", type=_positive_int, help="configs to measure (12)")
     tune.add_argument(
         "--pin",
@@ -190,23 +284,27 @@ class _TokenError(Exception):
     """--token-file could not be read or is empty; the text says why."""
 
 
-def _token(args: argparse.Namespace, redact: Redactor) -> str | None:
-    """The bearer token in ``--token-file`` (None without one), from now on scrubbed by
-    ``redact``; _TokenError if unreadable or empty.
+def _token(args: argparse.Namespace, redact: Redactor, env: Mapping[str, str]) -> str | None:
+    """The bearer token in ``--token-file``, else (with ``$TORSHMON_TOKEN`` unset, which
+    the settings read themselves) in the file ``$TORSHMON_TOKEN_FILE`` names; None
+    without either. From now on scrubbed by ``redact``; _TokenError if unreadable or empty.
 
     Read when the command runs, not while parsing, so command lines can be checked
     (docs, unit files) without the secret at hand.
     """
-    if args.token_file is None:
+    path, source = args.token_file, "--token-file"
+    if path is None and not env.get("TORSHMON_TOKEN") and env.get(TOKEN_FILE_ENV):
+        path, source = Path(env[TOKEN_FILE_ENV]), TOKEN_FILE_ENV
+    if path is None:
         return None
     try:
-        token = str(args.token_file.read_text().strip())
+        token = str(path.read_text().strip())
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise _TokenError(f"cannot read --token-file {args.token_file}: {why}") from None
+        raise _TokenError(f"cannot read {source} {path}: {why}") from None
     if not token:
         # Else every agent is refused (or, for the aggregator, the API would take "").
-        raise _TokenError(f"--token-file {args.token_file} is empty; put the bearer token in it")
+        raise _TokenError(f"{source} {path} is empty; put the bearer token in it")
     redact.add(token)
     return token
 
@@ -267,7 +365,7 @@ def _run_agent(args: argparse.Namespace, redact: Redactor) -> int:
     from torshmon.agent.settings import load_settings
     from torshmon.agent.spool import SpoolError
 
-    token = _token(args, redact)
+    token = _token(args, redact, os.environ)
     try:
         overrides = dict(
             socket_path=args.socket,
@@ -287,9 +385,9 @@ def _run_agent(args: argparse.Namespace, redact: Redactor) -> int:
         redact.add(settings.token)
         redact.add_url(settings.aggregator_url)
     except ValueError as exc:
-        return _fail("agent", redact, str(exc), 2)
+        return _fail("agent", redact, str(exc), USAGE_ERROR)
     try:
-        return asyncio.run(run_agent(settings))
+        return asyncio.run(run_agent(settings, announce=_announcer(redact)))
     except (OSError, SpoolError) as exc:
         # An unsafe folder or file (UnsafePathError), a taken port, a locked spool.
         return _fail("agent", redact, f"cannot start: {exc}", 1)
@@ -308,7 +406,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     if args.max_trials is not None and not args.autotune:
         print("torshmon demo: --max-trials needs --autotune", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     default_steps, default_layers = (3000, 7) if args.autotune else (200, 4)
     try:
         config = DemoConfig(
@@ -327,13 +425,14 @@ def _run_demo(args: argparse.Namespace) -> int:
         )
     except (FaultError, ValueError) as exc:
         print(f"torshmon demo: {exc}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     return run_demo(config)
 
 
 def _run_aggregator(args: argparse.Namespace, redact: Redactor) -> int:
     import asyncio
 
+    import psycopg
     from sqlalchemy.exc import SQLAlchemyError
 
     from torshmon.aggregator.core.rules import RuleError
@@ -351,7 +450,7 @@ def _run_aggregator(args: argparse.Namespace, redact: Redactor) -> int:
         "aggregator_id": args.aggregator_id,
         "allowed_hosts": args.allowed_hosts,
     }
-    overrides["token"] = _token(args, redact)
+    overrides["token"] = _token(args, redact, os.environ)
     try:
         settings = load_settings(overrides, config_file=args.config)
         # The config file may hold secrets of its own.
@@ -364,24 +463,28 @@ def _run_aggregator(args: argparse.Namespace, redact: Redactor) -> int:
             redact.add_url(url, secret_path=True)
             if isinstance(target, WebhookTarget):
                 redact.add(target.bearer_token)
-        return asyncio.run(run_aggregator(settings))
+        return asyncio.run(run_aggregator(settings, announce=_announcer(redact)))
     except (SettingsError, RuleError, DatabaseConfigError) as exc:
-        return _fail("aggregator", redact, str(exc), 2)
-    except SQLAlchemyError as exc:
-        return _fail("aggregator", redact, f"cannot open the history: {_db_error(exc)}", 1)
+        return _fail("aggregator", redact, str(exc), USAGE_ERROR)
+    except (SQLAlchemyError, psycopg.Error) as exc:
+        message = f"cannot open the history {redact_url(settings.db_url)}: {_db_error(exc)}"
+        return _fail("aggregator", redact, message, USAGE_ERROR)
     except OSError as exc:
         return _fail("aggregator", redact, f"cannot start: {exc}", 1)
 
 
 def _run_query(args: argparse.Namespace, redact: Redactor) -> int:
-    from torshmon.history.db import DatabaseConfigError, db_url
-    from torshmon.history.query import QueryError, format_result, run_query
+    from torshmon.history.db import DatabaseConfigError, as_db_url, db_url
+    from torshmon.history.query import HistoryUnreachable, QueryError, format_result, run_query
     from torshmon.history.reader import query_db_url
 
     try:
-        url = query_db_url(args.query_db, db_url(args.db))
+        explicit = as_db_url(args.query_db) if args.query_db else None
+        url = query_db_url(explicit, db_url(args.db))
         result = run_query(url, args.sql, max_rows=args.max_rows)
-    except (QueryError, DatabaseConfigError) as exc:
+    except (HistoryUnreachable, DatabaseConfigError) as exc:
+        return _fail("query", redact, str(exc), USAGE_ERROR)
+    except QueryError as exc:  # the statement itself: refused or failed
         return _fail("query", redact, str(exc), 1)
     print(format_result(result, args.format))
     if result.truncated:
@@ -394,7 +497,10 @@ def _run_query(args: argparse.Namespace, redact: Redactor) -> int:
 
 
 def _run_db(args: argparse.Namespace, redact: Redactor) -> int:
-    from torshmon.history.db import db_url
+    import psycopg
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from torshmon.history.db import DatabaseConfigError, db_url
     from torshmon.history.migrate import upgrade
 
     url = db_url(args.db)
@@ -404,9 +510,15 @@ def _run_db(args: argparse.Namespace, redact: Redactor) -> int:
             password = args.reader_password_file.read_text().strip()
             redact.add(password)
         reader = upgrade(url, reader_role=args.reader_role, reader_password=password)
-    except Exception as exc:  # any failure is reported, with the URL's secrets scrubbed
+    except DatabaseConfigError as exc:
+        return _fail("db upgrade", redact, str(exc), USAGE_ERROR)
+    except (SQLAlchemyError, psycopg.Error, OSError) as exc:
+        # A path that cannot be written, a server that is down, a login refused.
+        message = f"cannot upgrade {redact_url(url)}: {_db_error(exc)}"
+        return _fail("db upgrade", redact, message, USAGE_ERROR)
+    except Exception as exc:  # any other failure is reported, with the URL's secrets scrubbed
         return _fail("db upgrade", redact, _db_error(exc), 1)
-    print("history database at head")
+    print(f"history database at head: {redact_url(url)}")
     if reader is not None:
         if reader.refused:
             print(
@@ -453,23 +565,68 @@ def _http_json(
         return exc.code, payload if isinstance(payload, dict) else {}
 
 
+def _aggregator_url(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """``--url``, else ``$TORSHMON_AGGREGATOR_URL``, else the local default; ValueError
+    for anything but an http(s) URL with a host."""
+    import urllib.parse
+
+    url = args.url or env.get("TORSHMON_AGGREGATOR_URL") or DEFAULT_AGGREGATOR_URL
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"aggregator URL {redact_url(url)!r} is not http(s)://HOST[:PORT], "
+            f"e.g. {DEFAULT_AGGREGATOR_URL}"
+        )
+    return url.rstrip("/")
+
+
+def _codec_text(config: Mapping[str, object]) -> str:
+    """``powersgd rank 4``, ``topk ratio 0.01``, ``fp16``: a codec with its parameters."""
+    params = config.get("codec_params")
+    words = [str(config.get("codec"))]
+    if isinstance(params, dict):
+        words += [f"{name} {value:g}" for name, value in sorted(params.items())]
+    return " ".join(words)
+
+
+def trial_line(trial: Mapping[str, Any], unit: str) -> str:
+    """One decided trial of ``GET /api/v1/tuning/trials`` for people: config, decision,
+    score with its unit, why (``unit`` is the session's, e.g. samples/s per rank)."""
+    config = trial["config"]
+    bucket = f"bucket {config.get('bucket_cap_mb'):.3g} MB"
+    first = config.get("first_bucket_cap_mb")
+    if first is not None and first != config.get("bucket_cap_mb"):
+        bucket += f" (first {first:.3g} MB)"
+    line = f"trial {trial['trial_index']}: {_codec_text(config)}, {bucket}: {trial['decision']}"
+    if trial["score"] is not None:
+        line += f": {trial['score']:.4g} {unit or 'per s'}"
+    if trial["reason"]:
+        line += f" - {trial['reason']}"
+    return line
+
+
 def _run_tune(args: argparse.Namespace, redact: Redactor) -> int:
     import time
     import urllib.error
     import urllib.parse
 
-    token = _token(args, redact)
-    base = args.url.rstrip("/")
+    try:
+        base = _aggregator_url(args, os.environ)
+    except ValueError as exc:
+        return _fail("tune", redact, str(exc), USAGE_ERROR)
+    redact.add_url(base)
+    token = _token(args, redact, os.environ) or os.environ.get("TORSHMON_TOKEN", "").strip()
     job = urllib.parse.quote(args.job, safe="")
     body: dict[str, object] = {"pinned": list(args.pin)}
     if args.max_trials is not None:
         body["max_trials"] = args.max_trials
     try:
-        status, reply = _http_json("POST", f"{base}/api/v1/jobs/{job}/tune", token, body)
+        status, reply = _http_json("POST", f"{base}/api/v1/jobs/{job}/tune", token or None, body)
     except (urllib.error.URLError, OSError) as exc:
-        return _fail("tune", redact, f"cannot reach {redact_url(base)}: {exc}", 1)
+        why = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        return _fail("tune", redact, f"cannot reach {redact_url(base)}: {why}", USAGE_ERROR)
     if status != 201:
-        print(f"torshmon tune: {reply.get('error', f'HTTP {status}')}", file=sys.stderr)
+        print(f"torshmon tune: HTTP {status}: {reply.get('error', '')}", file=sys.stderr)
         return 1
     session_id = str(reply["session_id"])
     print(f"tuning session {session_id} started for job {args.job}")
@@ -479,10 +636,12 @@ def _run_tune(args: argparse.Namespace, redact: Redactor) -> int:
     while True:
         try:
             trials_status, trials = _http_json(
-                "GET", f"{base}/api/v1/tuning/trials?session_id={session_id}&limit=1000", token
+                "GET",
+                f"{base}/api/v1/tuning/trials?session_id={session_id}&limit=1000",
+                token or None,
             )
             sessions_status, sessions = _http_json(
-                "GET", f"{base}/api/v1/tuning/sessions?job={job}", token
+                "GET", f"{base}/api/v1/tuning/sessions?job={job}", token or None
             )
         except (urllib.error.URLError, OSError) as exc:
             return _fail("tune", redact, f"lost {redact_url(base)}: {exc}", 1)
@@ -490,21 +649,15 @@ def _run_tune(args: argparse.Namespace, redact: Redactor) -> int:
             if status != 200:  # else a failing aggregator would be polled forever
                 print(f"torshmon tune: {reply.get('error', f'HTTP {status}')}", file=sys.stderr)
                 return 1
+        listed = sessions.get("sessions", [])
+        mine = [s for s in (listed if isinstance(listed, list) else []) if s["id"] == session_id]
+        unit = str(mine[0].get("unit") or "") if mine else ""
         rows = trials.get("trials", [])
         for trial in sorted(rows if isinstance(rows, list) else [], key=lambda t: t["trial_index"]):
             if trial["decision"] is None or trial["trial_index"] in printed:
                 continue
             printed.add(trial["trial_index"])
-            score = trial["score"]
-            config = trial["config"]
-            print(
-                f"trial {trial['trial_index']}: {config.get('codec')}, bucket "
-                f"{config.get('bucket_cap_mb'):.3g} MB: {trial['decision']}"
-                + (f" ({score:.4g})" if score is not None else "")
-                + (f" - {trial['reason']}" if trial["reason"] else "")
-            )
-        listed = sessions.get("sessions", [])
-        mine = [s for s in (listed if isinstance(listed, list) else []) if s["id"] == session_id]
+            print(trial_line(trial, unit), flush=True)
         if mine and mine[0]["state"] in ("finished", "aborted"):
             print(f"session {mine[0]['state']}: {mine[0].get('summary') or mine[0]['reason']}")
             return 0 if mine[0]["state"] == "finished" else 1
@@ -519,12 +672,27 @@ def _run_rules(args: argparse.Namespace) -> int:
     return export_rules_cli(args.file, args.format)
 
 
+def _announcer(redact: Redactor) -> Callable[[str], None]:
+    """Where a daemon says, once, where it listens and stores: stdout, with -v or not."""
+
+    def announce(line: str) -> None:
+        print(redact(line), flush=True)
+
+    return announce
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config is not None and args.command not in ("agent", "aggregator"):
+        parser.error(f"--config is for agent and aggregator, not {args.command}")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Alembic tells at INFO which dialect it runs on and each migration; the daemons'
+    # own start line says what matters.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     redact = _redactor(args, os.environ)
     # On the handlers: every record reaches them, libraries' (SQLAlchemy, the OTLP
     # exporter, aiohttp) included, and tracebacks are scrubbed there too.
@@ -533,7 +701,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _dispatch(args, redact)
     except _TokenError as exc:
-        return _fail(args.command, redact, str(exc), 2)
+        return _fail(args.command, redact, str(exc), USAGE_ERROR)
+    except KeyboardInterrupt:
+        # Ctrl-C before a daemon installed its own handler (while it imports or starts).
+        return 130
     except Exception:
         # A bug: its traceback goes through the scrubbing log handler, not straight out.
         log.exception("torshmon %s failed", args.command)

@@ -56,7 +56,8 @@ class DemoConfig:
     layers: int = 4
     batch_size: int = 64
     job: str = "demo"
-    db: Path = Path("torshmon.db")
+    #: The history: a SQLite file path or a ``sqlite:///PATH`` URL.
+    db: Path | str = Path("torshmon.db")
     port: int = 0
     agent_metrics_port: int = 0
     bucket_timing: bool = False
@@ -97,6 +98,13 @@ class DemoConfig:
             raise ValueError(f"tune_max_trials must be >= 2, got {self.tune_max_trials}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not self.db_url.startswith("sqlite:///"):
+            # Its summary queries the history as the aggregator's own user, which
+            # PostgreSQL's reader-role check refuses; one machine needs no server.
+            raise ValueError(
+                f"--db {self.db}: the demo keeps its history in SQLite; give a file path "
+                "or sqlite:///PATH"
+            )
         for fault in self.faults:
             if fault.rank is not None and fault.rank >= self.world_size:
                 raise ValueError(
@@ -111,7 +119,10 @@ class DemoConfig:
 
     @property
     def db_url(self) -> str:
-        return f"sqlite:///{self.db.resolve()}"
+        """``db`` as an absolute URL (``history.db.as_db_url``)."""
+        from torshmon.history.db import as_db_url
+
+        return as_db_url(str(self.db))
 
 
 def train_rank(
@@ -545,17 +556,18 @@ def progress_line(
         return "waiting for the ranks to start..."
     step_ms = 1e3 * (summary["step_duration_s"] or 0.0)
     comm = summary["communication_time_ratio"] or 0.0
-    alerts = ", ".join(sorted({_alert_name(a["labels"]) for a in firing})) or "none"
+    alerts = ", ".join(sorted({_alert_title(a) for a in firing})) or "none"
     throughput = summary["throughput_samples_per_s"] or 0.0
     return (
         f"step {summary['last_step']:>5}/{config.steps}  {step_ms:7.1f} ms/step  "
-        f"comm {comm:5.1%}  {throughput:7.0f} samples/s  alerts firing: {alerts}"
+        f"comm {comm:5.1%}  {throughput:7.0f} samples/s per job  alerts firing: {alerts}"
     )
 
 
-def _alert_name(labels: Any) -> str:
-    rank = labels.get("rank")
-    return f"{labels.get('alertname')}" + (f" (rank {rank})" if rank is not None else "")
+def _alert_title(row: Any) -> str:
+    """The rule's own name ("Step Time Anomaly"), not the ``alertname`` label's CamelCase."""
+    rank = row["labels"].get("rank")
+    return f"{row['rule']}" + (f" (rank {rank})" if rank is not None else "")
 
 
 def run_demo(config: DemoConfig) -> int:
@@ -654,7 +666,7 @@ def summary(config: DemoConfig, result: DemoResult) -> str:
         "round(avg(compute_s) * 1000, 1) AS compute_ms, "
         "round(avg(comm_wait_s) * 1000, 1) AS comm_wait_ms, "
         "round(avg(communication_time_ratio), 3) AS comm_ratio, "
-        "round(avg(samples_per_s), 0) AS samples_per_s "
+        "round(avg(samples_per_s), 0) AS rank_samples_per_s "
         f"FROM steps WHERE job = '{config.job.replace(chr(39), chr(39) * 2)}' "
         "GROUP BY rank ORDER BY rank",
     )
@@ -666,7 +678,9 @@ def summary(config: DemoConfig, result: DemoResult) -> str:
     step_ms = [row[2] for row in per_rank.rows if row[2] is not None]
     if step_ms:
         throughput = config.world_size * config.batch_size / (max(step_ms) / 1e3)
-        lines.append(f"job throughput: {throughput:.0f} samples/s (mean step of the slowest rank)")
+        lines.append(
+            f"job throughput: {throughput:.0f} samples/s per job (mean step of the slowest rank)"
+        )
     fired = [a for a in result.alerts if a["fired_at_unix_s"] is not None]
     if fired:
         lines.append(f"alerts fired: {len(fired)}")
@@ -682,8 +696,8 @@ def summary(config: DemoConfig, result: DemoResult) -> str:
     elif config.autotune:
         lines.append("autotune: no session started (see the log above)")
     lines += [
-        f"history: {config.db} (SQLite); try:",
-        f"  torshmon query --db {config.db_url} "
+        f"history: {config.db_url}; try:",
+        f"  torshmon query --db {config.db} "
         '"SELECT rank, avg(duration_s) FROM steps GROUP BY rank"',
     ]
     return "\n".join(lines)

@@ -84,7 +84,7 @@ def test_db_upgrade_and_query(tmp_path: Path) -> None:
     done = _torshmon(
         "query", "--db", f"sqlite:///{tmp_path / 'missing.db'}", "SELECT 1", cwd=tmp_path
     )
-    assert done.returncode == 1 and "no history database" in done.stderr
+    assert done.returncode == 2 and "no history database" in done.stderr
 
 
 def test_aggregator_process_serves_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:

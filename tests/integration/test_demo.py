@@ -44,14 +44,15 @@ def test_demo_runs_the_whole_system_and_summarises_from_sql(tmp_path: Path) -> N
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
-    assert "job throughput:" in done.stdout
-    assert "history: torshmon.db" in done.stdout
+    assert "samples/s per job (mean step of the slowest rank)" in done.stdout
+    assert f"history: sqlite:///{tmp_path / 'torshmon.db'}" in done.stdout
+    assert "torshmon query --db torshmon.db" in done.stdout  # a hint that works as printed
     assert (tmp_path / "torshmon.db").is_file()
     # Every step of every rank is in the history exactly once, readable through the CLI.
     query = _torshmon(
         "query",
         "--db",
-        f"sqlite:///{tmp_path / 'torshmon.db'}",
+        "torshmon.db",
         "--format",
         "csv",
         "SELECT rank, count(*), count(DISTINCT step), min(step), max(step) "

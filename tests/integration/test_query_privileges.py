@@ -36,6 +36,7 @@ from torshmon.history.reader import (
     ensure_reader_role,
     reader_url,
 )
+from torshmon.redact import redact_url
 
 pytestmark = pytest.mark.integration
 
@@ -305,7 +306,7 @@ def test_the_cli_refuses_in_one_line_and_takes_a_query_url(history_db: str) -> N
     assert (done.returncode, done.stderr) == (1, f"torshmon query: {SUPERUSER_REFUSAL}\n")
     missing = reader_url(history_db, unique_name("torshmon_missing"))
     done = query("--query-db", missing, "SELECT 1")
-    assert done.returncode == 1 and done.stderr.count("\n") == 1
+    assert done.returncode == 2 and done.stderr.count("\n") == 1  # cannot connect: exit 2
     assert "does not exist; run `torshmon db upgrade`" in done.stderr
 
 
@@ -374,7 +375,7 @@ def test_upgrade_by_an_owner_without_createrole_prints_the_admin_sql() -> None:
         assert done.returncode == 0, done.stderr
         lines = done.stdout.splitlines()
         assert lines[:2] == [
-            "history database at head",
+            f"history database at head: {redact_url(owner_url)}",
             f"queries connect as the reader role {reader}, which this database user may "
             "not set up; an administrator should run:",
         ]

@@ -195,11 +195,12 @@ DEAD_DB = f"postgresql://torshmon:{PASSWORD}@127.0.0.1:1/history"
 @pytest.mark.parametrize(
     ("args", "code", "says", "lines"),
     [
-        (("aggregator", "--port", "0", "--db", DEAD_DB), 1, "cannot open the history", 1),
-        (("db", "upgrade", "--db", DEAD_DB), 1, "Connection refused", 1),
-        (("query", "--db", DEAD_DB, "SELECT 1"), 1, "cannot connect", 1),
-        (("query", "--db", f"mysql://u:{PASSWORD}@h/db", "SELECT 1"), 1, "'mysql'", 1),
-        (("db", "upgrade", "--db", f"postgresql+pg8000://u:{PASSWORD}@h/db"), 1, "pg8000", 1),
+        # A database that cannot be reached or a bad URL is a user error: exit 2 (issue 18).
+        (("aggregator", "--port", "0", "--db", DEAD_DB), 2, "cannot open the history", 1),
+        (("db", "upgrade", "--db", DEAD_DB), 2, "Connection refused", 1),
+        (("query", "--db", DEAD_DB, "SELECT 1"), 2, "cannot connect", 1),
+        (("query", "--db", f"mysql://u:{PASSWORD}@h/db", "SELECT 1"), 2, "'mysql'", 1),
+        (("db", "upgrade", "--db", f"postgresql+pg8000://u:{PASSWORD}@h/db"), 2, "pg8000", 1),
         (("aggregator", "--db", f"mysql://u:{PASSWORD}@h/db"), 2, "'mysql'", 1),
     ],
 )
@@ -214,7 +215,7 @@ def test_a_database_url_password_stays_out_of_errors(
 
 def test_the_database_url_from_the_environment_stays_out_too() -> None:
     done = _cli("query", "SELECT 1", env={"TORSHMON_DB_URL": DEAD_DB})
-    _failure(done, 1, "cannot connect", lines=1)
+    _failure(done, 2, "cannot connect", lines=1)
 
 
 @pytest.mark.parametrize(

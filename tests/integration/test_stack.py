@@ -441,20 +441,32 @@ def check_metrics_lint(observed: Observed) -> None:
         assert done.returncode == 0, f"{name} /metrics: {done.stdout}{done.stderr}"
 
 
+#: How torchrun is started, and the job name the probe then reports: TORSHMON_JOB, else
+#: torchrun's run id (--rdzv-id), not "default" (issue 18).
+TORCHRUN_NAMING = [
+    pytest.param({"TORSHMON_JOB": "compose-demo"}, ["--standalone"], "compose-demo", id="env"),
+    pytest.param(
+        {},
+        ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"],
+        "train-42",
+        id="run-id",
+    ),
+]
+
+
+@pytest.mark.parametrize(("naming", "launch", "job"), TORCHRUN_NAMING)
 def test_deploy_train_py_runs_under_torchrun_and_stops_cleanly_on_sigterm(
-    receiver: ReceiverThread, tmp_path: Path
+    receiver: ReceiverThread, tmp_path: Path, naming: dict[str, str], launch: list[str], job: str
 ) -> None:
-    env = {
-        **os.environ,
-        "TORSHMON_AGENT_SOCKET": str(receiver.socket_path),
-        "TORSHMON_JOB": "compose-demo",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = {k: v for k, v in os.environ.items() if k != "TORSHMON_JOB"}
+    env |= {"TORSHMON_AGENT_SOCKET": str(receiver.socket_path), "OMP_NUM_THREADS": "1", **naming}
+    if not naming:
+        launch = [*launch, "--rdzv-id", job]
     argv = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *launch,
         "--nproc-per-node",
         "2",
         str(DEPLOY / "train.py"),
@@ -484,10 +496,7 @@ def test_deploy_train_py_runs_under_torchrun_and_stops_cleanly_on_sigterm(
             torchrun.kill()
             torchrun.wait(10)
     hellos = receiver.hellos()
-    assert {(h.job, h.rank, h.world_size) for h in hellos} == {
-        ("compose-demo", 0, 2),
-        ("compose-demo", 1, 2),
-    }
+    assert {(h.job, h.rank, h.world_size) for h in hellos} == {(job, 0, 2), (job, 1, 2)}
     # Both ranks stopped at the same agreed step and flushed everything on the way out.
     time.sleep(0.5)
     steps = [[s.step for s in receiver.steps(rank)] for rank in (0, 1)]

@@ -161,8 +161,15 @@ async def test_tune_cli_waits_prints_trials_and_spans_record_each_decision(
     assert [line.split(":")[0] for line in trial_lines] == [f"trial {t.index}" for t in decided]
     for line, trial in zip(trial_lines, decided, strict=True):
         assert f": {trial.decision}" in line
+        # The codec with its parameters, the score with its unit (issue 18).
         assert trial.config.codec in line
+        for name, value in trial.config.codec_params.items():
+            assert f"{name} {value:g}" in line, line
+        if trial.score is not None:
+            assert f"{trial.score:.4g} {session.unit}" in line, line
+    assert session.unit in ("samples/s per rank", "steps/s")
     assert lines[-1] == f"session finished: {session.summary()}"
+    assert "trials done, the baseline included" in lines[-1]
 
     # Every decision became a span: the baseline, each trial, and the end.
     spans = _decision_spans(run.exporter, session_id)

@@ -16,6 +16,7 @@ import gc
 import logging
 import signal
 from collections import defaultdict, deque
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -28,6 +29,7 @@ from torshmon.agent.sampler import NodeSampler
 from torshmon.agent.settings import AgentSettings
 from torshmon.agent.spool import Spool
 from torshmon.paths import ensure_agent_dir, ensure_private_dir, runtime_dir
+from torshmon.redact import redact_url
 from torshmon.wire import (
     Batch,
     Command,
@@ -115,14 +117,24 @@ class Agent:
         if self.forwarder is not None:
             await self.forwarder.start()
         else:
-            log.warning("no aggregator configured: records stay in the spool %s", self.spool_path)
+            # where() says so on the start line.
+            log.info("no aggregator configured: records stay in the spool %s", self.spool_path)
         self._sampler_task = asyncio.create_task(self._sample_forever(), name="agent-sampler")
-        log.info(
-            "agent %s serving probes on %s, /metrics on %s:%s",
-            self.agent_id,
-            self.settings.socket_path,
-            self.settings.metrics_host,
-            self.metrics_port,
+        log.info("agent %s started", self.agent_id)
+
+    def where(self) -> str:
+        """Where it listens, stores and forwards, for the start line (no credentials)."""
+        host = self.settings.metrics_host
+        host = f"[{host}]" if ":" in host else host
+        target = self.settings.aggregator_url
+        forwards = (
+            f"forwarding to {redact_url(target)}"
+            if target
+            else "not forwarding: no aggregator URL, records stay in the spool"
+        )
+        return (
+            f"listening on {self.settings.socket_path} (probes) and "
+            f"http://{host}:{self.metrics_port}/metrics, spool in {self.spool_path}, {forwards}"
         )
 
     @property
@@ -316,13 +328,18 @@ def _prepare_folders(settings: AgentSettings) -> None:
             ensure_agent_dir(folder, what)
 
 
-async def run_agent(settings: AgentSettings) -> int:
-    """Run until SIGTERM or SIGINT; returns the exit code."""
+async def run_agent(
+    settings: AgentSettings, *, announce: Callable[[str], None] | None = None
+) -> int:
+    """Run until SIGTERM or SIGINT; returns the exit code. ``announce`` gets one line
+    once it serves, saying where it listens, stores and forwards."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    async with Agent(settings):
+    async with Agent(settings) as agent:
+        if announce is not None:
+            announce(f"torshmon agent {agent.where()}")
         # What start-up made (modules, the app) lives as long as the process: keep
         # it out of the collector's full passes, which would otherwise trace
         # hundreds of thousands of objects that are never garbage.

@@ -259,15 +259,20 @@ class Aggregator:
             asyncio.create_task(self._retention_forever(), name="aggregator-retention"),
         ]
         self._started = True
+        if self.settings.token is None:  # where() says so too, on the start line
+            log.info("no token configured: the API accepts unauthenticated requests")
+        log.info("aggregator %s started", self.settings.aggregator_id)
+
+    def where(self) -> str:
+        """Where it listens and stores, for the start line: ``listening on
+        http://127.0.0.1:9470, history in sqlite:////abs/torshmon.db`` (no password)."""
+        host = self.settings.host
+        host = f"[{host}]" if ":" in host else host
+        history = redact_url(self.settings.db_url)
+        line = f"listening on http://{host}:{self.port}, history in {history}"
         if self.settings.token is None:
-            log.warning("no token configured: the API accepts unauthenticated requests")
-        log.info(
-            "aggregator %s on %s:%s, history %s",
-            self.settings.aggregator_id,
-            self.settings.host,
-            self.port,
-            redact_url(url),
-        )
+            line += " (no token: the API accepts unauthenticated requests)"
+        return line
 
     async def aclose(self) -> None:
         """Stop serving, run a last evaluation, flush notifications, close the database."""
@@ -536,13 +541,18 @@ def _counter(spec: MetricSpec, registry: CollectorRegistry) -> Counter:
     return Counter(spec.family_name, spec.help, spec.labels, registry=registry)
 
 
-async def run_aggregator(settings: AggregatorSettings) -> int:
-    """Run until SIGTERM or SIGINT; returns the exit code."""
+async def run_aggregator(
+    settings: AggregatorSettings, *, announce: Callable[[str], None] | None = None
+) -> int:
+    """Run until SIGTERM or SIGINT; returns the exit code. ``announce`` gets one line
+    once it serves, saying where it listens and stores."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    async with Aggregator(settings):
+    async with Aggregator(settings) as aggregator:
+        if announce is not None:
+            announce(f"torshmon aggregator {aggregator.where()}")
         tune_gc_for_daemon()
         await stop.wait()
         log.info("aggregator stopping")

@@ -28,7 +28,13 @@ from torshmon.aggregator.notify.targets import (
     WebhookTarget,
     targets_from_env,
 )
-from torshmon.history.db import DB_URL_ENV, DEFAULT_DB_URL, DatabaseConfigError, normalize_url
+from torshmon.history.db import (
+    DB_URL_ENV,
+    DEFAULT_DB_URL,
+    DatabaseConfigError,
+    as_db_url,
+    normalize_url,
+)
 from torshmon.history.reader import QUERY_DB_URL_ENV, reader_url
 from torshmon.settings import Layers, Section, SettingsError, setting
 
@@ -124,7 +130,7 @@ class AggregatorSettings(Section, frozen=True):
     db_url: Annotated[
         str,
         setting(
-            "history database (SQLAlchemy URL)",
+            "history database: a SQLAlchemy URL or a SQLite file path",
             env=DB_URL_ENV,
             flag="--db",
             secret=True,
@@ -237,10 +243,12 @@ class AggregatorSettings(Section, frozen=True):
         super().__post_init__()
         if self.token is not None and not self.token.strip():
             raise SettingsError("token is empty; give a token, or none to accept any request")
-        if not self.db_url:
-            msgspec.structs.force_setattr(self, "db_url", DEFAULT_DB_URL)
+        # A file path as well as a URL, and SQLite files absolute (as_db_url).
+        msgspec.structs.force_setattr(self, "db_url", as_db_url(self.db_url or DEFAULT_DB_URL))
         try:
-            query_db_url = self.query_db_url or reader_url(self.db_url)
+            query_db_url = (
+                as_db_url(self.query_db_url) if self.query_db_url else reader_url(self.db_url)
+            )
             normalize_url(query_db_url)
         except DatabaseConfigError as exc:
             name = "query_db_url" if self.query_db_url else "db_url"

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.commands import CommandError, CommandStatus
+from torshmon.aggregator.core.rules import alert_name
 from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.tuner import (
     Abort,
@@ -463,7 +464,7 @@ class TuningManager:
 
     def _notify(self, entry: _Active, summary: str, severity: str) -> None:
         now = self._clock()
-        labels = {"alertname": FINISHED_RULE, "severity": severity, "job": entry.job}
+        labels = {"alertname": alert_name(FINISHED_RULE), "severity": severity, "job": entry.job}
         alert = Alert(
             rule=FINISHED_RULE,
             state="firing",

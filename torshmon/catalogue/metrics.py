@@ -293,7 +293,9 @@ TRAINING_EFFICIENCY_RATIO: Final = _gauge(
     _RANK,
 )
 THROUGHPUT_SAMPLES_PER_SECOND: Final = _gauge(
-    "throughput_samples_per_second", "Samples per second of the rank's latest step.", _RANK
+    "throughput_samples_per_second",
+    "Samples per second of the rank's latest step (per rank; sum by job for the job's).",
+    _RANK,
 )
 LOSS: Final = _gauge(
     "loss", "Training loss of the latest step (NaN when it was not finite).", _RANK
@@ -393,7 +395,7 @@ TUNER_TRIALS_TOTAL: Final = _counter(
 )
 TUNER_BEST_SCORE: Final = _gauge(
     "tuner_best_score",
-    "Best throughput of the job's tuning session (incumbent), samples per second",
+    "Best throughput of the job's tuning session (incumbent), samples/s per rank (rank 0's)",
     ("job",),
 )
 TUNER_STATE: Final = _gauge(

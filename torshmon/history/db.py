@@ -111,10 +111,27 @@ class DatabaseConfigError(ValueError):
 
 
 def db_url(explicit: str | None) -> str:
-    """The history database URL: ``explicit``, else ``$TORSHMON_DB_URL``, else the default."""
-    if explicit:
-        return explicit
-    return os.environ.get(DB_URL_ENV) or DEFAULT_DB_URL
+    """The history database URL: ``explicit``, else ``$TORSHMON_DB_URL``, else the
+    default ``./torshmon.db``; each a URL or a file path (``as_db_url``)."""
+    return as_db_url(explicit or os.environ.get(DB_URL_ENV) or DEFAULT_DB_URL)
+
+
+def as_db_url(text: str) -> str:
+    """``--db`` and ``TORSHMON_DB_URL`` as a URL: a URL (``sqlite:///x.db``,
+    ``postgresql://...``) as given but a relative SQLite file made absolute, anything
+    else a SQLite file path (``./torshmon.db``, ``~/h.db``) as ``sqlite:////abs/path``.
+
+    Absolute, so that what a daemon reports and what a query opens is one file
+    wherever the command runs.
+    """
+    if "://" not in text:
+        return f"sqlite:///{os.path.abspath(os.path.expanduser(text))}"
+    prefix, sep, rest = text.partition(":///")
+    if sep and prefix in ("sqlite", "sqlite+pysqlite") and rest and not rest.startswith("/"):
+        path, query_sep, query = rest.partition("?")
+        if path and path != ":memory:" and not path.startswith("file:"):
+            return f"{prefix}:///{os.path.abspath(path)}{query_sep}{query}"
+    return text
 
 
 def normalize_url(url: str) -> str:

@@ -75,6 +75,11 @@ class QueryError(Exception):
     """A query that cannot run or was refused; the text says why, for the user."""
 
 
+class HistoryUnreachable(QueryError):
+    """The history cannot be reached at all (a bad URL, no such file, no connection),
+    whatever the query; the text says why."""
+
+
 @dataclass(frozen=True, slots=True)
 class QueryResult:
     """Column names and rows of a query; ``truncated`` if rows beyond ``max_rows`` or
@@ -126,7 +131,7 @@ def run_query(
     try:
         url = normalize_url(url)
     except DatabaseConfigError as exc:
-        raise QueryError(str(exc)) from exc
+        raise HistoryUnreachable(str(exc)) from exc
     limits = _Limits(max_rows, timeout_s, max_cell_bytes, max_answer_bytes)
     if make_url(url).get_backend_name() == "sqlite":
         return _run_sqlite(url, sql, limits)
@@ -136,13 +141,16 @@ def run_query(
 def _run_sqlite(url: str, sql: str, limits: _Limits) -> QueryResult:
     path = sqlite_path(url)
     if path is None:
-        raise QueryError(f"read-only queries need a SQLite file, not {url!r}")
+        raise HistoryUnreachable(f"read-only queries need a SQLite file, not {url!r}")
     try:
         conn, denied = connect_sqlite_read_only(path)
     except FileNotFoundError as exc:
-        raise QueryError(f"no history database at {path}") from exc
+        raise HistoryUnreachable(
+            f"no history database at {path}; run `torshmon db upgrade --db {path}` or "
+            "name another --db"
+        ) from exc
     except sqlite3.Error as exc:
-        raise QueryError(f"cannot open the history database at {path}: {exc}") from exc
+        raise HistoryUnreachable(f"cannot open the history database at {path}: {exc}") from exc
     deadline = time.monotonic() + limits.timeout_s
     conn.set_progress_handler(lambda: int(time.monotonic() > deadline), _PROGRESS_STEPS)
     # SQLite then refuses to make any longer string or blob (randomblob, zeroblob,
@@ -204,7 +212,7 @@ def _run_postgresql(url: str, sql: str, limits: _Limits) -> QueryResult:
         engine.dispose()
 
 
-def _connect_error(url: str, exc: Exception) -> QueryError:
+def _connect_error(url: str, exc: Exception) -> HistoryUnreachable:
     user = make_url(url).username or "the default user"
     detail = " ".join(str(getattr(exc, "orig", None) or exc).split())
     hint = ""
@@ -212,7 +220,7 @@ def _connect_error(url: str, exc: Exception) -> QueryError:
         "role" in detail and "does not exist" in detail
     ):
         hint = "; " + _READER_HINT
-    return QueryError(f"cannot connect to the history database as {user}: {detail}{hint}")
+    return HistoryUnreachable(f"cannot connect to the history database as {user}: {detail}{hint}")
 
 
 def _run_psycopg(

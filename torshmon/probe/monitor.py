@@ -118,7 +118,7 @@ class Monitor:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self.job = job or os.environ.get("TORSHMON_JOB") or "default"
+        self.job = job or default_job_name(os.environ)
         if len(self.job) > NAME_MAX_CHARS:
             # The agent would reject every frame of this job, and nothing would say why.
             raise ValueError(
@@ -516,11 +516,20 @@ class Monitor:
             log.warning("torshmon: recording %s failed; skipping", what, exc_info=True)
 
 
+def default_job_name(env: Mapping[str, str]) -> str:
+    """``$TORSHMON_JOB``, else torchrun's run id (``$TORCHELASTIC_RUN_ID``, its
+    ``--rdzv-id``; a fresh id per run under ``--standalone``; not its default "none"),
+    else ``default``: jobs under torchrun are told apart without naming them."""
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    return env.get("TORSHMON_JOB") or (run_id if run_id not in ("", "none") else "default")
+
+
 def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Monitor:
     """Start monitoring this rank.
 
     ``module`` is the DistributedDataParallel module (or None to watch
-    collectives only); ``job`` names the job (default ``$TORSHMON_JOB``).
+    collectives only); ``job`` names the job (default ``$TORSHMON_JOB``, else
+    torchrun's run id ``$TORCHELASTIC_RUN_ID``, else ``default``).
     Options: ``agent_socket`` (default ``$TORSHMON_AGENT_SOCKET``),
     ``flush_interval_s``, ``max_buffered_steps``, ``ddp_stats_every``,
     ``sync_every`` (steps between config consensus points, 10) and

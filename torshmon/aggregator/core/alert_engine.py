@@ -46,7 +46,13 @@ from typing import Final, Literal, NamedTuple
 
 from torshmon.aggregator.core.alert import Alert, AlertState
 from torshmon.aggregator.core.findings import Finding
-from torshmon.aggregator.core.rules import FINDING_KINDS, Rule, RuleSet, default_summary
+from torshmon.aggregator.core.rules import (
+    FINDING_KINDS,
+    Rule,
+    RuleSet,
+    alert_name,
+    default_summary,
+)
 from torshmon.aggregator.core.series import Cursor, LabelSet, SeriesStore, labelset_from
 from torshmon.aggregator.core.templates import render_template
 
@@ -411,6 +417,7 @@ class AlertEngine:
             if finding.recommendation:
                 annotations["recommendation"] = finding.recommendation
         fields = _Fields(instance.labels)
+        fields["alertname"] = rule.name  # the title, as the exported rule writes it
         fields["value"] = instance.value
         fields.setdefault("metric", rule.metric or "")
         for key, template in self._templates[rule.name].items():
@@ -488,7 +495,9 @@ def _templates(rule: Rule) -> dict[str, str]:
 def _alert_labels(rule: Rule, key: LabelSet) -> dict[str, str]:
     labels = dict(rule.labels)
     labels.update(key)
-    labels["alertname"] = rule.name
+    # The name Prometheus gives the exported rule's alert, so that Alertmanager sees
+    # one alert whichever path sends it (the rule's own name stays the title).
+    labels["alertname"] = alert_name(rule.name)
     labels["severity"] = rule.severity
     return labels
 

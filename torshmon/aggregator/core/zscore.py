@@ -46,7 +46,7 @@ _METRIC_NAMES: Final[dict[str, tuple[str, str]]] = {
     "compute_seconds": ("compute time", " s"),
     "comm_wait_seconds": ("communication wait", " s"),
     "communication_time_ratio": ("communication time ratio", ""),
-    "throughput_samples_per_second": ("throughput", " samples/s"),
+    "throughput_samples_per_second": ("throughput", " samples/s per rank"),
     "loss": ("loss", ""),
 }
 _UNIT_SUFFIXES: Final[tuple[tuple[str, str], ...]] = (

@@ -341,7 +341,9 @@ class _Handlers:
         rows = await self._rows("tuning_sessions", where, _limit(request))
         for row in rows:
             blob = row.pop("state_blob", None)
-            row["summary"] = blob.get("summary", "") if isinstance(blob, dict) else ""
+            state = blob if isinstance(blob, dict) else {}
+            row["summary"] = state.get("summary", "")
+            row["unit"] = state.get("unit", "")  # of the trials' windows and scores
         return web.json_response({"sessions": rows})
 
     async def tuning_trials(self, request: web.Request) -> web.Response:

@@ -159,7 +159,9 @@ def _fallback_text(alerts: Sequence[Alert], status: str) -> str:
 
 
 def _alertname(alert: Alert) -> str:
-    return alert.labels.get("alertname") or alert.rule
+    """The rule's own name ("Step Time Anomaly"), a title for people; the
+    ``alertname`` label is its CamelCase form for Alertmanager."""
+    return alert.rule or alert.labels.get("alertname", "")
 
 
 def _section(text: str) -> dict[str, Any]:

@@ -75,7 +75,8 @@ class DriftWatch:
         if len(reference) < 2:
             raise TunerError(f"a drift watch needs >= 2 reference windows, got {len(reference)}")
         self.reference = tuple(reference)
-        self.unit = unit
+        # Sessions stored before the unit said "per rank" measured the same thing.
+        self.unit = "samples/s per rank" if unit == "samples/s" else unit
         self.ended_unix_s = ended_unix_s
         self.version: int | None = None
         self.stopped = False

@@ -56,10 +56,13 @@ class StepSample:
         )
 
     def rate(self) -> tuple[float, str] | None:
-        """(throughput, unit), or None when the step carries no usable timing."""
+        """(throughput, unit), or None when the step carries no usable timing.
+
+        The samples are one rank's (rank 0's batch over its step time); the unit says so.
+        """
         speed = self.samples_per_s
         if speed is not None and math.isfinite(speed) and speed > 0:
-            return speed, "samples/s"
+            return speed, "samples/s per rank"
         if self.duration_s is not None and math.isfinite(self.duration_s) and self.duration_s > 0:
             return 1.0 / self.duration_s, "steps/s"
         return None

@@ -456,7 +456,7 @@ class TuningSession:
         s = self._s
         measured = sum(1 for t in s.trials if t.kind != "verify")
         if measured >= s.settings.max_trials:
-            return self._conclude(now, f"all {s.settings.max_trials} trials done")
+            return self._conclude(now, f"the trial limit ({s.settings.max_trials}) reached")
         config = self._propose()
         if config is None:
             return self._conclude(now, "the optimiser converged")
@@ -597,7 +597,9 @@ class TuningSession:
         base = s.trials[0]
         if s.baseline is None:  # pragma: no cover - set by start()
             raise TunerError("internal: no baseline")
-        trials = sum(1 for t in s.trials if t.kind == "trial" and t.decision != "failed")
+        # One count, the one max_trials limits: every measured config, the baseline too.
+        measured = sum(1 for t in s.trials if t.kind != "verify" and t.decision != "failed")
+        trials = f"{measured} trials done, the baseline included"
         losses = any(t.loss_windows for t in s.trials)
         if changed and verify is not None and verify.score and base.score:
             parts = []
@@ -614,7 +616,7 @@ class TuningSession:
             loss = "loss unaffected" if losses else "loss not reported"
             return (
                 f"{', '.join(parts)}: {gain:+.0%} {s.unit} "
-                f"({base.score:.4g} -> {verify.score:.4g}), {loss}; {trials} trials"
+                f"({base.score:.4g} -> {verify.score:.4g}), {loss}; {trials}"
             )
         best = max(
             (t for t in s.trials if t.kind == "trial" and t.score is not None),
@@ -624,4 +626,4 @@ class TuningSession:
         tried = ""
         if best is not None and best.score and base.score:
             tried = f"; best tried {best.config.describe()} at {best.score / base.score - 1:+.0%}"
-        return f"left unchanged ({s.baseline.describe()}): {s.reason}{tried}; {trials} trials"
+        return f"left unchanged ({s.baseline.describe()}): {s.reason}{tried}; {trials}"
