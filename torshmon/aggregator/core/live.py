@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import msgspec
 
+from torshmon.aggregator.core.agents import Agents
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.bottleneck import JobSnapshot, bottleneck_report
 from torshmon.aggregator.core.findings import Finding
@@ -109,6 +110,9 @@ class LiveState:
         self.jobs: dict[str, JobState] = {}
         self.nodes: dict[str, NodeSample] = {}
         self._node_seen: dict[str, float] = {}
+        self.agents = Agents()
+        # Seconds since each node's agent last POSTed, as of the last ``findings()``.
+        self._silence: dict[str, float] = {}
         z = msgspec.structs.asdict(zscore if zscore is not None else ZScoreSettings())
         self.step_z = ZScoreDetector(metric="step_duration_seconds", direction="up", **z)
         self.loss_z = ZScoreDetector(metric="loss", direction="up", **z)
@@ -133,9 +137,11 @@ class LiveState:
         self._lock = threading.Lock()
 
     # -- feeding -------------------------------------------------------------------------
-    def observe(self, stored: Stored, now_unix_s: float) -> None:
-        """Take in what one ingest stored."""
+    def observe(self, stored: Stored, now_unix_s: float, agent_node: str | None = None) -> None:
+        """Take in what one ingest stored, POSTed by the agent of ``agent_node`` (None:
+        the nodes the data names)."""
         with self._lock:
+            self._contact(stored, now_unix_s, agent_node)
             for hello in stored.hellos:
                 job = self._job(hello.job)
                 if job.world_size != hello.world_size:
@@ -146,6 +152,17 @@ class LiveState:
             for sample in stored.node_samples:
                 self._observe_node(sample)
                 self._node_seen[sample.node] = now_unix_s
+
+    def _contact(self, stored: Stored, now_unix_s: float, agent_node: str | None) -> None:
+        """Date what the POST carries: every node's stamps, before any batch is read,
+        so the freshest record of a replayed spool calibrates the older ones."""
+        stamps: dict[str, list[float]] = {} if agent_node is None else {agent_node: []}
+        for batch, node in stored.batches:
+            stamps.setdefault(node, []).append(batch.sent_unix_ns / 1e9)
+        for sample in stored.node_samples:
+            stamps.setdefault(sample.node, []).append(sample.ts_unix_ns / 1e9)
+        for node, times in stamps.items():
+            self.agents.contact(node, now_unix_s, times)
 
     def restore_job(self, name: str, world_size: int, last_seen_unix_s: float) -> None:
         """A job this aggregator served before it restarted. Its probes said hello once,
@@ -187,8 +204,10 @@ class LiveState:
         if batch.steps:
             self._observe_steps(batch, job, r)
         if job.world_size is None or batch.rank < job.world_size:
-            # The receive time, not the probe's clock: ages are judged against ``now``.
-            self.hang.observe(batch.job, batch.rank, now_unix_s, batch.inflight)
+            # When the report was current, on the aggregator's clock: a batch replayed
+            # from a spool is old news, not "now".
+            ts = self.agents.dated(node, batch.sent_unix_ns / 1e9, now_unix_s)
+            self.hang.observe(batch.job, batch.rank, ts, batch.inflight, node)
         for result in batch.link_checks:
             self.links.observe_result(result, now_unix_s)
             self._fresh = True
@@ -395,7 +414,10 @@ class LiveState:
             current = {f.key() for f in out}
             out.extend(f for key, f in self._latched.items() if key not in current)
             self._latched.clear()
-            self._hangs = self.hang.evaluate(now_unix_s)
+            self._silence = self.agents.silence_s(now_unix_s)
+            for node, silence_s in self._silence.items():
+                self.series.add("agent_silence_seconds", (("node", node),), now_unix_s, silence_s)
+            self._hangs = self.hang.evaluate(now_unix_s, self.agents.horizons())
             out.extend(self._hangs)
             self.links.evaluate(now_unix_s)
             out.extend(self.links.active())
@@ -466,6 +488,9 @@ class LiveState:
             for node in [n for n, seen in self._node_seen.items() if seen < cutoff]:
                 del self._node_seen[node]
                 self.nodes.pop(node, None)
+                self.series.forget({"node": node})
+            for node in self.agents.forget_idle(cutoff):
+                self._silence.pop(node, None)
                 self.series.forget({"node": node})
             self.series.expire(now_unix_s)
 
@@ -546,6 +571,7 @@ class LiveState:
                     for name, job in self.jobs.items()
                 },
                 "nodes": dict(self.nodes),
+                "agent_silence": dict(self._silence),
                 "anomalies": self.step_z.active() + self.loss_z.active(),
                 "stragglers": self.straggler.active(),
                 "hangs": list(self._hangs),

@@ -129,10 +129,12 @@ class LiveCollector:
         for job, label, count in snap["labels_folded"]:
             folded.add_metric([job, label], float(count))
         yield folded
-        yield from self._node_families(snap["nodes"])
+        yield from self._node_families(snap["nodes"], snap["agent_silence"])
         yield from self._detector_families(snap)
 
-    def _node_families(self, nodes: dict[str, NodeSample]) -> Iterator[Metric]:
+    def _node_families(
+        self, nodes: dict[str, NodeSample], snap_silence: dict[str, float]
+    ) -> Iterator[Metric]:
         fams = {
             "cpu_utilization_ratio": _gauge(catalogue.CPU_UTILIZATION_RATIO),
             "memory_utilization_ratio": _gauge(catalogue.MEMORY_UTILIZATION_RATIO),
@@ -146,6 +148,10 @@ class LiveCollector:
                 gpu.add_metric([name, str(g.index)], g.utilization_ratio)
         yield from fams.values()
         yield gpu
+        silence = _gauge(catalogue.AGENT_SILENCE_SECONDS)
+        for name, seconds in sorted(snap_silence.items()):
+            silence.add_metric([name], seconds)
+        yield silence
 
     def _detector_families(self, snap: dict[str, Any]) -> Iterator[Metric]:
         anomaly = _gauge(catalogue.ANOMALY_ACTIVE)
