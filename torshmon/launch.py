@@ -44,7 +44,9 @@ def run_ranks(
     Each process has initialised a gloo process group before ``target`` runs and
     destroys it afterwards. With ``netns`` (one ``ip netns`` name per rank, e.g.
     from ``torshmon.linkshape.LinkShaper``) each rank enters its network namespace
-    before opening any socket. Returns the results ordered by rank. Raises
+    before opening any socket. ``rank_env(rank)`` may set ``LOCAL_RANK`` (default: the
+    rank, one node), as torchrun does for ranks spread over nodes. Returns the results
+    ordered by rank. Raises
     RankError if a rank raises, dies, or all have not finished in ``timeout_s``.
     """
     if world_size < 1:
@@ -56,14 +58,14 @@ def run_ranks(
     port = free_port()
     procs = []
     for rank in range(world_size):
-        environ = dict(env or {})
+        # One node unless ``rank_env`` says otherwise (LOCAL_RANK, as torchrun sets it).
+        environ = {"LOCAL_RANK": str(rank), **(env or {})}
         environ.update(rank_env(rank) if rank_env else {})
         environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(port),
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
         )
         rank_netns = netns[rank] if netns is not None else None
         proc = ctx.Process(

@@ -6,10 +6,14 @@ a Linux bridge that lives in a separate "hub" namespace::
     rank 0 ns: eth0 10.213.0.1 ─veth─ r0 ┐
     rank 1 ns: eth0 10.213.0.2 ─veth─ r1 ├─ br0  (hub ns)
     rank 2 ns: eth0 10.213.0.3 ─veth─ r2 ┘
+                                  br0 10.213.255.254  (``hub_address``)
 
 Every world size, two ranks included, uses the bridge: one code path, and the
 same hop count whatever the world size, so 2- and 3-rank timings compare. The
 bridge costs one software hop, which is small next to any rate worth shaping to.
+The bridge has an address of its own, ``hub_address``: a service run in the hub
+namespace (an aggregator every node's agent reports to) is reachable from every
+rank's namespace over links that are never shaped.
 Nothing is created in the host's own namespace, so harnesses running at the same
 time never collide on interface names or addresses, and deleting the namespaces
 removes every link.
@@ -75,6 +79,8 @@ log = logging.getLogger(__name__)
 NAME_PREFIX = "torshmon-ls"
 RANK_IFNAME = "eth0"
 _SUBNET = "10.213"
+#: The bridge's own address, in the hub namespace; above every rank's (_MAX_RANKS).
+HUB_ADDRESS = f"{_SUBNET}.255.254"
 _MAX_RANKS = 250 * 256
 _CAP_NET_ADMIN = 12
 _CAP_SYS_ADMIN = 21
@@ -194,6 +200,11 @@ class LinkShaper:
         return self.links[0].address
 
     @property
+    def hub_address(self) -> str:
+        """The bridge's address in ``hub_netns``, reachable from every rank's namespace."""
+        return HUB_ADDRESS
+
+    @property
     def netns_names(self) -> list[str]:
         """One namespace name per rank, for ``run_ranks(netns=...)``."""
         return [link.netns for link in self.links]
@@ -293,7 +304,9 @@ class LinkShaper:
         _ip("netns", "add", self.hub_netns)
         hub = ("-n", self.hub_netns)
         _ip(*hub, "link", "add", "name", "br0", "type", "bridge")
+        _ip(*hub, "addr", "add", f"{HUB_ADDRESS}/16", "dev", "br0")
         _ip(*hub, "link", "set", "br0", "up")
+        _ip(*hub, "link", "set", "lo", "up")
         for link in self.links:
             _ip("netns", "add", link.netns)
             peer = _hub_ifname(link.rank)

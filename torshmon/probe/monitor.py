@@ -320,7 +320,8 @@ class Monitor:
             rank=self.rank,
             world_size=self.world_size,
             local_rank=int(os.environ.get("LOCAL_RANK", self.rank)),
-            node=socket.gethostname(),
+            # The agent's --node where the launcher says it (TORSHMON_NODE), else the host.
+            node=os.environ.get("TORSHMON_NODE") or socket.gethostname(),
             pid=os.getpid(),
             backend=str(dist.get_backend()),
             torch_version=str(torch.__version__),
