@@ -131,10 +131,11 @@ def test_an_aggregator_restart_raises_no_hang(shaping: None, tmp_path: Path) -> 
             cluster.start_aggregator()
             after = cluster.wait(lambda: _steps_by_rank(cluster), "every rank's steps")
             cluster.wait(lambda: _stepped_past(cluster, after), "steps after the restart")
+            cluster.wait(lambda: _caught_up(cluster), "every rank's spooled steps", 120)
+            hangs = _alerts(cluster, "Hung Collective")  # before the job ends
         finally:
             steps = cluster.stop_job(job)
         stored = _every_step_stored(cluster, steps[0])
-        hangs = _alerts(cluster, "Hung Collective")
     assert len(set(steps)) == 1
     assert hangs == [], hangs
     assert stored == {rank: (steps[0], steps[0]) for rank in range(4)}, stored
