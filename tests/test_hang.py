@@ -336,3 +336,17 @@ def test_a_rank_on_a_quiet_node_is_not_named_but_a_silent_rank_under_a_live_agen
 def test_fresh_s_must_be_positive() -> None:
     with pytest.raises(ValueError, match="fresh_s"):
         HangDetector(fresh_s=0.0)
+
+
+def test_an_exited_rank_waits_in_nothing_and_is_named_as_exited() -> None:
+    det = HangDetector(timeout_s=5.0)
+    det.set_world("demo", 3)
+    det.observe("demo", 0, NOW, [_op(9, 8.0)], node="a")
+    det.observe("demo", 1, NOW, [_op(9, 8.0)], node="a")
+    det.observe("demo", 2, NOW - 1.0, [], node="b")
+    # The job ended: ranks 0 and 1 last reported from inside the collective.
+    assert det.evaluate(NOW, {"a": NOW, "b": NOW}, gone={("demo", 0), ("demo", 1)}) == []
+    # Rank 2's process is gone while its peers wait: that is the hang.
+    found = det.evaluate(NOW, {"a": NOW, "b": NOW}, gone={("demo", 2)})
+    assert [(f.labels["rank"], f.details["reason"]) for f in found] == [("2", "process_gone")]
+    assert "has exited" in found[0].summary

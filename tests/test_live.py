@@ -345,3 +345,28 @@ def test_a_genuine_hang_across_nodes_is_still_named() -> None:
         t, seq = t + 0.5, seq + 1
     assert sorted(f.labels["rank"] for f in hangs) == ["0", "1"]
     assert {f.details["reason"] for f in hangs} == {"never_joined"}
+
+
+def test_the_last_reports_of_a_job_whose_processes_ended_make_no_hang() -> None:
+    """When a job ends its ranks' final reports are frozen, one of them perhaps inside
+    the last collective; the node's agent stops listing their processes, and that ends
+    their waiting."""
+    live = LiveState()
+    ranks = [wf.hello("j", r, 2) for r in (0, 1)]
+    t = 1000.0
+    running = msgspec.structs.replace(
+        wf.node_sample("j", 2), ts_unix_ns=int((t - _SKEW_S - 0.05) * 1e9)
+    )
+    assert {p.rank for p in running.ranks} == {0, 1}
+    post = _node_post(ranks, t, 1, [])
+    live.observe(
+        Stored(acked_seq=1, hellos=ranks, batches=post.batches, node_samples=[running]), t, "node-a"
+    )
+    last = _node_post(ranks[:1], t + 0.5, 2, [_op(40, 0.01)])  # rank 0 ends "inside" #40
+    live.observe(last, t + 0.5, "node-a")
+    ended = msgspec.structs.replace(running, ranks=[])
+    for i in range(10):
+        now = t + 1.0 + 0.5 * i
+        sample = msgspec.structs.replace(ended, ts_unix_ns=int((now - _SKEW_S) * 1e9))
+        live.observe(Stored(acked_seq=3 + i, node_samples=[sample]), now, "node-a")
+        assert [f for f in live.findings(now) if f.kind == "hang"] == [], now

@@ -42,15 +42,17 @@ than it. A node whose horizon is more than ``fresh_s`` old has gone quiet (its a
 is down or cut off, or replays an old spool): its ranks neither count as waiting nor
 are named, whatever their last reports said; the Agent Down alert tells of it
 instead. A rank named as missing has a fresh report showing it elsewhere, or is
-silent while its node's agent is heard (its process stopped reporting), or has never
-reported at all.
+silent while its node's agent is heard (its process stopped reporting), or has exited
+(its agent listed its process, and lists it no more), or has never reported at all. An
+exited rank waits in nothing: a job's last reports, frozen when its processes end, are
+no hang.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Final, Protocol
 
@@ -194,8 +196,10 @@ class HangDetector:
         self._step_multiple = step_multiple
         self._fresh_s = fresh_s
         self._jobs: dict[str, _Job] = {}
-        # Per node, the newest time its agent's data is current for (``evaluate``).
+        # Per node, the newest time its agent's data is current for, and the (job, rank)
+        # whose process its agent saw end (``evaluate``).
         self._horizons: Mapping[str, float] = {}
+        self._gone: Collection[tuple[str, int]] = frozenset()
 
     def set_world(self, job: str, world_size: int) -> None:
         """Declare the job's world size (from its hello); ValueError if below 1.
@@ -262,13 +266,19 @@ class HangDetector:
         return min(self._timeout_s, max(self._min_timeout_s, scaled))
 
     def evaluate(
-        self, now_unix_s: float, horizons: Mapping[str, float] | None = None
+        self,
+        now_unix_s: float,
+        horizons: Mapping[str, float] | None = None,
+        gone: Collection[tuple[str, int]] = frozenset(),
     ) -> list[Finding]:
         """Every hang at ``now_unix_s`` (Unix seconds), ordered by job and ``Finding.key()``.
 
         ``horizons``: per node, the newest time its agent's data is current for
-        (``Agents.horizon``); reports from nodes not in it are taken as current."""
+        (``Agents.horizon``); reports from nodes not in it are taken as current.
+        ``gone``: (job, rank) whose process its agent saw end: such a rank waits in no
+        collective, whatever its last report said, and is named only as exited."""
         self._horizons = horizons if horizons is not None else {}
+        self._gone = gone
         findings: list[Finding] = []
         for job in sorted(self._jobs):
             findings.extend(self._evaluate_job(job, self._jobs[job], now_unix_s))
@@ -300,7 +310,10 @@ class HangDetector:
         fresh = [
             (r, rep)
             for r, rep in state.reports.items()
-            if rep.ops and now - rep.ts_unix_s <= timeout and not self._quiet(rep, now)
+            if rep.ops
+            and now - rep.ts_unix_s <= timeout
+            and not self._quiet(rep, now)
+            and (job, r) not in self._gone
         ]
         groups: dict[str, dict[int, _Entry]] = {}
         pairs: dict[tuple[str, int, int], _Entry] = {}
@@ -430,7 +443,11 @@ class HangDetector:
         who = _ranks(waiting)
         joined = f"{op} #{seq} on pg {pg} that {who} entered {age_s:.1f} s ago"
         details: dict[str, object] = {"waiting_ranks": waiting, "seq": seq, "age_s": age_s}
-        if report is None:
+        if (job, rank) in self._gone:
+            reason = "process_gone"
+            summary = f"rank {rank} of job {job} has exited and never joined {joined}"
+            advice = _SILENT_ADVICE
+        elif report is None:
             reason = "no_report"
             summary = f"rank {rank} of job {job} has not reported and never joined {joined}"
             advice = _SILENT_ADVICE

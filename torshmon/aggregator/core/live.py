@@ -111,6 +111,10 @@ class LiveState:
         self.nodes: dict[str, NodeSample] = {}
         self._node_seen: dict[str, float] = {}
         self.agents = Agents()
+        # Per node, the (job, rank) its agent has listed as running, ever and in its
+        # latest sample: one listed before and no longer has ended.
+        self._listed: dict[str, set[tuple[str, int]]] = {}
+        self._running: dict[str, set[tuple[str, int]]] = {}
         # Seconds since each node's agent last POSTed, as of the last ``findings()``.
         self._silence: dict[str, float] = {}
         z = msgspec.structs.asdict(zscore if zscore is not None else ZScoreSettings())
@@ -369,6 +373,9 @@ class LiveState:
 
     def _observe_node(self, sample: NodeSample) -> None:
         self.nodes[sample.node] = sample
+        running = {(proc.job, proc.rank) for proc in sample.ranks}
+        self._listed.setdefault(sample.node, set()).update(running)
+        self._running[sample.node] = running
         ts = sample.ts_unix_ns / 1e9
         node = (("node", sample.node),)
         add = self.series.add
@@ -417,7 +424,12 @@ class LiveState:
             self._silence = self.agents.silence_s(now_unix_s)
             for node, silence_s in self._silence.items():
                 self.series.add("agent_silence_seconds", (("node", node),), now_unix_s, silence_s)
-            self._hangs = self.hang.evaluate(now_unix_s, self.agents.horizons())
+            gone = {
+                pair
+                for node, listed in self._listed.items()
+                for pair in listed - self._running.get(node, set())
+            }
+            self._hangs = self.hang.evaluate(now_unix_s, self.agents.horizons(), gone)
             out.extend(self._hangs)
             self.links.evaluate(now_unix_s)
             out.extend(self.links.active())
@@ -491,6 +503,8 @@ class LiveState:
                 self.series.forget({"node": node})
             for node in self.agents.forget_idle(cutoff):
                 self._silence.pop(node, None)
+                self._listed.pop(node, None)
+                self._running.pop(node, None)
                 self.series.forget({"node": node})
             self.series.expire(now_unix_s)
 
