@@ -282,3 +282,71 @@ def test_long_steps_keep_the_configured_timeout_and_bad_durations_are_ignored() 
     assert det.collective_timeout_s("demo") == 5.0  # capped by timeout_s
     with pytest.raises(ValueError, match="step_multiple"):
         HangDetector(step_multiple=0)
+
+
+# -- silence is not a hang (issue 23) ---------------------------------------------------
+
+
+def test_a_quiet_nodes_last_reports_make_no_hang_against_the_healthy_node() -> None:
+    """Node b's agent died right after its ranks reported being in all_reduce #7; the
+    ranks of node a keep reporting, outside any collective. Their peers' old op is
+    not extrapolated past what node b's agent delivered, and once node b is quiet
+    for ``fresh_s`` its reports are no evidence at all."""
+    det = HangDetector(timeout_s=5.0, min_timeout_s=2.0, fresh_s=3.0)
+    det.set_world("demo", 4)
+    for _ in range(50):
+        det.observe_step_duration("demo", 0.02)  # short steps: the 2 s floor applies
+    for rank in (2, 3):
+        det.observe("demo", rank, NOW, [_op(7, 0.01)], node="b")
+    for t in (NOW + 1.0, NOW + 2.0, NOW + 2.5, NOW + 4.0, NOW + 10.0):
+        for rank in (0, 1):
+            det.observe("demo", rank, t, [], node="a")
+        assert det.evaluate(t, {"a": t, "b": NOW}) == [], t
+
+
+def test_a_genuine_hang_still_fires_with_fresh_reports_through_live_agents() -> None:
+    det = HangDetector(timeout_s=5.0, fresh_s=3.0)
+    det.set_world("demo", 4)
+    for t in (NOW, NOW + 1.0, NOW + 2.0):
+        for rank in (2, 3):
+            det.observe("demo", rank, t, [_op(7, 4.0 + (t - NOW))], node="b")
+        for rank in (0, 1):
+            det.observe("demo", rank, t, [], node="a")
+    found = det.evaluate(NOW + 2.5, {"a": NOW + 2.4, "b": NOW + 2.4})
+    assert sorted(f.labels["rank"] for f in found) == ["0", "1"]
+    assert {f.details["reason"] for f in found} == {"never_joined"}
+    # The age extrapolates up to what node b's agent vouches for, not beyond.
+    assert found[0].value == pytest.approx(6.0 + 0.4)
+
+
+def test_a_rank_on_a_quiet_node_is_not_named_but_a_silent_rank_under_a_live_agent_is() -> None:
+    det = HangDetector(timeout_s=5.0, fresh_s=3.0)
+    det.set_world("demo", 3)
+    det.observe("demo", 0, NOW, [_op(4, 8.0)], node="a")
+    det.observe("demo", 1, NOW - 6.0, [], node="b")  # its agent is gone
+    det.observe("demo", 2, NOW - 6.0, [], node="a")  # its agent is heard, it is not
+    (finding,) = det.evaluate(NOW, {"a": NOW, "b": NOW - 6.0})
+    assert (finding.labels["rank"], finding.details["reason"]) == ("2", "stopped_reporting")
+    # Node b back: rank 1's fresh report shows it elsewhere, so it is named too.
+    det.observe("demo", 1, NOW + 0.5, [], node="b")
+    found = _by_rank(det.evaluate(NOW + 0.5, {"a": NOW + 0.5, "b": NOW + 0.5}))
+    assert found["1"].details["reason"] == "never_joined"
+
+
+def test_fresh_s_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="fresh_s"):
+        HangDetector(fresh_s=0.0)
+
+
+def test_an_exited_rank_waits_in_nothing_and_is_named_as_exited() -> None:
+    det = HangDetector(timeout_s=5.0)
+    det.set_world("demo", 3)
+    det.observe("demo", 0, NOW, [_op(9, 8.0)], node="a")
+    det.observe("demo", 1, NOW, [_op(9, 8.0)], node="a")
+    det.observe("demo", 2, NOW - 1.0, [], node="b")
+    # The job ended: ranks 0 and 1 last reported from inside the collective.
+    assert det.evaluate(NOW, {"a": NOW, "b": NOW}, gone={("demo", 0), ("demo", 1)}) == []
+    # Rank 2's process is gone while its peers wait: that is the hang.
+    found = det.evaluate(NOW, {"a": NOW, "b": NOW}, gone={("demo", 2)})
+    assert [(f.labels["rank"], f.details["reason"]) for f in found] == [("2", "process_gone")]
+    assert "has exited" in found[0].summary

@@ -7,11 +7,15 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.integration import wire_factory as wf
+from torshmon.aggregator.core.alert import Alert
+from torshmon.aggregator.core.alert_engine import AlertEngine
+from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.live_metrics import LiveCollector
+from torshmon.aggregator.core.rule_file import default_rules
 from torshmon.aggregator.core.stored import Stored
 from torshmon.labels import MAX_LABEL_VALUES, OTHER
-from torshmon.wire import AppliedConfig, BucketStat, DdpStats, InflightOp, StepRecord
+from torshmon.wire import AppliedConfig, BucketStat, DdpStats, Hello, InflightOp, StepRecord
 
 
 def _stored(*, steps: bool) -> Stored:
@@ -309,3 +313,119 @@ def test_the_collective_histogram_is_job_level_unless_asked_per_rank(per_rank: b
         assert total == 6 * 4_000_000
         sum_s = registry.get_sample_value("torshmon_collective_duration_seconds_sum", collective)
         assert sum_s == pytest.approx(3 * 0.02 + 3 * 0.05)
+
+
+# -- silence is not a hang (issue 23) ---------------------------------------------------
+
+#: The nodes' clocks run 40 s behind the aggregator's: dating must not depend on sync.
+_SKEW_S = 40.0
+
+
+def _node_post(hellos: list[Hello], t: float, seq: int, inflight: list[InflightOp]) -> Stored:
+    """One agent POST at aggregator time ``t``: a short step and in-flight ops per rank,
+    stamped on the node's clock, 50 ms before they arrive."""
+    sent_ns = int((t - _SKEW_S - 0.05) * 1e9)
+    batches = [
+        (
+            msgspec.structs.replace(
+                wf.batch(h, seq, [wf.step(seq, duration_s=0.02, end_unix_ns=sent_ns)]),
+                sent_unix_ns=sent_ns,
+                inflight=inflight,
+            ),
+            "node-b" if h.rank >= 2 else "node-a",
+        )
+        for h in hellos
+    ]
+    return Stored(acked_seq=seq, hellos=hellos if seq == 1 else [], batches=batches)
+
+
+def _op(seq: int, age_s: float) -> InflightOp:
+    return InflightOp(
+        pg="default", seq=seq, op="ddp_reduce", size_bytes=1, start_unix_ns=0, age_s=age_s
+    )
+
+
+def test_a_dead_agents_last_in_flight_reports_raise_agent_down_not_a_hang() -> None:
+    """The issue's scenario: node b's agent is killed right after its ranks reported
+    being in ddp_reduce #N; node a's ranks go on training. No hang, at any time; Agent
+    Down on node b fires and resolves when the agent is back; a replay of its spool
+    (old in-flight reports) names nobody either."""
+    live = LiveState()
+    engine = AlertEngine(default_rules())
+    on_a = [wf.hello("j", r, 4) for r in (0, 1)]
+    on_b = [wf.hello("j", r, 4) for r in (2, 3)]
+    t, seq = 1000.0, 1
+    for _ in range(5):
+        live.observe(_node_post(on_a, t, seq, []), t, "node-a")
+        live.observe(_node_post(on_b, t, seq, []), t, "node-b")
+        t, seq = t + 0.5, seq + 1
+    live.observe(_node_post(on_b, t, seq, [_op(300, 0.01)]), t, "node-b")  # then killed
+    killed = t
+    agent_down: list[Alert] = []
+    while t < killed + 12.0:
+        t, seq = t + 0.5, seq + 1
+        live.observe(_node_post(on_a, t, seq, []), t, "node-a")
+        findings = live.findings(t)
+        assert [f for f in findings if f.kind == "hang"] == [], t
+        agent_down += [
+            a for a in engine.evaluate(t, live.series, findings) if a.rule == "Agent Down"
+        ]
+    assert [(a.state, a.labels["node"]) for a in agent_down] == [("firing", "node-b")]
+    assert "node node-b" in agent_down[0].annotations["summary"]
+    # The agent is back and replays its spool first: reports from before it died.
+    old = _node_post(on_b, killed + 0.5, seq, [_op(301, 0.01)])
+    fresh = _node_post(on_b, t, seq + 1, [])
+    live.observe(Stored(acked_seq=seq + 1, batches=old.batches + fresh.batches), t, "node-b")
+    findings = live.findings(t + 0.5)
+    assert [f for f in findings if f.kind == "hang"] == []
+    resolved = [
+        a for a in engine.evaluate(t + 0.5, live.series, findings) if a.rule == "Agent Down"
+    ]
+    assert [(a.state, a.labels["node"]) for a in resolved] == [("resolved", "node-b")]
+
+
+def test_a_genuine_hang_across_nodes_is_still_named() -> None:
+    """Node b's ranks wait in ddp_reduce #300 while node a's never join: with both
+    agents heard every half second, the hang names ranks 0 and 1."""
+    live = LiveState()
+    on_a = [wf.hello("j", r, 4) for r in (0, 1)]
+    on_b = [wf.hello("j", r, 4) for r in (2, 3)]
+    t, seq = 1000.0, 1
+    for _ in range(5):
+        live.observe(_node_post(on_a, t, seq, []), t, "node-a")
+        live.observe(_node_post(on_b, t, seq, []), t, "node-b")
+        t, seq = t + 0.5, seq + 1
+    stuck_at = t
+    hangs: list[Finding] = []
+    while not hangs and t < stuck_at + 10.0:
+        live.observe(_node_post(on_a, t, seq, []), t, "node-a")
+        live.observe(_node_post(on_b, t, seq, [_op(300, t - stuck_at)]), t, "node-b")
+        hangs = [f for f in live.findings(t) if f.kind == "hang"]
+        t, seq = t + 0.5, seq + 1
+    assert sorted(f.labels["rank"] for f in hangs) == ["0", "1"]
+    assert {f.details["reason"] for f in hangs} == {"never_joined"}
+
+
+def test_the_last_reports_of_a_job_whose_processes_ended_make_no_hang() -> None:
+    """When a job ends its ranks' final reports are frozen, one of them perhaps inside
+    the last collective; the node's agent stops listing their processes, and that ends
+    their waiting."""
+    live = LiveState()
+    ranks = [wf.hello("j", r, 2) for r in (0, 1)]
+    t = 1000.0
+    running = msgspec.structs.replace(
+        wf.node_sample("j", 2), ts_unix_ns=int((t - _SKEW_S - 0.05) * 1e9)
+    )
+    assert {p.rank for p in running.ranks} == {0, 1}
+    post = _node_post(ranks, t, 1, [])
+    live.observe(
+        Stored(acked_seq=1, hellos=ranks, batches=post.batches, node_samples=[running]), t, "node-a"
+    )
+    last = _node_post(ranks[:1], t + 0.5, 2, [_op(40, 0.01)])  # rank 0 ends "inside" #40
+    live.observe(last, t + 0.5, "node-a")
+    ended = msgspec.structs.replace(running, ranks=[])
+    for i in range(10):
+        now = t + 1.0 + 0.5 * i
+        sample = msgspec.structs.replace(ended, ts_unix_ns=int((now - _SKEW_S) * 1e9))
+        live.observe(Stored(acked_seq=3 + i, node_samples=[sample]), now, "node-a")
+        assert [f for f in live.findings(now) if f.kind == "hang"] == [], now

@@ -50,7 +50,16 @@ def test_default_rules_encode_the_design_table() -> None:
         "Non-finite Loss",
         "Memory Leak",
         "Slow Link",
+        "Agent Down",
     ]
+    agent = by_name["Agent Down"]
+    assert (agent.kind, agent.metric, agent.op, agent.threshold, agent.severity) == (
+        "threshold",
+        "agent_silence_seconds",
+        ">",
+        5.0,
+        "high",
+    )
     gpu = by_name["Low GPU Utilization"]
     assert (gpu.kind, gpu.metric, gpu.op, gpu.threshold, gpu.for_s, gpu.severity) == (
         "threshold",
@@ -375,6 +384,7 @@ def test_known_metrics_cover_what_the_aggregator_feeds() -> None:
         "io_wait_time_ratio",
         "gpu_utilization_ratio",
         "rank_memory_rss_bytes",
+        "agent_silence_seconds",
     } == KNOWN_METRICS
 
 

@@ -361,7 +361,7 @@ class Aggregator:
         self.m_records.inc(stored.records)
         self.m_duplicates.inc(stored.duplicates)
         self.m_samples.inc(stored.samples)
-        self._observe(stored)
+        self._observe(stored, batch.node)
         if self.live.take_fresh() and self.settings.eval_on_finding:
             self._eval_wanted.set()
         reply = IngestReply(v=SCHEMA_VERSION, acked_seq=stored.acked_seq, commands=stored.commands)
@@ -378,10 +378,10 @@ class Aggregator:
         jobs = [job for job, a in self.rank0_agent.items() if a == agent]
         return self.commands.reserve(jobs) if jobs else []
 
-    def _observe(self, stored: Stored) -> None:
+    def _observe(self, stored: Stored, agent_node: str) -> None:
         """Feed the live state; a bug there must never fail an ingest already stored."""
         try:
-            self.live.observe(stored, self.clock())
+            self.live.observe(stored, self.clock(), agent_node)
             self.tracer.record_steps(stored)
         except Exception:
             log.exception("live state update failed; the data is stored")

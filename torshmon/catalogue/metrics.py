@@ -349,6 +349,13 @@ LABEL_VALUES_FOLDED_TOTAL: Final = _counter(
 
 # -- detectors and alerts -------------------------------------------------------------------
 
+AGENT_SILENCE_SECONDS: Final = _gauge(
+    "agent_silence_seconds",
+    "Seconds since the node's agent last reached the aggregator (it sends at least once "
+    "a second), as of the last rule evaluation; behind the Agent Down alert",
+    _NODE,
+)
+
 ANOMALY_ACTIVE: Final = _gauge(
     "anomaly_active",
     "1 while a rolling z-score anomaly is active on the series",

@@ -31,15 +31,28 @@ reports come every second at best).
 
 Ages: an op's age at evaluation is its reported ``age_s`` plus the time since the
 report, so ``ts_unix_s`` given to ``observe`` must be on the clock of ``now_unix_s``
-(the aggregator's receive time is best). Only ranks that reported within
-``timeout_s`` count as waiting: a silent rank's old report is no evidence.
+(when the report was current, on the aggregator's clock: ``core.agents`` dates it).
+Only ranks that reported within ``timeout_s`` count as waiting: a silent rank's old
+report is no evidence.
+
+Silence is not a hang. A report travels through its node's agent, so it is evidence
+only as far as that channel vouches for: ``evaluate`` takes each node's horizon (the
+newest time its agent's data is current for) and extrapolates an op's age no further
+than it. A node whose horizon is more than ``fresh_s`` old has gone quiet (its agent
+is down or cut off, or replays an old spool): its ranks neither count as waiting nor
+are named, whatever their last reports said; the Agent Down alert tells of it
+instead. A rank named as missing has a fresh report showing it elsewhere, or is
+silent while its node's agent is heard (its process stopped reporting), or has exited
+(its agent listed its process, and lists it no more), or has never reported at all. An
+exited rank waits in nothing: a job's last reports, frozen when its processes end, are
+no hang.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Final, Protocol
 
@@ -105,6 +118,7 @@ class _Report:
 
     ts_unix_s: float
     ops: tuple[_Op, ...]
+    node: str | None = None
 
 
 @dataclass(slots=True)
@@ -138,6 +152,14 @@ class HangSettings(Section, frozen=True):
     step_multiple: Annotated[
         float, setting("a job's timeout is at most this many typical step durations", gt=0)
     ] = 20.0
+    fresh_s: Annotated[
+        float,
+        setting(
+            "seconds a node's agent may send nothing new before its ranks' reports stop "
+            "counting as evidence of a hang (an agent sends at least once a second)",
+            gt=0,
+        ),
+    ] = 3.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -153,20 +175,31 @@ class HangDetector:
     """
 
     def __init__(
-        self, *, timeout_s: float = 5.0, min_timeout_s: float = 2.0, step_multiple: float = 20.0
+        self,
+        *,
+        timeout_s: float = 5.0,
+        min_timeout_s: float = 2.0,
+        step_multiple: float = 20.0,
+        fresh_s: float = 3.0,
     ) -> None:
         """Raises ValueError naming a setting that is not a positive number."""
         for name, value in (
             ("timeout_s", timeout_s),
             ("min_timeout_s", min_timeout_s),
             ("step_multiple", step_multiple),
+            ("fresh_s", fresh_s),
         ):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number, got {value}")
         self._timeout_s = timeout_s
         self._min_timeout_s = min(min_timeout_s, timeout_s)
         self._step_multiple = step_multiple
+        self._fresh_s = fresh_s
         self._jobs: dict[str, _Job] = {}
+        # Per node, the newest time its agent's data is current for, and the (job, rank)
+        # whose process its agent saw end (``evaluate``).
+        self._horizons: Mapping[str, float] = {}
+        self._gone: Collection[tuple[str, int]] = frozenset()
 
     def set_world(self, job: str, world_size: int) -> None:
         """Declare the job's world size (from its hello); ValueError if below 1.
@@ -183,9 +216,15 @@ class HangDetector:
             members.difference_update([r for r in members if r >= world_size])
 
     def observe(
-        self, job: str, rank: int, ts_unix_s: float, inflight: Sequence[InflightLike]
+        self,
+        job: str,
+        rank: int,
+        ts_unix_s: float,
+        inflight: Sequence[InflightLike],
+        node: str | None = None,
     ) -> None:
-        """Record a rank's latest in-flight report (an empty list: in no collective).
+        """Record a rank's latest in-flight report (an empty list: in no collective),
+        current at ``ts_unix_s``, delivered by the agent of ``node`` (None: unknown).
 
         A report older than the one held for the rank is ignored. Raises ValueError if
         ``rank`` is negative or outside a declared world size.
@@ -199,9 +238,9 @@ class HangDetector:
             return
         ops = tuple(_Op(o.pg, o.seq, o.op, o.age_s, o.peer) for o in inflight) if inflight else ()
         if held is None:
-            state.reports[rank] = _Report(ts_unix_s, ops)
+            state.reports[rank] = _Report(ts_unix_s, ops, node)
         else:
-            held.ts_unix_s, held.ops = ts_unix_s, ops
+            held.ts_unix_s, held.ops, held.node = ts_unix_s, ops, node
         for op in ops:
             if op.peer is None and op.pg != DEFAULT_PG:
                 state.members.setdefault(op.pg, set()).add(rank)
@@ -226,8 +265,20 @@ class HangDetector:
         scaled = self._step_multiple * state.step_s
         return min(self._timeout_s, max(self._min_timeout_s, scaled))
 
-    def evaluate(self, now_unix_s: float) -> list[Finding]:
-        """Every hang at ``now_unix_s`` (Unix seconds), ordered by job and ``Finding.key()``."""
+    def evaluate(
+        self,
+        now_unix_s: float,
+        horizons: Mapping[str, float] | None = None,
+        gone: Collection[tuple[str, int]] = frozenset(),
+    ) -> list[Finding]:
+        """Every hang at ``now_unix_s`` (Unix seconds), ordered by job and ``Finding.key()``.
+
+        ``horizons``: per node, the newest time its agent's data is current for
+        (``Agents.horizon``); reports from nodes not in it are taken as current.
+        ``gone``: (job, rank) whose process its agent saw end: such a rank waits in no
+        collective, whatever its last report said, and is named only as exited."""
+        self._horizons = horizons if horizons is not None else {}
+        self._gone = gone
         findings: list[Finding] = []
         for job in sorted(self._jobs):
             findings.extend(self._evaluate_job(job, self._jobs[job], now_unix_s))
@@ -243,18 +294,33 @@ class HangDetector:
             state = self._jobs[job] = _Job()
         return state
 
+    def _reach(self, report: _Report, now: float) -> float:
+        """How far the report's channel vouches for it: its node's horizon, or ``now``."""
+        if report.node is None:
+            return now
+        return min(now, self._horizons.get(report.node, now))
+
+    def _quiet(self, report: _Report, now: float) -> bool:
+        """Whether the report's node has sent nothing new for more than ``fresh_s``."""
+        return now - self._reach(report, now) > self._fresh_s
+
     def _evaluate_job(self, job: str, state: _Job, now: float) -> list[Finding]:
         timeout = self._timeout_s
         # Only reports with an op in flight give entries (usually few of a large job's).
         fresh = [
             (r, rep)
             for r, rep in state.reports.items()
-            if rep.ops and now - rep.ts_unix_s <= timeout
+            if rep.ops
+            and now - rep.ts_unix_s <= timeout
+            and not self._quiet(rep, now)
+            and (job, r) not in self._gone
         ]
         groups: dict[str, dict[int, _Entry]] = {}
         pairs: dict[tuple[str, int, int], _Entry] = {}
         for rank, report in fresh:
-            since_report = max(0.0, now - report.ts_unix_s)
+            # Silence after the report is not time spent in the op, unless the node's
+            # agent has delivered newer data without a newer report of this rank.
+            since_report = max(0.0, self._reach(report, now) - report.ts_unix_s)
             for op in report.ops:
                 entry = _Entry(rank, op.seq, op.op, op.age_s + since_report)
                 if op.peer is None:
@@ -309,8 +375,9 @@ class HangDetector:
             return
         for rank in missing:
             own = entries.get(rank)
-            finding = self._missing(job, state, now, rank, pg, op, seq, waiting, age, own)
-            self._add(found, state, finding, now - age + timeout)
+            named = self._missing(job, state, now, rank, pg, op, seq, waiting, age, own)
+            if named is not None:
+                self._add(found, state, named, now - age + timeout)
 
     def _check_pairs(
         self,
@@ -332,10 +399,11 @@ class HangDetector:
                     finding = self._all_stuck(job, pg, entry.op, entry.seq, [rank, peer], age)
                     self._add(found, state, finding, now - youngest + timeout)
                 continue
-            finding = self._missing(
+            named = self._missing(
                 job, state, now, peer, pg, entry.op, entry.seq, [rank], entry.age_s, partner
             )
-            self._add(found, state, finding, now - entry.age_s + timeout)
+            if named is not None:
+                self._add(found, state, named, now - entry.age_s + timeout)
 
     def _add(
         self,
@@ -367,12 +435,19 @@ class HangDetector:
         waiting: list[int],
         age_s: float,
         own: _Entry | None,
-    ) -> Finding:
+    ) -> Finding | None:
+        """The finding naming ``rank``; None when its node went quiet (no evidence)."""
+        report = state.reports.get(rank)
+        if report is not None and self._quiet(report, now):
+            return None
         who = _ranks(waiting)
         joined = f"{op} #{seq} on pg {pg} that {who} entered {age_s:.1f} s ago"
         details: dict[str, object] = {"waiting_ranks": waiting, "seq": seq, "age_s": age_s}
-        report = state.reports.get(rank)
-        if report is None:
+        if (job, rank) in self._gone:
+            reason = "process_gone"
+            summary = f"rank {rank} of job {job} has exited and never joined {joined}"
+            advice = _SILENT_ADVICE
+        elif report is None:
             reason = "no_report"
             summary = f"rank {rank} of job {job} has not reported and never joined {joined}"
             advice = _SILENT_ADVICE

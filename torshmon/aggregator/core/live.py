@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import msgspec
 
+from torshmon.aggregator.core.agents import Agents
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.bottleneck import JobSnapshot, bottleneck_report
 from torshmon.aggregator.core.findings import Finding
@@ -109,6 +110,13 @@ class LiveState:
         self.jobs: dict[str, JobState] = {}
         self.nodes: dict[str, NodeSample] = {}
         self._node_seen: dict[str, float] = {}
+        self.agents = Agents()
+        # Per node, the (job, rank) its agent has listed as running, ever and in its
+        # latest sample: one listed before and no longer has ended.
+        self._listed: dict[str, set[tuple[str, int]]] = {}
+        self._running: dict[str, set[tuple[str, int]]] = {}
+        # Seconds since each node's agent last POSTed, as of the last ``findings()``.
+        self._silence: dict[str, float] = {}
         z = msgspec.structs.asdict(zscore if zscore is not None else ZScoreSettings())
         self.step_z = ZScoreDetector(metric="step_duration_seconds", direction="up", **z)
         self.loss_z = ZScoreDetector(metric="loss", direction="up", **z)
@@ -133,9 +141,11 @@ class LiveState:
         self._lock = threading.Lock()
 
     # -- feeding -------------------------------------------------------------------------
-    def observe(self, stored: Stored, now_unix_s: float) -> None:
-        """Take in what one ingest stored."""
+    def observe(self, stored: Stored, now_unix_s: float, agent_node: str | None = None) -> None:
+        """Take in what one ingest stored, POSTed by the agent of ``agent_node`` (None:
+        the nodes the data names)."""
         with self._lock:
+            self._contact(stored, now_unix_s, agent_node)
             for hello in stored.hellos:
                 job = self._job(hello.job)
                 if job.world_size != hello.world_size:
@@ -147,6 +157,17 @@ class LiveState:
             for sample in stored.node_samples:
                 self._observe_node(sample)
                 self._node_seen[sample.node] = now_unix_s
+
+    def _contact(self, stored: Stored, now_unix_s: float, agent_node: str | None) -> None:
+        """Date what the POST carries: every node's stamps, before any batch is read,
+        so the freshest record of a replayed spool calibrates the older ones."""
+        stamps: dict[str, list[float]] = {} if agent_node is None else {agent_node: []}
+        for batch, node in stored.batches:
+            stamps.setdefault(node, []).append(batch.sent_unix_ns / 1e9)
+        for sample in stored.node_samples:
+            stamps.setdefault(sample.node, []).append(sample.ts_unix_ns / 1e9)
+        for node, times in stamps.items():
+            self.agents.contact(node, now_unix_s, times)
 
     def restore_job(self, name: str, world_size: int, last_seen_unix_s: float) -> None:
         """A job this aggregator served before it restarted. Its probes said hello once,
@@ -193,8 +214,10 @@ class LiveState:
             if batch.urgent:
                 r.urgent_steps_total += len(batch.steps)
         if job.world_size is None or batch.rank < job.world_size:
-            # The receive time, not the probe's clock: ages are judged against ``now``.
-            self.hang.observe(batch.job, batch.rank, now_unix_s, batch.inflight)
+            # When the report was current, on the aggregator's clock: a batch replayed
+            # from a spool is old news, not "now".
+            ts = self.agents.dated(node, batch.sent_unix_ns / 1e9, now_unix_s)
+            self.hang.observe(batch.job, batch.rank, ts, batch.inflight, node)
         for result in batch.link_checks:
             self.links.observe_result(result, now_unix_s)
             self._fresh = True
@@ -358,6 +381,9 @@ class LiveState:
 
     def _observe_node(self, sample: NodeSample) -> None:
         self.nodes[sample.node] = sample
+        running = {(proc.job, proc.rank) for proc in sample.ranks}
+        self._listed.setdefault(sample.node, set()).update(running)
+        self._running[sample.node] = running
         ts = sample.ts_unix_ns / 1e9
         node = (("node", sample.node),)
         add = self.series.add
@@ -403,7 +429,15 @@ class LiveState:
             current = {f.key() for f in out}
             out.extend(f for key, f in self._latched.items() if key not in current)
             self._latched.clear()
-            self._hangs = self.hang.evaluate(now_unix_s)
+            self._silence = self.agents.silence_s(now_unix_s)
+            for node, silence_s in self._silence.items():
+                self.series.add("agent_silence_seconds", (("node", node),), now_unix_s, silence_s)
+            gone = {
+                pair
+                for node, listed in self._listed.items()
+                for pair in listed - self._running.get(node, set())
+            }
+            self._hangs = self.hang.evaluate(now_unix_s, self.agents.horizons(), gone)
             out.extend(self._hangs)
             self.links.evaluate(now_unix_s)
             out.extend(self.links.active())
@@ -481,6 +515,11 @@ class LiveState:
             for node in [n for n, seen in self._node_seen.items() if seen < cutoff]:
                 del self._node_seen[node]
                 self.nodes.pop(node, None)
+                self.series.forget({"node": node})
+            for node in self.agents.forget_idle(cutoff):
+                self._silence.pop(node, None)
+                self._listed.pop(node, None)
+                self._running.pop(node, None)
                 self.series.forget({"node": node})
             self.series.expire(now_unix_s)
 
@@ -560,6 +599,7 @@ class LiveState:
                     )
                     for name, job in self.jobs.items()
                 },
+                "agent_silence": dict(self._silence),
                 "anomalies": self.step_z.active() + self.loss_z.active(),
                 "stragglers": self.straggler.active(),
                 "hangs": list(self._hangs),

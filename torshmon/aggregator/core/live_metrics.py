@@ -103,6 +103,10 @@ class LiveCollector:
         for job, label, count in snap["labels_folded"]:
             folded.add_metric([job, label], float(count))
         yield folded
+        silence = catalogue.AGENT_SILENCE_SECONDS.gauge()
+        for node, seconds in sorted(snap["agent_silence"].items()):
+            silence.add_metric([node], seconds)
+        yield silence
         yield from self._detector_families(snap)
 
     def _rank_families(self, jobs: dict[str, _Job]) -> Iterator[Metric]:

@@ -52,6 +52,7 @@ METRIC_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
     "io_wait_time_ratio": ("node",),
     "gpu_utilization_ratio": ("node", "gpu"),
     "rank_memory_rss_bytes": ("job", "rank", "node"),
+    "agent_silence_seconds": ("node",),
 }
 KNOWN_METRICS: Final = frozenset(METRIC_LABELS)
 #: Labels the detectors put on their findings (``rank`` is missing where a whole
