@@ -153,8 +153,11 @@ def _train(rank: int, world: int, sock: str, job: str, steps: int, pause_s: floa
     return times
 
 
-def _train_until(rank: int, world: int, sock: str, job: str, stop_file: str) -> int:
-    """``_train`` until ``stop_file`` appears; every rank stops at the same step."""
+def _train_until(
+    rank: int, world: int, sock: str, job: str, stop_file: str, close_s: float = 10.0
+) -> int:
+    """``_train`` until ``stop_file`` appears; every rank stops at the same step and
+    closes its probe with ``close_s`` to flush."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -178,7 +181,7 @@ def _train_until(rank: int, world: int, sock: str, job: str, stop_file: str) -> 
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item():
                 break
-    monitor.close(timeout_s=10)
+    monitor.close(timeout_s=close_s)
     return step
 
 
@@ -189,6 +192,20 @@ def _wait_for(condition: Any, timeout_s: float, what: str) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def _every_step_by_seq(stub: IngestStub, job: str, ranks: int, steps: int) -> bool:
+    """Whether every step 1..``steps`` of each rank of ``job`` arrived, once per
+    (session, seq): a batch the dead agent had stored but not acknowledged comes again
+    from the probe under the same (session, seq), which the aggregator deduplicates."""
+    seen: dict[tuple[str, int], Batch] = {}
+    for batch in stub.batches():
+        if batch.job == job:
+            seen[(batch.session, batch.seq)] = batch
+    got: dict[int, list[int]] = {}
+    for batch in seen.values():
+        got.setdefault(batch.rank, []).extend(s.step for s in batch.steps)
+    return all(sorted(got.get(r, [])) == list(range(1, steps + 1)) for r in range(ranks))
 
 
 def _exactly_once(stub: IngestStub, job: str, ranks: int, steps: int) -> bool:
@@ -235,21 +252,40 @@ def test_agent_killed_and_restarted_keeps_training_going_and_the_spool_intact(
             agent.start()
             times = job.result()
 
-        # every step reached the aggregator; a batch the dead agent had stored but
-        # not acknowledged comes again from the probe, under the same (session, seq)
-        def complete() -> bool:
-            seen: dict[tuple[str, int], Batch] = {}
-            for batch in stub.batches():
-                seen[(batch.session, batch.seq)] = batch
-            got: dict[int, list[int]] = {}
-            for _, batch in sorted(seen.items(), key=lambda item: (item[1].rank, item[0][1])):
-                got.setdefault(batch.rank, []).extend(s.step for s in batch.steps)
-            return all(sorted(got.get(r, [])) == list(range(1, steps + 1)) for r in range(2))
-
-        _wait_for(complete, 60, "every step after the restart")
+        _wait_for(
+            lambda: _every_step_by_seq(stub, "kill", 2, steps), 60, "every step after the restart"
+        )
         for rank_times in times:
             # the probe never waits on the agent: no step stalls while it is down
             assert max(rank_times) < 1.0, max(rank_times)
+    finally:
+        agent.stop()
+
+
+def test_a_job_ending_right_after_an_agent_restart_loses_nothing(
+    tmp_path: Path, stub: IngestStub
+) -> None:
+    """Steps taken during a 6 s agent outage (~60 flushes at 0.1 s) all arrive although
+    the job stops as soon as the agent is back and closes with the probe's default 5 s
+    flush: the outage's steps wait in a few full batches, not one per flush."""
+    agent = AgentProcess(tmp_path, stub.url, "secret").start()
+    stop_file = tmp_path / "stop"
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            job = pool.submit(
+                run_ranks, _train_until, 2, str(agent.socket), "brief", str(stop_file), 5.0,
+                timeout_s=TIMEOUT_S,
+            )  # fmt: skip
+            try:
+                _wait_for(lambda: stub.steps("brief"), 30, "the first records")
+                agent.kill()
+                time.sleep(6.0)  # the outage: training goes on without an agent
+                agent.start()
+            finally:
+                stop_file.touch()
+                [last, *others] = job.result()
+        assert set(others) <= {last}
+        _wait_for(lambda: _every_step_by_seq(stub, "brief", 2, last), 30, "every step")
     finally:
         agent.stop()
 

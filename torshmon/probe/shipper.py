@@ -30,6 +30,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+import msgspec
+
 from torshmon.backoff import backoff_s
 from torshmon.probe.events import RawStep
 from torshmon.probe.fastlane import FastLane
@@ -141,6 +143,11 @@ class Shipper:
 
     Protocol: ``hello`` on every new connection, then each batch is sent and
     answered by an ``ack``; unacknowledged batches are resent after a reconnect.
+    While no agent is there, new steps join the newest batch that was never sent (up
+    to ``max_steps_per_batch``), so an outage leaves a few full batches to resend, not
+    one per flush: the backlog drains in a few round trips once the agent is back,
+    within a job's closing flush. A batch once written to a socket is never changed:
+    the agent may have stored it under its seq.
     An agent served by a uid outside ``trusted_uids`` (default: trusted_agent_uids())
     is treated as no agent.
     ``start()`` once, ``close()`` any number of times.
@@ -184,6 +191,7 @@ class Shipper:
         self.link_checks: Outbox[LinkCheckResult] = Outbox(64)
         self._seq = itertools.count(1)
         self._unacked: deque[Batch] = deque()
+        self._sent_seq = 0  # the newest seq ever written to a socket
         self._buffered_steps = 0
         self._dropped_here = 0
         self._sock: socket.socket | None = None
@@ -265,6 +273,25 @@ class Shipper:
             self._dropped_here += excess
             steps = steps[excess:]
         self._last_batch = time.monotonic()
+        last = self._unacked[-1] if self._unacked else None
+        if (
+            last is not None
+            and last.seq > self._sent_seq
+            and len(last.steps) + len(steps) <= self._max_steps_per_batch
+        ):
+            # Never sent: it may still grow. The newest in-flight ops and send time.
+            self._unacked[-1] = msgspec.structs.replace(
+                last,
+                sent_unix_ns=time.time_ns(),
+                dropped_records_total=self.dropped_records_total,
+                steps=[*last.steps, *steps],
+                inflight=self._inflight.oldest(),
+                command_acks=[*last.command_acks, *self.command_acks.drain()],
+                link_checks=[*last.link_checks, *self.link_checks.drain()],
+                urgent=last.urgent or urgent,
+            )
+            self._buffered_steps += len(steps)
+            return
         batch = Batch(
             v=SCHEMA_VERSION,
             session=self._hello.session,
@@ -311,6 +338,8 @@ class Shipper:
         try:
             while self._unacked:
                 batch = self._unacked[0]
+                # Frozen from the first try: the agent may store what it got of it.
+                self._sent_seq = max(self._sent_seq, batch.seq)
                 sock.sendall(encode_frame(batch))
                 ack = decode_ack(_recv_frame(sock))
                 if ack.commands and self._on_commands is not None:
