@@ -69,9 +69,9 @@ def test_a_short_demo(venv: Path, tmp_path: Path) -> None:
         timeout=240,
     )  # fmt: skip
     assert demo.returncode == 0, demo.stderr
-    assert "history: torshmon.db" in demo.stdout
+    assert f"history: sqlite:///{tmp_path / 'torshmon.db'}" in demo.stdout
     query = run(
-        venv, tmp_path, "torshmon", "query", "--db", f"sqlite:///{tmp_path / 'torshmon.db'}",
+        venv, tmp_path, "torshmon", "query", "--db", "torshmon.db",
         "--format", "json", "SELECT rank, count(*) AS n FROM steps GROUP BY rank ORDER BY rank",
     )  # fmt: skip
     assert query.returncode == 0, query.stderr
