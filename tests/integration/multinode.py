@@ -358,9 +358,17 @@ class Cluster:
         return True
 
 
-def train_until_stopped(rank: int, world: int, stop_file: str, sleep_s: float = 0.01) -> int:
-    """DDP over a small MLP with the probe attached (job, socket and node from the
-    environment) until ``stop_file`` appears; every rank stops at the same step, returned."""
+def train_until_stopped(
+    rank: int,
+    world: int,
+    stop_file: str,
+    sleep_s: float = 0.01,
+    job: str | None = None,
+    agent_socket: str | None = None,
+) -> int:
+    """DDP over a small MLP with the probe attached until ``stop_file`` appears; every
+    rank stops at the same step, returned. ``job`` and ``agent_socket`` default to the
+    environment's (as the node comes from it)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -373,7 +381,8 @@ def train_until_stopped(rank: int, world: int, stop_file: str, sleep_s: float = 
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
-    monitor = torshmon.attach(model, flush_interval_s=0.1, sync_every=5)
+    sockets = {} if agent_socket is None else {"agent_socket": agent_socket}
+    monitor = torshmon.attach(model, job=job, flush_interval_s=0.1, sync_every=5, **sockets)
     step = 0
     try:
         while True:

@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.ingest_stub import IngestStub
+from tests.integration.multinode import train_until_stopped
 from torshmon.agent.daemon import Agent, AgentSettings
 from torshmon.catalogue import metrics as catalogue
 from torshmon.launch import free_port, run_ranks
@@ -153,38 +154,6 @@ def _train(rank: int, world: int, sock: str, job: str, steps: int, pause_s: floa
     return times
 
 
-def _train_until(
-    rank: int, world: int, sock: str, job: str, stop_file: str, close_s: float = 10.0
-) -> int:
-    """``_train`` until ``stop_file`` appears; every rank stops at the same step and
-    closes its probe with ``close_s`` to flush."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    import torshmon
-    from tests.integration.test_probe import _model
-
-    ddp = DistributedDataParallel(_model())
-    monitor = torshmon.attach(ddp, job=job, agent_socket=sock, flush_interval_s=0.1)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    step = 0
-    while True:
-        with monitor.step(batch_size=4):
-            optimizer.zero_grad()
-            ddp(torch.randn(4, 32)).sum().backward()
-            optimizer.step()
-        step += 1
-        time.sleep(0.01)
-        if step % 10 == 0:
-            flag = torch.tensor([1.0 if os.path.exists(stop_file) else 0.0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item():
-                break
-    monitor.close(timeout_s=close_s)
-    return step
-
-
 def _wait_for(condition: Any, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -273,7 +242,7 @@ def test_a_job_ending_right_after_an_agent_restart_loses_nothing(
     try:
         with ThreadPoolExecutor(1) as pool:
             job = pool.submit(
-                run_ranks, _train_until, 2, str(agent.socket), "brief", str(stop_file), 5.0,
+                run_ranks, train_until_stopped, 2, str(stop_file), 0.01, "brief", str(agent.socket),
                 timeout_s=TIMEOUT_S,
             )  # fmt: skip
             try:
@@ -362,8 +331,8 @@ def test_metrics_are_valid_exposition_with_node_and_rank_series(
     try:
         with ThreadPoolExecutor(1) as pool:
             job = pool.submit(
-                run_ranks, _train_until, 2, str(agent.socket), "metrics", str(stop_file),
-                timeout_s=TIMEOUT_S,
+                run_ranks, train_until_stopped, 2, str(stop_file), 0.01, "metrics",
+                str(agent.socket), timeout_s=TIMEOUT_S,
             )  # fmt: skip
             try:
                 # The ranks' process facts are there while the ranks run.

@@ -8,7 +8,6 @@ Needs root and iproute2 (``linkshape.available``), like ``test_linkshape.py``.
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import statistics
 import time
@@ -19,6 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy import create_engine, text
 
+from tests.integration.multinode import train_until_stopped
 from torshmon.aggregator.service import Aggregator
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.linkshape import LinkShaper, available, parse_rate
@@ -40,40 +40,7 @@ def shaping() -> None:
 
 def _train(rank: int, world: int, socket_path: str, stop_file: str) -> int:
     """DDP over a small MLP until ``stop_file`` appears; every rank stops at one step."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    import torshmon
-
-    torch.manual_seed(0)
-    model = DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
-    )
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    generator = torch.Generator().manual_seed(rank)
-    monitor = torshmon.attach(
-        model, job=JOB, agent_socket=socket_path, flush_interval_s=0.1, sync_every=5
-    )
-    step = 0
-    try:
-        while True:
-            x = torch.randn(32, 256, generator=generator)
-            with monitor.step(batch_size=32) as scope:
-                loss = model(x).square().mean()
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                scope.loss = loss
-            step += 1
-            time.sleep(0.01)  # leave CPU to the agent and aggregator on a small machine
-            if step % 10 == 0:
-                flag = torch.tensor([1.0 if os.path.exists(stop_file) else 0.0])
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                if flag.item() > 0:
-                    return step
-    finally:
-        monitor.close()
+    return train_until_stopped(rank, world, stop_file, 0.01, JOB, socket_path)
 
 
 async def _until(condition: Any, what: str, timeout_s: float = TIMEOUT_S) -> float:
