@@ -108,7 +108,10 @@ def test_a_slow_node_link_is_named_by_node(
     with Cluster(tmp_path, nodes=nodes, ranks_per_node=2) as cluster:
         job = cluster.start_job(train_until_stopped, str(cluster.stop_file))
         try:
-            healthy = cluster.wait(lambda: _link_reading(cluster), "the reference check", 90)
+            cluster.wait(lambda: _link_reading(cluster), "the reference check", 90)
+            # On 2 shared cores an unshaped reference reading can name a suspect node; only
+            # a confirming check may turn it into an alert, and none may fire before shaping.
+            assert _slow_link_alerts(cluster) == []
             cluster.shape(1, SLOW_RATE)
             [alert] = cluster.wait(lambda: _slow_link_alerts(cluster), "the Slow Link alert", 90)
             slow = _link_reading(cluster)
@@ -116,7 +119,6 @@ def test_a_slow_node_link_is_named_by_node(
         finally:
             steps = cluster.stop_job(job)
     assert len(set(steps)) == 1
-    assert healthy["nodes"]["slow_nodes"] == []
     assert alert["labels"]["node"] == named
     assert f"of job {cluster.job}" in alert["annotations"]["summary"]
     assert slow is not None
