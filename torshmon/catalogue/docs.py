@@ -5,7 +5,7 @@ Regenerate after changing a metric: ``python -m torshmon.catalogue.docs docs/met
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 from torshmon.catalogue.metrics import METRICS, MetricSpec
@@ -63,8 +63,12 @@ def render_metrics_markdown() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the rendering to the path given (default docs/metrics.md); exit status."""
-    args = sys.argv[1:] if argv is None else argv
-    path = Path(args[0] if args else "docs/metrics.md")
+    parser = argparse.ArgumentParser(
+        prog="python -m torshmon.catalogue.docs",
+        description="Write the metrics catalogue as a Markdown page.",
+    )
+    parser.add_argument("path", nargs="?", default="docs/metrics.md", type=Path)
+    path: Path = parser.parse_args(argv).path
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_metrics_markdown(), encoding="utf-8")
     return 0

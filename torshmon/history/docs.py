@@ -5,7 +5,7 @@ Regenerate after changing a model: ``python -m torshmon.history.docs docs/tables
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 from sqlalchemy import Column, Table
@@ -129,8 +129,12 @@ def _escape(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the rendering to the path given (default docs/tables.md); exit status."""
-    args = sys.argv[1:] if argv is None else argv
-    path = Path(args[0] if args else "docs/tables.md")
+    parser = argparse.ArgumentParser(
+        prog="python -m torshmon.history.docs",
+        description="Write the history tables as a Markdown page.",
+    )
+    parser.add_argument("path", nargs="?", default="docs/tables.md", type=Path)
+    path: Path = parser.parse_args(argv).path
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_tables_markdown(), encoding="utf-8")
     return 0
