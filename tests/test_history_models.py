@@ -202,6 +202,18 @@ CONTRACT: dict[str, list[str]] = {
         "ends_at_unix_s",
         "updated_unix_s",
         "aggregator_id",
+        "acknowledged_by",
+        "acknowledged_unix_s",
+        "acknowledged_comment",
+    ],
+    "silences": [
+        "id",
+        "matchers",
+        "starts_at_unix_s",
+        "ends_at_unix_s",
+        "created_by",
+        "comment",
+        "created_unix_s",
     ],
     "alert_events": ["id", "alert_id", "state", "ts_unix_s", "value"],
     "findings": [

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from torshmon import cli_alerts
 from torshmon.redact import RedactingFilter, Redactor, redact_url
 from torshmon.version import __version__
 
@@ -260,13 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune = command("tune", "start an autotuning session for a running job", env="tune")
     tune.add_argument("job", help="job name")
-    tune.add_argument(
-        "--url",
-        "--aggregator",
-        dest="url",
-        help=f"aggregator base URL ($TORSHMON_AGGREGATOR_URL; default {DEFAULT_AGGREGATOR_URL})",
-    )
-    tune.add_argument("--token-file", type=Path, help=_TOKEN_HELP)
+    _aggregator_flags(tune)
     tune.add_argument("--max-trials", type=_positive_int, help="configs to measure (12)")
     tune.add_argument(
         "--pin",
@@ -277,7 +272,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--wait", action="store_true", help="print trials until the session ends")
     tune.add_argument("--poll-s", type=float, default=2.0, help=argparse.SUPPRESS)
+    cli_alerts.add_commands(command, _aggregator_flags)
     return parser
+
+
+def _aggregator_flags(parser: argparse.ArgumentParser) -> None:
+    """--url and --token-file: the commands that talk to a running aggregator."""
+    parser.add_argument(
+        "--url",
+        "--aggregator",
+        dest="url",
+        help=f"aggregator base URL ($TORSHMON_AGGREGATOR_URL; default {DEFAULT_AGGREGATOR_URL})",
+    )
+    parser.add_argument("--token-file", type=Path, help=_TOKEN_HELP)
 
 
 class _TokenError(Exception):
@@ -664,6 +671,29 @@ def _run_tune(args: argparse.Namespace, redact: Redactor) -> int:
         time.sleep(args.poll_s)
 
 
+def _run_lifecycle(args: argparse.Namespace, redact: Redactor) -> int:
+    """``alerts`` and ``silence`` (torshmon.cli_alerts) against the aggregator's API."""
+    import urllib.error
+
+    try:
+        base = _aggregator_url(args, os.environ)
+    except ValueError as exc:
+        return _fail(args.command, redact, str(exc), USAGE_ERROR)
+    redact.add_url(base)
+    token = _token(args, redact, os.environ) or os.environ.get("TORSHMON_TOKEN", "").strip()
+
+    def call(
+        method: str, path: str, body: dict[str, object] | None
+    ) -> tuple[int, Mapping[str, Any]]:
+        return _http_json(method, base + path, token or None, body)
+
+    try:
+        return cli_alerts.run(args, call)
+    except (urllib.error.URLError, OSError) as exc:
+        why = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        return _fail(args.command, redact, f"cannot reach {redact_url(base)}: {why}", USAGE_ERROR)
+
+
 def _run_rules(args: argparse.Namespace) -> int:
     from torshmon.aggregator.core.promrules import check_rules_cli, export_rules_cli
 
@@ -726,6 +756,8 @@ def _dispatch(args: argparse.Namespace, redact: Redactor) -> int:
         return _run_rules(args)
     if args.command == "tune":
         return _run_tune(args, redact)
+    if args.command in ("alerts", "silence"):
+        return _run_lifecycle(args, redact)
     raise AssertionError(f"unhandled command {args.command}")  # argparse enforces the choices
 
 

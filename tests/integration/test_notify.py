@@ -442,3 +442,49 @@ async def test_real_alertmanager_shows_then_ends_the_alert(
         assert receiver.bodies[1]["status"] == "resolved"
         assert receiver.bodies[1]["alerts"][0]["endsAt"] != ZERO_TIME
     assert notifier.stats()["am"]["sent_total"] == 2
+
+
+async def test_a_silence_in_the_real_alertmanager_matches_the_labels_torshmon_pushes(
+    alertmanager: str, receiver: Receiver
+) -> None:
+    """Users who route through Alertmanager silence there (``amtool silence add
+    alertname=HighMemoryUsage job=train-42 rank=3``): the labels torshmon pushes are the
+    ones its alerts and docs name, so such a silence suppresses exactly that alert."""
+    now = time.time()
+    silence = {
+        "matchers": [
+            {"name": name, "value": value, "isRegex": False, "isEqual": True}
+            for name, value in (
+                ("alertname", "HighMemoryUsage"),
+                ("job", "train-42"),
+                ("rank", "3"),
+            )
+        ],
+        "startsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now - 1)),
+        "endsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now + 3600)),
+        "createdBy": "ops",
+        "comment": "node3 in repair",
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(alertmanager + "/api/v2/silences", json=silence) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        silence_id = (await resp.json())["silenceID"]
+    target = AlertmanagerTarget(alertmanager, name="am")
+    async with Notifier([target], group_wait_s=0.0, external_url=EXTERNAL_URL) as notifier:
+        notifier.submit([_alert(rank="3"), _alert(rank="4")])
+        states: dict[str, dict[str, Any]] = {}
+
+        async def both() -> None:
+            while len(states) < 2:
+                for alert in await _am_alerts(alertmanager):
+                    states[alert["labels"]["rank"]] = alert["status"]
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(both(), 5)
+        assert states["3"]["state"] == "suppressed" and states["3"]["silencedBy"] == [silence_id]
+        assert states["4"]["state"] == "active" and states["4"]["silencedBy"] == []
+        # Only the unsilenced alert reaches Alertmanager's receiver.
+        await _until(lambda: len(receiver.bodies) == 1)
+        assert [a["labels"]["rank"] for a in receiver.bodies[0]["alerts"]] == ["4"]

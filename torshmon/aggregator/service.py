@@ -39,10 +39,12 @@ from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.live_metrics import LiveCollector
 from torshmon.aggregator.core.rule_file import default_rules, load_rules
 from torshmon.aggregator.core.rules import RuleSet
+from torshmon.aggregator.core.silences import SilenceBook
 from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.tuner import TunerSettings
 from torshmon.aggregator.dispatch import CommandDispatch
 from torshmon.aggregator.http import api
+from torshmon.aggregator.http.alerting import add_alerting_routes
 from torshmon.aggregator.http.guard import RequestGuard, ServerLog, log_rejection, read_body
 from torshmon.aggregator.ingest import IngestStore
 from torshmon.aggregator.notify import otel
@@ -134,6 +136,9 @@ class Aggregator:
         )
         self._unwritten_findings: list[Finding] = []
         self._unwritten_alerts: list[Alert] = []
+        self.silences = SilenceBook()
+        #: fingerprint -> a firing alert not notified because a silence matched it
+        self._held_back: dict[str, Alert] = {}
         self.tracer = (
             tracer
             if tracer is not None
@@ -177,6 +182,7 @@ class Aggregator:
         self.m_batches = _counter(catalogue.INGEST_BATCHES_TOTAL, r)
         self.m_records = _counter(catalogue.INGEST_RECORDS_TOTAL, r)
         self.m_duplicates = _counter(catalogue.INGEST_DUPLICATES_TOTAL, r)
+        self.m_silenced = _counter(catalogue.ALERTS_SILENCED_TOTAL, r)
         self.m_samples = _counter(catalogue.INGEST_SAMPLES_TOTAL, r)
         spec = catalogue.INGEST_DURATION_SECONDS
         self.m_ingest_seconds = Histogram(
@@ -230,6 +236,8 @@ class Aggregator:
             store = IngestStore(self.store.engine, aggregator_id=self.settings.aggregator_id)
             self.ingest = ThreadIngest(store, self.writer)
         await self._restore_alerts()
+        for silence in await self.store.open_silences(self.clock()):
+            self.silences.add(silence)
         await self._restore_jobs()
         await self.tuning.start()
         await self.notifier.start()
@@ -242,6 +250,15 @@ class Aggregator:
             tuning=self.tuning,
             registry=self.registry,
             clock=self.clock,
+        )
+        add_alerting_routes(
+            app,
+            guard=self.guard,
+            store=self.store,
+            book=self.silences,
+            clock=self.clock,
+            max_body_bytes=self.settings.max_body_bytes,
+            changed=self._silences_changed,
         )
         app.router.add_post(INGEST_PATH, self._ingest)
         # Bodies are inflated by read_body, which answers a broken or unknown content
@@ -430,7 +447,7 @@ class Aggregator:
                 log.exception("storing findings and alert transitions failed; retrying next tick")
             else:
                 self._unwritten_findings, self._unwritten_alerts = [], []
-        to_send = [a for a in transitions if "notify" in a.actions]
+        to_send = self._unsilenced([a for a in transitions if "notify" in a.actions], now)
         if to_send:
             self.notifier.submit(to_send)
         for alert in transitions:
@@ -450,6 +467,38 @@ class Aggregator:
             log.exception("autotuner tick failed")
         self.live.expire(now)
         return transitions
+
+    def _unsilenced(self, alerts: list[Alert], now: float) -> list[Alert]:
+        """Of ``alerts`` (to notify), those no active silence matches, plus the firing
+        alerts a silence held back that are no longer silenced (told late rather than
+        never). A silenced alert's resolution is not told either, nor is the resolution of
+        one whose firing was held back: its people never heard it fire."""
+        self.silences.prune(now)
+        out: list[Alert] = []
+        for alert in alerts:
+            if self.silences.silencing(alert.labels, now):
+                self._held_back.pop(alert.fingerprint, None)
+                if alert.state == "firing":
+                    self._held_back[alert.fingerprint] = alert
+                self.m_silenced.labels(alertname=alert.rule).inc()
+            elif alert.state == "resolved" and alert.fingerprint in self._held_back:
+                del self._held_back[alert.fingerprint]
+                continue
+            else:
+                out.append(alert)
+        if self._held_back:
+            firing = {a.fingerprint for a in self.alerts.active() if a.state == "firing"}
+            for fingerprint, alert in list(self._held_back.items()):
+                if fingerprint not in firing:
+                    del self._held_back[fingerprint]
+                elif not self.silences.silencing(alert.labels, now):
+                    del self._held_back[fingerprint]
+                    out.append(alert)
+        return out
+
+    def _silences_changed(self) -> None:
+        """A silence was added or expired: evaluate soon, so what it releases goes out."""
+        self._eval_wanted.set()
 
     async def _restore_alerts(self) -> None:
         """Resume pending and firing alerts this aggregator left in SQL."""

@@ -451,6 +451,11 @@ NOTIFICATIONS_DEDUPLICATED_TOTAL: Final = _counter(
     "Alerts not sent again because they were already delivered",
     ("target",),
 )
+ALERTS_SILENCED_TOTAL: Final = _counter(
+    "alerts_silenced_total",
+    "Alert notifications held back because a silence matched, per rule",
+    ("alertname",),
+)
 NOTIFICATIONS_QUEUED: Final = _gauge(
     "notifications_queued", "Alerts waiting to be sent, per target", ("target",)
 )

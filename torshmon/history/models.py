@@ -507,6 +507,39 @@ class Alert(Base):
     aggregator_id: Mapped[str | None] = mapped_column(
         String(128), comment="The aggregator shard that evaluated it."
     )
+    acknowledged_by: Mapped[str | None] = mapped_column(
+        String(200), comment="Who acknowledged it (NULL: nobody yet)."
+    )
+    acknowledged_unix_s: Mapped[float | None] = mapped_column(
+        Float, comment="When it was acknowledged, Unix time in seconds."
+    )
+    acknowledged_comment: Mapped[str | None] = mapped_column(
+        Text, comment="What the acknowledger said (may be empty)."
+    )
+
+
+class Silence(Base):
+    __tablename__ = "silences"
+    __table_args__ = _table(
+        "Silences: alerts whose labels match are not notified between the start and end.",
+        Index(None, "ends_at_unix_s"),
+    )
+
+    id: Mapped[int] = _surrogate_id()
+    matchers: Mapped[dict[str, str]] = mapped_column(
+        JSON, comment="Label name -> value; an alert matches when every one is equal."
+    )
+    starts_at_unix_s: Mapped[float] = mapped_column(
+        Float, comment="When it takes effect, Unix time in seconds."
+    )
+    ends_at_unix_s: Mapped[float] = mapped_column(
+        Float, comment="When it expires (or was expired early), Unix time in seconds."
+    )
+    created_by: Mapped[str] = mapped_column(String(200), comment="Who created it.")
+    comment: Mapped[str] = mapped_column(Text, comment="Why (may be empty).")
+    created_unix_s: Mapped[float] = mapped_column(
+        Float, comment="When it was created, Unix time in seconds."
+    )
 
 
 class AlertEvent(Base):

@@ -70,6 +70,7 @@ def openapi_document() -> dict[str, Any]:
         "tuning_sessions",
         "tuning_trials",
         "commands",
+        "silences",
     ):
         schemas[f"row_{name}"] = _table_schema(_T[name])
     schemas["Error"] = {
@@ -103,6 +104,13 @@ def openapi_document() -> dict[str, Any]:
         }
 
     job_param = {"name": "job", "in": "path", "required": True, "schema": {"type": "string"}}
+    id_param = {"name": "id", "in": "path", "required": True, "schema": {"type": "integer"}}
+    silence = {
+        "allOf": [
+            ref("row_silences"),
+            {"properties": {"state": {"enum": ["active", "pending", "expired"]}}},
+        ]
+    }
     paths: dict[str, Any] = {
         "/api/v1/ingest": {
             "post": {
@@ -291,6 +299,81 @@ def openapi_document() -> dict[str, Any]:
             }
         },
         "/api/v1/alerts": listing("alerts", "row_alerts", ("job", "state", "rule", "severity")),
+        "/api/v1/alerts/{id}/ack": {
+            "post": {
+                "summary": "Acknowledge a pending or firing alert (who and why are stored)",
+                "parameters": [id_param],
+                "requestBody": _json_body(
+                    {"by": {"type": "string", "maxLength": 200}, "comment": {"type": "string"}},
+                    ["by"],
+                ),
+                "responses": {
+                    "200": _json_response(
+                        {"type": "object", "properties": {"alert": ref("row_alerts")}}
+                    ),
+                    "400": _json_response(ref("Error")),
+                    "404": _json_response(ref("Error")),
+                    "409": _json_response(ref("Error")),
+                },
+            }
+        },
+        "/api/v1/silences": {
+            "get": {
+                "summary": "List silences, newest first, each with its state now",
+                "parameters": [
+                    {
+                        "name": "state",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"enum": ["active", "pending", "expired"]},
+                    }
+                ],
+                "responses": {
+                    "200": _json_response(
+                        {
+                            "type": "object",
+                            "properties": {"silences": {"type": "array", "items": silence}},
+                        }
+                    ),
+                    "400": _json_response(ref("Error")),
+                },
+            },
+            "post": {
+                "summary": "Silence the notifications of alerts whose labels all match, "
+                "for duration_s (or until ends_at_unix_s; at most 30 days)",
+                "requestBody": _json_body(
+                    {
+                        "matchers": {
+                            "type": "object",
+                            "additionalProperties": {"type": "string"},
+                            "minProperties": 1,
+                        },
+                        "created_by": {"type": "string", "maxLength": 200},
+                        "comment": {"type": "string"},
+                        "duration_s": {"type": "number", "exclusiveMinimum": 0},
+                        "starts_at_unix_s": {"type": "number"},
+                        "ends_at_unix_s": {"type": "number"},
+                    },
+                    ["matchers", "created_by"],
+                ),
+                "responses": {
+                    "201": _json_response({"type": "object", "properties": {"silence": silence}}),
+                    "400": _json_response(ref("Error")),
+                    "409": _json_response(ref("Error")),
+                },
+            },
+        },
+        "/api/v1/silences/{id}": {
+            "delete": {
+                "summary": "Expire a silence now",
+                "parameters": [id_param],
+                "responses": {
+                    "200": _json_response({"type": "object", "properties": {"silence": silence}}),
+                    "400": _json_response(ref("Error")),
+                    "404": _json_response(ref("Error")),
+                },
+            }
+        },
         "/api/v1/anomalies": listing("anomalies", "row_findings", ("job", "kind", "metric")),
         "/api/v1/tuning/sessions": listing("sessions", "row_tuning_sessions", ("job", "state")),
         "/api/v1/tuning/trials": listing("trials", "row_tuning_trials", ("job", "session_id")),
@@ -337,6 +420,11 @@ def openapi_document() -> dict[str, Any]:
         "security": [{"bearer": []}],
         "paths": paths,
     }
+
+
+def _json_body(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    schema = {"type": "object", "required": required, "properties": properties}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
 def _json_response(schema: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.silences import Silence, SilenceRequest
 from torshmon.history.db import make_engine, upsert
 from torshmon.history.models import Base
 from torshmon.history.retention import RetentionReport, apply_retention
@@ -40,7 +41,14 @@ Row = dict[str, Any]
 
 #: The tables the API lists, each with the column it lists them by, newest first.
 Listing = Literal[
-    "jobs", "probe_sessions", "alerts", "findings", "tuning_sessions", "tuning_trials", "commands"
+    "jobs",
+    "probe_sessions",
+    "alerts",
+    "findings",
+    "tuning_sessions",
+    "tuning_trials",
+    "commands",
+    "silences",
 ]
 LISTING_ORDER: Final[Mapping[str, str]] = {
     "jobs": "last_seen_unix_ns",
@@ -50,6 +58,7 @@ LISTING_ORDER: Final[Mapping[str, str]] = {
     "tuning_sessions": "started_unix_s",
     "tuning_trials": "id",
     "commands": "created_unix_s",
+    "silences": "id",
 }
 
 
@@ -266,6 +275,99 @@ class HistoryStore:
                     )
                 )
         return alerts
+
+    # -- silences and acknowledgements ------------------------------------------------------
+
+    async def add_silence(self, request: SilenceRequest, now_unix_s: float) -> Silence:
+        """Store a new silence; the stored one, with its id."""
+        return await self._write(self._add_silence, request, now_unix_s)
+
+    def _add_silence(self, request: SilenceRequest, now: float) -> Silence:
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                _T["silences"]
+                .insert()
+                .values(
+                    matchers=dict(request.matchers),
+                    starts_at_unix_s=request.starts_at_unix_s,
+                    ends_at_unix_s=request.ends_at_unix_s,
+                    created_by=request.created_by,
+                    comment=request.comment,
+                    created_unix_s=now,
+                )
+            )
+            key = result.inserted_primary_key
+        if key is None:
+            raise RuntimeError("the database returned no id for a new silence")
+        return Silence(
+            id=int(key[0]),
+            matchers=dict(request.matchers),
+            starts_at_unix_s=request.starts_at_unix_s,
+            ends_at_unix_s=request.ends_at_unix_s,
+            created_by=request.created_by,
+            comment=request.comment,
+        )
+
+    async def expire_silence(self, silence_id: int, now_unix_s: float) -> Row | None:
+        """End a silence now (one that already ended keeps its end); its row, or None
+        if there is no such silence."""
+        return await self._write(self._expire_silence, silence_id, now_unix_s)
+
+    def _expire_silence(self, silence_id: int, now: float) -> Row | None:
+        table = _T["silences"]
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(table)
+                .where(table.c.id == silence_id, table.c.ends_at_unix_s > now)
+                .values(ends_at_unix_s=now)
+            )
+            row = conn.execute(select(table).where(table.c.id == silence_id)).mappings().first()
+        return None if row is None else dict(row)
+
+    async def open_silences(self, now_unix_s: float) -> list[Silence]:
+        """The silences that have not ended (active, or starting later)."""
+        return await self._write(self._open_silences, now_unix_s)
+
+    def _open_silences(self, now: float) -> list[Silence]:
+        if self._engine is None:
+            return []
+        table = _T["silences"]
+        with self._engine.connect() as conn:
+            rows = conn.execute(select(table).where(table.c.ends_at_unix_s > now)).mappings()
+            return [
+                Silence(
+                    id=int(row["id"]),
+                    matchers=dict(row["matchers"] or {}),
+                    starts_at_unix_s=row["starts_at_unix_s"],
+                    ends_at_unix_s=row["ends_at_unix_s"],
+                    created_by=row["created_by"],
+                    comment=row["comment"],
+                )
+                for row in rows
+            ]
+
+    async def acknowledge(
+        self, alert_id: int, who: str, comment: str, now_unix_s: float
+    ) -> tuple[Literal["ok", "missing", "resolved"], Row | None]:
+        """Mark a pending or firing alert acknowledged by ``who``; ("ok", row), or why not
+        ("missing": no such alert; "resolved": it is over, with its row). Acknowledging
+        again replaces who and when."""
+        return await self._write(self._acknowledge, alert_id, who, comment, now_unix_s)
+
+    def _acknowledge(
+        self, alert_id: int, who: str, comment: str, now: float
+    ) -> tuple[Literal["ok", "missing", "resolved"], Row | None]:
+        table = _T["alerts"]
+        with self.engine.begin() as conn:
+            done = conn.execute(
+                update(table)
+                .where(table.c.id == alert_id, table.c.state.in_(["pending", "firing"]))
+                .values(acknowledged_by=who, acknowledged_unix_s=now, acknowledged_comment=comment)
+            )
+            row = conn.execute(select(table).where(table.c.id == alert_id)).mappings().first()
+        if row is None:
+            return "missing", None
+        return ("ok" if done.rowcount else "resolved"), dict(row)
 
     # -- jobs ----------------------------------------------------------------------------
 
