@@ -128,6 +128,7 @@ async def test_metrics_served_over_http_carry_no_training_series(
     allowed = {
         "job", "rank", "node", "gpu", "gpu_uuid", "interface", "local_rank", "pid",
         "daemon", "version", "python", "implementation",
+        "reason",  # of a GPU's throttling: NVML's nine reasons
     }  # fmt: skip
     for family in families.values():
         for sample in family.samples:
@@ -149,6 +150,35 @@ def test_node_metrics_and_network_per_interface() -> None:
     gpu = {"node": "n1", "gpu": "0"}
     assert value("torshmon_gpu_utilization_ratio", gpu) == 0.9
     assert value("torshmon_gpu_memory_total_bytes", gpu) == 9
+    assert value("torshmon_gpu_memory_utilization_ratio", gpu) == 5 / 9
+    # A GPU that reports no power or ECC has no such series (absent, not zero).
+    assert value("torshmon_gpu_power_watts", gpu) is None
+    assert value("torshmon_gpu_ecc_uncorrected_errors_total", gpu) is None
+    assert value("torshmon_gpu_xid_errors_total", gpu) == 0
+
+    hot = GpuSample(
+        index=0,
+        utilization_ratio=1.0,
+        memory_used_bytes=8,
+        memory_total_bytes=8,
+        power_watts=402.5,
+        temperature_celsius=91.0,
+        throttle_reasons=0x40 | 0x4,
+        ecc_uncorrected_errors_total=2,
+        xid_errors_total=1,
+        last_xid=79,
+    )
+    metrics.observe_node(_node_sample(gpus=[hot]))
+    assert value("torshmon_gpu_power_watts", gpu) == 402.5
+    assert value("torshmon_gpu_temperature_celsius", gpu) == 91.0
+    throttled = {
+        reason
+        for reason in ("hw_thermal_slowdown", "sw_power_cap", "hw_slowdown", "gpu_idle")
+        if value("torshmon_gpu_throttle_active", {**gpu, "reason": reason}) == 1.0
+    }
+    assert throttled == {"hw_thermal_slowdown", "sw_power_cap"}
+    assert value("torshmon_gpu_ecc_uncorrected_errors_total", gpu) == 2
+    assert value("torshmon_gpu_xid_errors_total", gpu) == 1
 
     metrics.observe_node(_node_sample(gpus=[], interfaces=[]))
     assert value("torshmon_network_receive_bytes_total", {**node, "interface": "eth0"}) is None

@@ -79,6 +79,9 @@ CONTRACT: dict[str, list[str]] = {
         "loss",
         "loss_nonfinite",
         "config_version",
+        "gpu_memory_allocated_bytes",
+        "gpu_memory_reserved_bytes",
+        "gpu_memory_peak_bytes",
     ],
     "collectives": [
         "id",
@@ -158,6 +161,12 @@ CONTRACT: dict[str, list[str]] = {
         "utilization_ratio",
         "memory_used_bytes",
         "memory_total_bytes",
+        "power_watts",
+        "temperature_celsius",
+        "throttle_reasons",
+        "ecc_uncorrected_errors_total",
+        "xid_errors_total",
+        "last_xid",
     ],
     "rank_samples": ["id", "node", "ts_unix_ns", "job", "rank", "pid", "rss_bytes"],
     "inflight_reports": [

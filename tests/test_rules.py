@@ -42,6 +42,7 @@ def test_default_rules_encode_the_design_table() -> None:
     assert list(by_name) == [
         "Low GPU Utilization",
         "High Memory Usage",
+        "High GPU Memory Usage",
         "High Communication Overhead",
         "Step Time Anomaly",
         "Straggler",
@@ -60,6 +61,14 @@ def test_default_rules_encode_the_design_table() -> None:
         5.0,
         "high",
     )
+    gpu_memory = by_name["High GPU Memory Usage"]
+    assert (
+        gpu_memory.kind,
+        gpu_memory.metric,
+        gpu_memory.op,
+        gpu_memory.threshold,
+        gpu_memory.severity,
+    ) == ("threshold", "gpu_memory_utilization_ratio", ">", 0.9, "critical")
     gpu = by_name["Low GPU Utilization"]
     assert (gpu.kind, gpu.metric, gpu.op, gpu.threshold, gpu.for_s, gpu.severity) == (
         "threshold",
@@ -383,6 +392,7 @@ def test_known_metrics_cover_what_the_aggregator_feeds() -> None:
         "memory_utilization_ratio",
         "io_wait_time_ratio",
         "gpu_utilization_ratio",
+        "gpu_memory_utilization_ratio",
         "rank_memory_rss_bytes",
         "agent_silence_seconds",
     } == KNOWN_METRICS

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil  # type: ignore[import-untyped, unused-ignore]
@@ -203,3 +204,56 @@ def test_rank_processes_carry_their_cpu_time() -> None:
     (process,) = NodeSampler(gpu=False).sample([("job", 0, os.getpid())]).ranks
     assert process.cpu_s_total > 0.0  # this interpreter has run for a while
     assert process.gpu is None  # no NVML: unknown
+
+
+def test_gpu_health_power_temperature_throttle_ecc_and_xids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPU 0 reports everything; GPU 1 has no ECC and no power reading (NVML says not
+    supported), which costs only those fields. Two Xid events queued on GPU 1 (79: fallen
+    off the bus) are counted at the next sample and not again."""
+    fake, _state = _fake_nvml()
+    queued: list[types.SimpleNamespace] = []
+
+    def not_on_gpu1(value: int) -> Callable[..., int]:
+        def read(handle: int, *_args: int) -> int:
+            if handle == 1:
+                raise _FakeNvmlError("Not Supported")
+            return value
+
+        return read
+
+    def wait(_events: object, timeout_ms: int) -> types.SimpleNamespace:
+        assert timeout_ms == 0  # sampling never waits for events
+        if not queued:
+            raise _FakeNvmlError("Timeout")
+        return queued.pop(0)
+
+    registered: list[int] = []
+    fake.__dict__.update(
+        nvmlDeviceGetPowerUsage=not_on_gpu1(251_500),  # milliwatts
+        nvmlDeviceGetTemperature=lambda handle, sensor: [61, 87][handle],
+        nvmlDeviceGetCurrentClocksEventReasons=lambda handle: [0, 0x40 | 0x4][handle],
+        nvmlDeviceGetTotalEccErrors=not_on_gpu1(3),
+        nvmlEventSetCreate=lambda: "events",
+        nvmlEventTypeXidCriticalError=8,
+        nvmlDeviceRegisterEvents=lambda handle, kind, events: registered.append(handle),
+        nvmlEventSetWait_v2=wait,
+        nvmlDeviceGetIndex=lambda device: device,
+        nvmlEventSetFree=lambda events: None,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    sampler = NodeSampler(gpu=True)
+    assert registered == [0, 1]
+    queued += [types.SimpleNamespace(device=1, eventData=79)] * 2
+    gpu0, gpu1 = sampler.sample([]).gpus
+    assert (gpu0.power_watts, gpu0.temperature_celsius, gpu0.throttle_reasons) == (251.5, 61.0, 0)
+    assert (gpu0.ecc_uncorrected_errors_total, gpu0.xid_errors_total, gpu0.last_xid) == (3, 0, 0)
+    assert (gpu1.power_watts, gpu1.temperature_celsius, gpu1.throttle_reasons) == (None, 87.0, 0x44)
+    assert (gpu1.ecc_uncorrected_errors_total, gpu1.xid_errors_total, gpu1.last_xid) == (
+        None,
+        2,
+        79,
+    )
+    assert sampler.sample([]).gpus[1].xid_errors_total == 2  # counted once
+    sampler.close()

@@ -189,6 +189,12 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     config_version: Count = 0
     applied_config: AppliedConfig | None = None
     config_rejections: list[ConfigRejection] = []
+    #: CUDA caching allocator at the step's end (``torch.cuda.memory_allocated``,
+    #: ``memory_reserved``, ``max_memory_allocated``: the peak since the process
+    #: started or the job last reset it), bytes; None off CUDA
+    gpu_memory_allocated_bytes: Count | None = None
+    gpu_memory_reserved_bytes: Count | None = None
+    gpu_memory_peak_bytes: Count | None = None
 
 
 class InflightOp(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -306,6 +312,18 @@ class GpuSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     memory_total_bytes: Count
     #: NVML's UUID ("GPU-..."), as DCGM's exporter labels it; "" when unread
     uuid: Label = ""
+    #: board power draw, watts; None where NVML does not report it
+    power_watts: float | None = None
+    #: GPU core temperature, degrees Celsius; None where NVML does not report it
+    temperature_celsius: float | None = None
+    #: NVML's bitmask of clock event (throttle) reasons active now; 0: none
+    throttle_reasons: Count = 0
+    #: uncorrected ECC errors since the driver loaded; None without ECC
+    ecc_uncorrected_errors_total: Count | None = None
+    #: Xid errors (NVML critical error events) the agent has seen since it started
+    xid_errors_total: Count = 0
+    #: the latest Xid code seen (e.g. 79: fallen off the bus); 0: none
+    last_xid: Count = 0
 
 
 class RankProcess(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -28,6 +28,7 @@ import contextlib
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry
@@ -148,6 +149,54 @@ def _node_families(sample: NodeSample) -> Iterator[Metric]:
     yield _family(
         catalogue.GPU_MEMORY_TOTAL_BYTES, [(labels, g.memory_total_bytes) for labels, g in gpus]
     )
+    yield _family(
+        catalogue.GPU_MEMORY_UTILIZATION_RATIO,
+        [
+            (la, g.memory_used_bytes / g.memory_total_bytes)
+            for la, g in gpus
+            if g.memory_total_bytes
+        ],
+    )
+    yield _family(
+        catalogue.GPU_POWER_WATTS,
+        [(la, g.power_watts) for la, g in gpus if g.power_watts is not None],
+    )
+    yield _family(
+        catalogue.GPU_TEMPERATURE_CELSIUS,
+        [(la, g.temperature_celsius) for la, g in gpus if g.temperature_celsius is not None],
+    )
+    yield _family(
+        catalogue.GPU_THROTTLE_ACTIVE,
+        [
+            ([*la, reason], float(bool(g.throttle_reasons & bit)))
+            for la, g in gpus
+            for reason, bit in THROTTLE_REASONS.items()
+        ],
+    )
+    yield _family(
+        catalogue.GPU_ECC_UNCORRECTED_ERRORS_TOTAL,
+        [
+            (la, g.ecc_uncorrected_errors_total)
+            for la, g in gpus
+            if g.ecc_uncorrected_errors_total is not None
+        ],
+    )
+    yield _family(catalogue.GPU_XID_ERRORS_TOTAL, [(la, g.xid_errors_total) for la, g in gpus])
+
+
+#: NVML's clock event (throttle) reason bits (nvmlClocksEventReason*), by the name the
+#: ``reason`` label of ``torshmon_gpu_throttle_active`` gives them.
+THROTTLE_REASONS: Final[dict[str, int]] = {
+    "gpu_idle": 0x1,
+    "applications_clocks": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": 0x20,
+    "hw_thermal_slowdown": 0x40,
+    "hw_power_brake": 0x80,
+    "display_clocks": 0x100,
+}
 
 
 def _process_families(sample: NodeSample) -> Iterator[Metric]:

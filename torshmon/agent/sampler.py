@@ -8,6 +8,7 @@ agent can take one every second.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import math
@@ -55,8 +56,13 @@ class NodeSampler:
         self._processes: dict[int, psutil.Process] = {}
         self._nvml: Any = None
         self._gpu_error_log = LogLimiter()  # once
+        self._xid_log = LogLimiter(interval_s=60.0)
+        self._xid_events: Any = None
+        #: GPU index -> (Xid events seen, the latest Xid)
+        self._xids: dict[int, tuple[int, int]] = {}
         if gpu is not False:
             self._nvml = _load_nvml(required=gpu is True)
+            self._register_xids()
 
     @property
     def gpu_enabled(self) -> bool:
@@ -69,6 +75,7 @@ class NodeSampler:
         CPU and I/O-wait ratios cover the interval since the previous call.
         """
         self._update_cpu()
+        self._drain_xids()
         memory = psutil.virtual_memory()
         interfaces = _interfaces()
         disk_read, disk_write = _disk_bytes()
@@ -91,7 +98,11 @@ class NodeSampler:
     def close(self) -> None:
         """Release NVML; safe to call twice. The sampler then reports no GPUs."""
         nvml, self._nvml = self._nvml, None
+        events, self._xid_events = self._xid_events, None
         if nvml is not None:
+            if events is not None:
+                with contextlib.suppress(nvml.NVMLError):
+                    nvml.nvmlEventSetFree(events)
             try:
                 nvml.nvmlShutdown()
             except nvml.NVMLError as exc:
@@ -156,6 +167,7 @@ class NodeSampler:
                         memory_used_bytes=int(memory.used),
                         memory_total_bytes=int(memory.total),
                         uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+                        **self._gpu_health(nvml, index, handle),
                     )
                 )
         except nvml.NVMLError as exc:
@@ -163,6 +175,72 @@ class NodeSampler:
                 log.info("reading GPUs through NVML failed, reporting none: %s", exc)
             return []
         return gpus
+
+    def _gpu_health(self, nvml: Any, index: int, handle: Any) -> dict[str, Any]:
+        """Power, temperature, throttle reasons, ECC and Xid errors of one GPU: each
+        read on its own, so one NVML does not support (no ECC on a consumer card, no
+        power reading in some VMs) costs only that field."""
+        milliwatts = _optional(nvml, ("nvmlDeviceGetPowerUsage",), handle)
+        temperature = _optional(
+            nvml, ("nvmlDeviceGetTemperature",), handle, getattr(nvml, "NVML_TEMPERATURE_GPU", 0)
+        )
+        reasons = _optional(
+            nvml,
+            ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"),
+            handle,
+        )
+        ecc = _optional(
+            nvml,
+            ("nvmlDeviceGetTotalEccErrors",),
+            handle,
+            getattr(nvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+            getattr(nvml, "NVML_VOLATILE_ECC", 0),
+        )
+        xid_count, last_xid = self._xids.get(index, (0, 0))
+        return {
+            "power_watts": None if milliwatts is None else float(milliwatts) / 1000.0,
+            "temperature_celsius": None if temperature is None else float(temperature),
+            "throttle_reasons": int(reasons or 0),
+            "ecc_uncorrected_errors_total": None if ecc is None else int(ecc),
+            "xid_errors_total": xid_count,
+            "last_xid": last_xid,
+        }
+
+    def _drain_xids(self) -> None:
+        """Count the Xid (critical error) events NVML queued since the last sample, per
+        GPU. Never waits: a zero timeout returns at once when none is queued."""
+        nvml, events = self._nvml, self._xid_events
+        if nvml is None or events is None:
+            return
+        for _ in range(64):  # a bound: a GPU in an error storm must not stall sampling
+            try:
+                event = nvml.nvmlEventSetWait_v2(events, 0)
+            except nvml.NVMLError:
+                return  # NVML_ERROR_TIMEOUT: nothing queued (or the set broke)
+            try:
+                index = int(nvml.nvmlDeviceGetIndex(event.device))
+            except nvml.NVMLError:
+                continue
+            count, _last = self._xids.get(index, (0, 0))
+            self._xids[index] = (count + 1, int(event.eventData))
+            if self._xid_log.allow():
+                log.warning("GPU %d reported Xid %d", index, int(event.eventData))
+
+    def _register_xids(self) -> None:
+        """Ask NVML for Xid events of every GPU; without support (or rights) none are
+        counted and the totals stay 0."""
+        nvml = self._nvml
+        if nvml is None:
+            return
+        try:
+            events = nvml.nvmlEventSetCreate()
+            kind = nvml.nvmlEventTypeXidCriticalError
+            for index in range(nvml.nvmlDeviceGetCount()):
+                nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByIndex(index), kind, events)
+        except (nvml.NVMLError, AttributeError) as exc:
+            log.info("NVML Xid events are not available, Xid errors are not counted: %s", exc)
+            return
+        self._xid_events = events
 
     def _gpu_by_pid(self) -> dict[int, int]:
         """The GPU (NVML index) each process computing on one runs on; {} without NVML."""
@@ -179,6 +257,20 @@ class NodeSampler:
             if self._gpu_error_log.allow():
                 log.info("reading GPU processes through NVML failed: %s", exc)
         return by_pid
+
+
+def _optional(nvml: Any, names: tuple[str, ...], *args: Any) -> Any:
+    """The first of the NVML functions ``names`` this pynvml has, called with ``args``
+    (the newer name first); None where none exists or NVML says it cannot (not
+    supported, no permission)."""
+    for name in names:
+        read = getattr(nvml, name, None)
+        if read is not None:
+            try:
+                return read(*args)
+            except nvml.NVMLError:
+                return None
+    return None
 
 
 def _text(value: str | bytes) -> str:

@@ -226,6 +226,32 @@ GPU_MEMORY_USED_BYTES: Final = _agent_gauge(
 GPU_MEMORY_TOTAL_BYTES: Final = _agent_gauge(
     "gpu_memory_total_bytes", "GPU memory in total (NVML).", _GPU
 )
+GPU_MEMORY_UTILIZATION_RATIO: Final = _agent_gauge(
+    "gpu_memory_utilization_ratio", "GPU memory in use over total (NVML), 0..1.", _GPU
+)
+GPU_POWER_WATTS: Final = _agent_gauge(
+    "gpu_power_watts", "Board power draw (NVML); absent where NVML does not report it.", _GPU
+)
+GPU_TEMPERATURE_CELSIUS: Final = _agent_gauge(
+    "gpu_temperature_celsius", "GPU core temperature (NVML), degrees Celsius.", _GPU
+)
+GPU_THROTTLE_ACTIVE: Final = _agent_gauge(
+    "gpu_throttle_active",
+    "1 while NVML reports this clock event (throttle) reason on the GPU, else 0: "
+    "sw_power_cap, hw_slowdown, hw_thermal_slowdown, hw_power_brake, sw_thermal_slowdown, "
+    "sync_boost, applications_clocks, display_clocks, gpu_idle.",
+    ("node", "gpu", "reason"),
+)
+GPU_ECC_UNCORRECTED_ERRORS_TOTAL: Final = _agent_counter(
+    "gpu_ecc_uncorrected_errors_total",
+    "Uncorrected ECC memory errors since the driver loaded (NVML, volatile); absent without ECC.",
+    _GPU,
+)
+GPU_XID_ERRORS_TOTAL: Final = _agent_counter(
+    "gpu_xid_errors_total",
+    "Xid errors (NVML critical error events) the agent has seen since it started.",
+    _GPU,
+)
 
 # -- the training processes on a node (the agent) -------------------------------------------
 
@@ -295,6 +321,23 @@ TRAINING_EFFICIENCY_RATIO: Final = _gauge(
 THROUGHPUT_SAMPLES_PER_SECOND: Final = _gauge(
     "throughput_samples_per_second",
     "Samples per second of the rank's latest step (per rank; sum by job for the job's).",
+    _RANK,
+)
+RANK_GPU_MEMORY_ALLOCATED_BYTES: Final = _gauge(
+    "rank_gpu_memory_allocated_bytes",
+    "CUDA memory the rank's tensors hold at the end of its latest step "
+    "(torch.cuda.memory_allocated); absent off CUDA.",
+    _RANK,
+)
+RANK_GPU_MEMORY_RESERVED_BYTES: Final = _gauge(
+    "rank_gpu_memory_reserved_bytes",
+    "CUDA memory the rank's caching allocator holds (torch.cuda.memory_reserved); absent off CUDA.",
+    _RANK,
+)
+RANK_GPU_MEMORY_PEAK_BYTES: Final = _gauge(
+    "rank_gpu_memory_peak_bytes",
+    "Peak CUDA memory allocated by the rank since it started or last reset its peak "
+    "(torch.cuda.max_memory_allocated); absent off CUDA.",
     _RANK,
 )
 LOSS: Final = _gauge(

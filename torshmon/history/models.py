@@ -210,6 +210,15 @@ class Step(Base):
     config_version: Mapped[int] = mapped_column(
         BigInteger, comment="Communication config version the step ran with."
     )
+    gpu_memory_allocated_bytes: Mapped[int | None] = mapped_column(
+        BigInteger, comment="CUDA memory allocated at the step's end, bytes (NULL off CUDA)."
+    )
+    gpu_memory_reserved_bytes: Mapped[int | None] = mapped_column(
+        BigInteger, comment="CUDA memory reserved by the caching allocator, bytes."
+    )
+    gpu_memory_peak_bytes: Mapped[int | None] = mapped_column(
+        BigInteger, comment="Peak CUDA memory allocated since start or the job's reset, bytes."
+    )
 
 
 class Collective(Base):
@@ -412,6 +421,20 @@ class GpuSample(Base):
     utilization_ratio: Mapped[float | None] = mapped_column(Float, comment="GPU busy, ratio 0..1.")
     memory_used_bytes: Mapped[int] = mapped_column(BigInteger, comment="GPU memory in use, bytes.")
     memory_total_bytes: Mapped[int] = mapped_column(BigInteger, comment="GPU memory, bytes.")
+    power_watts: Mapped[float | None] = mapped_column(Float, comment="Board power draw, watts.")
+    temperature_celsius: Mapped[float | None] = mapped_column(
+        Float, comment="GPU core temperature, degrees Celsius."
+    )
+    throttle_reasons: Mapped[int] = mapped_column(
+        BigInteger, comment="NVML bitmask of clock event (throttle) reasons active; 0 none."
+    )
+    ecc_uncorrected_errors_total: Mapped[int | None] = mapped_column(
+        BigInteger, comment="Uncorrected ECC errors since the driver loaded (NULL: no ECC)."
+    )
+    xid_errors_total: Mapped[int] = mapped_column(
+        BigInteger, comment="Xid errors the agent has seen on this GPU since it started."
+    )
+    last_xid: Mapped[int] = mapped_column(BigInteger, comment="Latest Xid code seen; 0 none.")
 
 
 class RankSample(Base):

@@ -68,3 +68,5 @@ class RawStep:
     config_version: int = 0
     applied_config: AppliedConfig | None = None
     config_rejections: list[ConfigRejection] = field(default_factory=list)
+    #: (allocated, reserved, peak) CUDA bytes at the step's end; None off CUDA
+    gpu_memory: tuple[int, int, int] | None = None

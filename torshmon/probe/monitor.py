@@ -25,6 +25,7 @@ from torshmon.probe.collectives import CollectiveTracer
 from torshmon.probe.commhook import DispatchingCommHook
 from torshmon.probe.config import CommConfig, ConfigError
 from torshmon.probe.events import RawStep, StepEvents
+from torshmon.probe.gpu import cuda_memory
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkCheckRequest
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
@@ -374,6 +375,7 @@ class Monitor:
                     config_version=config_version,
                     applied_config=applied,
                     config_rejections=rejections,
+                    gpu_memory=cuda_memory(),
                 )
             )
         except Exception:

@@ -62,6 +62,9 @@ def summarize_step(raw: RawStep) -> StepRecord:
         config_version=raw.config_version,
         applied_config=raw.applied_config,
         config_rejections=raw.config_rejections,
+        gpu_memory_allocated_bytes=None if raw.gpu_memory is None else raw.gpu_memory[0],
+        gpu_memory_reserved_bytes=None if raw.gpu_memory is None else raw.gpu_memory[1],
+        gpu_memory_peak_bytes=None if raw.gpu_memory is None else raw.gpu_memory[2],
     )
 
 

@@ -345,6 +345,11 @@ class LiveState:
         r.compute_s = computes[-1]
         r.communication_time_ratio = ratios[-1]
         r.config_version = config_versions[-1]
+        last = batch.steps[-1]
+        if last.gpu_memory_reserved_bytes is not None:
+            r.gpu_memory_allocated_bytes = float(last.gpu_memory_allocated_bytes or 0)
+            r.gpu_memory_reserved_bytes = float(last.gpu_memory_reserved_bytes)
+            r.gpu_memory_peak_bytes = float(last.gpu_memory_peak_bytes or 0)
 
     def _observe_losses(
         self,
@@ -391,12 +396,11 @@ class LiveState:
         add("memory_utilization_ratio", node, ts, sample.memory_utilization_ratio)
         add("io_wait_time_ratio", node, ts, sample.io_wait_ratio)
         for gpu in sample.gpus:
-            add(
-                "gpu_utilization_ratio",
-                (("gpu", str(gpu.index)), ("node", sample.node)),
-                ts,
-                gpu.utilization_ratio,
-            )
+            labels = (("gpu", str(gpu.index)), ("node", sample.node))
+            add("gpu_utilization_ratio", labels, ts, gpu.utilization_ratio)
+            if gpu.memory_total_bytes:
+                ratio = gpu.memory_used_bytes / gpu.memory_total_bytes
+                add("gpu_memory_utilization_ratio", labels, ts, ratio)
         for proc in sample.ranks:
             job = self.jobs.get(proc.job)
             if job is not None and proc.rank in job.ranks:

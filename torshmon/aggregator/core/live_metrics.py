@@ -35,6 +35,9 @@ _RANK_GAUGES: Final = (
     catalogue.LOSS,
     catalogue.CONFIG_VERSION,
     catalogue.INFLIGHT_OLDEST_AGE_SECONDS,
+    catalogue.RANK_GPU_MEMORY_ALLOCATED_BYTES,
+    catalogue.RANK_GPU_MEMORY_RESERVED_BYTES,
+    catalogue.RANK_GPU_MEMORY_PEAK_BYTES,
 )
 _RANK_COUNTERS: Final = (
     catalogue.STEPS_TOTAL,
@@ -58,6 +61,9 @@ def _rank_gauge_values(r: RankState) -> dict[MetricSpec, float]:
         catalogue.LOSS: r.loss,
         catalogue.CONFIG_VERSION: float(r.config_version),
         catalogue.INFLIGHT_OLDEST_AGE_SECONDS: r.inflight_oldest_age_s,
+        catalogue.RANK_GPU_MEMORY_ALLOCATED_BYTES: r.gpu_memory_allocated_bytes,
+        catalogue.RANK_GPU_MEMORY_RESERVED_BYTES: r.gpu_memory_reserved_bytes,
+        catalogue.RANK_GPU_MEMORY_PEAK_BYTES: r.gpu_memory_peak_bytes,
     }
 
 

@@ -70,6 +70,9 @@ class RankState:
     nonfinite_loss_total: int = 0
     config_version: int = 0
     rss_bytes: float = math.nan
+    gpu_memory_allocated_bytes: float = math.nan
+    gpu_memory_reserved_bytes: float = math.nan
+    gpu_memory_peak_bytes: float = math.nan
     compression: dict[str, float] = field(default_factory=dict)  # codec -> ratio
     relative_error: dict[str, float] = field(default_factory=dict)  # codec -> latest
     wire_bytes_total: dict[str, float] = field(default_factory=dict)  # codec -> bytes

@@ -51,6 +51,7 @@ METRIC_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
     "memory_utilization_ratio": ("node",),
     "io_wait_time_ratio": ("node",),
     "gpu_utilization_ratio": ("node", "gpu"),
+    "gpu_memory_utilization_ratio": ("node", "gpu"),
     "rank_memory_rss_bytes": ("job", "rank", "node"),
     "agent_silence_seconds": ("node",),
 }
