@@ -38,16 +38,17 @@ def run_ranks(
     rank_env: Callable[[int], Mapping[str, str]] | None = None,
     master_addr: str = "127.0.0.1",
     netns: Sequence[str] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Call ``target(rank, world_size, *args)`` in ``world_size`` processes.
 
-    Each process has initialised a gloo process group before ``target`` runs and
-    destroys it afterwards. With ``netns`` (one ``ip netns`` name per rank, e.g.
-    from ``torshmon.linkshape.LinkShaper``) each rank enters its network namespace
-    before opening any socket. ``rank_env(rank)`` may set ``LOCAL_RANK`` (default: the
-    rank, one node), as torchrun does for ranks spread over nodes. Returns the results
-    ordered by rank. Raises
-    RankError if a rank raises, dies, or all have not finished in ``timeout_s``.
+    Each process has initialised a process group of ``backend`` (gloo; ``nccl`` puts
+    rank r on GPU r) before ``target`` runs and destroys it afterwards. With ``netns``
+    (one ``ip netns`` name per rank, e.g. from ``torshmon.linkshape.LinkShaper``) each
+    rank enters its network namespace before opening any socket. ``rank_env(rank)`` may
+    set ``LOCAL_RANK`` (default: the rank, one node), as torchrun does for ranks spread
+    over nodes. Returns the results ordered by rank. Raises RankError if a rank raises,
+    dies, or all have not finished in ``timeout_s``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -70,7 +71,17 @@ def run_ranks(
         rank_netns = netns[rank] if netns is not None else None
         proc = ctx.Process(
             target=_rank_main,
-            args=(target, rank, world_size, args, environ, results, timeout_s, rank_netns),
+            args=(
+                target,
+                rank,
+                world_size,
+                args,
+                environ,
+                results,
+                timeout_s,
+                rank_netns,
+                backend,
+            ),
             name=f"torshmon-rank-{rank}",
         )
         proc.start()
@@ -134,6 +145,7 @@ def _rank_main(
     results: Any,
     timeout_s: float,
     netns: str | None = None,
+    backend: str = "gloo",
 ) -> None:
     if netns is not None:
         # First thing: a socket stays in the namespace it was created in.
@@ -151,11 +163,16 @@ def _rank_main(
     # Ranks share the machine's cores; one intra-op thread each avoids oversubscription.
     torch.set_num_threads(int(os.environ.get("TORSHMON_RANK_THREADS", "1")))
     try:
+        options: dict[str, Any] = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            options["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
+            **options,
         )
         try:
             value = target(rank, world_size, *args)

@@ -28,6 +28,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from torshmon.probe.events import CollectiveEvent, StepEvents
 from torshmon.probe.inflight import InflightTable
+from torshmon.probe.timing import DeviceClock
 from torshmon.ratelog import LogLimiter
 
 log = logging.getLogger(__name__)
@@ -218,6 +219,9 @@ class CollectiveTracer:
         self._groups: dict[Any, tuple[str, int]] = {}
         self._default_group: Any = None
         self._failure_log = LogLimiter()  # once per op
+        #: times collectives on the device where their backend runs there (NCCL)
+        self.device_clock: DeviceClock | None = None
+        self._backends: dict[Any, str] = {}
 
     # -- installation -----------------------------------------------------------------
     def install(self) -> None:
@@ -260,6 +264,17 @@ class CollectiveTracer:
             self._groups[group] = info
         return info
 
+    def backend(self, group: Any) -> str:
+        """The backend name of a process group (``nccl``, ``gloo``), cached."""
+        backend = self._backends.get(group)
+        if backend is None:
+            try:
+                backend = str(dist.get_backend(group))
+            except (RuntimeError, ValueError):
+                backend = "unknown"
+            self._backends[group] = backend
+        return backend
+
     def _wrap(
         self, name: str, original: Callable[..., Any], describe: Callable[..., _Described]
     ) -> Callable[..., Any]:
@@ -278,6 +293,11 @@ class CollectiveTracer:
                 self._note_failure(name)
                 return original(*args, **kwargs)
             dtype_name = str(dtype)[6:] if dtype is not None else "none"
+            clock, backend, device_start = self.device_clock, "", None
+            if clock is not None:
+                backend = self.backend(group)
+                if not async_op:
+                    device_start = clock.before(backend)
             start = time.perf_counter_ns()
             _nesting.inside = True
             try:
@@ -288,12 +308,20 @@ class CollectiveTracer:
             finally:
                 _nesting.inside = False
             if async_op and result is not None:
+                device = None if clock is None else clock.after_async(backend, result)
                 return self._track_async(
-                    result, token, name, pg, group_size, dtype_name, size, start
+                    result, token, name, pg, group_size, dtype_name, size, start, device
                 )
             end = time.perf_counter_ns()
             inflight.end(token)
-            event = CollectiveEvent(name, pg, group_size, dtype_name, size, start, end, True)
+            device = (
+                clock.after_blocking(device_start)
+                if clock is not None and device_start is not None
+                else None
+            )
+            event = CollectiveEvent(
+                name, pg, group_size, dtype_name, size, start, end, True, device
+            )
             self._events().collectives.append(event)
             return result
 
@@ -310,11 +338,12 @@ class CollectiveTracer:
         dtype: str,
         size: int,
         start: int,
+        device: Any = None,
     ) -> Any:
         def done() -> None:
             self._inflight.end(token)
             event = CollectiveEvent(
-                op, pg, group_size, dtype, size, start, time.perf_counter_ns(), False
+                op, pg, group_size, dtype, size, start, time.perf_counter_ns(), False, device
             )
             self._events().collectives.append(event)
 

@@ -7,13 +7,15 @@ records happens on the shipper thread (see ``summary.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from torshmon.wire import AppliedConfig, ConfigRejection
 
 
 class CollectiveEvent(NamedTuple):
-    """One collective call. ``blocking`` is True when the caller waited for it."""
+    """One collective call. ``blocking`` is True when the caller waited for it.
+    ``device``: its device timing still to be read (``torshmon.probe.timing``), None
+    where the host's clock times it (gloo) or once read into ``end_ns``."""
 
     op: str
     pg: str
@@ -23,6 +25,7 @@ class CollectiveEvent(NamedTuple):
     start_ns: int
     end_ns: int
     blocking: bool
+    device: Any = None
 
 
 class BucketEvent(NamedTuple):

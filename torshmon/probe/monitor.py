@@ -30,6 +30,7 @@ from torshmon.probe.inflight import InflightTable
 from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkCheckRequest
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
 from torshmon.probe.shipper import Outbox, Shipper
+from torshmon.probe.timing import DeviceClock
 from torshmon.ratelog import LogLimiter
 from torshmon.version import __version__
 from torshmon.wire import (
@@ -142,6 +143,8 @@ class Monitor:
         self._failure_log = LogLimiter()  # once per kind of record
         self._inflight = InflightTable()
         self._tracer = CollectiveTracer(self._inflight, self._current_events)
+        # NCCL enqueues and returns: its collectives are timed on the GPU (probe.timing).
+        self._tracer.device_clock = DeviceClock.for_torch()
         self._hook: DispatchingCommHook | None = None
         self._handles: list[Any] = []
         self._grad_hooks: dict[int, Any] = {}

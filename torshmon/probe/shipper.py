@@ -27,7 +27,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 import msgspec
@@ -37,6 +37,7 @@ from torshmon.probe.events import RawStep
 from torshmon.probe.fastlane import FastLane
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.summary import summarize_step
+from torshmon.probe.timing import PendingTiming, StepGate, resolve
 from torshmon.ratelog import LogLimiter
 from torshmon.wire import (
     FRAME_HEADER,
@@ -180,6 +181,9 @@ class Shipper:
         self._poll_s = min(poll_s, flush_interval_s)
         self.fast_lane = fast_lane if fast_lane is not None else FastLane()
         self._pending: list[StepRecord] = []
+        #: steps whose collectives' device timings are not all ready yet (NCCL)
+        self._gate: StepGate[RawStep] = StepGate(_device_timings)
+        self.device_timings_unread_total = 0
         self._next_flush = 0.0
         self._heartbeat_interval_s = heartbeat_interval_s
         self._max_buffered_steps = max_buffered_steps
@@ -237,7 +241,8 @@ class Shipper:
 
     def _poll(self, *, final: bool) -> None:
         """Summarise new steps; send when the flush is due or the fast lane is open."""
-        steps = [summarize_step(raw) for raw in self._outbox.drain()]
+        self._gate.add(self._outbox.drain())
+        steps = [self._summarize(raw) for raw in self._gate.ready(final=final)]
         now = time.monotonic()
         if steps:
             self._pending += steps
@@ -246,6 +251,14 @@ class Shipper:
         if final or urgent or now >= self._next_flush:
             self._next_flush = now + self._flush_interval_s
             self._cycle(final=final, urgent=urgent)
+
+    def _summarize(self, raw: RawStep) -> StepRecord:
+        """The step's record, its collectives' device timings read first (NCCL)."""
+        if any(e.device is not None for e in raw.events.collectives):
+            raw.events.collectives, unread = resolve(raw.events.collectives)
+            self.device_timings_unread_total += unread
+            return replace_clock(summarize_step(raw), "host" if unread else "device")
+        return summarize_step(raw)
 
     def _cycle(self, *, final: bool, urgent: bool = False) -> None:
         steps, self._pending = self._pending, []
@@ -367,6 +380,15 @@ class Shipper:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+
+
+def _device_timings(raw: RawStep) -> Iterator[PendingTiming]:
+    return (e.device for e in raw.events.collectives if e.device is not None)
+
+
+def replace_clock(record: StepRecord, clock: str) -> StepRecord:
+    """``record`` saying which clock timed its collectives."""
+    return msgspec.structs.replace(record, collective_clock=clock)
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
