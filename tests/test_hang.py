@@ -46,7 +46,9 @@ def test_golden_scenarios(path: Path) -> None:
     scenario: dict[str, Any] = json.loads(path.read_text())
     det = HangDetector(timeout_s=scenario["timeout_s"])
     det.set_world("demo", scenario["world_size"])
-    det.observe_groups("demo", msgspec.convert(scenario.get("groups", []), list[ProcessGroupMembers]))
+    det.observe_groups(
+        "demo", msgspec.convert(scenario.get("groups", []), list[ProcessGroupMembers])
+    )
     for report in scenario["reports"]:
         inflight = msgspec.convert(report["inflight"], list[InflightOp])
         det.observe("demo", report["rank"], report["ts_unix_s"], inflight)
@@ -351,3 +353,67 @@ def test_an_exited_rank_waits_in_nothing_and_is_named_as_exited() -> None:
     found = det.evaluate(NOW, {"a": NOW, "b": NOW}, gone={("demo", 2)})
     assert [(f.labels["rank"], f.details["reason"]) for f in found] == [("2", "process_gone")]
     assert "has exited" in found[0].summary
+
+
+# -- membership, root cause and victims (issue 19) --------------------------------------
+
+
+def _groups(**members: list[int]) -> list[ProcessGroupMembers]:
+    return [ProcessGroupMembers(pg=pg, ranks=ranks) for pg, ranks in members.items()]
+
+
+def test_without_reported_members_a_subgroup_is_not_said_to_have_every_member_in() -> None:
+    det = _detector(world=4)
+    det.observe("demo", 2, NOW, [_op(7, 8.0, pg="3")])
+    det.observe("demo", 3, NOW, [])
+    for rank in (0, 1):
+        det.observe("demo", rank, NOW, [_op(31, 7.5, op="ddp_reduce")])
+    unknown = {f.details["reason"]: f for f in det.evaluate(NOW)}
+    assert "its members were not reported" in unknown["all_stuck"].summary
+    # Once the probes report group 3's members, rank 3 is the one named, alone.
+    det.observe_groups("demo", _groups(**{"3": [2, 3]}))
+    (finding,) = det.evaluate(NOW)
+    assert (finding.labels["rank"], finding.labels["pg"]) == ("3", "3")
+    assert finding.details["members"] == [2, 3]
+    assert finding.details["victims"] == [0, 1, 2]
+
+
+def test_a_rank_briefly_busy_in_another_group_is_not_named_until_its_own_wait_lasts() -> None:
+    det = _detector(world=4)
+    det.observe_groups("demo", _groups(**{"3": [2, 3]}))
+    for rank in (0, 1):
+        det.observe("demo", rank, NOW, [_op(31, 6.0)])
+    det.observe("demo", 2, NOW, [_op(7, 1.0, pg="3")])  # entered a second ago
+    det.observe("demo", 3, NOW, [])
+    (finding,) = det.evaluate(NOW)
+    assert finding.labels["rank"] == "3"  # not in any collective: it holds world #31 up
+    assert finding.labels["pg"] == "default"
+    # Later rank 2's own wait in group 3 has lasted too: rank 2 is a victim, and rank 3
+    # is still named for world #31, the op it has held up longest (one identity).
+    det.observe("demo", 2, NOW + 4.5, [_op(7, 5.5, pg="3")])
+    det.observe("demo", 3, NOW + 4.5, [])
+    for rank in (0, 1):
+        det.observe("demo", rank, NOW + 4.5, [_op(31, 10.5)])
+    (finding,) = det.evaluate(NOW + 4.5)
+    assert (finding.labels["rank"], finding.labels["pg"]) == ("3", "default")
+    assert finding.details["victims"] == [0, 1, 2]
+
+
+def test_a_waiting_rank_is_not_named_while_its_own_op_is_young() -> None:
+    det = _detector(world=4)
+    det.observe_groups("demo", _groups(**{"3": [2, 3]}))
+    for rank in (0, 1):
+        det.observe("demo", rank, NOW, [_op(31, 6.0)])
+    det.observe("demo", 2, NOW, [_op(7, 1.0, pg="3")])
+    det.observe("demo", 3, NOW, [_op(7, 1.0, pg="3")])  # both in it: about to finish
+    assert det.evaluate(NOW) == []
+
+
+def test_groups_naming_ranks_outside_the_world_are_ignored() -> None:
+    det = _detector(world=2)
+    det.observe_groups("demo", _groups(**{"5": [1, 2]}, **{"6": []}))
+    det.observe("demo", 0, NOW, [_op(1, 6.0, pg="5")])
+    det.observe("demo", 1, NOW, [])
+    # "5" falls back to the ranks seen on it: rank 0 only, so nobody is named missing
+    (finding,) = det.evaluate(NOW)
+    assert finding.details["reason"] == "all_stuck"

@@ -1,10 +1,10 @@
-"""Hung collectives, named by the rank that never joined, from in-flight reports.
+"""Hung collectives, named by the rank that holds them up, from in-flight reports.
 
 Every batch of a rank carries its in-flight operations: the oldest unfinished op per
 process group (per group and peer for point-to-point), numbered per group so the same
 ``seq`` on two ranks is the same collective. A collective that some ranks have been
-in for more than ``timeout_s`` while other ranks of its group are not in it is a
-hang, and the ranks that are not in it are at fault:
+in for more than the timeout while other members of its group are not in it is
+blocked, and the members that are not in it hold it up:
 
 - a rank whose report has no op on that group never joined (it is computing, stuck
   in Python or a data loader, or took a different code path);
@@ -12,15 +12,29 @@ hang, and the ranks that are not in it are at fault:
 - a rank with no report for more than ``timeout_s`` (crashed, frozen, node gone), or
   none at all, stopped reporting.
 
-If every member has been in the collective for more than ``timeout_s``, all joined
-and the collective itself is stuck (network, backend): one job-level finding without
-a rank. Point-to-point ops pair per peer: rank r's op #k with peer p matches p's op #k
-with peer r, and only those two ranks are compared.
+Root cause and consequence: a rank missing from one blocked op may itself be waiting
+in another blocked op (of another group, or a point-to-point op) - it is a victim,
+and the chain is followed to the rank at its end, the culprit. One finding names each
+culprit, with the blocked op it has held up longest, that group's members, and every
+rank waiting behind it (``details["victims"]``); victims are never named. A rank
+missing from a blocked op while in flight elsewhere for less than the timeout is not
+named yet (its own wait is judged once it has lasted). Blocked ops whose missing ranks
+only wait for each other are a deadlock (collectives issued in different orders):
+each such rank is named, with reason ``deadlock``.
 
-Membership: the default group ("default") holds ranks ``0..world_size-1`` once
-``set_world`` was called, else every rank that has reported. Other groups hold the
-ranks seen in flight on them so far; a member that was never seen on its group cannot
-be named missing (only a lagging or silent one).
+If every member of a group has been in its collective for more than the timeout, all
+joined and the collective itself is stuck (network, backend): one finding for that
+group, without a rank, naming the ranks waiting behind it. Point-to-point ops pair
+per peer: rank r's op #k with peer p matches p's op #k with peer r, only those two
+ranks are compared, and a peer that never posted the matching op is named.
+
+Membership: a group's members are those the probes reported (``observe_groups``:
+each probe lists the groups it belongs to, by the label its in-flight ops carry). The
+default group ("default") otherwise holds ranks ``0..world_size-1`` once
+``set_world`` was called, else every rank that has reported; another group whose
+members were never reported holds the ranks seen in flight on it so far (a member
+that was never seen on it cannot be named missing, and an all-joined verdict says
+the members are unknown).
 
 Timeouts: a collective counts as hung after ``timeout_s`` (5 s), or sooner in a job
 whose steps are short: ``step_multiple`` (20) times its typical step duration (fed by
