@@ -417,3 +417,18 @@ def test_groups_naming_ranks_outside_the_world_are_ignored() -> None:
     # "5" falls back to the ranks seen on it: rank 0 only, so nobody is named missing
     (finding,) = det.evaluate(NOW)
     assert finding.details["reason"] == "all_stuck"
+
+
+def test_victims_are_listed_from_the_first_finding_even_before_their_own_wait_lasts() -> None:
+    det = _detector(world=4)
+    det.observe("demo", 0, NOW, [_op(9, 6.0, op="irecv", peer=1)])
+    det.observe("demo", 1, NOW, [])  # never posts its send
+    for rank in (2, 3):
+        det.observe("demo", rank, NOW, [_op(20, 0.5)])  # just entered the next all-reduce
+    (finding,) = det.evaluate(NOW)
+    assert (finding.labels["rank"], finding.labels["op"]) == ("1", "irecv")
+    assert finding.details["victims"] == [0, 2, 3]
+    assert finding.summary == (
+        "rank 1 of job demo never posted the send matching rank 0's irecv #9 on pg default, "
+        "entered 6.0 s ago; ranks 2, 3 wait behind it in all_reduce #20 on pg default"
+    )

@@ -386,10 +386,45 @@ class HangDetector:
         blocks.extend(_pair_blocks(pairs, timeout))
         found: dict[tuple[str, tuple[tuple[str, str], ...]], Finding] = {}
         if blocks:
-            self._attribute(job, state, now, _Waits(blocks, groups, pairs, timeout), found)
+            blocked = {b.pg for b in blocks if b.members is not None}
+            young = self._young_waits(state, groups, pairs, blocked)
+            waits = _Waits(blocks, groups, pairs, timeout, young)
+            self._attribute(job, state, now, waits, found)
         active_keys = set(found)
         state.since = {k: v for k, v in state.since.items() if k in active_keys}
         return [found[k] for k in sorted(found)]
+
+    def _young_waits(
+        self,
+        state: _Job,
+        groups: Mapping[str, Mapping[int, _Entry]],
+        pairs: Mapping[tuple[str, int, int], _Entry],
+        blocked: set[str],
+    ) -> list[_Block]:
+        """Ops ranks wait in, not yet past the timeout, for members not in them: their
+        ranks are victims too, named in the culprit's finding from its first report."""
+        young = []
+        for pg, entries in groups.items():
+            members, known = self._members(state, pg)
+            if pg in blocked or not known or not entries:
+                continue
+            counts: dict[int, int] = {}
+            for e in entries.values():
+                counts[e.seq] = counts.get(e.seq, 0) + 1
+            seq = max(counts, key=lambda s: (counts[s], s))
+            waiting = sorted(r for r, e in entries.items() if e.seq == seq)
+            missing = sorted(members - set(waiting))
+            if missing:
+                age = max(entries[r].age_s for r in waiting)
+                op = entries[waiting[0]].op
+                young.append(_Block(pg, op, seq, waiting, missing, age, age, sorted(members)))
+        for (pg, rank, peer), entry in pairs.items():
+            partner = pairs.get((pg, peer, rank))
+            if partner is None or partner.seq < entry.seq:
+                young.append(
+                    _Block(pg, entry.op, entry.seq, [rank], [peer], entry.age_s, entry.age_s)
+                )
+        return young
 
     def _members(self, state: _Job, pg: str) -> tuple[set[int], bool]:
         """The members of ``pg`` and whether they are known (reported by the probes, or
@@ -677,7 +712,9 @@ class _Waits:
         groups: Mapping[str, Mapping[int, _Entry]],
         pairs: Mapping[tuple[str, int, int], _Entry],
         timeout: float,
+        young: Sequence[_Block] = (),
     ) -> None:
+        """``young``: ops ranks wait in for less than ``timeout`` (only for victims)."""
         self.blocks = blocks
         self.timeout = timeout
         self._groups = groups
@@ -687,6 +724,14 @@ class _Waits:
         for block in blocks:
             for rank in block.waiting:
                 self.waits_in.setdefault(rank, []).append(block)
+            for rank in block.missing:
+                self._held_up.setdefault(rank, set()).update(block.waiting)
+        # Where each waiting rank is, for the findings' text: a blocked op first.
+        self._where: dict[int, _Block] = {}
+        for block in [*blocks, *young]:
+            for rank in block.waiting:
+                self._where.setdefault(rank, block)
+        for block in young:
             for rank in block.missing:
                 self._held_up.setdefault(rank, set()).update(block.waiting)
         self._busy = {e.rank for entries in groups.values() for e in entries.values()}
@@ -737,8 +782,8 @@ class _Waits:
         ``direct`` waiters, by the op they wait in; "" if none."""
         by_op: dict[str, list[int]] = {}
         for rank in victims:
-            if rank not in direct and rank in self.waits_in:
-                by_op.setdefault(_op_text(self.waits_in[rank][0]), []).append(rank)
+            if rank not in direct and rank in self._where:
+                by_op.setdefault(_op_text(self._where[rank]), []).append(rank)
         return "".join(
             f"; {_ranks(ranks)} wait{'s' if len(ranks) == 1 else ''} behind it in {where}"
             for where, ranks in by_op.items()
