@@ -10,7 +10,7 @@ import pytest
 
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.hang import HangDetector
-from torshmon.wire import InflightOp
+from torshmon.wire import InflightOp, ProcessGroupMembers
 
 DATA = Path(__file__).parent / "data" / "detection"
 NOW = 1000.0
@@ -46,6 +46,9 @@ def test_golden_scenarios(path: Path) -> None:
     scenario: dict[str, Any] = json.loads(path.read_text())
     det = HangDetector(timeout_s=scenario["timeout_s"])
     det.set_world("demo", scenario["world_size"])
+    det.observe_groups(
+        "demo", msgspec.convert(scenario.get("groups", []), list[ProcessGroupMembers])
+    )
     for report in scenario["reports"]:
         inflight = msgspec.convert(report["inflight"], list[InflightOp])
         det.observe("demo", report["rank"], report["ts_unix_s"], inflight)
@@ -57,6 +60,7 @@ def test_golden_scenarios(path: Path) -> None:
                 "reason": f.details["reason"],
                 "waiting_ranks": f.details["waiting_ranks"],
                 "seq": f.details["seq"],
+                "victims": f.details["victims"],
                 "summary": f.summary,
             }
             for f in findings
@@ -192,13 +196,12 @@ def test_point_to_point_is_judged_only_between_the_two_ranks() -> None:
     det.observe("demo", 0, NOW, [_op(4, 6.0, op="send", peer=1)])
     det.observe("demo", 1, NOW, [_op(3, 9.0, op="recv", peer=0)])  # still on an older recv
     det.observe("demo", 2, NOW, [])  # not involved: never named
-    by_rank = _by_rank(det.evaluate(NOW))
-    assert set(by_rank) == {"1", "0"}
-    assert by_rank["1"].details["reason"] == "stuck_in_older_op"
-    assert by_rank["1"].labels["op"] == "send"
-    # rank 1's recv #3 is, from its side, waiting on rank 0 which moved on
-    assert by_rank["0"].details["reason"] == "never_joined"
-    assert by_rank["0"].details["waiting_ranks"] == [1]
+    # Rank 1 is behind on its ops with rank 0: it is the cause, and rank 0, which moved
+    # on to send #4, waits for it - a victim, not blamed for rank 1's recv #3.
+    (finding,) = det.evaluate(NOW)
+    assert dict(finding.labels) == {"job": "demo", "rank": "1", "op": "send", "pg": "default"}
+    assert finding.details["reason"] == "stuck_in_older_op"
+    assert finding.details["waiting_ranks"] == [0]
 
 
 def test_it_accepts_any_object_with_the_inflight_fields() -> None:
@@ -350,3 +353,82 @@ def test_an_exited_rank_waits_in_nothing_and_is_named_as_exited() -> None:
     found = det.evaluate(NOW, {"a": NOW, "b": NOW}, gone={("demo", 2)})
     assert [(f.labels["rank"], f.details["reason"]) for f in found] == [("2", "process_gone")]
     assert "has exited" in found[0].summary
+
+
+# -- membership, root cause and victims (issue 19) --------------------------------------
+
+
+def _groups(**members: list[int]) -> list[ProcessGroupMembers]:
+    return [ProcessGroupMembers(pg=pg, ranks=ranks) for pg, ranks in members.items()]
+
+
+def test_without_reported_members_a_subgroup_is_not_said_to_have_every_member_in() -> None:
+    det = _detector(world=4)
+    det.observe("demo", 2, NOW, [_op(7, 8.0, pg="3")])
+    det.observe("demo", 3, NOW, [])
+    for rank in (0, 1):
+        det.observe("demo", rank, NOW, [_op(31, 7.5, op="ddp_reduce")])
+    unknown = {f.details["reason"]: f for f in det.evaluate(NOW)}
+    assert "its members were not reported" in unknown["all_stuck"].summary
+    # Once the probes report group 3's members, rank 3 is the one named, alone.
+    det.observe_groups("demo", _groups(**{"3": [2, 3]}))
+    (finding,) = det.evaluate(NOW)
+    assert (finding.labels["rank"], finding.labels["pg"]) == ("3", "3")
+    assert finding.details["members"] == [2, 3]
+    assert finding.details["victims"] == [0, 1, 2]
+
+
+def test_a_rank_briefly_busy_in_another_group_is_not_named_until_its_own_wait_lasts() -> None:
+    det = _detector(world=4)
+    det.observe_groups("demo", _groups(**{"3": [2, 3]}))
+    for rank in (0, 1):
+        det.observe("demo", rank, NOW, [_op(31, 6.0)])
+    det.observe("demo", 2, NOW, [_op(7, 1.0, pg="3")])  # entered a second ago
+    det.observe("demo", 3, NOW, [])
+    (finding,) = det.evaluate(NOW)
+    assert finding.labels["rank"] == "3"  # not in any collective: it holds world #31 up
+    assert finding.labels["pg"] == "default"
+    # Later rank 2's own wait in group 3 has lasted too: rank 2 is a victim, and rank 3
+    # is still named for world #31, the op it has held up longest (one identity).
+    det.observe("demo", 2, NOW + 4.5, [_op(7, 5.5, pg="3")])
+    det.observe("demo", 3, NOW + 4.5, [])
+    for rank in (0, 1):
+        det.observe("demo", rank, NOW + 4.5, [_op(31, 10.5)])
+    (finding,) = det.evaluate(NOW + 4.5)
+    assert (finding.labels["rank"], finding.labels["pg"]) == ("3", "default")
+    assert finding.details["victims"] == [0, 1, 2]
+
+
+def test_a_waiting_rank_is_not_named_while_its_own_op_is_young() -> None:
+    det = _detector(world=4)
+    det.observe_groups("demo", _groups(**{"3": [2, 3]}))
+    for rank in (0, 1):
+        det.observe("demo", rank, NOW, [_op(31, 6.0)])
+    det.observe("demo", 2, NOW, [_op(7, 1.0, pg="3")])
+    det.observe("demo", 3, NOW, [_op(7, 1.0, pg="3")])  # both in it: about to finish
+    assert det.evaluate(NOW) == []
+
+
+def test_groups_naming_ranks_outside_the_world_are_ignored() -> None:
+    det = _detector(world=2)
+    det.observe_groups("demo", _groups(**{"5": [1, 2]}, **{"6": []}))
+    det.observe("demo", 0, NOW, [_op(1, 6.0, pg="5")])
+    det.observe("demo", 1, NOW, [])
+    # "5" falls back to the ranks seen on it: rank 0 only, so nobody is named missing
+    (finding,) = det.evaluate(NOW)
+    assert finding.details["reason"] == "all_stuck"
+
+
+def test_victims_are_listed_from_the_first_finding_even_before_their_own_wait_lasts() -> None:
+    det = _detector(world=4)
+    det.observe("demo", 0, NOW, [_op(9, 6.0, op="irecv", peer=1)])
+    det.observe("demo", 1, NOW, [])  # never posts its send
+    for rank in (2, 3):
+        det.observe("demo", rank, NOW, [_op(20, 0.5)])  # just entered the next all-reduce
+    (finding,) = det.evaluate(NOW)
+    assert (finding.labels["rank"], finding.labels["op"]) == ("1", "irecv")
+    assert finding.details["victims"] == [0, 2, 3]
+    assert finding.summary == (
+        "rank 1 of job demo never posted the send matching rank 0's irecv #9 on pg default, "
+        "entered 6.0 s ago; ranks 2, 3 wait behind it in all_reduce #20 on pg default"
+    )

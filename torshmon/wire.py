@@ -216,6 +216,17 @@ class InflightOp(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     peer: Rank | None = None
 
 
+class ProcessGroupMembers(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A process group this rank belongs to: ``pg`` is the label ``InflightOp`` uses
+    (``default`` for the world group, else torch's group name, the same on every member);
+    ``ranks`` its members' global ranks in group-rank order; ``desc`` torch's group
+    description (e.g. DeviceMesh's ``mesh_dp``), "" where it has none."""
+
+    pg: Label
+    ranks: list[Rank]
+    desc: Label = ""
+
+
 class LinkPeerResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One pair of a link check as one rank timed it: ``size_bytes`` sent each way to
     and received from ``peer`` at once, in ``duration_s`` (after both were ready)."""
@@ -267,9 +278,12 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", ta
     drop (no agent, or a slow one); it is cumulative so a lost batch loses no count.
     A batch with no steps is a heartbeat; it still carries ``inflight``, which is
     how a rank stuck inside a collective is seen. ``link_checks`` are this rank's
-    results of link checks run since the previous batch. ``urgent``: the probe's fast
-    lane is open (a step out of line with the rank's recent ones); the agent forwards
-    it without waiting to gather more.
+    results of link checks run since the previous batch. ``groups``: the process groups
+    this rank belongs to, with their members; sent when they change, in the first batch
+    of each connection, while an op has been in flight for a second or more, and every
+    30 s, so an aggregator that restarted learns them again (empty: unchanged).
+    ``urgent``: the probe's fast lane is open (a step out of line with the rank's recent
+    ones); the agent forwards it without waiting to gather more.
     """
 
     v: int
@@ -284,6 +298,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", ta
     command_acks: list[CommandAck] = []
     link_checks: list[LinkCheckResult] = []
     urgent: bool = False
+    groups: list[ProcessGroupMembers] = []
 
 
 class Ack(msgspec.Struct, frozen=True, kw_only=True, tag="ack", tag_field="kind"):

@@ -138,3 +138,28 @@ def rebuild_reducer(
     if hook is not None:
         module.logger._set_comm_hook_name(getattr(hook, "__qualname__", "torshmon"))
         dist._register_comm_hook(module.reducer, None, hook)
+
+
+def process_groups() -> list[tuple[Any, list[int]]] | None:
+    """Every process group this rank belongs to, with its members' global ranks in
+    group-rank order; None where torch's registry of groups cannot be read.
+
+    torch records each group it creates (``init_process_group``, ``new_group``,
+    ``new_subgroups``, DeviceMesh, ``split_group``) in ``_world.pg_group_ranks``, so
+    groups created before attach, or through a reference to torch's functions taken
+    before it, are found here too. A rank outside a ``new_group`` gets a placeholder
+    (``GroupMember.NON_GROUP_MEMBER``), which is skipped. Safe from any thread: the
+    table is copied in one call under the GIL.
+    """
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        table = dict(c10d._world.pg_group_ranks)
+        kind = c10d.ProcessGroup
+    except (AttributeError, ImportError, RuntimeError):
+        return None
+    out = []
+    for pg, ranks in table.items():
+        if isinstance(pg, kind) and isinstance(ranks, dict):
+            out.append((pg, [g for g, _ in sorted(ranks.items(), key=lambda item: item[1])]))
+    return out

@@ -26,6 +26,7 @@ from torshmon.probe.commhook import DispatchingCommHook
 from torshmon.probe.config import CommConfig, ConfigError
 from torshmon.probe.events import RawStep, StepEvents
 from torshmon.probe.gpu import cuda_memory
+from torshmon.probe.groups import GroupRegistry
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkCheckRequest
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
@@ -169,6 +170,7 @@ class Monitor:
             flush_interval_s=flush_interval_s,
             max_buffered_steps=max_buffered_steps,
             on_commands=self._on_commands,
+            groups=GroupRegistry(dist.group.WORLD, self.world_size),
         )
         self._shipper.start()
         atexit.register(self.close)

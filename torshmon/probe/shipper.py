@@ -35,6 +35,7 @@ import msgspec
 from torshmon.backoff import backoff_s
 from torshmon.probe.events import RawStep
 from torshmon.probe.fastlane import FastLane
+from torshmon.probe.groups import GroupRegistry
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.summary import summarize_step
 from torshmon.probe.timing import PendingTiming, StepGate, resolve
@@ -150,7 +151,7 @@ class Shipper:
     within a job's closing flush. A batch once written to a socket is never changed:
     the agent may have stored it under its seq.
     An agent served by a uid outside ``trusted_uids`` (default: trusted_agent_uids())
-    is treated as no agent.
+    is treated as no agent. ``groups``: this rank's process groups, sent as it says.
     ``start()`` once, ``close()`` any number of times.
     """
 
@@ -171,12 +172,14 @@ class Shipper:
         on_commands: Callable[[list[Command]], None] | None = None,
         fast_lane: FastLane | None = None,
         trusted_uids: frozenset[int] | None = None,
+        groups: GroupRegistry | None = None,
     ) -> None:
         self._socket_path = socket_path
         self._trusted_uids = trusted_uids if trusted_uids is not None else trusted_agent_uids()
         self._hello = hello
         self._outbox = outbox
         self._inflight = inflight
+        self._groups = groups
         self._flush_interval_s = flush_interval_s
         self._poll_s = min(poll_s, flush_interval_s)
         self.fast_lane = fast_lane if fast_lane is not None else FastLane()
@@ -286,6 +289,8 @@ class Shipper:
             self._dropped_here += excess
             steps = steps[excess:]
         self._last_batch = time.monotonic()
+        inflight = self._inflight.oldest()
+        groups = self._groups.take(inflight) if self._groups is not None else []
         last = self._unacked[-1] if self._unacked else None
         if (
             last is not None
@@ -298,10 +303,11 @@ class Shipper:
                 sent_unix_ns=time.time_ns(),
                 dropped_records_total=self.dropped_records_total,
                 steps=[*last.steps, *steps],
-                inflight=self._inflight.oldest(),
+                inflight=inflight,
                 command_acks=[*last.command_acks, *self.command_acks.drain()],
                 link_checks=[*last.link_checks, *self.link_checks.drain()],
                 urgent=last.urgent or urgent,
+                groups=groups or last.groups,
             )
             self._buffered_steps += len(steps)
             return
@@ -314,10 +320,11 @@ class Shipper:
             sent_unix_ns=time.time_ns(),
             dropped_records_total=self.dropped_records_total,
             steps=steps,
-            inflight=self._inflight.oldest(),
+            inflight=inflight,
             command_acks=self.command_acks.drain(),
             link_checks=self.link_checks.drain(),
             urgent=urgent,
+            groups=groups,
         )
         self._unacked.append(batch)
         self._buffered_steps += len(steps)
@@ -334,6 +341,8 @@ class Shipper:
             self._schedule_reconnect(exc)
             return
         self._sock = sock
+        if self._groups is not None:
+            self._groups.resend()
         self._connect_failures = 0
         self._down_log.reset()
         if self._was_connected:

@@ -1,10 +1,10 @@
-"""Hung collectives, named by the rank that never joined, from in-flight reports.
+"""Hung collectives, named by the rank that holds them up, from in-flight reports.
 
 Every batch of a rank carries its in-flight operations: the oldest unfinished op per
 process group (per group and peer for point-to-point), numbered per group so the same
 ``seq`` on two ranks is the same collective. A collective that some ranks have been
-in for more than ``timeout_s`` while other ranks of its group are not in it is a
-hang, and the ranks that are not in it are at fault:
+in for more than the timeout while other members of its group are not in it is
+blocked, and the members that are not in it hold it up:
 
 - a rank whose report has no op on that group never joined (it is computing, stuck
   in Python or a data loader, or took a different code path);
@@ -12,15 +12,29 @@ hang, and the ranks that are not in it are at fault:
 - a rank with no report for more than ``timeout_s`` (crashed, frozen, node gone), or
   none at all, stopped reporting.
 
-If every member has been in the collective for more than ``timeout_s``, all joined
-and the collective itself is stuck (network, backend): one job-level finding without
-a rank. Point-to-point ops pair per peer: rank r's op #k with peer p matches p's op #k
-with peer r, and only those two ranks are compared.
+Root cause and consequence: a rank missing from one blocked op may itself be waiting
+in another blocked op (of another group, or a point-to-point op) - it is a victim,
+and the chain is followed to the rank at its end, the culprit. One finding names each
+culprit, with the blocked op it has held up longest, that group's members, and every
+rank waiting behind it (``details["victims"]``); victims are never named. A rank
+missing from a blocked op while in flight elsewhere for less than the timeout is not
+named yet (its own wait is judged once it has lasted). Blocked ops whose missing ranks
+only wait for each other are a deadlock (collectives issued in different orders):
+each such rank is named, with reason ``deadlock``.
 
-Membership: the default group ("default") holds ranks ``0..world_size-1`` once
-``set_world`` was called, else every rank that has reported. Other groups hold the
-ranks seen in flight on them so far; a member that was never seen on its group cannot
-be named missing (only a lagging or silent one).
+If every member of a group has been in its collective for more than the timeout, all
+joined and the collective itself is stuck (network, backend): one finding for that
+group, without a rank, naming the ranks waiting behind it. Point-to-point ops pair
+per peer: rank r's op #k with peer p matches p's op #k with peer r, only those two
+ranks are compared, and a peer that never posted the matching op is named.
+
+Membership: a group's members are those the probes reported (``observe_groups``:
+each probe lists the groups it belongs to, by the label its in-flight ops carry). The
+default group ("default") otherwise holds ranks ``0..world_size-1`` once
+``set_world`` was called, else every rank that has reported; another group whose
+members were never reported holds the ranks seen in flight on it so far (a member
+that was never seen on it cannot be named missing, and an all-joined verdict says
+the members are unknown).
 
 Timeouts: a collective counts as hung after ``timeout_s`` (5 s), or sooner in a job
 whose steps are short: ``step_multiple`` (20) times its typical step duration (fed by
@@ -78,9 +92,21 @@ _SILENT_ADVICE: Final = (
     "Rank {rank} stopped reporting: check whether its process is alive (crash, OOM "
     "kill, SIGSTOP), its node and its agent; the other ranks are waiting for it."
 )
+_P2P_ADVICE: Final = (
+    "Rank {rank} never posted the send or receive that matches {waiting}'s: dump its "
+    "stacks (py-spy dump --pid) - a pipeline schedule that differs between the two ranks, "
+    "a wrong peer or tag, or a rank stuck before it posts (data loader, host computation)."
+)
+_DEADLOCK_ADVICE: Final = (
+    "The ranks wait for each other in a cycle: rank {rank} waits in a collective that a "
+    "peer never joins while that peer waits for rank {rank} elsewhere - the ranks issue "
+    "collectives on these groups in different orders (or under rank-dependent "
+    "conditions). Compare the order of collectives across ranks (py-spy dump --pid on "
+    "each, TORCH_DISTRIBUTED_DEBUG=DETAIL)."
+)
 _ALL_STUCK_ADVICE: Final = (
-    "Every rank joined, so the collective itself does not complete: suspect the network "
-    "or the backend - links and NICs between the nodes (NCCL_DEBUG=INFO, "
+    "Every member joined, so the collective itself does not complete: suspect the network "
+    "or the backend between its members - links and NICs between the nodes (NCCL_DEBUG=INFO, "
     "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME), firewalls and ports, a failing peer node. "
     "A process-group timeout will abort the job eventually."
 )
@@ -101,6 +127,15 @@ class InflightLike(Protocol):
     def age_s(self) -> float: ...
     @property
     def peer(self) -> int | None: ...
+
+
+class GroupLike(Protocol):
+    """What the detector reads of a group (``torshmon.wire.ProcessGroupMembers`` fits)."""
+
+    @property
+    def pg(self) -> str: ...
+    @property
+    def ranks(self) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +160,10 @@ class _Report:
 class _Job:
     world_size: int | None = None
     reports: dict[int, _Report] = field(default_factory=dict)
-    # Non-default groups: ranks ever seen in flight on them.
+    # Non-default groups: ranks ever seen in flight on them (where none reported them).
     members: dict[str, set[int]] = field(default_factory=dict)
+    # Groups' members as the probes reported them, by ``pg`` label.
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
     since: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
     #: Moving average of the job's step durations (None until one is observed).
     step_s: float | None = None
@@ -214,6 +251,19 @@ class HangDetector:
             del state.reports[rank]
         for members in state.members.values():
             members.difference_update([r for r in members if r >= world_size])
+        for pg in [pg for pg, ranks in state.groups.items() if max(ranks) >= world_size]:
+            del state.groups[pg]
+
+    def observe_groups(self, job: str, groups: Sequence[GroupLike]) -> None:
+        """Record process groups' members as a rank reported them (each member reports
+        the same list; the latest wins). Groups naming a rank outside a declared world,
+        or none, are ignored."""
+        state = self._job(job)
+        for group in groups:
+            ranks = tuple(group.ranks)
+            if not ranks or (state.world_size is not None and max(ranks) >= state.world_size):
+                continue
+            state.groups[group.pg] = ranks
 
     def observe(
         self,
@@ -327,36 +377,76 @@ class HangDetector:
                     groups.setdefault(op.pg, {})[rank] = entry
                 else:
                     pairs[(op.pg, rank, op.peer)] = entry
+        timeout = self._collective_timeout(state)
+        blocks = [
+            block
+            for pg in sorted(groups)
+            if (block := self._group_block(state, pg, groups[pg], timeout)) is not None
+        ]
+        blocks.extend(_pair_blocks(pairs, timeout))
         found: dict[tuple[str, tuple[tuple[str, str], ...]], Finding] = {}
-        for pg in sorted(groups):
-            if pg == DEFAULT_PG:
-                members = (
-                    set(range(state.world_size))
-                    if state.world_size is not None
-                    else set(state.reports)
-                )
-            else:
-                members = state.members.get(pg, set())
-            self._check_group(job, state, now, pg, groups[pg], members, found)
-        self._check_pairs(job, state, now, pairs, found)
+        if blocks:
+            blocked = {b.pg for b in blocks if b.members is not None}
+            young = self._young_waits(state, groups, pairs, blocked)
+            waits = _Waits(blocks, groups, pairs, timeout, young)
+            self._attribute(job, state, now, waits, found)
         active_keys = set(found)
         state.since = {k: v for k, v in state.since.items() if k in active_keys}
         return [found[k] for k in sorted(found)]
 
-    def _check_group(
+    def _young_waits(
         self,
-        job: str,
         state: _Job,
-        now: float,
-        pg: str,
-        entries: dict[int, _Entry],
-        members: set[int],
-        found: dict[tuple[str, tuple[tuple[str, str], ...]], Finding],
-    ) -> None:
-        timeout = self._collective_timeout(state)
+        groups: Mapping[str, Mapping[int, _Entry]],
+        pairs: Mapping[tuple[str, int, int], _Entry],
+        blocked: set[str],
+    ) -> list[_Block]:
+        """Ops ranks wait in, not yet past the timeout, for members not in them: their
+        ranks are victims too, named in the culprit's finding from its first report."""
+        young = []
+        for pg, entries in groups.items():
+            members, known = self._members(state, pg)
+            if pg in blocked or not known or not entries:
+                continue
+            counts: dict[int, int] = {}
+            for e in entries.values():
+                counts[e.seq] = counts.get(e.seq, 0) + 1
+            seq = max(counts, key=lambda s: (counts[s], s))
+            waiting = sorted(r for r, e in entries.items() if e.seq == seq)
+            missing = sorted(members - set(waiting))
+            if missing:
+                age = max(entries[r].age_s for r in waiting)
+                op = entries[waiting[0]].op
+                young.append(_Block(pg, op, seq, waiting, missing, age, age, sorted(members)))
+        for (pg, rank, peer), entry in pairs.items():
+            partner = pairs.get((pg, peer, rank))
+            if partner is None or partner.seq < entry.seq:
+                young.append(
+                    _Block(pg, entry.op, entry.seq, [rank], [peer], entry.age_s, entry.age_s)
+                )
+        return young
+
+    def _members(self, state: _Job, pg: str) -> tuple[set[int], bool]:
+        """The members of ``pg`` and whether they are known (reported by the probes, or
+        the world for the default group) rather than the ranks seen in flight on it."""
+        reported = state.groups.get(pg)
+        if reported is not None:
+            return set(reported), True
+        if pg == DEFAULT_PG:
+            if state.world_size is not None:
+                return set(range(state.world_size)), True
+            return set(state.reports), False
+        return set(state.members.get(pg, ())), False
+
+    def _group_block(
+        self, state: _Job, pg: str, entries: dict[int, _Entry], timeout: float
+    ) -> _Block | None:
+        """The collective of ``pg`` its ranks are held in past ``timeout``, if any."""
+        members, known = self._members(state, pg)
+        entries = {r: e for r, e in entries.items() if r in members or not known}
         stuck_seqs = {e.seq for e in entries.values() if e.age_s > timeout}
         if not stuck_seqs:
-            return
+            return None
         counts: dict[int, int] = {}
         for e in entries.values():
             counts[e.seq] = counts.get(e.seq, 0) + 1
@@ -364,46 +454,52 @@ class HangDetector:
         # since a rank lagging on an older op is the usual culprit.
         seq = max(stuck_seqs, key=lambda s: (counts[s], s))
         waiting = sorted(r for r, e in entries.items() if e.seq == seq)
-        op = entries[waiting[0]].op
-        age = max(entries[r].age_s for r in waiting)
+        ages = [entries[r].age_s for r in waiting]
         missing = sorted(members - set(waiting))
-        if not missing:
-            youngest = min(entries[r].age_s for r in waiting)
-            if youngest > timeout:
-                finding = self._all_stuck(job, pg, op, seq, waiting, age)
-                self._add(found, state, finding, now - youngest + timeout)
-            return
-        for rank in missing:
-            own = entries.get(rank)
-            named = self._missing(job, state, now, rank, pg, op, seq, waiting, age, own)
-            if named is not None:
-                self._add(found, state, named, now - age + timeout)
+        if not missing and min(ages) <= timeout:
+            return None  # every member is in it, the last only just: not stuck yet
+        return _Block(
+            pg=pg,
+            op=entries[waiting[0]].op,
+            seq=seq,
+            waiting=waiting,
+            missing=missing,
+            age_s=max(ages),
+            youngest_s=min(ages),
+            members=sorted(members | set(waiting)),
+            known=known,
+        )
 
-    def _check_pairs(
+    def _attribute(
         self,
         job: str,
         state: _Job,
         now: float,
-        pairs: dict[tuple[str, int, int], _Entry],
+        waits: _Waits,
         found: dict[tuple[str, tuple[tuple[str, str], ...]], Finding],
     ) -> None:
-        timeout = self._collective_timeout(state)
-        for (pg, rank, peer), entry in sorted(pairs.items()):
-            if entry.age_s <= timeout:
-                continue
-            partner = pairs.get((pg, peer, rank))
-            if partner is not None and partner.seq == entry.seq:
-                if partner.age_s > timeout and rank < peer:
-                    age = max(entry.age_s, partner.age_s)
-                    youngest = min(entry.age_s, partner.age_s)
-                    finding = self._all_stuck(job, pg, entry.op, entry.seq, [rank, peer], age)
-                    self._add(found, state, finding, now - youngest + timeout)
-                continue
-            named = self._missing(
-                job, state, now, peer, pg, entry.op, entry.seq, [rank], entry.age_s, partner
-            )
+        """Name the root causes of the job's blocked ops; the ranks waiting because of
+        them are their victims, named in their findings and never blamed."""
+        culprits: dict[int, list[_Block]] = {}
+        for block in waits.blocks:
+            for rank in block.missing:
+                if waits.role(block, rank) == "culprit":
+                    culprits.setdefault(rank, []).append(block)
+        deadlocked = waits.deadlocked()
+        cycle = {rank for block in deadlocked for rank in block.missing}
+        for block in deadlocked:
+            for rank in block.missing:
+                culprits.setdefault(rank, []).append(block)
+        for rank, held in sorted(culprits.items()):
+            block = max(held, key=lambda b: (b.age_s, b.pg, b.seq))
+            reason = "deadlock" if block in deadlocked else None
+            named = self._missing(job, state, now, rank, block, waits, reason, cycle)
             if named is not None:
-                self._add(found, state, named, now - entry.age_s + timeout)
+                self._add(found, state, named, now - block.age_s + waits.timeout)
+        for block in waits.blocks:
+            if not block.missing:
+                finding = self._all_stuck(job, block, waits)
+                self._add(found, state, finding, now - block.youngest_s + waits.timeout)
 
     def _add(
         self,
@@ -429,27 +525,61 @@ class HangDetector:
         state: _Job,
         now: float,
         rank: int,
-        pg: str,
-        op: str,
-        seq: int,
-        waiting: list[int],
-        age_s: float,
-        own: _Entry | None,
+        block: _Block,
+        waits: _Waits,
+        reason: str | None,
+        cycle: Collection[int] = (),
     ) -> Finding | None:
-        """The finding naming ``rank``; None when its node went quiet (no evidence)."""
+        """The finding naming ``rank`` as the cause of ``block`` (``reason`` "deadlock",
+        or None to read it from the rank's report; ``cycle``: the ranks of the deadlock,
+        not its victims); None when its node went quiet."""
         report = state.reports.get(rank)
         if report is not None and self._quiet(report, now):
             return None
+        own = waits.own(block, rank)
+        op, seq, pg = block.op, block.seq, block.pg
+        waiting = block.waiting
         who = _ranks(waiting)
-        joined = f"{op} #{seq} on pg {pg} that {who} entered {age_s:.1f} s ago"
-        details: dict[str, object] = {"waiting_ranks": waiting, "seq": seq, "age_s": age_s}
-        if (job, rank) in self._gone:
+        where = f"pg {pg}" + _members_text(block)
+        if block.members is None:
+            counterpart = "recv" if op in ("send", "isend") else "send"
+            joined = (
+                f"posted the {counterpart} matching {who}'s {op} #{seq} on {where}, "
+                f"entered {block.age_s:.1f} s ago"
+            )
+        else:
+            joined = f"joined {op} #{seq} on {where} that {who} entered {block.age_s:.1f} s ago"
+        victims = waits.victims([rank], exclude=cycle)
+        details: dict[str, object] = {
+            "waiting_ranks": waiting,
+            "seq": seq,
+            "age_s": block.age_s,
+            "victims": victims,
+        }
+        if block.members is not None:
+            details["members"] = block.members
+        advice = _P2P_ADVICE if block.members is None else _NEVER_JOINED_ADVICE
+        if reason == "deadlock":
+            elsewhere = waits.waits_in.get(rank, [])
+            there = elsewhere[0] if elsewhere else None
+            in_text = (
+                ""
+                if there is None
+                else f": it waits in {_op_text(there)} for {_ranks(there.missing)}, a deadlock"
+            )
+            summary = f"rank {rank} of job {job} never {joined}{in_text}"
+            advice = _DEADLOCK_ADVICE
+            if there is not None:
+                details["rank_op"] = there.op
+                details["rank_seq"] = there.seq
+                details["rank_pg"] = there.pg
+        elif (job, rank) in self._gone:
             reason = "process_gone"
-            summary = f"rank {rank} of job {job} has exited and never joined {joined}"
+            summary = f"rank {rank} of job {job} has exited and never {joined}"
             advice = _SILENT_ADVICE
         elif report is None:
             reason = "no_report"
-            summary = f"rank {rank} of job {job} has not reported and never joined {joined}"
+            summary = f"rank {rank} of job {job} has not reported and never {joined}"
             advice = _SILENT_ADVICE
         elif now - report.ts_unix_s > self._timeout_s:
             reason = "stopped_reporting"
@@ -457,56 +587,233 @@ class HangDetector:
             details["last_report_age_s"] = silent_s
             summary = (
                 f"rank {rank} of job {job} stopped reporting {silent_s:.1f} s ago and never "
-                f"joined {joined}"
+                f"{joined}"
             )
             advice = _SILENT_ADVICE
         elif own is not None and own.seq < seq:
             reason = "stuck_in_older_op"
             details["rank_seq"] = own.seq
             details["rank_op"] = own.op
-            summary = (
-                f"rank {rank} of job {job} is stuck in {own.op} #{own.seq} and never joined "
-                f"{joined}"
-            )
+            summary = f"rank {rank} of job {job} is stuck in {own.op} #{own.seq} and never {joined}"
             advice = _OLDER_ADVICE
         else:
             reason = "never_joined"
-            summary = f"rank {rank} of job {job} never joined {joined}"
-            advice = _NEVER_JOINED_ADVICE
+            summary = f"rank {rank} of job {job} never {joined}"
+        if reason != "deadlock":
+            summary += waits.behind(victims, waiting)
         details["reason"] = reason
         return Finding(
             kind="hang",
             labels={"job": job, "rank": str(rank), "op": op, "pg": pg},
-            value=age_s,
-            score=age_s / self._timeout_s,
+            value=block.age_s,
+            score=block.age_s / self._timeout_s,
             summary=summary,
             since_unix_s=0.0,
-            recommendation=advice.format(rank=rank),
+            recommendation=advice.format(rank=rank, waiting=who),
             severity="critical",
             details=details,
         )
 
-    def _all_stuck(
-        self, job: str, pg: str, op: str, seq: int, waiting: list[int], age_s: float
-    ) -> Finding:
+    def _all_stuck(self, job: str, block: _Block, waits: _Waits) -> Finding:
+        """The finding for ``block`` that every member entered (no rank at fault)."""
+        waiting = block.waiting
+        victims = waits.victims(waiting)
         if len(waiting) == 2:
             who = f"ranks {waiting[0]} and {waiting[1]}"
         else:
             who = f"all {len(waiting)} ranks"
+        if block.members is None or (block.pg == DEFAULT_PG and block.known):
+            joined = "every rank joined"
+            who += f" of job {job}"
+        elif block.known:
+            joined = f"every member of pg {block.pg} joined"
+            who = f"{_ranks(waiting)} of job {job}"
+        else:
+            joined = "every rank seen on it joined (its members were not reported)"
+            who = f"{_ranks(waiting)} of job {job}"
+        summary = (
+            f"{who} have been in {block.op} #{block.seq} on pg {block.pg} for "
+            f"{block.age_s:.1f} s: {joined}, the collective itself is stuck"
+        )
+        summary += waits.behind(victims, waiting)
+        details: dict[str, object] = {
+            "waiting_ranks": waiting,
+            "seq": block.seq,
+            "age_s": block.age_s,
+            "reason": "all_stuck",
+            "victims": victims,
+        }
+        if block.members is not None:
+            details["members"] = block.members
         return Finding(
             kind="hang",
-            labels={"job": job, "op": op, "pg": pg},
-            value=age_s,
-            score=age_s / self._timeout_s,
-            summary=(
-                f"{who} of job {job} have been in {op} #{seq} on pg {pg} for {age_s:.1f} s: "
-                "every rank joined, the collective itself is stuck"
-            ),
+            labels={"job": job, "op": block.op, "pg": block.pg},
+            value=block.age_s,
+            score=block.age_s / self._timeout_s,
+            summary=summary,
             since_unix_s=0.0,
             recommendation=_ALL_STUCK_ADVICE,
             severity="critical",
-            details={"waiting_ranks": waiting, "seq": seq, "age_s": age_s, "reason": "all_stuck"},
+            details=details,
         )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Block:
+    """An op ranks have been held in past the timeout: ``waiting`` are in it, ``missing``
+    are not (empty: every member is in it, so the op itself is stuck). ``members``: the
+    group's ranks, None for a point-to-point op (between ``waiting[0]`` and
+    ``missing[0]``); ``known``: whether they were reported rather than seen."""
+
+    pg: str
+    op: str
+    seq: int
+    waiting: list[int]
+    missing: list[int]
+    age_s: float
+    youngest_s: float
+    members: list[int] | None = None
+    known: bool = True
+
+
+def _pair_blocks(pairs: Mapping[tuple[str, int, int], _Entry], timeout: float) -> list[_Block]:
+    """Point-to-point ops held past ``timeout``: rank r's op #k with peer p matches p's
+    op #k with peer r, and only those two ranks are compared."""
+    blocks = []
+    for (pg, rank, peer), entry in sorted(pairs.items()):
+        if entry.age_s <= timeout:
+            continue
+        partner = pairs.get((pg, peer, rank))
+        if partner is not None and partner.seq == entry.seq:
+            if partner.age_s > timeout and rank < peer:
+                ages = (entry.age_s, partner.age_s)
+                blocks.append(
+                    _Block(pg, entry.op, entry.seq, [rank, peer], [], max(ages), min(ages))
+                )
+            continue
+        if partner is not None and partner.seq > entry.seq:
+            continue  # this rank is the one behind: its peer's op names it
+        blocks.append(_Block(pg, entry.op, entry.seq, [rank], [peer], entry.age_s, entry.age_s))
+    return blocks
+
+
+class _Waits:
+    """Who waits for whom among a job's blocked ops, at one evaluation.
+
+    A rank missing from a blocked op is its cause (a culprit) unless it is itself held
+    in another blocked op (a victim: the chain goes on from there) or is in flight
+    elsewhere for less than the timeout (pending: its own wait is judged once it has
+    lasted). Blocked ops that wait only on each other's ranks are a deadlock.
+    """
+
+    def __init__(
+        self,
+        blocks: list[_Block],
+        groups: Mapping[str, Mapping[int, _Entry]],
+        pairs: Mapping[tuple[str, int, int], _Entry],
+        timeout: float,
+        young: Sequence[_Block] = (),
+    ) -> None:
+        """``young``: ops ranks wait in for less than ``timeout`` (only for victims)."""
+        self.blocks = blocks
+        self.timeout = timeout
+        self._groups = groups
+        self._pairs = pairs
+        self.waits_in: dict[int, list[_Block]] = {}
+        self._held_up: dict[int, set[int]] = {}
+        for block in blocks:
+            for rank in block.waiting:
+                self.waits_in.setdefault(rank, []).append(block)
+            for rank in block.missing:
+                self._held_up.setdefault(rank, set()).update(block.waiting)
+        # Where each waiting rank is, for the findings' text: a blocked op first.
+        self._where: dict[int, _Block] = {}
+        for block in [*blocks, *young]:
+            for rank in block.waiting:
+                self._where.setdefault(rank, block)
+        for block in young:
+            for rank in block.missing:
+                self._held_up.setdefault(rank, set()).update(block.waiting)
+        self._busy = {e.rank for entries in groups.values() for e in entries.values()}
+        self._busy.update(rank for _pg, rank, _peer in pairs)
+
+    def own(self, block: _Block, rank: int) -> _Entry | None:
+        """``rank``'s own op on ``block``'s group (with its peer for point-to-point)."""
+        if block.members is None:
+            return self._pairs.get((block.pg, rank, block.waiting[0]))
+        return self._groups.get(block.pg, {}).get(rank)
+
+    def role(self, block: _Block, rank: int) -> str:
+        """ "culprit", "victim" or "pending" for a rank missing from ``block``."""
+        own = self.own(block, rank)
+        if own is not None and own.seq != block.seq:
+            return "culprit"  # behind on an older op of the group, or skipped this one
+        if rank in self.waits_in:
+            return "victim"
+        if rank in self._busy:
+            return "pending"  # in flight elsewhere, not yet for long
+        return "culprit"
+
+    def deadlocked(self) -> list[_Block]:
+        """Blocked ops from which no chain of waits reaches a cause: their ranks wait
+        in a cycle (collectives issued in different orders on different ranks)."""
+        leads: dict[int, bool] = {}
+        for i, block in enumerate(self.blocks):
+            leads[i] = not block.missing or any(
+                self.role(block, rank) != "victim" for rank in block.missing
+            )
+        index = {id(block): i for i, block in enumerate(self.blocks)}
+        changed = True
+        while changed:
+            changed = False
+            for i, block in enumerate(self.blocks):
+                if leads[i]:
+                    continue
+                if any(
+                    leads[index[id(there)]]
+                    for rank in block.missing
+                    for there in self.waits_in.get(rank, ())
+                ):
+                    leads[i] = changed = True
+        return [block for i, block in enumerate(self.blocks) if not leads[i]]
+
+    def behind(self, victims: list[int], direct: list[int]) -> str:
+        """ "; ranks 0, 1 wait behind it in <op>", for the ``victims`` not among the
+        ``direct`` waiters, by the op they wait in; "" if none."""
+        by_op: dict[str, list[int]] = {}
+        for rank in victims:
+            if rank not in direct and rank in self._where:
+                by_op.setdefault(_op_text(self._where[rank]), []).append(rank)
+        return "".join(
+            f"; {_ranks(ranks)} wait{'s' if len(ranks) == 1 else ''} behind it in {where}"
+            for where, ranks in by_op.items()
+        )
+
+    def victims(self, causes: list[int], exclude: Collection[int] = ()) -> list[int]:
+        """Every rank held up, directly or through others, by the ranks ``causes``
+        (but those of ``exclude``)."""
+        seen = set(causes) | set(exclude)
+        frontier = list(causes)
+        out: set[int] = set()
+        while frontier:
+            rank = frontier.pop()
+            for waiter in self._held_up.get(rank, ()):
+                if waiter not in seen:
+                    seen.add(waiter)
+                    out.add(waiter)
+                    frontier.append(waiter)
+        return sorted(out)
+
+
+def _op_text(block: _Block) -> str:
+    return f"{block.op} #{block.seq} on pg {block.pg}"
+
+
+def _members_text(block: _Block) -> str:
+    """ " (members: ranks 0, 1)" for a known group other than the world, else ""."""
+    if block.members is None or block.pg == DEFAULT_PG or not block.known:
+        return ""
+    return f" (members: {_ranks(block.members)})"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -213,6 +213,8 @@ class LiveState:
             self._observe_steps(batch, job, r)
             if batch.urgent:
                 r.urgent_steps_total += len(batch.steps)
+        if batch.groups:
+            self.hang.observe_groups(batch.job, batch.groups)
         if job.world_size is None or batch.rank < job.world_size:
             # When the report was current, on the aggregator's clock: a batch replayed
             # from a spool is old news, not "now".
