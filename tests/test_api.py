@@ -113,6 +113,7 @@ class Api:
             live=self.live,
             commands=self.commands,
             tuning=self.tuning,
+            reports=self.store,
             registry=registry,
             clock=lambda: NOW,
         )

@@ -240,6 +240,7 @@ class Aggregator:
             live=self.live,
             commands=self.dispatch,
             tuning=self.tuning,
+            reports=self.store,
             registry=self.registry,
             clock=self.clock,
         )

@@ -29,6 +29,7 @@ from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.tuner import TunerError
 from torshmon.aggregator.http.guard import RequestGuard, read_body
 from torshmon.aggregator.http.openapi import openapi_document
+from torshmon.aggregator.http.pages import Pages, ReportSource
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.aggregator.tuning_manager import TuningConflict, TuningUnavailable
 from torshmon.history.query import QueryError, format_result, json_value, run_query
@@ -121,10 +122,12 @@ def make_app(
     live: LiveView,
     commands: CommandSink,
     tuning: Tuning,
+    reports: ReportSource,
     registry: CollectorRegistry,
     clock: Callable[[], float],
 ) -> web.Application:
-    """The API's application: JSON errors, ``guard`` before every handler, every route.
+    """The API's application: JSON errors, ``guard`` before every handler, every route,
+    and the pages (``/``, ``/jobs/{job}``; ``torshmon.aggregator.http.pages``).
 
     The caller may add routes (the ingest) before it starts serving.
     """
@@ -151,6 +154,7 @@ def make_app(
     r.add_get("/api/v1/tuning/sessions", h.tuning_sessions)
     r.add_get("/api/v1/tuning/trials", h.tuning_trials)
     r.add_post("/api/v1/query", h.query)
+    Pages(settings.token, guard, reports, clock).add_routes(r)
     return app
 
 
