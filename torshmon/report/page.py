@@ -11,6 +11,7 @@ executed) for whoever wants the numbers behind a plot.
 from __future__ import annotations
 
 import functools
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -36,7 +37,13 @@ def _environment() -> jinja2.Environment:
         autoescape=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.filters.update(when=when, seconds=seconds, percent=percent, number=_number)
+    env.filters.update(
+        when=when,
+        seconds=seconds,
+        percent=percent,
+        number=_number,
+        path_segment=functools.partial(urllib.parse.quote, safe=""),
+    )
     return env
 
 
