@@ -161,9 +161,12 @@ async def test_without_a_token_the_pages_are_open_as_the_api_is(history: History
         registry=CollectorRegistry(),
         clock=lambda: h.T0 + 5,
     )
-    async with TestServer(app) as server, ClientSession() as session:
-        async with session.get(server.make_url(JOB_PATH)) as response:
-            assert response.status == 200
-            page = await response.text()
+    async with (
+        TestServer(app) as server,
+        ClientSession() as session,
+        session.get(server.make_url(JOB_PATH)) as response,
+    ):
+        assert response.status == 200
+        page = await response.text()
     # Seen 15 s before "now": running, so the page reloads itself.
     assert '<meta http-equiv="refresh" content="15">' in page

@@ -11,7 +11,7 @@ import pytest
 
 from tests import report_history as h
 from torshmon.cli import main
-from torshmon.report import from_json, render_text, report_from_db, to_json
+from torshmon.report import from_json, report_from_db, to_json
 from torshmon.report.page import render_page
 
 

@@ -22,12 +22,14 @@ from torshmon.report.model import JobReport, alert_groups, to_json
 from torshmon.report.plots import plots
 from torshmon.report.text import percent, seconds, when
 
-#: The Content-Security-Policy that the pages need: inline styles (the page's and the
-#: plots' style attributes), a same-origin login form, nothing else.
-CONTENT_SECURITY_POLICY: Final = (
+#: What the pages may load: inline styles (the page's and the plots' style attributes),
+#: a same-origin login form, nothing else. A written page carries it in a <meta>.
+PAGE_POLICY: Final = (
     "default-src 'none'; style-src 'unsafe-inline'; img-src data:; form-action 'self'; "
-    "frame-ancestors 'none'; base-uri 'none'"
+    "base-uri 'none'"
 )
+#: The header the aggregator sends with them (frame-ancestors works in a header only).
+CONTENT_SECURITY_POLICY: Final = PAGE_POLICY + "; frame-ancestors 'none'"
 
 
 @functools.cache
@@ -37,6 +39,7 @@ def _environment() -> jinja2.Environment:
         autoescape=True,
         undefined=jinja2.StrictUndefined,
     )
+    env.globals["page_policy"] = PAGE_POLICY
     env.filters.update(
         when=when,
         seconds=seconds,
