@@ -22,6 +22,7 @@ from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.aggregator.tuning_manager import TuningConflict, TuningUnavailable
 from torshmon.history.models import Base
 from torshmon.history.store import HistoryStore, TuningSessionRow
+from torshmon.report.source import HistoryReports
 
 TOKEN = "api-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -113,7 +114,7 @@ class Api:
             live=self.live,
             commands=self.commands,
             tuning=self.tuning,
-            reports=self.store,
+            reports=HistoryReports(lambda: self.store.engine),
             registry=registry,
             clock=lambda: NOW,
         )

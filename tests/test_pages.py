@@ -21,6 +21,7 @@ from torshmon.aggregator.http.pages import SESSION_COOKIE, session_cookie
 from torshmon.cli import main
 from torshmon.history.store import HistoryStore
 from torshmon.report import from_json, report_from_aggregator
+from torshmon.report.source import HistoryReports
 
 JOB_PATH = "/jobs/" + urllib.parse.quote(h.JOB, safe="")
 
@@ -157,7 +158,7 @@ async def test_without_a_token_the_pages_are_open_as_the_api_is(history: History
         live=fakes.live,
         commands=fakes.commands,
         tuning=fakes.tuning,
-        reports=history,
+        reports=HistoryReports(lambda: history.engine),
         registry=CollectorRegistry(),
         clock=lambda: h.T0 + 5,
     )

@@ -4,7 +4,7 @@ Policy, and its plots carry the history's numbers (tests/report_history.py)."""
 
 from __future__ import annotations
 
-import re
+import itertools
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +22,7 @@ from torshmon.aggregator.http.guard import RequestGuard
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.cli import main
 from torshmon.history.store import HistoryStore
+from torshmon.report.source import HistoryReports
 from torshmon.report.text import when
 
 pytestmark = pytest.mark.integration
@@ -65,7 +66,7 @@ def _check(seen: dict[str, Any]) -> None:
     # Rank 0's steps grow by 10 ms each: its line climbs at every one of its 20 points;
     # rank 1's are all 50 ms: a flat line.
     ys0, ys1 = seen["step0_ys"], seen["step1_ys"]
-    assert len(ys0) == h.STEPS and all(b < a for a, b in zip(ys0, ys0[1:], strict=False))
+    assert len(ys0) == h.STEPS and all(b < a for a, b in itertools.pairwise(ys0))
     assert len(ys1) == h.STEPS and max(ys1) - min(ys1) < 0.01
     # The alert on the timeline: its hover names rule, rank and start, and it is drawn.
     assert seen["alert"].startswith(f"Straggler rank 1 (high, resolved): {when(h.STRAGGLER_START)}")
@@ -103,31 +104,28 @@ async def test_the_served_page_renders_under_its_security_headers(tmp_path: Path
         live=fakes.live,
         commands=fakes.commands,
         tuning=fakes.tuning,
-        reports=store,
+        reports=HistoryReports(lambda: store.engine),
         registry=CollectorRegistry(),
         clock=lambda: h.T0 + 100,
     )
     try:
-        async with TestServer(app, host="127.0.0.1") as server:
-            async with Browser(tmp_path / "profile") as browser:
-                await browser.load(str(server.make_url("/")))
-                links = await browser.evaluate(
-                    "[...document.querySelectorAll('a')].map(a => [a.textContent, a.href])"
-                )
-                assert errors_of(browser) == []
-                assert [text for text, _ in links] == [h.JOB]
-                await browser.load(links[0][1])  # the index's link opens the job's page
-                seen = await browser.evaluate(_PROBE)
-                assert errors_of(browser) == []
-                await browser.load(str(server.make_url("/jobs/nope")))
-                assert "No job nope" in await browser.evaluate("document.body.innerText")
+        async with (
+            TestServer(app, host="127.0.0.1") as server,
+            Browser(tmp_path / "profile") as browser,
+        ):
+            await browser.load(str(server.make_url("/")))
+            links = await browser.evaluate(
+                "[...document.querySelectorAll('a')].map(a => [a.textContent, a.href])"
+            )
+            assert browser.errors() == []
+            assert [text for text, _ in links] == [h.JOB]
+            await browser.load(links[0][1])  # the index's link opens the job's page
+            seen = await browser.evaluate(_PROBE)
+            assert browser.errors() == []
+            await browser.load(str(server.make_url("/jobs/nope")))
+            assert "No job nope" in await browser.evaluate("document.body.innerText")
     finally:
         writer.shutdown(wait=True)
         store.close()
     _check(seen)
     assert urllib.parse.unquote(links[0][1]).endswith("/jobs/" + h.JOB)
-
-
-def errors_of(browser: Browser) -> list[str]:
-    # favicon: the pages declare none (a data: URL), so none is fetched; anything else counts.
-    return [e for e in browser.errors() if not re.search(r"favicon", e)]

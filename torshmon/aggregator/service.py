@@ -65,6 +65,7 @@ from torshmon.history.migrate import upgrade
 from torshmon.history.reader import reader_of
 from torshmon.history.store import HistoryStore
 from torshmon.redact import redact_url
+from torshmon.report.source import HistoryReports
 from torshmon.wire import (
     SCHEMA_VERSION,
     Command,
@@ -240,7 +241,7 @@ class Aggregator:
             live=self.live,
             commands=self.dispatch,
             tuning=self.tuning,
-            reports=self.store,
+            reports=HistoryReports(lambda: self.store.engine),
             registry=self.registry,
             clock=self.clock,
         )

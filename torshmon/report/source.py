@@ -2,23 +2,53 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Final
+from collections.abc import Callable
+from typing import Any, Final
 
 import msgspec
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from torshmon.history.db import DatabaseConfigError, make_engine
-from torshmon.history.store.report import load_job_history
+from torshmon.history.store.report import job_names, load_job_history
 from torshmon.redact import redact_url
 from torshmon.report.model import JobReport, build_report, from_json
 
 #: The aggregator's route that answers a job's report as JSON (``to_json``).
 REPORT_DATA_PATH: Final = "/api/v1/jobs/{job}/summary"
+
+
+class HistoryReports:
+    """Reports and the list of jobs from an open history engine, for the aggregator's
+    pages (``pages.ReportSource``): each read runs in the default executor."""
+
+    def __init__(self, engine: Callable[[], Engine]) -> None:
+        self._engine = engine
+
+    async def job_report(self, job: str, now_unix_s: float) -> JobReport | None:
+        """``job``'s report as of ``now_unix_s``; None if the history has no such job."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self._job_report, job, now_unix_s
+        )
+
+    def _job_report(self, job: str, now_unix_s: float) -> JobReport | None:
+        with self._engine().connect() as conn:
+            history = load_job_history(conn, job)
+        return build_report(history, now_unix_s) if history is not None else None
+
+    async def job_list(self) -> list[dict[str, Any]]:
+        """The jobs of the history, the most recently seen first."""
+        return await asyncio.get_running_loop().run_in_executor(None, self._job_list)
+
+    def _job_list(self) -> list[dict[str, Any]]:
+        with self._engine().connect() as conn:
+            return job_names(conn)
 
 
 class ReportError(Exception):

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import msgspec
 from sqlalchemy import Table, select, update
@@ -31,10 +31,6 @@ from torshmon.aggregator.core.findings import Finding
 from torshmon.history.db import make_engine, upsert
 from torshmon.history.models import Base
 from torshmon.history.retention import RetentionReport, apply_retention
-from torshmon.history.store.report import job_names, load_job_history
-
-if TYPE_CHECKING:
-    from torshmon.report.model import JobReport
 
 T = TypeVar("T")
 _T = Base.metadata.tables
@@ -412,33 +408,6 @@ class HistoryStore:
                 .where(table.c.id == session_id)
                 .values(state="aborted", reason=reason, ended_unix_s=now)
             )
-
-    # -- reports ---------------------------------------------------------------------
-
-    async def job_report(self, job: str, now_unix_s: float) -> JobReport | None:
-        """``job``'s report (``torshmon.report``) as of ``now_unix_s``; None if the
-        history has no such job."""
-        return await self._read(self._job_report, job, now_unix_s)
-
-    def _job_report(self, job: str, now: float) -> JobReport | None:
-        # Imported here: the report package imports this one (history rows in).
-        from torshmon.report.model import build_report
-
-        if self._engine is None:
-            return None
-        with self._engine.connect() as conn:
-            history = load_job_history(conn, job)
-        return build_report(history, now) if history is not None else None
-
-    async def job_list(self) -> list[Row]:
-        """The jobs of the history, the most recently seen first."""
-        return await self._read(self._job_list)
-
-    def _job_list(self) -> list[Row]:
-        if self._engine is None:
-            return []
-        with self._engine.connect() as conn:
-            return job_names(conn)
 
     # -- listings and retention ----------------------------------------------------------
 
