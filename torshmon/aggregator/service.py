@@ -34,7 +34,7 @@ from sqlalchemy.engine import make_url
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.alert_engine import AlertEngine
 from torshmon.aggregator.core.commands import CommandBook, CommandStatus
-from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.episodes import FindingChange, FindingEpisodes
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.live_metrics import LiveCollector
 from torshmon.aggregator.core.rule_file import default_rules, load_rules
@@ -132,7 +132,7 @@ class Aggregator:
             external_url=settings.external_url,
             **settings.notify.delivery(),
         )
-        self._unwritten_findings: list[Finding] = []
+        self._unwritten_findings: list[FindingChange] = []
         self._unwritten_alerts: list[Alert] = []
         self.tracer = (
             tracer
@@ -146,7 +146,7 @@ class Aggregator:
         self.command_hooks: list[Callable[[CommandStatus], None]] = [
             self.dispatch.link_check_status
         ]
-        self._finding_keys: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+        self.episodes = FindingEpisodes()
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._eval_wanted = asyncio.Event()
@@ -230,6 +230,9 @@ class Aggregator:
             store = IngestStore(self.store.engine, aggregator_id=self.settings.aggregator_id)
             self.ingest = ThreadIngest(store, self.writer)
         await self._restore_alerts()
+        closed = await self.store.close_open_findings(self.clock())
+        if closed:
+            log.info("closed %d findings left open by this aggregator's last run", closed)
         await self._restore_jobs()
         await self.tuning.start()
         await self.notifier.start()
@@ -416,12 +419,11 @@ class Aggregator:
         now = self.clock()
         findings = self.live.findings(now)
         transitions = self.alerts.evaluate(now, self.live.series, findings)
-        new_findings = [f for f in findings if f.key() not in self._finding_keys]
-        self._finding_keys = {f.key() for f in findings}
+        episodes = self.episodes.evaluate(findings, now)
         self.live.set_alerts(self.alerts.active())
         # Transitions happen once: if their write fails they are kept and written with the
         # next tick's, and notifications and actions below still go out now.
-        self._unwritten_findings += new_findings
+        self._unwritten_findings += episodes
         self._unwritten_alerts += transitions
         if self._unwritten_findings or self._unwritten_alerts:
             try:
