@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import signal
@@ -37,6 +38,7 @@ from torshmon.aggregator.core.commands import CommandBook, CommandStatus
 from torshmon.aggregator.core.episodes import FindingChange, FindingEpisodes
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.live_metrics import LiveCollector
+from torshmon.aggregator.core.memory_report import memory_report
 from torshmon.aggregator.core.rule_file import default_rules, load_rules
 from torshmon.aggregator.core.rules import RuleSet
 from torshmon.aggregator.core.stored import Stored
@@ -126,6 +128,7 @@ class Aggregator:
             zscore=settings.zscore,
             hang=settings.hang,
             link_check=settings.link_check,
+            anomaly_metrics={r.metric for r in self.rules if r.kind == "anomaly" and r.metric},
         )
         self.notifier = Notifier(
             list(targets) if targets is not None else settings.notify.targets(),
@@ -418,7 +421,9 @@ class Aggregator:
         """One evaluation tick: findings, rules, storage, notifications. Returns transitions."""
         now = self.clock()
         findings = self.live.findings(now)
-        transitions = self.alerts.evaluate(now, self.live.series, findings)
+        transitions = [
+            self._recommend_memory(a) for a in self.alerts.evaluate(now, self.live.series, findings)
+        ]
         episodes = self.episodes.evaluate(findings, now)
         self.live.set_alerts(self.alerts.active())
         # Transitions happen once: if their write fails they are kept and written with the
@@ -452,6 +457,22 @@ class Aggregator:
             log.exception("autotuner tick failed")
         self.live.expire(now)
         return transitions
+
+    def _recommend_memory(self, alert: Alert) -> Alert:
+        """``alert`` as it fires, with the ``recommend_memory`` action's message (how the
+        memory of the ranks it concerns grew, step by step) as its description."""
+        if alert.state != "firing" or "recommend_memory" not in alert.actions:
+            return alert
+        try:
+            text = memory_report(*self.live.memory_history(alert.labels))
+        except Exception:
+            log.exception("memory recommendation failed for %s", alert.rule)
+            return alert
+        if not text:
+            return alert
+        description = alert.annotations.get("description", "")
+        annotations = {**alert.annotations, "description": f"{description}\n{text}".strip()}
+        return dataclasses.replace(alert, annotations=annotations)
 
     async def _restore_alerts(self) -> None:
         """Resume pending and firing alerts this aggregator left in SQL."""

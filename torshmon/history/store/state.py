@@ -525,7 +525,7 @@ def _finding_row(f: Finding, now: float) -> dict[str, Any]:
         "kind": f.kind,
         "job": f.labels.get("job", ""),
         "rank": _rank(f.labels),
-        "metric": f.labels.get("metric"),
+        "metric": f.labels.get("metric") or _text(f.details.get("metric")),
         "value": _finite(f.value),
         "score": _finite(f.score),
         "summary": f.summary,
@@ -540,6 +540,10 @@ def _finding_row(f: Finding, now: float) -> dict[str, Any]:
         # Detectors may put tuples, sets or numpy scalars in details: JSON-safe as text.
         "details": msgspec.to_builtins(dict(f.details), str_keys=True, enc_hook=str),
     }
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _finite(value: float) -> float | None:
