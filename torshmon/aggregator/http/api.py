@@ -16,6 +16,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -83,6 +84,8 @@ class LiveView(Protocol):
     def report(self, job: str, now_unix_s: float) -> list[Finding] | None: ...
 
     def link_reading(self, job: str) -> dict[str, Any] | None: ...
+
+    def job_kind(self, job: str) -> str | None: ...
 
 
 class CommandSink(Protocol):
@@ -234,16 +237,8 @@ class _Handlers:
         return web.json_response(
             {
                 "job": job,
-                "bottlenecks": [
-                    {
-                        "severity": f.severity,
-                        "summary": f.summary,
-                        "recommendation": f.recommendation,
-                        "value": f.value,
-                        "labels": dict(f.labels),
-                    }
-                    for f in findings
-                ],
+                "job_kind": self._live.job_kind(job),
+                "bottlenecks": [finding_json(f) for f in findings],
                 "link_check": self._live.link_reading(job),
             }
         )
@@ -436,4 +431,23 @@ def _command_json(status: CommandStatus) -> dict[str, Any]:
         "effective_step": status.effective_step,
         "created_unix_s": status.created_unix_s,
         "updated_unix_s": status.updated_unix_s,
+    }
+
+
+def finding_json(f: Finding) -> dict[str, Any]:
+    """A finding of the bottleneck report as the API answers it (priority order)."""
+    rank = f.labels.get("rank", "")
+    return {
+        "kind": f.kind,
+        "category": f.category or None,
+        "severity": f.severity,
+        "priority": f.priority,
+        "expected_gain_ratio": f.expected_gain_ratio,
+        "difficulty": f.difficulty or None,
+        "summary": f.summary,
+        "recommendation": f.recommendation,
+        "value": f.value if math.isfinite(f.value) else None,
+        "rank": int(rank) if rank.isdecimal() else None,
+        "labels": dict(f.labels),
+        "since_unix_s": f.since_unix_s,
     }
