@@ -46,6 +46,8 @@ def _step(rank: int, i: int) -> dict[str, Any]:
         "loss": 1.0,
         "loss_nonfinite": False,
         "config_version": 0,
+        # Rank 1 waits 5 ms for its input before each step; rank 0's is not measured.
+        "input_wait_s": 0.005 if rank == 1 else None,
     }
 
 
@@ -147,13 +149,21 @@ def make_history(path: Path) -> str:
                     "metric": None,
                     "value": 0.045,
                     "score": 6.0,
-                    "summary": SUMMARY,
+                    "summary": SUMMARY if episode else "rank 1 was slow",
                     "recommendation": "Check rank 1's node.",
                     "severity": "high",
-                    "since_unix_s": STRAGGLER_START,
-                    "detected_unix_s": STRAGGLER_START + 2,
+                    "category": "straggler",
+                    "priority": 1,
+                    "expected_gain_ratio": 0.3,
+                    "difficulty": "medium",
+                    "since_unix_s": T0 + 2 + 6 * episode,
+                    "detected_unix_s": T0 + 3 + 6 * episode,
+                    "updated_unix_s": T0 + 5 + 9 * episode,
+                    "ended_unix_s": T0 + 5 + 9 * episode,
+                    "aggregator_id": "a1",
                     "details": {},
                 }
+                for episode in (0, 1)
             ],
         )
         conn.execute(

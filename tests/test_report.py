@@ -13,6 +13,7 @@ from tests import report_history as h
 from torshmon.cli import main
 from torshmon.report import from_json, report_from_db, to_json
 from torshmon.report.page import render_page
+from torshmon.report.text import when
 
 
 @pytest.fixture
@@ -41,10 +42,19 @@ def test_the_summary_shows_each_rank_the_findings_alerts_and_tuning(
     assert _row(ranks, "0")[7] == "25%"
     assert _row(ranks, "1") == ["1", "node1", "20", "50 ms", "50 ms", "45 ms", "5 ms", "10%", "640"]
     phases = out.split("Phases of a step")[1].split("Top findings")[0]
-    # 50 ms: forward 20%, backward 50% less 5 ms of comm wait, optimizer 10%, the rest other.
-    assert _row(phases, "1") == ["1", "-", "10 ms", "20 ms", "5 ms", "5 ms", "10 ms"]
-    assert "[high, straggler] " + h.SUMMARY in out
-    assert "what to do: Check rank 1's node." in out
+    # 5 ms of input wait before a 50 ms step: forward 20%, backward 50% less 5 ms of comm
+    # wait, optimizer 10%, the rest other.
+    assert _row(phases, "1") == ["1", "5 ms", "10 ms", "20 ms", "5 ms", "5 ms", "10 ms"]
+    assert _row(phases, "0")[1] == "-"
+    # Two stored episodes of one straggler finding are one item, with the latest's text.
+    findings = " ".join(out.split("Top findings")[1].split("Alerts")[0].split())  # unwrapped
+    assert "[high, straggler, priority 1, 2 episodes] " + h.SUMMARY in findings
+    assert "rank 1 was slow" not in findings
+    since, ended = when(h.T0 + 2), when(h.T0 + 14)
+    assert f"since {since}, ended {ended}; expected gain 30% of the step, difficulty medium" in (
+        findings
+    )
+    assert "what to do: Check rank 1's node." in findings
     alerts = out.split("Alerts (4 episodes)")[1].split("Tuning sessions")[0]
     # rule, rank, severity, episodes, fired, firing time, first, last ended, now
     assert _row(alerts, "Straggler")[:6] == ["Straggler", "1", "high", "1", "1", "4 s"]

@@ -17,7 +17,7 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 
-from torshmon.aggregator.core.bottleneck import JobSnapshot, bottleneck_report
+from torshmon.aggregator.core.bottleneck import JobSnapshot, bottleneck_report, rank_findings
 from torshmon.aggregator.core.findings import SEVERITIES
 from torshmon.history.store.report import JobHistory
 
@@ -58,7 +58,8 @@ class StepPhases:
 
     ``backward_s`` is backward compute: the probe's backward time less the
     communication the step waited for, which ``comm_wait_s`` shows on its own.
-    ``input_wait_s`` is None where the probe did not measure it.
+    ``input_wait_s`` (waiting for the next batch, before the step starts) is None where
+    the probe did not measure it; the others add up to the step time.
     """
 
     rank: int
@@ -181,9 +182,12 @@ def alert_groups(alerts: Sequence[AlertItem], until_unix_s: float) -> list[Alert
 class FindingItem:
     """A detector's or the bottleneck report's conclusion with what to do about it.
 
-    ``stored`` False: computed from the history's steps when the report was made.
-    ``priority``, ``category``, ``expected_gain`` and ``difficulty`` are empty where
-    the history does not record them.
+    Stored episodes of one condition (kind, category, rank, metric) are one item:
+    ``episodes`` of them, the latest's text, ``since_unix_s`` the first's start,
+    ``ended_unix_s`` None while one is open. ``stored`` False: computed from the
+    history's steps when the report was made. ``priority`` (1 = act first),
+    ``category``, ``expected_gain_ratio`` (share of step time a fix may save) and
+    ``difficulty`` are empty where the history does not record them.
     """
 
     kind: str
@@ -194,11 +198,13 @@ class FindingItem:
     value: float | None
     since_unix_s: float
     detected_unix_s: float
+    ended_unix_s: float | None
     stored: bool
-    priority: str = ""
     category: str = ""
-    expected_gain: str = ""
+    priority: int | None = None
+    expected_gain_ratio: float | None = None
     difficulty: str = ""
+    episodes: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +281,7 @@ def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
     findings = _stored_findings(history.findings)
     if not any(f.kind == "bottleneck" for f in findings):
         findings += _computed_bottlenecks(job["job"], history, now_unix_s)
-    findings.sort(key=lambda f: (-_severity_rank(f.severity), f.detected_unix_s))
+    findings.sort(key=_finding_order)
     return JobReport(
         job=job["job"],
         world_size=job["world_size"],
@@ -344,7 +350,8 @@ def _phases(rank: int, rows: Sequence[Mapping[str, Any]]) -> StepPhases:
     optimizer = _median(rows, "optimizer_s")
     if backward is not None and comm is not None:
         backward = max(0.0, backward - comm)
-    known = [v for v in (input_wait, forward, backward, comm, optimizer) if v is not None]
+    # The input wait comes before the step (it is not in its duration).
+    known = [v for v in (forward, backward, comm, optimizer) if v is not None]
     other = max(0.0, step - sum(known)) if step is not None else None
     return StepPhases(rank, input_wait, forward, backward, comm, optimizer, other)
 
@@ -405,45 +412,61 @@ def _alert(row: Mapping[str, Any], evidence: Sequence[Mapping[str, Any]]) -> Ale
 
 
 def _stored_findings(rows: Sequence[Mapping[str, Any]]) -> list[FindingItem]:
+    """The stored episodes, one item per condition (see ``FindingItem``)."""
+    grouped: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    for row in sorted(rows, key=lambda r: (r["detected_unix_s"], r["id"])):
+        key = (row["kind"], row.get("category"), row["rank"], row["metric"])
+        grouped.setdefault(key, []).append(row)
     found = []
-    for row in rows:
-        details = row["details"] if isinstance(row["details"], dict) else {}
+    for episodes in grouped.values():
+        latest = episodes[-1]
+        still_open = any(r.get("ended_unix_s") is None for r in episodes)
         found.append(
             FindingItem(
-                kind=str(row["kind"]),
-                severity=str(row["severity"]),
-                rank=row["rank"],
-                summary=str(row["summary"]),
-                recommendation=str(row["recommendation"]),
-                value=_finite(row["value"]),
-                since_unix_s=float(row["since_unix_s"]),
-                detected_unix_s=float(row["detected_unix_s"]),
+                kind=str(latest["kind"]),
+                severity=max((str(r["severity"]) for r in episodes), key=_severity_rank),
+                rank=latest["rank"],
+                summary=str(latest["summary"]),
+                recommendation=str(latest["recommendation"]),
+                value=_finite(latest["value"]),
+                since_unix_s=float(episodes[0]["since_unix_s"]),
+                detected_unix_s=float(latest["detected_unix_s"]),
+                ended_unix_s=None if still_open else latest.get("ended_unix_s"),
                 stored=True,
-                **{
-                    name: _text(row.get(name, details.get(name)))
-                    for name in ("priority", "category", "expected_gain", "difficulty")
-                },
+                category=_text(latest.get("category")),
+                priority=latest.get("priority"),
+                expected_gain_ratio=_finite(latest.get("expected_gain_ratio")),
+                difficulty=_text(latest.get("difficulty")),
+                episodes=len(episodes),
             )
         )
     return found
 
 
 def _computed_bottlenecks(job: str, history: JobHistory, now: float) -> list[FindingItem]:
-    """The bottleneck report (``bottleneck_report``) on the medians of the job's steps
-    and nodes, for a history that stored none."""
+    """The bottleneck report (``bottleneck_report``, ranked) on the medians of the
+    job's steps and the fullest of its nodes, for a history that stored none."""
     steps = history.steps
-    ratio, duration, compute = (
-        _median(steps, n) for n in ("communication_time_ratio", "duration_s", "compute_s")
+    duration, comm, compute, input_wait = (
+        _median(steps, n) for n in ("duration_s", "comm_wait_s", "compute_s", "input_wait_s")
     )
-    efficiency = compute / duration if compute is not None and duration else None
+    period = (duration or 0.0) + (input_wait or 0.0)
+
+    def share(value: float | None) -> float | None:
+        """``value`` as a share of the step period (step time plus input wait)."""
+        return _ratio(value / period) if value is not None and period > 0 else None
+
     memory = _values(history.node_samples, "memory_utilization_ratio")
     snapshot = JobSnapshot(
-        communication_time_ratio=_ratio(ratio),
+        communication_time_ratio=share(comm),
+        training_efficiency_ratio=share(compute),
+        input_wait_ratio=share(input_wait),
         memory_utilization_ratio=_ratio(float(np.max(memory)) if memory.size else None),
         io_wait_ratio=_ratio(_median(history.node_samples, "io_wait_ratio")),
-        training_efficiency_ratio=_ratio(efficiency),
+        step_s=period or None,
     )
     since = history.job["first_seen_unix_ns"] / 1e9
+    ranked = rank_findings(bottleneck_report(job, snapshot, now), [], snapshot)
     return [
         FindingItem(
             kind=f.kind,
@@ -454,10 +477,14 @@ def _computed_bottlenecks(job: str, history: JobHistory, now: float) -> list[Fin
             value=f.value,
             since_unix_s=since,
             detected_unix_s=now,
+            ended_unix_s=None,
             stored=False,
-            category=str(f.details.get("area", "")),
+            category=f.category,
+            priority=f.priority,
+            expected_gain_ratio=f.expected_gain_ratio,
+            difficulty=f.difficulty,
         )
-        for f in bottleneck_report(job, snapshot, now)
+        for f in ranked
     ]
 
 
@@ -503,6 +530,13 @@ def config_text(config: Mapping[str, Any]) -> str:
     cap = config.get("bucket_cap_mb")
     text = " ".join(words)
     return f"{text}, bucket {cap:.3g} MB" if isinstance(cap, (int, float)) else text
+
+
+def _finding_order(f: FindingItem) -> tuple[float, ...]:
+    """Open before ended, then most severe, largest expected gain, the report's priority."""
+    gain = f.expected_gain_ratio if f.expected_gain_ratio is not None else -1.0
+    priority = f.priority if f.priority is not None else 1_000_000
+    return (f.ended_unix_s is not None, -_severity_rank(f.severity), -gain, priority)
 
 
 def _severity_rank(severity: str) -> int:

@@ -20,7 +20,7 @@ from markupsafe import Markup
 
 from torshmon.report.model import JobReport, alert_groups, to_json
 from torshmon.report.plots import plots
-from torshmon.report.text import percent, seconds, when
+from torshmon.report.text import finding_effort, finding_tags, percent, seconds, when
 
 #: What the pages may load: inline styles (the page's and the plots' style attributes),
 #: a same-origin login form, nothing else. A written page carries it in a <meta>.
@@ -39,7 +39,9 @@ def _environment() -> jinja2.Environment:
         autoescape=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.globals["page_policy"] = PAGE_POLICY
+    env.globals.update(
+        page_policy=PAGE_POLICY, finding_tags=finding_tags, finding_effort=finding_effort
+    )
     env.filters.update(
         when=when,
         seconds=seconds,

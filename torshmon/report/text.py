@@ -6,7 +6,7 @@ import textwrap
 import time
 from collections.abc import Sequence
 
-from torshmon.report.model import JobReport, alert_groups
+from torshmon.report.model import FindingItem, JobReport, alert_groups
 
 _WIDTH = 100
 
@@ -126,7 +126,31 @@ def _phases(r: JobReport) -> str:
 
 
 def _wrap(text: str, indent: str) -> str:
-    return textwrap.fill(text, _WIDTH, initial_indent=indent, subsequent_indent=indent)
+    """``text`` filled to the width, its first line after ``indent`` (a bullet, say),
+    the others under the first's text."""
+    return textwrap.fill(text, _WIDTH, initial_indent=indent, subsequent_indent=" " * len(indent))
+
+
+def finding_tags(f: FindingItem) -> list[str]:
+    """``critical``, ``bottleneck``, ``communication``, ``priority 1``, ``3 episodes``, ..."""
+    tags = [f.severity, f.kind]
+    if f.category and f.category != f.kind:
+        tags.append(f.category)
+    if f.priority is not None:
+        tags.append(f"priority {f.priority}")
+    if f.episodes > 1:
+        tags.append(f"{f.episodes} episodes")
+    return tags
+
+
+def finding_effort(f: FindingItem) -> str:
+    """``expected gain 25% of the step, difficulty easy``; empty where neither is known."""
+    parts = []
+    if f.expected_gain_ratio is not None:
+        parts.append(f"expected gain {f.expected_gain_ratio:.0%} of the step")
+    if f.difficulty:
+        parts.append(f"difficulty {f.difficulty}")
+    return ", ".join(parts)
 
 
 def _findings(r: JobReport, top: int = 5) -> str:
@@ -134,11 +158,12 @@ def _findings(r: JobReport, top: int = 5) -> str:
         return _title("Findings") + "\nnone: nothing crossed a threshold"
     lines = [_title(f"Top findings ({min(top, len(r.findings))} of {len(r.findings)})")]
     for f in r.findings[:top]:
-        tags = [f.severity, f.kind] + [t for t in (f.category, f.priority) if t]
-        lines.append(_wrap(f"[{', '.join(tags)}] {f.summary}", "- "))
-        if f.expected_gain or f.difficulty:
-            gain = f"expected gain {f.expected_gain or '?'}, difficulty {f.difficulty or '?'}"
-            lines.append(_wrap(gain, "  "))
+        lines.append(_wrap(f"[{', '.join(finding_tags(f))}] {f.summary}", "- "))
+        when_text = f"since {when(f.since_unix_s)}" + (
+            f", ended {when(f.ended_unix_s)}" if f.ended_unix_s is not None else ""
+        )
+        effort = finding_effort(f)
+        lines.append(_wrap(f"{when_text}; {effort}" if effort else when_text, "  "))
         if f.recommendation:
             lines.append(_wrap(f"what to do: {f.recommendation}", "  "))
     return "\n".join(lines)
