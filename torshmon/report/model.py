@@ -10,6 +10,7 @@ Times are Unix seconds, durations seconds, memory bytes.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -276,7 +277,8 @@ def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
     """The report of ``history`` as of ``now_unix_s``."""
     job = history.job
     steps = _steps_by_rank(history.steps)
-    nodes = {s["rank"]: s["node"] or "" for s in history.sessions}
+    nodes = {row["rank"]: str(row["node"]) for row in history.steps}
+    nodes.update({s["rank"]: s["node"] for s in history.sessions if s["node"]})
     last_seen = job["last_seen_unix_ns"] / 1e9
     findings = _stored_findings(history.findings)
     if not any(f.kind == "bottleneck" for f in findings):
@@ -292,9 +294,9 @@ def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
         running=now_unix_s - last_seen < RUNNING_WITHIN_S,
         steps_read=len(history.steps),
         steps_truncated=history.steps_truncated,
-        ranks=tuple(_rank_stats(r, rows, nodes.get(r, "")) for r, rows in steps.items()),
-        phases=tuple(_phases(r, rows) for r, rows in steps.items()),
-        series=tuple(_series(r, rows) for r, rows in steps.items()),
+        ranks=tuple(_rank_stats(r, cols, nodes.get(r, "")) for r, cols in steps.items()),
+        phases=tuple(_phases(r, cols) for r, cols in steps.items()),
+        series=tuple(_series(r, cols) for r, cols in steps.items()),
         memory=_memory(history),
         alerts=tuple(_alert(a, history.evidence.get(a["id"], ())) for a in history.alerts),
         findings=tuple(findings),
@@ -303,51 +305,89 @@ def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
     )
 
 
-def _steps_by_rank(rows: Sequence[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
-    """Rows per rank in rank order, each rank's in step order (``rows`` come newest first)."""
-    by_rank: dict[int, list[Mapping[str, Any]]] = {}
-    for row in reversed(rows):
-        by_rank.setdefault(row["rank"], []).append(row)
-    for rows_of_rank in by_rank.values():
-        rows_of_rank.sort(key=lambda r: (r["step"], r["end_unix_ns"]))
-    return dict(sorted(by_rank.items()))
+#: Step columns the report computes with, as float arrays (NULL is NaN).
+_STEP_FIELDS: Final = (
+    "step",
+    "end_unix_ns",
+    "duration_s",
+    "comm_wait_s",
+    "compute_s",
+    "communication_time_ratio",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "samples_per_s",
+    "input_wait_s",
+)
+
+Columns = dict[str, "np.ndarray[Any, Any]"]
 
 
-def _values(rows: Sequence[Mapping[str, Any]], name: str) -> np.ndarray[Any, Any]:
-    """The finite values of column ``name`` (NULL and absent columns skipped)."""
-    values = np.array([r.get(name) for r in rows if r.get(name) is not None], dtype=float)
-    finite: np.ndarray[Any, Any] = values[np.isfinite(values)]
-    return finite
+def _columns(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> Columns:
+    """Each of ``names`` as a float array over ``rows`` (NULL and absent columns NaN)."""
+    return {n: np.array([r.get(n) for r in rows], dtype=float) for n in names}
 
 
-def _median(rows: Sequence[Mapping[str, Any]], name: str) -> float | None:
-    values = _values(rows, name)
-    return float(np.median(values)) if values.size else None
+def _steps_by_rank(rows: Sequence[Mapping[str, Any]]) -> dict[int, Columns]:
+    """Each rank's step columns in step order, ranks in order."""
+    if not rows:
+        return {}
+    cols = _columns(rows, ("rank", *_STEP_FIELDS))
+    order = np.lexsort((cols["end_unix_ns"], cols["step"], cols["rank"]))
+    cols = {n: v[order] for n, v in cols.items()}
+    ranks, starts = np.unique(cols["rank"], return_index=True)
+    bounds = [*starts[1:], len(order)]
+    return {
+        int(rank): {n: v[start:end] for n, v in cols.items()}
+        for rank, start, end in zip(ranks, starts, bounds, strict=True)
+    }
 
 
-def _rank_stats(rank: int, rows: Sequence[Mapping[str, Any]], node: str) -> RankStats:
-    durations = _values(rows, "duration_s")
+def _median(values: np.ndarray[Any, Any]) -> float | None:
+    """The median of the finite ``values``; None if there are none."""
+    finite = values[np.isfinite(values)]
+    return float(np.median(finite)) if finite.size else None
+
+
+def _binned(values: np.ndarray[Any, Any], size: int) -> np.ndarray[Any, Any]:
+    """Medians of ``values`` in consecutive bins of ``size`` (NaN for a bin of NaN)."""
+    padded = np.concatenate([values, np.full((-len(values)) % size, np.nan)])
+    with warnings.catch_warnings():  # a bin with no finite value is NaN, as meant
+        warnings.simplefilter("ignore", RuntimeWarning)
+        medians: np.ndarray[Any, Any] = np.nanmedian(padded.reshape(-1, size), axis=1)
+    return medians
+
+
+def _optional(values: np.ndarray[Any, Any]) -> tuple[float | None, ...]:
+    return tuple(float(v) if np.isfinite(v) else None for v in values)
+
+
+def _bin_size(count: int) -> int:
+    return max(1, -(-count // MAX_POINTS))
+
+
+def _rank_stats(rank: int, cols: Columns, node: str) -> RankStats:
+    durations = cols["duration_s"][np.isfinite(cols["duration_s"])]
     return RankStats(
         rank=rank,
-        node=node or str(rows[-1]["node"]),
-        steps=len(rows),
-        last_step=int(rows[-1]["step"]),
+        node=node,
+        steps=len(cols["step"]),
+        last_step=int(cols["step"][-1]),
         median_step_s=float(np.median(durations)) if durations.size else None,
         p95_step_s=float(np.percentile(durations, 95)) if durations.size else None,
-        median_compute_s=_median(rows, "compute_s"),
-        median_comm_wait_s=_median(rows, "comm_wait_s"),
-        median_comm_ratio=_median(rows, "communication_time_ratio"),
-        median_samples_per_s=_median(rows, "samples_per_s"),
+        median_compute_s=_median(cols["compute_s"]),
+        median_comm_wait_s=_median(cols["comm_wait_s"]),
+        median_comm_ratio=_median(cols["communication_time_ratio"]),
+        median_samples_per_s=_median(cols["samples_per_s"]),
     )
 
 
-def _phases(rank: int, rows: Sequence[Mapping[str, Any]]) -> StepPhases:
-    step = _median(rows, "duration_s")
-    input_wait = _median(rows, "input_wait_s")
-    forward = _median(rows, "forward_s")
-    backward = _median(rows, "backward_s")
-    comm = _median(rows, "comm_wait_s")
-    optimizer = _median(rows, "optimizer_s")
+def _phases(rank: int, cols: Columns) -> StepPhases:
+    step, input_wait, forward, backward, comm, optimizer = (
+        _median(cols[n])
+        for n in ("duration_s", "input_wait_s", "forward_s", "backward_s", "comm_wait_s",
+                  "optimizer_s")
+    )  # fmt: skip
     if backward is not None and comm is not None:
         backward = max(0.0, backward - comm)
     # The input wait comes before the step (it is not in its duration).
@@ -356,18 +396,16 @@ def _phases(rank: int, rows: Sequence[Mapping[str, Any]]) -> StepPhases:
     return StepPhases(rank, input_wait, forward, backward, comm, optimizer, other)
 
 
-def _series(rank: int, rows: Sequence[Mapping[str, Any]]) -> RankSeries:
-    spans = np.array_split(np.arange(len(rows)), min(len(rows), MAX_POINTS))
-    times, steps, durations, computes, ratios = [], [], [], [], []
-    for span in spans:
-        part = [rows[i] for i in span]
-        times.append(float(np.median([r["end_unix_ns"] for r in part])) / 1e9)
-        steps.append(int(part[-1]["step"]))
-        durations.append(_median(part, "duration_s"))
-        computes.append(_median(part, "compute_s"))
-        ratios.append(_median(part, "communication_time_ratio"))
+def _series(rank: int, cols: Columns) -> RankSeries:
+    size = _bin_size(len(cols["step"]))
+    steps = np.concatenate([cols["step"], np.full((-len(cols["step"])) % size, np.nan)])
     return RankSeries(
-        rank, tuple(times), tuple(steps), tuple(durations), tuple(computes), tuple(ratios)
+        rank=rank,
+        time_unix_s=tuple(float(t) / 1e9 for t in _binned(cols["end_unix_ns"], size)),
+        step=tuple(int(s) for s in np.nanmax(steps.reshape(-1, size), axis=1)),
+        duration_s=_optional(_binned(cols["duration_s"], size)),
+        compute_s=_optional(_binned(cols["compute_s"], size)),
+        comm_ratio=_optional(_binned(cols["communication_time_ratio"], size)),
     )
 
 
@@ -378,16 +416,17 @@ def _memory(history: JobHistory) -> tuple[MemorySeries, ...]:
         ("rank", history.rank_samples, "rank", "rss_bytes"),
     ):
         by_key: dict[Any, list[Mapping[str, Any]]] = {}
-        for row in reversed(rows):
+        for row in reversed(rows):  # oldest first
             by_key.setdefault(row[key], []).append(row)
         for name, of_key in sorted(by_key.items()):
-            spans = np.array_split(np.arange(len(of_key)), min(len(of_key), MAX_POINTS))
+            cols = _columns(of_key, ("ts_unix_ns", value))
+            size = _bin_size(len(of_key))
             series.append(
                 MemorySeries(
                     kind=kind,
                     name=str(name),
-                    time_unix_s=tuple(of_key[s[-1]]["ts_unix_ns"] / 1e9 for s in spans),
-                    value=tuple(_median([of_key[i] for i in s], value) for s in spans),
+                    time_unix_s=tuple(float(t) / 1e9 for t in _binned(cols["ts_unix_ns"], size)),
+                    value=_optional(_binned(cols[value], size)),
                 )
             )
     return tuple(series)
@@ -446,23 +485,22 @@ def _stored_findings(rows: Sequence[Mapping[str, Any]]) -> list[FindingItem]:
 def _computed_bottlenecks(job: str, history: JobHistory, now: float) -> list[FindingItem]:
     """The bottleneck report (``bottleneck_report``, ranked) on the medians of the
     job's steps and the fullest of its nodes, for a history that stored none."""
-    steps = history.steps
-    duration, comm, compute, input_wait = (
-        _median(steps, n) for n in ("duration_s", "comm_wait_s", "compute_s", "input_wait_s")
-    )
+    steps = _columns(history.steps, ("duration_s", "comm_wait_s", "compute_s", "input_wait_s"))
+    duration, comm, compute, input_wait = (_median(v) for v in steps.values())
     period = (duration or 0.0) + (input_wait or 0.0)
 
     def share(value: float | None) -> float | None:
         """``value`` as a share of the step period (step time plus input wait)."""
         return _ratio(value / period) if value is not None and period > 0 else None
 
-    memory = _values(history.node_samples, "memory_utilization_ratio")
+    nodes = _columns(history.node_samples, ("memory_utilization_ratio", "io_wait_ratio"))
+    memory = nodes["memory_utilization_ratio"][np.isfinite(nodes["memory_utilization_ratio"])]
     snapshot = JobSnapshot(
         communication_time_ratio=share(comm),
         training_efficiency_ratio=share(compute),
         input_wait_ratio=share(input_wait),
         memory_utilization_ratio=_ratio(float(np.max(memory)) if memory.size else None),
-        io_wait_ratio=_ratio(_median(history.node_samples, "io_wait_ratio")),
+        io_wait_ratio=_ratio(_median(nodes["io_wait_ratio"])),
         step_s=period or None,
     )
     since = history.job["first_seen_unix_ns"] / 1e9
