@@ -128,7 +128,7 @@ def _alert_marks(ax: Any, report: JobReport) -> None:
             _elapsed(report, alert.starts_at_unix_s),
             _elapsed(report, max(end, alert.starts_at_unix_s)),
             color=_SEVERITY_COLORS.get(alert.severity, "#cccccc"),
-            alpha=0.25,
+            alpha=0.12,  # light: several alerts often fire at once (they stack)
             linewidth=0,
         )
 
