@@ -11,6 +11,7 @@ import pytest
 
 from tests import report_history as h
 from torshmon.cli import main
+from torshmon.history.db import make_engine
 from torshmon.report import from_json, report_from_db, to_json
 from torshmon.report.page import render_page
 from torshmon.report.text import when
@@ -107,3 +108,40 @@ def test_bad_input_is_one_line_and_status_2(
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, (argv, err)
         assert err.startswith("torshmon report: "), err
+
+
+def test_alerts_link_the_evidence_captured_for_them(db: Path) -> None:
+    # The evidence tables as a history with evidence has them (only the columns read).
+    url = f"sqlite:///{db}"
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE TABLE evidence_captures (id TEXT PRIMARY KEY, job TEXT, alert_id INTEGER, "
+            "alert_fingerprint TEXT, created_unix_s REAL)"
+        )
+        conn.exec_driver_sql(
+            "CREATE TABLE evidence_files (capture_id TEXT, rank INTEGER, name TEXT, path TEXT)"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO evidence_captures VALUES ('c1', ?, 1, NULL, ?), "
+            # Asked for by fingerprint before the alert's row existed, during its episode.
+            "('c2', ?, NULL, ?, ?), ('c3', ?, NULL, ?, ?)",
+            (h.JOB, h.STRAGGLER_START + 3, h.JOB, f"{1:016x}", h.STRAGGLER_START + 1,
+             h.JOB, f"{1:016x}", h.T0 + 100),  # c3: after the episode ended, not its own
+        )  # fmt: skip
+        conn.exec_driver_sql(
+            "INSERT INTO evidence_files VALUES ('c1', 1, 'profile.json', 'c1/1/profile.json'), "
+            "('c1', 0, 'flight_recorder.json', NULL), ('c2', 1, 'fr.json', 'c2/1/fr.json'), "
+            "('c3', 1, 'late.json', 'c3/1/late.json')"
+        )
+    engine.dispose()
+    report = report_from_db(url, h.JOB, now_unix_s=h.T0 + 100)
+    (straggler,) = [a for a in report.alerts if a.rule == "Straggler"]
+    assert [(e.name, e.url) for e in straggler.evidence] == [
+        ("rank 1 profile.json", "/api/v1/evidence/c1/1/profile.json"),
+        ("rank 1 fr.json", "/api/v1/evidence/c2/1/fr.json"),
+    ]
+    assert all(not a.evidence for a in report.alerts if a.rule != "Straggler")
+    assert '<a href="/api/v1/evidence/c1/1/profile.json">rank 1 profile.json</a>' in (
+        render_page(report)
+    )

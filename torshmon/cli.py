@@ -528,8 +528,7 @@ def _run_report(args: argparse.Namespace, redact: Redactor) -> int:
 
     try:
         if args.aggregator is not None:
-            args.url = args.aggregator
-            base = _aggregator_url(args, {})
+            base = _aggregator_url(argparse.Namespace(url=args.aggregator), {})
             token = _token(args, redact, os.environ) or os.environ.get("TORSHMON_TOKEN", "")
             report = report_from_aggregator(base, args.job, token.strip() or None)
         else:

@@ -8,11 +8,12 @@ has them, so a report works on a history of any schema version.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
+from urllib.parse import quote
 
-from sqlalchemy import Table, column, inspect, select
+from sqlalchemy import MetaData, Table, column, inspect, select
 from sqlalchemy.engine import Connection
 
 from torshmon.history.models import Base
@@ -93,20 +94,62 @@ def load_job_history(
         configs=_all(conn, _T["configs"], job, "version"),
         tuning_sessions=_all(conn, _T["tuning_sessions"], job, "started_unix_s"),
         tuning_trials=_all(conn, _T["tuning_trials"], job, "id"),
-        evidence=evidence_links(conn, [a["id"] for a in alerts]),
+        evidence=evidence_links(conn, alerts),
     )
 
 
-def evidence_links(conn: Connection, alert_ids: Sequence[int]) -> dict[int, list[dict[str, Any]]]:
-    """Evidence captured for each alert (profiler traces, Flight Recorder dumps), by
-    ``alerts.id``: each a dict with at least ``name`` and ``url``, oldest first.
+def evidence_links(
+    conn: Connection, alerts: Sequence[Mapping[str, Any]]
+) -> dict[int, list[dict[str, Any]]]:
+    """The evidence files captured for each of ``alerts`` (``alerts`` rows), by
+    ``alerts.id``: each a dict with ``name`` (``rank 1 profile.json``) and ``url`` (the
+    aggregator's download path, ``/api/v1/evidence/{capture}/{rank}/{name}``).
 
-    Empty while the history has no evidence table: the report lists each alert's
-    links where it shows the alert, so this is the one place that learns the table.
+    A capture belongs to an alert by its ``alert_id``, or, asked for before the alert's
+    row was written, by the alert's fingerprint while the episode was open. Files
+    that could not be taken (no ``path``) are left out. Empty while the history has no
+    evidence tables (a schema before them): they are read by reflection, so this
+    module does not depend on their models.
     """
-    if not alert_ids or not inspect(conn).has_table("evidence"):
+    if not alerts or not inspect(conn).has_table("evidence_captures"):
         return {}
-    return {}
+    meta = MetaData()
+    captures = Table("evidence_captures", meta, autoload_with=conn)
+    files = Table("evidence_files", meta, autoload_with=conn)
+    jobs = {a["job"] for a in alerts}
+    rows = conn.execute(select(captures).where(captures.c.job.in_(jobs))).mappings().all()
+    owner: dict[str, int] = {}
+    for capture in rows:
+        for alert in alerts:
+            end = alert["ends_at_unix_s"]
+            during = alert["starts_at_unix_s"] <= capture["created_unix_s"] and (
+                end is None or capture["created_unix_s"] <= end
+            )
+            if capture["alert_id"] == alert["id"] or (
+                capture["alert_id"] is None
+                and capture["alert_fingerprint"] == alert["fingerprint"]
+                and during
+            ):
+                owner[capture["id"]] = alert["id"]
+                break
+    links: dict[int, list[dict[str, Any]]] = {}
+    if not owner:
+        return links
+    query = (
+        select(files.c.capture_id, files.c.rank, files.c.name)
+        .where(files.c.capture_id.in_(list(owner)))
+        .where(files.c.path.is_not(None))
+        .order_by(files.c.capture_id, files.c.rank, files.c.name)
+    )
+    for capture_id, rank, name in conn.execute(query):
+        links.setdefault(owner[capture_id], []).append(
+            {
+                "name": f"rank {rank} {name}",
+                "url": f"/api/v1/evidence/{quote(capture_id, safe='')}/{rank}/"
+                f"{quote(name, safe='')}",
+            }
+        )
+    return links
 
 
 def _all(conn: Connection, table: Table, job: str, order: str) -> list[dict[str, Any]]:
