@@ -259,7 +259,7 @@ def test_finding_rules_take_labels_value_and_texts_from_the_finding() -> None:
     )
     throughput_anomaly = Finding(
         kind="anomaly",
-        labels={"job": "j", "metric": "throughput_samples_per_second"},
+        labels={"job": "j", "metric": "communication_time_ratio"},
         value=1.0,
         score=4.0,
         summary="no default rule for this one",

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.commands import CommandBook, CommandStatus
+from torshmon.aggregator.core.episodes import FindingChange
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.tuner import TunerError
 from torshmon.aggregator.http import api
@@ -22,6 +23,7 @@ from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.aggregator.tuning_manager import TuningConflict, TuningUnavailable
 from torshmon.history.models import Base
 from torshmon.history.store import HistoryStore, TuningSessionRow
+from torshmon.report.source import HistoryReports
 
 TOKEN = "api-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -46,6 +48,9 @@ class FakeLive:
 
     def link_reading(self, job: str) -> dict[str, Any] | None:
         return None
+
+    def job_kind(self, job: str) -> str | None:
+        return "fsdp2" if job == "j" else None
 
 
 class FakeCommands:
@@ -113,6 +118,7 @@ class Api:
             live=self.live,
             commands=self.commands,
             tuning=self.tuning,
+            reports=HistoryReports(lambda: self.store.engine),
             registry=registry,
             clock=lambda: NOW,
         )
@@ -213,7 +219,9 @@ async def test_alerts_and_anomalies_list_what_the_store_recorded(a: Api) -> None
         since_unix_s=NOW - 20,
         details={"peers": (0, 2)},
     )
-    await a.store.record([finding], [_alert("Straggler", "pending")], NOW - 5)
+    await a.store.record(
+        [FindingChange("open", finding)], [_alert("Straggler", "pending")], NOW - 5
+    )
     await a.store.record([], [_alert("Straggler", "firing"), _alert("Other", "firing", "k")], NOW)
     status, body = await a.get("/api/v1/alerts", params={"job": "j"})
     assert status == 200
@@ -313,25 +321,63 @@ async def test_the_report_lists_the_live_bottlenecks(a: Api) -> None:
     a.live.findings["j"] = [
         Finding(
             kind="bottleneck",
-            labels={"job": "j"},
+            labels={"job": "j", "category": "communication"},
             value=0.6,
             score=0.6,
             summary="communication takes 60 %",
             since_unix_s=NOW,
-            recommendation="compress gradients",
+            recommendation="prefetch all-gathers",
             severity="critical",
-        )
+            category="communication",
+            priority=1,
+            expected_gain_ratio=0.3,
+            difficulty="medium",
+        ),
+        Finding(
+            kind="straggler",
+            labels={"job": "j", "rank": "2"},
+            value=0.4,
+            score=5.0,
+            summary="rank 2 is slow",
+            since_unix_s=NOW - 3,
+            severity="high",
+            category="straggler",
+            priority=2,
+            difficulty="medium",
+        ),
     ]
     status, body = await a.get("/api/v1/jobs/j/report")
     assert status == 200
+    assert body["job_kind"] == "fsdp2"
     assert body["bottlenecks"] == [
         {
+            "kind": "bottleneck",
+            "category": "communication",
             "severity": "critical",
+            "priority": 1,
+            "expected_gain_ratio": 0.3,
+            "difficulty": "medium",
             "summary": "communication takes 60 %",
-            "recommendation": "compress gradients",
+            "recommendation": "prefetch all-gathers",
             "value": 0.6,
-            "labels": {"job": "j"},
-        }
+            "rank": None,
+            "labels": {"job": "j", "category": "communication"},
+            "since_unix_s": NOW,
+        },
+        {
+            "kind": "straggler",
+            "category": "straggler",
+            "severity": "high",
+            "priority": 2,
+            "expected_gain_ratio": None,
+            "difficulty": "medium",
+            "summary": "rank 2 is slow",
+            "recommendation": "",
+            "value": 0.4,
+            "rank": 2,
+            "labels": {"job": "j", "rank": "2"},
+            "since_unix_s": NOW - 3,
+        },
     ]
     assert body["link_check"] is None  # no check yet
     status, body = await a.get("/api/v1/jobs/k/report")

@@ -147,10 +147,12 @@ def test_a_batch_of_many_steps_is_observed_as_one_step_at_a_time() -> None:
     one, many = _feed(one_step_per_batch=True), _feed(one_step_per_batch=False)
     found = [(f.kind, f.labels, f.summary) for f in many.findings(1001.0)]
     assert found == [(f.kind, f.labels, f.summary) for f in one.findings(1001.0)]
-    # What the scenario must show: the straggler, its step time, the loss spike (latched).
+    # What the scenario must show: the straggler, its step time and throughput, the loss
+    # spike (latched).
     assert {(kind, labels.get("metric")) for kind, labels, _ in found} == {
         ("straggler", None),
         ("anomaly", "step_duration_seconds"),
+        ("anomaly", "throughput_samples_per_second"),
         ("anomaly", "loss"),
     }
     for metric in sorted(one.series.metrics()):

@@ -337,7 +337,7 @@ def test_export_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert export_rules_cli(str(DATA / "bad_op.yaml"), "prometheus") == 1
     out, err = capsys.readouterr()
     assert out == ""
-    assert "rules[2].op: expected one of >, >=, <, <=, got '=>'" in err
+    assert "rules[2].op: expected one of >, >=, <, <=, ==, !=, got '=>'" in err
 
 
 def test_exported_good_file_passes_promtool(tmp_path: Path) -> None:
@@ -364,6 +364,7 @@ FINDING_METRICS = {
     "straggler": catalogue.STRAGGLER_ACTIVE,
     "hang": catalogue.HUNG_COLLECTIVE_AGE_SECONDS,
     "slow_link": catalogue.SLOW_LINK_BANDWIDTH_BYTES_PER_SECOND,
+    "bottleneck": catalogue.BOTTLENECK_ACTIVE,
 }
 #: What a scrape of the aggregator adds (``honor_labels: true``, as deploy/prometheus.yml).
 SCRAPE_INSTANCE = "aggregator:9470"
@@ -391,6 +392,7 @@ def scraped_series(rule: Rule) -> tuple[str, dict[str, str]]:
     else:
         spec = catalogue.METRICS[catalogue.PREFIX + (rule.metric or "")]
     labels = {name: LABEL_VALUES.get(name, rule.metric or "") for name in spec.labels}
+    labels.update({k: v for k, v in rule.matchers.items() if k in spec.labels})
     labels.setdefault("job", SCRAPE_JOB)
     return spec.name, {**labels, "instance": SCRAPE_INSTANCE}
 
@@ -406,6 +408,7 @@ def engine_alert(rule: Rule) -> Alert:
         finding_labels = {name: LABEL_VALUES.get(name, "") for name in FINDING_LABELS[rule.kind]}
         if rule.kind == "anomaly":
             finding_labels["metric"] = rule.metric or ""
+        finding_labels.update(rule.matchers)
         findings = [Finding(rule.kind, finding_labels, 1.0, 5.0, "found", 0.0)]
     value = firing_value(rule)
     for second in range(int(rule.for_s + rule.window_s) + 10):

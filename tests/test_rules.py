@@ -45,12 +45,16 @@ def test_default_rules_encode_the_design_table() -> None:
         "High GPU Memory Usage",
         "High Communication Overhead",
         "Step Time Anomaly",
+        "Communication Wait Anomaly",
+        "Throughput Drop",
         "Straggler",
         "Hung Collective",
         "Loss Spike",
         "Non-finite Loss",
         "Memory Leak",
         "Slow Link",
+        "Input Bound",
+        "GPU Memory Nearly Full",
         "Agent Down",
     ]
     agent = by_name["Agent Down"]
@@ -105,6 +109,21 @@ def test_default_rules_encode_the_design_table() -> None:
     assert (leak.kind, leak.metric, leak.threshold) == ("rate", "rank_memory_rss_bytes", 10e6)
     # A one-off jump rises once: not steady (see the rule's comment); about 8 s to fire.
     assert (leak.window_s, leak.steady, leak.for_s) == (10.0, 0.8, 5.0)
+    assert by_name["Communication Wait Anomaly"].metric == "comm_wait_seconds"
+    assert by_name["Throughput Drop"].metric == "throughput_samples_per_second"
+    inputs = by_name["Input Bound"]
+    assert (inputs.kind, dict(inputs.matchers), inputs.for_s) == (
+        "bottleneck",
+        {"category": "input"},
+        60.0,
+    )
+    gpu_memory = by_name["GPU Memory Nearly Full"]
+    assert (gpu_memory.kind, dict(gpu_memory.matchers), gpu_memory.severity) == (
+        "bottleneck",
+        {"category": "gpu_memory"},
+        "critical",
+    )
+    assert gpu_memory.actions == ("notify", "recommend_memory")
     assert rules.source == "default_rules.yaml"
 
 
@@ -168,7 +187,7 @@ def test_error_names_file_line_and_field() -> None:
     with pytest.raises(RuleError) as info:
         load_rules(DATA / "bad_op.yaml")
     assert info.value.errors == (
-        f"{DATA / 'bad_op.yaml'}:13: rules[2].op: expected one of >, >=, <, <=, got '=>'",
+        f"{DATA / 'bad_op.yaml'}:13: rules[2].op: expected one of >, >=, <, <=, ==, !=, got '=>'",
     )
 
 
@@ -386,6 +405,7 @@ def test_known_metrics_cover_what_the_aggregator_feeds() -> None:
         "compute_seconds",
         "communication_time_ratio",
         "training_efficiency_ratio",
+        "input_wait_time_ratio",
         "throughput_samples_per_second",
         "loss",
         "cpu_utilization_ratio",

@@ -66,6 +66,11 @@ _ENVIRONMENT: Mapping[str, tuple[tuple[str, str], ...]] = {
         ("TORSHMON_QUERY_DB_URL", "the reader's URL for queries (--query-db)"),
     ),
     "db": (("TORSHMON_DB_URL", "history database, path or URL (--db)"),),
+    "report": (
+        ("TORSHMON_DB_URL", "history database, path or URL (--db)"),
+        ("TORSHMON_QUERY_DB_URL", "the reader's URL the history is read with"),
+        ("TORSHMON_TOKEN, TORSHMON_TOKEN_FILE", "bearer token for --aggregator"),
+    ),
     "tune": (
         ("TORSHMON_AGGREGATOR_URL", "aggregator base URL (--url)"),
         ("TORSHMON_TOKEN, TORSHMON_TOKEN_FILE", "bearer token, or a file holding it"),
@@ -227,6 +232,25 @@ def build_parser() -> argparse.ArgumentParser:
     query.add_argument("--query-db", help=_QUERY_DB_HELP)
     query.add_argument("--format", choices=("table", "csv", "json"), default="table")
     query.add_argument("--max-rows", type=_positive_int, default=10000)
+
+    report = command(
+        "report", "a job's summary from the history: ranks, phases, findings, alerts", env="report"
+    )
+    report.add_argument("job", help="job name")
+    source = report.add_mutually_exclusive_group()
+    source.add_argument("--db", help=_DB_HELP)
+    source.add_argument(
+        "--aggregator",
+        metavar="URL",
+        help="read the history through this aggregator instead, e.g. " + DEFAULT_AGGREGATOR_URL,
+    )
+    report.add_argument("--token-file", type=Path, help=_TOKEN_HELP)
+    report.add_argument(
+        "--html",
+        type=Path,
+        metavar="FILE",
+        help="also write the report as one self-contained HTML page with plots",
+    )
 
     db = command("db", "history database maintenance", env="db")
     db_commands = db.add_subparsers(dest="db_command", required=True)
@@ -503,6 +527,33 @@ def _run_query(args: argparse.Namespace, redact: Redactor) -> int:
     return 0
 
 
+def _run_report(args: argparse.Namespace, redact: Redactor) -> int:
+    from torshmon.history.db import DatabaseConfigError, db_url
+    from torshmon.history.reader import query_db_url
+    from torshmon.report import ReportError, render_text
+    from torshmon.report.source import report_from_aggregator, report_from_db
+
+    try:
+        if args.aggregator is not None:
+            base = _aggregator_url(argparse.Namespace(url=args.aggregator), {})
+            token = _token(args, redact, os.environ) or os.environ.get("TORSHMON_TOKEN", "")
+            report = report_from_aggregator(base, args.job, token.strip() or None)
+        else:
+            report = report_from_db(query_db_url(None, db_url(args.db)), args.job)
+    except (ReportError, DatabaseConfigError, ValueError) as exc:
+        return _fail("report", redact, str(exc), USAGE_ERROR)
+    print(render_text(report), end="")
+    if args.html is not None:
+        from torshmon.report.page import render_page
+
+        try:
+            args.html.write_text(render_page(report), encoding="utf-8")
+        except OSError as exc:
+            return _fail("report", redact, f"cannot write {args.html}: {exc.strerror}", USAGE_ERROR)
+        print(f"page written to {args.html}")
+    return 0
+
+
 def _run_db(args: argparse.Namespace, redact: Redactor) -> int:
     import psycopg
     from sqlalchemy.exc import SQLAlchemyError
@@ -752,6 +803,8 @@ def _dispatch(args: argparse.Namespace, redact: Redactor) -> int:
         return _run_query(args, redact)
     if args.command == "db":
         return _run_db(args, redact)
+    if args.command == "report":
+        return _run_report(args, redact)
     if args.command == "rules":
         return _run_rules(args)
     if args.command == "tune":

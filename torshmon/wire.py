@@ -179,6 +179,7 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     forward_s: float | None = None
     backward_s: float | None = None
     optimizer_s: float | None = None
+    input_wait_s: float | None = None
     batch_size: Count | None = None
     samples_per_s: float | None = None
     loss: float | None = None

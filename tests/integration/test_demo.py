@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ from torshmon.aggregator.notify.targets import SlackTarget
 from torshmon.demo import DemoConfig, run_system
 from torshmon.faults import parse_fault
 from torshmon.history.query import run_query
+from torshmon.report import render_text, report_from_db
+from torshmon.report.page import render_page
 
 pytestmark = pytest.mark.integration
 
@@ -139,3 +142,13 @@ async def test_injected_straggler_fires_names_the_rank_notifies_slack_and_resolv
         result.db_url, "SELECT rank, count(*) FROM steps GROUP BY rank ORDER BY rank"
     )
     assert counts.rows == [(0, 220), (1, 220)]
+
+    # torshmon report on that history: both ranks, and the straggler named in its alerts
+    # and on the page's timeline.
+    report = report_from_db(result.db_url, "demo")
+    assert [(r.rank, r.steps) for r in report.ranks] == [(0, 220), (1, 220)]
+    text = render_text(report)
+    alerts = text.split("Alerts (")[1].split("Tuning sessions")[0]
+    assert re.search(r"^Straggler\s+1\s+high\s+\d+\s+[1-9]", alerts, re.M), alerts
+    page = render_page(report)
+    assert f'<g id="alert-{alert["id"]}"><title>Straggler rank 1 (high, resolved)' in page

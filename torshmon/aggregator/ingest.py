@@ -67,6 +67,7 @@ STEP_SAMPLE_FIELDS: tuple[str, ...] = (
     "forward_s",
     "backward_s",
     "optimizer_s",
+    "input_wait_s",
     "samples_per_s",
     "loss",
 )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import signal
@@ -34,9 +35,10 @@ from sqlalchemy.engine import make_url
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.alert_engine import AlertEngine
 from torshmon.aggregator.core.commands import CommandBook, CommandStatus
-from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.episodes import FindingChange, FindingEpisodes
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.live_metrics import LiveCollector
+from torshmon.aggregator.core.memory_report import memory_report
 from torshmon.aggregator.core.rule_file import default_rules, load_rules
 from torshmon.aggregator.core.rules import RuleSet
 from torshmon.aggregator.core.silences import SilenceBook
@@ -67,6 +69,7 @@ from torshmon.history.migrate import upgrade
 from torshmon.history.reader import reader_of
 from torshmon.history.store import HistoryStore
 from torshmon.redact import redact_url
+from torshmon.report.source import HistoryReports
 from torshmon.wire import (
     SCHEMA_VERSION,
     Command,
@@ -128,13 +131,14 @@ class Aggregator:
             zscore=settings.zscore,
             hang=settings.hang,
             link_check=settings.link_check,
+            anomaly_metrics={r.metric for r in self.rules if r.kind == "anomaly" and r.metric},
         )
         self.notifier = Notifier(
             list(targets) if targets is not None else settings.notify.targets(),
             external_url=settings.external_url,
             **settings.notify.delivery(),
         )
-        self._unwritten_findings: list[Finding] = []
+        self._unwritten_findings: list[FindingChange] = []
         self._unwritten_alerts: list[Alert] = []
         self.silences = SilenceBook()
         #: fingerprint -> a firing alert not notified because a silence matched it
@@ -151,7 +155,7 @@ class Aggregator:
         self.command_hooks: list[Callable[[CommandStatus], None]] = [
             self.dispatch.link_check_status
         ]
-        self._finding_keys: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+        self.episodes = FindingEpisodes()
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._eval_wanted = asyncio.Event()
@@ -238,6 +242,9 @@ class Aggregator:
         await self._restore_alerts()
         for silence in await self.store.open_silences(self.clock()):
             self.silences.add(silence)
+        closed = await self.store.close_open_findings(self.clock())
+        if closed:
+            log.info("closed %d findings left open by this aggregator's last run", closed)
         await self._restore_jobs()
         await self.tuning.start()
         await self.notifier.start()
@@ -248,6 +255,7 @@ class Aggregator:
             live=self.live,
             commands=self.dispatch,
             tuning=self.tuning,
+            reports=HistoryReports(lambda: self.store.engine),
             registry=self.registry,
             clock=self.clock,
         )
@@ -432,13 +440,14 @@ class Aggregator:
         """One evaluation tick: findings, rules, storage, notifications. Returns transitions."""
         now = self.clock()
         findings = self.live.findings(now)
-        transitions = self.alerts.evaluate(now, self.live.series, findings)
-        new_findings = [f for f in findings if f.key() not in self._finding_keys]
-        self._finding_keys = {f.key() for f in findings}
+        transitions = [
+            self._recommend_memory(a) for a in self.alerts.evaluate(now, self.live.series, findings)
+        ]
+        episodes = self.episodes.evaluate(findings, now)
         self.live.set_alerts(self.alerts.active())
         # Transitions happen once: if their write fails they are kept and written with the
         # next tick's, and notifications and actions below still go out now.
-        self._unwritten_findings += new_findings
+        self._unwritten_findings += episodes
         self._unwritten_alerts += transitions
         if self._unwritten_findings or self._unwritten_alerts:
             try:
@@ -499,6 +508,22 @@ class Aggregator:
     def _silences_changed(self) -> None:
         """A silence was added or expired: evaluate soon, so what it releases goes out."""
         self._eval_wanted.set()
+
+    def _recommend_memory(self, alert: Alert) -> Alert:
+        """``alert`` as it fires, with the ``recommend_memory`` action's message (how the
+        memory of the ranks it concerns grew, step by step) as its description."""
+        if alert.state != "firing" or "recommend_memory" not in alert.actions:
+            return alert
+        try:
+            text = memory_report(*self.live.memory_history(alert.labels))
+        except Exception:
+            log.exception("memory recommendation failed for %s", alert.rule)
+            return alert
+        if not text:
+            return alert
+        description = alert.annotations.get("description", "")
+        annotations = {**alert.annotations, "description": f"{description}\n{text}".strip()}
+        return dataclasses.replace(alert, annotations=annotations)
 
     async def _restore_alerts(self) -> None:
         """Resume pending and firing alerts this aggregator left in SQL."""

@@ -289,6 +289,19 @@ COMPUTE_SECONDS_TOTAL: Final = _counter(
     "Compute time of every step (step time minus communication wait), summed.",
     _RANK,
 )
+INPUT_WAIT_SECONDS_TOTAL: Final = _counter(
+    "input_wait_seconds_total",
+    "Time the rank waited for its next batch before each step (the data loader), summed "
+    "over the steps whose probe measures it; over the rates of this and "
+    "torshmon_step_seconds_total summed, the share of time spent waiting for input.",
+    _RANK,
+)
+INPUT_WAIT_TIME_RATIO: Final = _gauge(
+    "input_wait_time_ratio",
+    "Input wait before the latest step over that step's period (input wait plus step "
+    "time), 0..1." + _LAST_STEP,
+    _RANK,
+)
 PROBE_URGENT_STEPS_TOTAL: Final = _counter(
     "probe_urgent_steps_total",
     "Steps the probe sent at once through its fast lane (out of line with the rank's "
@@ -315,7 +328,8 @@ COMMUNICATION_TIME_RATIO: Final = _gauge(
 )
 TRAINING_EFFICIENCY_RATIO: Final = _gauge(
     "training_efficiency_ratio",
-    "Compute time over step time of the latest step, 0..1." + _LAST_STEP,
+    "Compute time over the latest step's period (step time plus the input wait before "
+    "it), 0..1." + _LAST_STEP,
     _RANK,
 )
 THROUGHPUT_SAMPLES_PER_SECOND: Final = _gauge(
@@ -409,6 +423,19 @@ ANOMALY_ZSCORE: Final = _gauge(
 )
 STRAGGLER_ACTIVE: Final = _gauge("straggler_active", "1 while the rank is a straggler", _RANK)
 STRAGGLER_SCORE: Final = _gauge("straggler_score", "Straggler score of the rank", _RANK)
+BOTTLENECK_ACTIVE: Final = _gauge(
+    "bottleneck_active",
+    "1 while the job's bottleneck report has a finding of the category (communication, "
+    "efficiency, input, memory, gpu_memory, gpu, network, straggler), as of the last "
+    "rule evaluation",
+    ("job", "category"),
+)
+BOTTLENECK_EXPECTED_GAIN_RATIO: Final = _gauge(
+    "bottleneck_expected_gain_ratio",
+    "Estimated share of the step time the report's recommendation for the category would "
+    "save, 0..1 (absent where it prevents a failure rather than saving time)",
+    ("job", "category"),
+)
 HUNG_COLLECTIVE_AGE_SECONDS: Final = _gauge(
     "hung_collective_age_seconds",
     "Age of a collective the rank never joined while its peers wait",

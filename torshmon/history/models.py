@@ -195,6 +195,11 @@ class Step(Base):
     forward_s: Mapped[float | None] = mapped_column(Float, comment="Forward pass, seconds.")
     backward_s: Mapped[float | None] = mapped_column(Float, comment="Backward pass, seconds.")
     optimizer_s: Mapped[float | None] = mapped_column(Float, comment="Optimizer step, seconds.")
+    input_wait_s: Mapped[float | None] = mapped_column(
+        Float,
+        comment="Input wait before the step (the previous step's end to this one's start: "
+        "the data loader), seconds; NULL where the probe did not measure it.",
+    )
     batch_size: Mapped[int | None] = mapped_column(
         BigInteger, comment="Samples in this rank's batch (count)."
     )
@@ -585,15 +590,22 @@ class AlertEvent(Base):
 class Finding(Base):
     __tablename__ = "findings"
     __table_args__ = _table(
-        "Detector conclusions (anomaly, straggler, hang, bottleneck) when first detected.",
+        "Detector conclusions (anomaly, straggler, hang, bottleneck, slow_link), one row per "
+        "episode: opened when first detected, updated while it holds, closed (ended_unix_s) "
+        "when it no longer does.",
         _one_of("kind", FINDING_KINDS),
+        Index(None, "job", "detected_unix_s"),
     )
 
     id: Mapped[int] = _surrogate_id()
-    kind: Mapped[str] = mapped_column(String(16), comment="anomaly, straggler, hang or bottleneck.")
+    kind: Mapped[str] = mapped_column(
+        String(16), comment="anomaly, straggler, hang, bottleneck or slow_link."
+    )
     job: Mapped[str] = mapped_column(String(200), comment="Job name.")
     rank: Mapped[int | None] = mapped_column(Integer, comment="Rank at fault, if one.")
-    metric: Mapped[str | None] = mapped_column(String(64), comment="Metric, for anomalies.")
+    metric: Mapped[str | None] = mapped_column(
+        String(64), comment="Metric, for anomalies and bottlenecks."
+    )
     value: Mapped[float | None] = mapped_column(
         Float, comment="Observed value (a step time, a hang age, ...), in the metric's unit."
     )
@@ -603,11 +615,36 @@ class Finding(Base):
     summary: Mapped[str] = mapped_column(Text, comment="One sentence: what and where.")
     recommendation: Mapped[str] = mapped_column(Text, comment="What to do.")
     severity: Mapped[str] = mapped_column(String(32), comment="info .. critical.")
+    category: Mapped[str | None] = mapped_column(
+        String(32),
+        comment="What the step time is lost to: communication, efficiency, input, memory, "
+        "gpu_memory, gpu, network or straggler; NULL for anomalies and hangs.",
+    )
+    priority: Mapped[int | None] = mapped_column(
+        Integer, comment="Order to act in within the job's report, 1 first; NULL if unranked."
+    )
+    expected_gain_ratio: Mapped[float | None] = mapped_column(
+        Float,
+        comment="Estimated share of step time the recommendation saves, 0..1 "
+        "(NULL where it prevents a failure rather than saving time).",
+    )
+    difficulty: Mapped[str | None] = mapped_column(
+        String(16), comment="Effort of the recommendation: easy, medium or hard."
+    )
     since_unix_s: Mapped[float] = mapped_column(
         Float, comment="When the condition began, Unix time in seconds."
     )
     detected_unix_s: Mapped[float] = mapped_column(
-        Float, comment="When it was detected, Unix time in seconds."
+        Float, comment="When it was detected (the row opened), Unix time in seconds."
+    )
+    updated_unix_s: Mapped[float | None] = mapped_column(
+        Float, comment="When value, severity or summary were last written, Unix seconds."
+    )
+    ended_unix_s: Mapped[float | None] = mapped_column(
+        Float, comment="When it stopped holding, Unix time in seconds; NULL while open."
+    )
+    aggregator_id: Mapped[str | None] = mapped_column(
+        String(128), comment="The aggregator shard that detected it."
     )
     details: Mapped[dict[str, Any]] = mapped_column(
         JSON, comment="Detector-specific details, JSON object."

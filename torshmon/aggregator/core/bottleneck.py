@@ -1,32 +1,96 @@
 """The bottleneck report: where a job's step time goes, and what to do about it.
 
-Thresholds and severities are DESIGN.md's: communication ratio > 0.3 high, > 0.5
-critical; memory > 0.95 critical; GPU utilisation < 0.8 medium; I/O wait > 0.1 high;
-overall efficiency (compute / step time) < 0.7 critical. The report is stateless: it
-judges one snapshot of the job's recent means, and ``since_unix_s`` of its findings
-is the report time (how long a condition has held is the rules engine's business).
+``bottleneck_report`` judges one snapshot of a job's recent means (``JobSnapshot``)
+against ``Thresholds`` (DESIGN.md's and the seeds': communication > 30% of the step
+high, > 50% critical; input wait > 40% high; efficiency < 0.7 critical; host or GPU
+memory > 0.95 critical; GPU utilisation < 0.8 medium; node I/O wait > 0.1 high where
+the probe measures no input wait). ``rank_findings`` adds the straggler and slow-link
+detectors' findings, gives each finding its category, expected gain and difficulty,
+and numbers them in the order to act on them. The live state runs both at every rule
+evaluation, so the report is continuous: its findings are stored as episodes, exported
+and matched by ``kind: bottleneck`` rules.
+
+Shares are of the step *period*: the step's wall time plus the input wait before it
+(the time the data loader kept the rank idle), so input wait, communication wait and
+compute add up to the whole. Advice fits the job's kind: DDP (bucket cap, static_graph,
+compression, the autotuner), FSDP2 (reshard_after_forward, prefetch, mixed precision;
+no DDP bucket advice) or plain collectives.
+
+Expected gain (``expected_gain_ratio``) is the share of the step period the advice
+would save if it brought the phase back to the level the thresholds call healthy
+(communication to the high threshold; input wait to nothing, as enough loader workers
+keep a batch ready; compute back to the efficiency threshold; a straggler's extra
+compute, which every peer waits for; a slow link's lost bandwidth on the
+communication share). ``details["gain_basis"]`` says which. None for memory, where the
+advice prevents a failure rather than saving time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Final
+from typing import Final, Literal
 
 from torshmon.aggregator.core.findings import SEVERITIES, Finding
 
-_COMMUNICATION_ADVICE: Final = (
-    "Communication takes too much of the step: raise the DDP bucket cap (bucket_cap_mb) "
-    "so fewer, larger all-reduces run; compress gradients (fp16 or bf16, PowerSGD); "
-    "let communication overlap backward compute (static_graph=True, no needless "
-    "synchronisation). torshmon's autotuner searches bucket size and codec for you "
-    "(the rule action 'autotune')."
-)
-_MEMORY_ADVICE: Final = (
-    "Memory is nearly exhausted: reduce the per-rank batch size (keep the global batch "
-    "with gradient accumulation), enable activation checkpointing, train in mixed "
-    "precision (bf16/fp16), shard optimizer state (ZeroRedundancyOptimizer or FSDP), "
-    "and drop references to tensors kept across steps."
+JobKind = Literal["ddp", "fsdp2", "collectives"]
+JOB_KINDS: Final[tuple[str, ...]] = ("ddp", "fsdp2", "collectives")
+
+_COMMUNICATION_ADVICE: Final[dict[str | None, tuple[str, str]]] = {
+    "ddp": (
+        "easy",
+        "Communication takes too much of the step: raise the DDP bucket cap (bucket_cap_mb) "
+        "so fewer, larger all-reduces run; compress gradients (fp16 or bf16, PowerSGD); "
+        "let communication overlap backward compute (static_graph=True, no needless "
+        "synchronisation). torshmon's autotuner searches bucket size and codec for you "
+        "(the rule action 'autotune').",
+    ),
+    "fsdp2": (
+        "medium",
+        "Communication takes too much of the step: keep parameters gathered between "
+        "forward and backward (fully_shard(..., reshard_after_forward=False) on the "
+        "blocks that fit in memory) to skip the backward all-gather; prefetch the next "
+        "blocks' all-gathers (set_modules_to_forward_prefetch / "
+        "set_modules_to_backward_prefetch); all-gather and reduce-scatter in bf16 "
+        "(MixedPrecisionPolicy(param_dtype=torch.bfloat16)); shard coarser units so "
+        "fewer, larger collectives run.",
+    ),
+    "collectives": (
+        "medium",
+        "Communication takes too much of the step: send fewer, larger collectives "
+        "(flatten or coalesce small tensors), issue them with async_op=True and wait as "
+        "late as possible so they overlap compute, send lower-precision payloads where "
+        "the result allows, and check the network path (the link check).",
+    ),
+}
+_COMMUNICATION_ADVICE[None] = _COMMUNICATION_ADVICE["ddp"]
+_MEMORY_ADVICE: Final[dict[str | None, str]] = {
+    "ddp": (
+        "Memory is nearly exhausted: reduce the per-rank batch size (keep the global batch "
+        "with gradient accumulation), enable activation checkpointing, train in mixed "
+        "precision (bf16/fp16), shard optimizer state (ZeroRedundancyOptimizer, or move "
+        "to FSDP2), and drop references to tensors kept across steps."
+    ),
+    "fsdp2": (
+        "Memory is nearly exhausted: reshard parameters after forward "
+        "(reshard_after_forward=True), enable activation checkpointing, train in mixed "
+        "precision (MixedPrecisionPolicy), offload parameters and optimizer state "
+        "(CPUOffloadPolicy), or reduce the per-rank batch size with gradient accumulation."
+    ),
+    "collectives": (
+        "Memory is nearly exhausted: reduce the per-rank batch size (keep the global batch "
+        "with gradient accumulation), enable activation checkpointing, train in mixed "
+        "precision, and drop references to tensors kept across steps."
+    ),
+}
+_MEMORY_ADVICE[None] = _MEMORY_ADVICE["ddp"]
+_INPUT_ADVICE: Final = (
+    "The ranks wait for their next batch {value:.0%} of the time: raise DataLoader "
+    "num_workers, set pin_memory=True with non_blocking copies, persistent_workers=True "
+    "and a larger prefetch_factor, and move decoding or augmentation to the GPU or "
+    "offline."
 )
 _GPU_ADVICE: Final = (
     "The GPU is idle part of the time, usually waiting for input: raise DataLoader "
@@ -41,7 +105,7 @@ _IO_ADVICE: Final = (
 )
 _EFFICIENCY_ADVICE: Final = (
     "Less than {threshold:.0%} of the step is compute ({value:.0%}): fix the other "
-    "findings of this report, most severe first."
+    "findings of this report, highest priority first."
 )
 _EFFICIENCY_ALONE_ADVICE: Final = (
     "Less than {threshold:.0%} of the step is compute ({value:.0%}) with no single "
@@ -54,8 +118,14 @@ _EFFICIENCY_ALONE_ADVICE: Final = (
 class JobSnapshot:
     """A job's recent means, each a ratio in 0..1 or None when unknown.
 
-    ``gpu_utilization_ratio`` is None on CPU-only jobs; ``training_efficiency_ratio``
-    is compute_s / duration_s. Raises ValueError for a value outside 0..1.
+    Shares are of the step period (step time plus the input wait before it):
+    ``communication_time_ratio`` (communication wait), ``input_wait_ratio`` (None
+    where the probe measured no input wait), ``training_efficiency_ratio`` (compute).
+    ``memory_utilization_ratio`` is the fullest of the job's nodes,
+    ``gpu_memory_utilization_ratio`` its fullest GPU, ``gpu_utilization_ratio`` its GPUs'
+    mean (both None without GPUs); ``io_wait_ratio`` the nodes' CPU I/O wait.
+    ``job_kind``: what the probe was attached to (None while unknown); ``step_s``: the
+    mean step period, seconds. Raises ValueError for a ratio outside 0..1.
     """
 
     communication_time_ratio: float | None = None
@@ -63,15 +133,23 @@ class JobSnapshot:
     gpu_utilization_ratio: float | None = None
     io_wait_ratio: float | None = None
     training_efficiency_ratio: float | None = None
+    input_wait_ratio: float | None = None
+    gpu_memory_utilization_ratio: float | None = None
+    job_kind: JobKind | None = None
+    step_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_ratio(f.name, getattr(self, f.name))
+            if f.name.endswith("_ratio"):
+                _check_ratio(f.name, getattr(self, f.name))
+        if self.job_kind is not None and self.job_kind not in JOB_KINDS:
+            raise ValueError(f"job_kind must be one of {JOB_KINDS} or None, got {self.job_kind}")
 
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
-    """Where the report starts to complain (ratios in 0..1); defaults from DESIGN.md.
+    """Where the report starts to complain (ratios in 0..1); defaults from DESIGN.md
+    and the seeds (data loading > 40% of the step).
 
     Raises ValueError for a value outside 0..1, or a critical communication threshold
     below the high one.
@@ -83,6 +161,7 @@ class Thresholds:
     gpu_utilization_medium_ratio: float = 0.8
     io_wait_high_ratio: float = 0.1
     efficiency_critical_ratio: float = 0.7
+    input_wait_high_ratio: float = 0.4
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -103,103 +182,227 @@ def bottleneck_report(
 ) -> list[Finding]:
     """The job's bottlenecks at ``now_unix_s`` (Unix seconds), most severe first.
 
-    Each finding has kind "bottleneck", labels ``job`` and ``metric`` (the metric name
-    without the ``torshmon_`` prefix), the observed ratio as ``value`` and its margin
-    past the threshold as ``score``.
+    Each finding has kind "bottleneck", labels ``job`` and ``category``, the metric it
+    judged (its name without the ``torshmon_`` prefix) as ``details["metric"]``, the
+    observed ratio as ``value``, its margin past the threshold as ``score``, and its
+    category, expected gain and difficulty; ``rank_findings`` numbers them.
     """
     t = thresholds if thresholds is not None else Thresholds()
     s = snapshot
     found: list[Finding] = []
 
     def add(
+        category: str,
         metric: str,
-        area: str,
         value: float,
         threshold: float,
         severity: str,
         summary: str,
-        advice: str,
+        advice: tuple[str, str],
+        gain: tuple[float, str] | None,
     ) -> None:
+        difficulty, recommendation = advice
+        details: dict[str, object] = {
+            "metric": metric,
+            "threshold": threshold,
+            "job_kind": s.job_kind,
+        }
+        if gain is not None:
+            details["gain_basis"] = gain[1]
         found.append(
             Finding(
                 kind="bottleneck",
-                labels={"job": job, "metric": metric},
+                labels={"job": job, "category": category},
                 value=value,
                 score=abs(value - threshold),
                 summary=summary,
                 since_unix_s=now_unix_s,
-                recommendation=advice,
+                recommendation=recommendation,
                 severity=severity,
-                details={"area": area, "threshold": threshold},
+                details=details,
+                category=category,
+                expected_gain_ratio=None if gain is None else _clip(gain[0]),
+                difficulty=difficulty,
             )
         )
 
+    memory = s.memory_utilization_ratio
+    if memory is not None and memory > t.memory_critical_ratio:
+        add(
+            "memory",
+            "memory_utilization_ratio",
+            memory,
+            t.memory_critical_ratio,
+            "critical",
+            f"job {job} uses {memory:.0%} of a node's memory "
+            f"(threshold {t.memory_critical_ratio:.0%})",
+            ("medium", _MEMORY_ADVICE[s.job_kind]),
+            None,
+        )
+    gpu_memory = s.gpu_memory_utilization_ratio
+    if gpu_memory is not None and gpu_memory > t.memory_critical_ratio:
+        add(
+            "gpu_memory",
+            "gpu_memory_utilization_ratio",
+            gpu_memory,
+            t.memory_critical_ratio,
+            "critical",
+            f"job {job} fills {gpu_memory:.0%} of a GPU's memory "
+            f"(threshold {t.memory_critical_ratio:.0%})",
+            ("medium", _MEMORY_ADVICE[s.job_kind]),
+            None,
+        )
     comm = s.communication_time_ratio
     if comm is not None and comm > t.communication_high_ratio:
         critical = comm > t.communication_critical_ratio
         threshold = t.communication_critical_ratio if critical else t.communication_high_ratio
         add(
-            "communication_time_ratio",
             "communication",
+            "communication_time_ratio",
             comm,
             threshold,
             "critical" if critical else "high",
             f"job {job} spends {comm:.0%} of its step time waiting for communication "
             f"(threshold {threshold:.0%})",
-            _COMMUNICATION_ADVICE,
+            _COMMUNICATION_ADVICE[s.job_kind],
+            (
+                comm - t.communication_high_ratio,
+                f"communication wait back to {t.communication_high_ratio:.0%} of the step "
+                f"from {comm:.0%}",
+            ),
         )
-    memory = s.memory_utilization_ratio
-    if memory is not None and memory > t.memory_critical_ratio:
+    input_wait = s.input_wait_ratio
+    if input_wait is not None and input_wait > t.input_wait_high_ratio:
         add(
-            "memory_utilization_ratio",
-            "memory",
-            memory,
-            t.memory_critical_ratio,
-            "critical",
-            f"job {job} uses {memory:.0%} of its nodes' memory "
-            f"(threshold {t.memory_critical_ratio:.0%})",
-            _MEMORY_ADVICE,
-        )
-    gpu = s.gpu_utilization_ratio
-    if gpu is not None and gpu < t.gpu_utilization_medium_ratio:
-        add(
-            "gpu_utilization_ratio",
-            "gpu",
-            gpu,
-            t.gpu_utilization_medium_ratio,
-            "medium",
-            f"job {job} keeps its GPUs busy only {gpu:.0%} of the time "
-            f"(threshold {t.gpu_utilization_medium_ratio:.0%})",
-            _GPU_ADVICE,
+            "input",
+            "input_wait_time_ratio",
+            input_wait,
+            t.input_wait_high_ratio,
+            "high",
+            f"job {job} waits for input data {input_wait:.0%} of its step time "
+            f"(threshold {t.input_wait_high_ratio:.0%})",
+            ("easy", _INPUT_ADVICE.format(value=input_wait)),
+            (input_wait, "all of the input wait, with a batch ready at every step"),
         )
     io_wait = s.io_wait_ratio
-    if io_wait is not None and io_wait > t.io_wait_high_ratio:
+    if input_wait is None and io_wait is not None and io_wait > t.io_wait_high_ratio:
+        # Node CPU iowait is a different quantity from input wait: used only where the
+        # probe measured none, and with no gain estimate (how much of it stalls the
+        # step is unknown).
         add(
+            "input",
             "io_wait_time_ratio",
-            "io",
             io_wait,
             t.io_wait_high_ratio,
             "high",
             f"job {job}'s nodes spend {io_wait:.0%} of CPU time waiting for I/O "
             f"(threshold {t.io_wait_high_ratio:.0%})",
-            _IO_ADVICE,
+            ("medium", _IO_ADVICE),
+            None,
+        )
+    gpu = s.gpu_utilization_ratio
+    if gpu is not None and gpu < t.gpu_utilization_medium_ratio:
+        add(
+            "gpu",
+            "gpu_utilization_ratio",
+            gpu,
+            t.gpu_utilization_medium_ratio,
+            "medium",
+            f"job {job} keeps its GPUs busy only {gpu:.0%} of the time "
+            f"(threshold {t.gpu_utilization_medium_ratio:.0%})",
+            ("medium", _GPU_ADVICE),
+            (
+                t.gpu_utilization_medium_ratio - gpu,
+                f"GPU busy time up to {t.gpu_utilization_medium_ratio:.0%} from {gpu:.0%}",
+            ),
         )
     efficiency = s.training_efficiency_ratio
     if efficiency is not None and efficiency < t.efficiency_critical_ratio:
-        template = _EFFICIENCY_ADVICE if found else _EFFICIENCY_ALONE_ADVICE
+        causes = any(f.category in ("communication", "input") for f in found)
+        template = _EFFICIENCY_ADVICE if causes else _EFFICIENCY_ALONE_ADVICE
         add(
-            "training_efficiency_ratio",
             "efficiency",
+            "training_efficiency_ratio",
             efficiency,
             t.efficiency_critical_ratio,
             "critical",
             f"job {job} computes only {efficiency:.0%} of its step time "
             f"(threshold {t.efficiency_critical_ratio:.0%})",
-            template.format(threshold=t.efficiency_critical_ratio, value=efficiency),
+            (
+                "medium" if causes else "hard",
+                template.format(threshold=t.efficiency_critical_ratio, value=efficiency),
+            ),
+            (
+                t.efficiency_critical_ratio - efficiency,
+                f"compute back to {t.efficiency_critical_ratio:.0%} of the step "
+                f"from {efficiency:.0%}",
+            ),
         )
-    # Stable sort: equal severities keep the fixed order above (communication first).
+    # Stable sort: equal severities keep the fixed order above.
     found.sort(key=lambda f: -SEVERITIES.index(f.severity))
     return found
+
+
+def rank_findings(
+    bottlenecks: Sequence[Finding],
+    others: Sequence[Finding],
+    snapshot: JobSnapshot,
+) -> list[Finding]:
+    """One job's report: ``bottlenecks`` and the job's straggler and slow-link findings
+    among ``others`` (the rest are left out), with category, expected gain and
+    difficulty filled in and ``priority`` 1..n: most severe first, then the largest
+    expected gain (unknown last)."""
+    report = list(bottlenecks)
+    for finding in others:
+        if finding.kind == "straggler":
+            report.append(_straggler(finding, snapshot))
+        elif finding.kind == "slow_link":
+            report.append(_slow_link(finding, snapshot))
+    report.sort(
+        key=lambda f: (
+            -SEVERITIES.index(f.severity) if f.severity in SEVERITIES else 0,
+            -(f.expected_gain_ratio if f.expected_gain_ratio is not None else -1.0),
+        )
+    )
+    return [dataclasses.replace(f, priority=i) for i, f in enumerate(report, start=1)]
+
+
+def _straggler(finding: Finding, snapshot: JobSnapshot) -> Finding:
+    """Every peer waits for a straggler's extra compute at each synchronisation."""
+    gain = None
+    basis = ""
+    median = finding.details.get("peer_median_s")
+    if isinstance(median, (int, float)) and snapshot.step_s and snapshot.step_s > 0:
+        gain = _clip((finding.value - float(median)) / snapshot.step_s)
+        basis = "the straggler's compute time above its peers' median, which they wait for"
+    return dataclasses.replace(
+        finding,
+        category="straggler",
+        expected_gain_ratio=gain,
+        difficulty="medium",
+        details={**finding.details, "gain_basis": basis} if basis else finding.details,
+    )
+
+
+def _slow_link(finding: Finding, snapshot: JobSnapshot) -> Finding:
+    """A link at ``score`` of its healthy bandwidth stretches communication by 1/score."""
+    gain = None
+    basis = ""
+    comm = snapshot.communication_time_ratio
+    if comm is not None and 0.0 < finding.score <= 1.0:
+        gain = _clip(comm * (1.0 - finding.score))
+        basis = "communication wait at the healthy links' bandwidth"
+    return dataclasses.replace(
+        finding,
+        category="network",
+        expected_gain_ratio=gain,
+        difficulty="hard",
+        details={**finding.details, "gain_basis": basis} if basis else finding.details,
+    )
+
+
+def _clip(value: float) -> float:
+    return min(1.0, max(0.0, value)) if math.isfinite(value) else 0.0
 
 
 def _check_ratio(name: str, value: float | None) -> None:

@@ -14,6 +14,20 @@ from typing import Literal
 #: ``hang`` and ``slow_link`` match on it.
 FindingKind = Literal["anomaly", "straggler", "hang", "bottleneck", "slow_link"]
 
+#: What a bottleneck finding says the step time is lost to.
+CATEGORIES: tuple[str, ...] = (
+    "communication",
+    "efficiency",
+    "input",
+    "memory",
+    "gpu_memory",
+    "gpu",
+    "network",
+    "straggler",
+)
+#: How much work a recommendation is, least first.
+DIFFICULTIES: tuple[str, ...] = ("easy", "medium", "hard")
+
 #: Ordered from least to most severe.
 SEVERITIES: tuple[str, ...] = ("info", "medium", "warning", "high", "critical")
 
@@ -28,6 +42,12 @@ class Finding:
     the detector's statistic (a z-score, a robust z, a relative slowdown). ``summary``
     is one human sentence naming what and where; ``recommendation`` what to do.
     ``since_unix_s`` is when the condition began (for persistence and latency).
+
+    The bottleneck report fills the rest (``bottleneck``, ``straggler`` and
+    ``slow_link`` findings): ``category`` (one of ``CATEGORIES``: what the step time
+    is lost to), ``priority`` (1 = act on first, within the job), ``expected_gain_ratio``
+    (estimated share of step time the recommendation saves, None where it prevents a
+    failure instead) and ``difficulty`` (one of ``DIFFICULTIES``).
     """
 
     kind: FindingKind
@@ -39,6 +59,10 @@ class Finding:
     recommendation: str = ""
     severity: str = "warning"
     details: Mapping[str, object] = field(default_factory=dict)
+    category: str = ""
+    priority: int | None = None
+    expected_gain_ratio: float | None = None
+    difficulty: str = ""
 
     def key(self) -> tuple[str, tuple[tuple[str, str], ...]]:
         """Identity of the condition: the same kind on the same labels is one finding."""

@@ -10,12 +10,13 @@ Prometheus collector (``live_metrics``) copies what it needs under a lock at scr
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import math
 import operator
 import statistics
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import repeat
 from typing import Any, cast
 
@@ -23,16 +24,24 @@ import msgspec
 
 from torshmon.aggregator.core.agents import Agents
 from torshmon.aggregator.core.alert import Alert
-from torshmon.aggregator.core.bottleneck import JobSnapshot, bottleneck_report
+from torshmon.aggregator.core.bottleneck import (
+    JobKind,
+    JobSnapshot,
+    Thresholds,
+    bottleneck_report,
+    rank_findings,
+)
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.hang import HangDetector, HangSettings
 from torshmon.aggregator.core.linkcheck import LinkChecker, LinkCheckSettings, reading_json
+from torshmon.aggregator.core.memory_report import GpuMemory, RankMemory
 from torshmon.aggregator.core.rank_state import (
     JobState,
     RankState,
     copy_rank,
     observe_collectives,
 )
+from torshmon.aggregator.core.rules import ANOMALY_METRICS
 from torshmon.aggregator.core.series import SeriesStore
 from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.straggler import StepCollector, StragglerDetector, StragglerSettings
@@ -41,6 +50,7 @@ from torshmon.labels import LabelCap
 from torshmon.wire import (
     STEP_DURATION_BUCKETS_S,
     Batch,
+    CollectiveStat,
     NodeSample,
     StepRecord,
 )
@@ -62,6 +72,8 @@ _STEP_FIELDS = (
     "ddp",
     "applied_config",
     "config_version",
+    "input_wait_s",
+    "forward_s",
 )
 #: Those columns out of the ``zip`` of the steps' ``astuple`` (a step's fields in one C
 #: call, cheaper than fetching them one by one).
@@ -93,6 +105,8 @@ class LiveState:
         hang: HangSettings | None = None,
         link_check: LinkCheckSettings | None = None,
         label_cap: LabelCap | None = None,
+        bottleneck: Thresholds | None = None,
+        anomaly_metrics: Collection[str] | None = None,
     ) -> None:
         """``idle_s``: a job (or node) that sent nothing for this long is dropped, with
         its series and detector state; a hung job still sends heartbeats, so it stays.
@@ -103,7 +117,11 @@ class LiveState:
         settings (None: their defaults). ``link_check``: when to run pairwise link
         checks and how to read them.
         ``label_cap``: how many op, pg and codec values a job's probes may name; the
-        rest fold into ``other`` as they are taken in (``torshmon.labels``)."""
+        rest fold into ``other`` as they are taken in (``torshmon.labels``).
+        ``bottleneck``: the bottleneck report's thresholds (None: DESIGN.md's).
+        ``anomaly_metrics``: the z-scores to run beyond step time and loss
+        (``comm_wait_seconds``, ``throughput_samples_per_second``; None: both); the
+        service passes those its rules name, as each costs ingest time."""
         self.idle_s = idle_s
         self._labels = label_cap if label_cap is not None else LabelCap()
         self.series = SeriesStore(retention_s=series_retention_s, windows_s=series_windows_s)
@@ -120,6 +138,13 @@ class LiveState:
         z = msgspec.structs.asdict(zscore if zscore is not None else ZScoreSettings())
         self.step_z = ZScoreDetector(metric="step_duration_seconds", direction="up", **z)
         self.loss_z = ZScoreDetector(metric="loss", direction="up", **z)
+        self.comm_z = ZScoreDetector(metric="comm_wait_seconds", direction="up", **z)
+        self.throughput_z = ZScoreDetector(
+            metric="throughput_samples_per_second", direction="down", **z
+        )
+        wanted = set(ANOMALY_METRICS) if anomaly_metrics is None else set(anomaly_metrics)
+        self._comm_z_on = "comm_wait_seconds" in wanted
+        self._throughput_z_on = "throughput_samples_per_second" in wanted
         self.straggler = StragglerDetector(
             **msgspec.structs.asdict(straggler if straggler is not None else StragglerSettings())
         )
@@ -127,6 +152,11 @@ class LiveState:
             **msgspec.structs.asdict(hang if hang is not None else HangSettings())
         )
         self.links = LinkChecker(link_check)
+        self.thresholds = bottleneck if bottleneck is not None else Thresholds()
+        # Each job's report as of the last ``findings()``, and since when each of its
+        # bottlenecks has held (the report is recomputed from recent means each time).
+        self._reports: dict[str, list[Finding]] = {}
+        self._bottleneck_since: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._alerts: list[Alert] = []
         self._hangs: list[Finding] = []
         # Findings seen active since the last ``findings()`` call. One ingested batch can
@@ -247,6 +277,8 @@ class LiveState:
             ddps,
             applied,
             config_versions,
+            input_waits,
+            forwards,
         ) = _STEP_COLUMNS(list(zip(*map(_astuple, steps), strict=True)))
         ts = list(map(operator.truediv, ends, repeat(1e9)))
         hist = r.step_hist
@@ -261,13 +293,18 @@ class LiveState:
         recent.duration_s.extend(durations)
         recent.wait_s.extend(waits)
         recent.compute_s.extend(computes)
+        if input_waits.count(None) == n:
+            recent.input_wait_s.extend(repeat(math.nan, n))
         columns_by_metric: dict[str, Sequence[float]] = {
             "step_duration_seconds": durations,
             "comm_wait_seconds": waits,
             "compute_seconds": computes,
             "communication_time_ratio": ratios,
         }
-        if all(map(_POSITIVE, durations)):
+        if input_waits.count(None) < n:
+            # Efficiency too: the input wait is part of the step period.
+            self._observe_input_waits(r, ts, durations, computes, input_waits)
+        elif all(map(_POSITIVE, durations)):
             columns_by_metric["training_efficiency_ratio"] = list(
                 map(operator.truediv, computes, durations)
             )
@@ -303,6 +340,10 @@ class LiveState:
         else:
             loss_found = self._observe_losses(r, ts, losses, nonfinite)
         step_found = self.step_z.observe_many(r.labels, ts, durations)
+        if self._comm_z_on:
+            step_found += self.comm_z.observe_many(r.labels, ts, waits)
+        if self._throughput_z_on:
+            step_found += self._observe_throughputs(r, ts, throughputs)
         self.links.observe_steps(batch.job, batch.rank, waits, computes)
         straggler_found: list[tuple[int, Finding]] = []
         collector = job.collector
@@ -332,6 +373,8 @@ class LiveState:
                     r.wire_bytes_total[codec] = total + b.wire_bytes
                     if b.relative_error is not None:
                         r.relative_error[codec] = b.relative_error
+        if job.kind != "ddp":
+            job.kind = _job_kind(job.kind, ddps, forwards, buckets, collectives)
         if ddps.count(None) < n or applied.count(None) < n:
             for ddp, config in zip(ddps, applied, strict=True):
                 if ddp is not None:
@@ -340,6 +383,7 @@ class LiveState:
                     job.config = config
                     job.bucket_cap_bytes = config.bucket_cap_bytes
         self.hang.observe_step_duration(batch.job, durations[-1])
+        r.step_marks.extend(zip(ts, numbers, strict=True))
         r.last_step = numbers[-1]
         r.steps_total += n
         r.duration_s = durations[-1]
@@ -352,6 +396,49 @@ class LiveState:
             r.gpu_memory_allocated_bytes = float(last.gpu_memory_allocated_bytes or 0)
             r.gpu_memory_reserved_bytes = float(last.gpu_memory_reserved_bytes)
             r.gpu_memory_peak_bytes = float(last.gpu_memory_peak_bytes or 0)
+
+    def _observe_throughputs(
+        self, r: RankState, ts: list[float], throughputs: tuple[float | None, ...]
+    ) -> list[tuple[int, Finding]]:
+        """The throughput z-score over the steps that have a throughput; the findings,
+        by step."""
+        if None not in throughputs:
+            return self.throughput_z.observe_many(r.labels, ts, cast(Any, throughputs))
+        at = [i for i, v in enumerate(throughputs) if v is not None]
+        found = self.throughput_z.observe_many(
+            r.labels, [ts[i] for i in at], [cast(float, throughputs[i]) for i in at]
+        )
+        return [(at[j], finding) for j, finding in found]
+
+    def _observe_input_waits(
+        self,
+        r: RankState,
+        ts: list[float],
+        durations: tuple[float, ...],
+        computes: tuple[float, ...],
+        input_waits: tuple[float | None, ...],
+    ) -> None:
+        """Steps with input waits (some may lack one): the input-wait share and the
+        efficiency, both over the step period (input wait plus step time), into the
+        series, ``r``'s totals and recent steps."""
+        measured = [
+            w if w is not None and math.isfinite(w) and w >= 0 else None for w in input_waits
+        ]
+        r.recent.input_wait_s.extend(math.nan if w is None else w for w in measured)
+        kept_ts, shares, kept_eff_ts, efficiencies = [], [], [], []
+        for i, wait in enumerate(measured):
+            period = durations[i] + (wait or 0.0)
+            if wait is not None:
+                r.input_wait_s_total += wait
+                r.input_wait_s = wait
+                if period > 0:
+                    kept_ts.append(ts[i])
+                    shares.append(wait / period)
+            if period > 0:
+                kept_eff_ts.append(ts[i])
+                efficiencies.append(computes[i] / period)
+        self.series.add_many(r.labels, kept_ts, {"input_wait_time_ratio": shares})
+        self.series.add_many(r.labels, kept_eff_ts, {"training_efficiency_ratio": efficiencies})
 
     def _observe_losses(
         self,
@@ -431,7 +518,7 @@ class LiveState:
     def findings(self, now_unix_s: float) -> list[Finding]:
         """Every active finding of every detector."""
         with self._lock:
-            out = self.step_z.active() + self.loss_z.active() + self.straggler.active()
+            out = self._anomalies() + self.straggler.active()
             current = {f.key() for f in out}
             out.extend(f for key, f in self._latched.items() if key not in current)
             self._latched.clear()
@@ -447,6 +534,7 @@ class LiveState:
             out.extend(self._hangs)
             self.links.evaluate(now_unix_s)
             out.extend(self.links.active())
+            out = self._with_reports(out, now_unix_s)
             self._evaluated = {f.key() for f in out}
             self._fresh = False
         return out
@@ -470,14 +558,65 @@ class LiveState:
         with self._lock:
             self.links.command_done(job, check_id, status, now_unix_s)
 
+    def _anomalies(self) -> list[Finding]:
+        return (
+            self.step_z.active()
+            + self.loss_z.active()
+            + self.comm_z.active()
+            + self.throughput_z.active()
+        )
+
+    def _with_reports(self, found: list[Finding], now_unix_s: float) -> list[Finding]:
+        """``found`` with every job's bottleneck report: its bottlenecks added, its
+        straggler and slow-link findings replaced by the report's ranked copies."""
+        by_job: dict[str, list[Finding]] = {}
+        for f in found:
+            by_job.setdefault(f.labels.get("job", ""), []).append(f)
+        since = self._bottleneck_since
+        reports: dict[str, list[Finding]] = {}
+        for name, job in self.jobs.items():
+            report = self._job_report(name, job, by_job.get(name, ()), now_unix_s)
+            reports[name] = [
+                dataclasses.replace(f, since_unix_s=since.get(f.key(), f.since_unix_s))
+                if f.kind == "bottleneck"
+                else f
+                for f in report
+            ]
+        self._reports = reports
+        ranked = {f.key(): f for report in reports.values() for f in report}
+        self._bottleneck_since = {
+            key: f.since_unix_s for key, f in ranked.items() if f.kind == "bottleneck"
+        }
+        out = [ranked.get(f.key(), f) for f in found]
+        out.extend(f for f in ranked.values() if f.kind == "bottleneck")
+        return out
+
+    def _job_report(
+        self, name: str, job: JobState, others: Sequence[Finding], now_unix_s: float
+    ) -> list[Finding]:
+        snapshot = self._snapshot(name, job)
+        found = bottleneck_report(name, snapshot, now_unix_s, thresholds=self.thresholds)
+        return rank_findings(found, others, snapshot)
+
     def report(self, job: str, now_unix_s: float) -> list[Finding] | None:
-        """The bottleneck report of ``job`` (None if the job is unknown)."""
+        """The bottleneck report of ``job``, highest priority first (None if the job is
+        unknown): its bottlenecks, stragglers and slow links, ranked."""
         with self._lock:
             state = self.jobs.get(job)
             if state is None:
                 return None
-            snapshot = self._snapshot(state)
-        return bottleneck_report(job, snapshot, now_unix_s)
+            others = [
+                f
+                for f in self.straggler.active() + self.links.active()
+                if f.labels.get("job") == job
+            ]
+            return self._job_report(job, state, others, now_unix_s)
+
+    def job_kind(self, job: str) -> str | None:
+        """What ``job``'s probes were attached to (``JobState.kind``), None if unknown."""
+        with self._lock:
+            state = self.jobs.get(job)
+            return None if state is None else state.kind
 
     def link_reading(self, job: str) -> dict[str, Any] | None:
         """``job``'s latest link check as JSON (bytes/s; per node pair when ranks share
@@ -486,22 +625,86 @@ class LiveState:
             reading = self.links.last(job)
         return None if reading is None else reading_json(reading)
 
-    def _snapshot(self, job: JobState) -> JobSnapshot:
-        ratios, efficiency = [], []
+    def _snapshot(self, name: str, job: JobState) -> JobSnapshot:
+        """The job's recent means; shares are of the step period (input wait + step)."""
+        comm, efficiency, input_share, periods = [], [], [], []
         for r in job.ranks.values():
-            for duration, wait, compute in r.recent.rows():
-                if duration > 0:
-                    ratios.append(wait / duration)
-                    efficiency.append(compute / duration)
-        nodes = [self.nodes[r.node] for r in job.ranks.values() if r.node in self.nodes]
-        gpus = [g.utilization_ratio for n in nodes for g in n.gpus]
+            recent = r.recent
+            for duration, wait, compute, input_wait in zip(
+                recent.duration_s,
+                recent.wait_s,
+                recent.compute_s,
+                recent.input_wait_s,
+                strict=True,
+            ):
+                measured = math.isfinite(input_wait)
+                period = duration + (input_wait if measured else 0.0)
+                if period > 0:
+                    comm.append(wait / period)
+                    efficiency.append(compute / period)
+                    periods.append(period)
+                    if measured:
+                        input_share.append(input_wait / period)
+        nodes = {r.node for r in job.ranks.values() if r.node in self.nodes}
+        samples = [self.nodes[node] for node in sorted(nodes)]
+        gpu_busy, gpu_memory = [], []
+        for sample in samples:
+            used = {p.gpu for p in sample.ranks if p.job == name and p.gpu is not None}
+            for gpu in sample.gpus:
+                if used and gpu.index not in used:
+                    continue
+                gpu_busy.append(gpu.utilization_ratio)
+                if gpu.memory_total_bytes > 0:
+                    gpu_memory.append(gpu.memory_used_bytes / gpu.memory_total_bytes)
+        kind = job.kind if job.kind in ("ddp", "fsdp2", "collectives") else None
         return JobSnapshot(
-            communication_time_ratio=_ratio(_mean(ratios)),
-            memory_utilization_ratio=_ratio(_mean([n.memory_utilization_ratio for n in nodes])),
-            gpu_utilization_ratio=_ratio(_mean(gpus)),
-            io_wait_ratio=_ratio(_mean([n.io_wait_ratio for n in nodes])),
+            communication_time_ratio=_ratio(_mean(comm)),
+            memory_utilization_ratio=_ratio(_max([n.memory_utilization_ratio for n in samples])),
+            gpu_utilization_ratio=_ratio(_mean(gpu_busy)),
+            io_wait_ratio=_ratio(_mean([n.io_wait_ratio for n in samples])),
             training_efficiency_ratio=_ratio(_mean(efficiency)),
+            input_wait_ratio=_ratio(_mean(input_share)),
+            gpu_memory_utilization_ratio=_ratio(_max(gpu_memory)),
+            job_kind=cast(JobKind | None, kind),
+            step_s=_mean(periods),
         )
+
+    def memory_history(self, labels: Mapping[str, str]) -> tuple[list[RankMemory], list[GpuMemory]]:
+        """The memory behind an alert on ``labels``: a rank's (``job`` and ``rank``) or
+        every rank's on a ``node``, with the RSS samples the live series hold and the
+        step ends to date them; and the GPUs of those ranks' nodes."""
+        with self._lock:
+            picked: list[tuple[str, int, RankState]] = []
+            job_name, rank, node = labels.get("job"), labels.get("rank"), labels.get("node")
+            for name, job in self.jobs.items():
+                for number, r in job.ranks.items():
+                    if job_name is not None and rank is not None:
+                        if name == job_name and str(number) == rank:
+                            picked.append((name, number, r))
+                    elif node is not None and r.node == node:
+                        picked.append((name, number, r))
+            ranks = [
+                RankMemory(
+                    job=name,
+                    rank=number,
+                    node=r.node,
+                    rss=self.series.points(
+                        "rank_memory_rss_bytes",
+                        {"job": name, "node": r.node, "rank": str(number)},
+                        0.0,
+                    ),
+                    steps=list(r.step_marks),
+                )
+                for name, number, r in picked
+            ]
+            nodes = sorted({r.node for r in ranks} | ({node} if node else set()))
+            gpus = [
+                GpuMemory(n, g.index, g.memory_used_bytes, g.memory_total_bytes)
+                for n in nodes
+                if n in self.nodes
+                for g in self.nodes[n].gpus
+            ]
+        return ranks, gpus
 
     def set_alerts(self, alerts: Sequence[Alert]) -> None:
         with self._lock:
@@ -535,7 +738,15 @@ class LiveState:
             self.jobs.pop(job, None)
             self._labels.forget(job)
             self.series.forget({"job": job})
-            for detector in (self.step_z, self.loss_z, self.straggler, self.hang, self.links):
+            for detector in (
+                self.step_z,
+                self.loss_z,
+                self.comm_z,
+                self.throughput_z,
+                self.straggler,
+                self.hang,
+                self.links,
+            ):
                 detector.forget(job)
 
     # -- summaries for the API -----------------------------------------------------------
@@ -606,7 +817,7 @@ class LiveState:
                     for name, job in self.jobs.items()
                 },
                 "agent_silence": dict(self._silence),
-                "anomalies": self.step_z.active() + self.loss_z.active(),
+                "anomalies": self._anomalies(),
                 "stragglers": self.straggler.active(),
                 "hangs": list(self._hangs),
                 "slow_links": self.links.active(),
@@ -616,13 +827,41 @@ class LiveState:
                     if (reading := self.links.last(name)) is not None
                 },
                 "alerts": list(self._alerts),
+                "reports": dict(self._reports),  # lists of frozen findings, replaced whole
                 "labels_folded": self._labels.folded(),
             }
+
+
+def _job_kind(
+    kind: str | None,
+    ddps: tuple[object, ...],
+    forwards: tuple[float | None, ...],
+    buckets: tuple[list[object], ...],
+    collectives: tuple[list[CollectiveStat], ...],
+) -> str:
+    """The job's kind after a batch of steps (``JobState.kind``): DDP shows as phase
+    splits, DDP statistics or comm-hook buckets, which only a DDP module gives."""
+    if forwards.count(None) < len(forwards) or ddps.count(None) < len(ddps) or any(buckets):
+        return "ddp"
+    if kind == "fsdp2":
+        return kind
+    for step in collectives:
+        ops = {c.op for c in step}
+        if any(op.startswith("all_gather") for op in ops) and any(
+            op.startswith("reduce_scatter") for op in ops
+        ):
+            return "fsdp2"
+    return "collectives"
 
 
 def _mean(values: Sequence[float]) -> float | None:
     finite = [v for v in values if math.isfinite(v)]
     return statistics.fmean(finite) if finite else None
+
+
+def _max(values: Sequence[float]) -> float | None:
+    finite = [v for v in values if math.isfinite(v)]
+    return max(finite) if finite else None
 
 
 def _ratio(value: float | None) -> float | None:

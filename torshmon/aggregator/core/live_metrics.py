@@ -31,6 +31,7 @@ _COLL_LE = [_go_float(b) for b in DURATION_BUCKETS_S] + ["+Inf"]
 _RANK_GAUGES: Final = (
     catalogue.COMMUNICATION_TIME_RATIO,
     catalogue.TRAINING_EFFICIENCY_RATIO,
+    catalogue.INPUT_WAIT_TIME_RATIO,
     catalogue.THROUGHPUT_SAMPLES_PER_SECOND,
     catalogue.LOSS,
     catalogue.CONFIG_VERSION,
@@ -44,6 +45,7 @@ _RANK_COUNTERS: Final = (
     catalogue.STEP_SECONDS_TOTAL,
     catalogue.COMM_WAIT_SECONDS_TOTAL,
     catalogue.COMPUTE_SECONDS_TOTAL,
+    catalogue.INPUT_WAIT_SECONDS_TOTAL,
     catalogue.PROBE_URGENT_STEPS_TOTAL,
     catalogue.PROBE_DROPPED_RECORDS_TOTAL,
     catalogue.NONFINITE_LOSS_TOTAL,
@@ -52,10 +54,12 @@ _RANK_COUNTERS: Final = (
 
 def _rank_gauge_values(r: RankState) -> dict[MetricSpec, float]:
     """The latest step's values of one rank (NaN where it has none)."""
+    period = r.duration_s + (r.input_wait_s if math.isfinite(r.input_wait_s) else 0.0)
     return {
         catalogue.COMMUNICATION_TIME_RATIO: r.communication_time_ratio,
-        catalogue.TRAINING_EFFICIENCY_RATIO: (
-            r.compute_s / r.duration_s if r.duration_s > 0 else math.nan
+        catalogue.TRAINING_EFFICIENCY_RATIO: r.compute_s / period if period > 0 else math.nan,
+        catalogue.INPUT_WAIT_TIME_RATIO: (
+            r.input_wait_s / period if period > 0 else math.nan  # NaN: not measured
         ),
         catalogue.THROUGHPUT_SAMPLES_PER_SECOND: r.samples_per_s,
         catalogue.LOSS: r.loss,
@@ -74,6 +78,7 @@ def _rank_counter_values(r: RankState) -> dict[MetricSpec, float]:
         catalogue.STEP_SECONDS_TOTAL: r.step_hist.sum,
         catalogue.COMM_WAIT_SECONDS_TOTAL: r.comm_wait_s_total,
         catalogue.COMPUTE_SECONDS_TOTAL: r.compute_s_total,
+        catalogue.INPUT_WAIT_SECONDS_TOTAL: r.input_wait_s_total,
         catalogue.PROBE_URGENT_STEPS_TOTAL: float(r.urgent_steps_total),
         catalogue.PROBE_DROPPED_RECORDS_TOTAL: float(r.dropped_records_total),
         catalogue.NONFINITE_LOSS_TOTAL: float(r.nonfinite_loss_total),
@@ -190,6 +195,19 @@ class LiveCollector:
             lv = [f.labels.get("job", ""), f.labels.get("rank", "")]
             straggler.add_metric(lv, 1.0)
             score.add_metric(lv, f.score)
+        active = catalogue.BOTTLENECK_ACTIVE.gauge()
+        gain = catalogue.BOTTLENECK_EXPECTED_GAIN_RATIO.gauge()
+        for job, report in sorted(snap["reports"].items()):
+            # Several stragglers (or slow links) are one category: its largest gain.
+            gains: dict[str, float | None] = {}
+            for f in report:
+                before = gains.get(f.category)
+                value = f.expected_gain_ratio
+                gains[f.category] = value if before is None else max(before, value or 0.0)
+            for category, value in sorted(gains.items()):
+                active.add_metric([job, category], 1.0)
+                if value is not None:
+                    gain.add_metric([job, category], value)
         hang = catalogue.HUNG_COLLECTIVE_AGE_SECONDS.gauge()
         for f in snap["hangs"]:
             hang.add_metric(
@@ -223,4 +241,5 @@ class LiveCollector:
             counts[key] = counts.get(key, 0) + 1
         for key, n in sorted(counts.items()):
             firing.add_metric(list(key), float(n))
-        yield from (anomaly, zscore, straggler, score, hang, slow_link, link_bw, node_bw, firing)
+        yield from (anomaly, zscore, straggler, score, active, gain, hang, slow_link, link_bw)
+        yield from (node_bw, firing)

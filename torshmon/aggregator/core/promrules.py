@@ -18,7 +18,8 @@ expressions over the series the agents and the aggregator export:
 - anomaly: ``torshmon_anomaly_active{metric="<m>"} > 0``; straggler:
   ``torshmon_straggler_active > 0``; hang: ``torshmon_hung_collective_age_seconds > 0``;
   slow_link: ``torshmon_slow_link_bandwidth_bytes_per_second > 0`` (exported only
-  while the link is found slow, so ``$value`` is the bandwidth, as in torshmon).
+  while the link is found slow, so ``$value`` is the bandwidth, as in torshmon);
+  bottleneck: ``torshmon_bottleneck_active{category="<c>"} > 0``.
 - absent: ``absent_over_time(torshmon_<m>[for])`` with ``for: 0s``. Prometheus can
   only tell that *no* series matched, so unlike torshmon's own per-series check it
   fires when every series of the metric is silent.
@@ -93,12 +94,14 @@ _FINDING_METRIC: Final[Mapping[str, str]] = {
     "straggler": catalogue.STRAGGLER_ACTIVE.name,
     "hang": catalogue.HUNG_COLLECTIVE_AGE_SECONDS.name,
     "slow_link": catalogue.SLOW_LINK_BANDWIDTH_BYTES_PER_SECOND.name,
+    "bottleneck": catalogue.BOTTLENECK_ACTIVE.name,
 }
 _FINDING_SUMMARY: Final[Mapping[str, str]] = {
     "anomaly": "{alertname}: {metric} is anomalous in job {job} rank {rank}",
     "straggler": "{alertname}: rank {rank} of job {job} is straggling",
     "hang": "{alertname}: rank {rank} of job {job} is stuck in {op} on group {pg}",
     "slow_link": "{alertname}: slow network link in job {job} (rank: {rank}, node: {node})",
+    "bottleneck": "{alertname}: job {job} has a {category} bottleneck (torshmon report)",
 }
 #: Target labels every scrape adds (``job`` only where the series has none of its own).
 _SCRAPE_LABELS: Final = ("instance", "job")

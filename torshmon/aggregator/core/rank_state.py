@@ -23,6 +23,8 @@ from torshmon.wire import (
 COLL_BUCKETS = range(len(DURATION_BUCKETS_S) + 1)
 #: How many recent steps the job-level means (bottleneck report, summaries) cover.
 RECENT = 50
+#: How many recent step ends (time, number) a rank keeps to date memory samples.
+STEP_MARKS = 1024
 
 
 @dataclass(slots=True)
@@ -36,12 +38,14 @@ class Histogram:
 
 @dataclass(slots=True)
 class Recent:
-    """The last ``RECENT`` steps' durations, communication waits and compute times
-    (seconds), as columns: a batch's steps go in without a tuple per step."""
+    """The last ``RECENT`` steps' durations, communication waits, compute times and
+    input waits (seconds; NaN where not measured), as columns: a batch's steps go in
+    without a tuple per step."""
 
     duration_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     wait_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    input_wait_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
     def rows(self) -> Iterator[tuple[float, float, float]]:
         """(duration, wait, compute) of each step, oldest first."""
@@ -60,6 +64,8 @@ class RankState:
     # Summed over every step (the step time's sum is ``step_hist.sum``), in step order.
     comm_wait_s_total: float = 0.0
     compute_s_total: float = 0.0
+    input_wait_s_total: float = 0.0
+    input_wait_s: float = math.nan  # before the latest step; NaN while never measured
     inflight_oldest_age_s: float = 0.0
     duration_s: float = math.nan
     comm_wait_s: float = math.nan
@@ -83,6 +89,8 @@ class RankState:
     busbw: dict[tuple[str, str], float] = field(default_factory=dict)
     collective_bytes_total: dict[tuple[str, str], int] = field(default_factory=dict)
     recent: Recent = field(default_factory=Recent)
+    #: (end time in Unix seconds, step number) of the latest steps, oldest first.
+    step_marks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=STEP_MARKS))
     labels: LabelSet = ()
 
 
@@ -93,11 +101,15 @@ class JobState:
     config: AppliedConfig | None = None
     bucket_cap_bytes: int | None = None
     collector: StepCollector | None = None
+    #: What the probe was attached to, as the steps show it: "ddp" once a step has DDP
+    #: phase splits or statistics, else "fsdp2" once a step all-gathers and
+    #: reduce-scatters (FSDP2's pattern), else "collectives"; None before any step.
+    kind: str | None = None
 
 
 def copy_rank(r: RankState) -> RankState:
     """A copy safe to read outside the lock: the exported mutable members are copied,
-    ``recent`` (not exported) is left empty."""
+    ``recent`` and ``step_marks`` (not exported) are left empty."""
     return replace(
         r,
         compression=dict(r.compression),
@@ -110,6 +122,7 @@ def copy_rank(r: RankState) -> RankState:
         busbw=dict(r.busbw),
         collective_bytes_total=dict(r.collective_bytes_total),
         recent=Recent(),
+        step_marks=deque(maxlen=STEP_MARKS),
     )
 
 

@@ -18,7 +18,8 @@ A rule file is a mapping with one key, ``rules``, holding a list of rules::
 
 Kinds (what makes the condition true, per series or per ``by`` group):
 
-- ``threshold``: the newest value of ``metric`` compared with ``value`` by ``op``;
+- ``threshold``: the newest value of ``metric`` compared with ``value`` by ``op``
+  (``>``, ``>=``, ``<``, ``<=``; ``==`` and ``!=`` compare exactly, for counts and states);
   with ``aggregate`` (mean, max, min, sum) the newest values of the series that
   share the ``by`` labels are combined first (NaN values are left out).
 - ``rate``: the change per second of ``metric`` over ``window`` (default 60s), the
@@ -33,7 +34,9 @@ Kinds (what makes the condition true, per series or per ``by`` group):
   value of the window, not only the newest: one ingested batch can hold a NaN step
   and finite steps after it. The alert resolves a window after the last such value.
   Threshold comparisons are never true for NaN, which is why this is a kind of its own.
-- ``anomaly``: an active anomaly Finding whose ``metric`` label is the rule's metric.
+- ``anomaly``: an active anomaly Finding whose ``metric`` label is the rule's metric,
+  one the rolling z-score watches: ``step_duration_seconds``, ``loss`` and
+  ``comm_wait_seconds`` (rises) or ``throughput_samples_per_second`` (drops).
 - ``straggler``, ``hang``: an active Finding of that kind.
 - ``slow_link``: an active Finding of the link checker, which names the rank whose
   network link is slow by a pairwise link check (``rank`` is ``"0-1"`` at world
@@ -41,6 +44,10 @@ Kinds (what makes the condition true, per series or per ``by`` group):
   bandwidth in bytes/s. When ranks share hosts, the finding names a ``node``
   instead (``"nodeA-nodeB"`` with two nodes), valued at that node's best
   bandwidth to the other nodes.
+- ``bottleneck``: a finding of the job's bottleneck report (labels ``job`` and
+  ``category``: communication, efficiency, input, memory, gpu_memory, gpu); pick
+  one with ``matchers: {category: input}``. Its value is the observed share (of the
+  step, of memory, of GPU time), its summary and recommendation the report's.
 - ``absent``: a series of ``metric`` that was seen has had no sample for ``for``
   (the ``for`` is the silence itself, so such an alert fires as soon as it holds).
 
@@ -54,7 +61,7 @@ values the series or finding must have), ``labels`` (added to the alert),
 or a number of seconds. Metric names may carry the ``torshmon_`` prefix.
 
 Every mistake is reported with file, line and field, all of them at once:
-``rules.yaml:14: rules[2].op: expected one of >, >=, <, <=, got '=>'``.
+``rules.yaml:14: rules[2].op: expected one of >, >=, <, <=, ==, !=, got '=>'``.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ from torshmon.aggregator.core.findings import SEVERITIES
 from torshmon.aggregator.core.rules import (
     ACTIONS,
     AGGREGATES,
+    ANOMALY_METRICS,
     DEFAULT_WINDOW_S,
     KINDS,
     KNOWN_METRICS,
@@ -105,6 +113,7 @@ _KIND_KEYS: Final[Mapping[str, frozenset[str]]] = {
     "straggler": frozenset(),
     "hang": frozenset(),
     "slow_link": frozenset(),
+    "bottleneck": frozenset(),
 }
 _ALL_KIND_KEYS: Final = frozenset(key for keys in _KIND_KEYS.values() for key in keys)
 _REQUIRED_KEYS: Final[Mapping[str, tuple[str, ...]]] = {
@@ -116,6 +125,7 @@ _REQUIRED_KEYS: Final[Mapping[str, tuple[str, ...]]] = {
     "straggler": (),
     "hang": (),
     "slow_link": (),
+    "bottleneck": (),
 }
 _RESERVED_LABELS: Final = frozenset({"alertname", "severity"})
 
@@ -345,6 +355,13 @@ class _Parser:
                     self.error(
                         at("matchers", label), f"{path}.matchers.{label}", "not a label name"
                     )
+        if rule.kind == "anomaly" and rule.metric and rule.metric not in ANOMALY_METRICS:
+            self.error(
+                at("metric"),
+                f"{path}.metric",
+                f"no anomaly detector watches {rule.metric!r} (watched: "
+                f"{', '.join(ANOMALY_METRICS)})",
+            )
         if rule.kind == "absent" and "for" in entries and rule.for_s <= 0:
             self.error(at("for"), f"{path}.for", "an absent rule needs a positive duration")
         if rule.kind in ("rate", "nonfinite") and "window" in entries and rule.window_s <= 0:

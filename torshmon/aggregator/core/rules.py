@@ -14,9 +14,17 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 RuleKind = Literal[
-    "threshold", "rate", "nonfinite", "absent", "anomaly", "straggler", "hang", "slow_link"
+    "threshold",
+    "rate",
+    "nonfinite",
+    "absent",
+    "anomaly",
+    "straggler",
+    "hang",
+    "slow_link",
+    "bottleneck",
 ]
-Op = Literal[">", ">=", "<", "<="]
+Op = Literal[">", ">=", "<", "<=", "==", "!="]
 Aggregate = Literal["mean", "max", "min", "sum"]
 
 KINDS: Final[tuple[str, ...]] = (
@@ -28,11 +36,13 @@ KINDS: Final[tuple[str, ...]] = (
     "straggler",
     "hang",
     "slow_link",
+    "bottleneck",
 )
 #: Kinds evaluated on the live series; the others on detector findings.
 METRIC_KINDS: Final = frozenset({"threshold", "rate", "nonfinite", "absent"})
-FINDING_KINDS: Final = frozenset({"anomaly", "straggler", "hang", "slow_link"})
-OPS: Final[tuple[str, ...]] = (">", ">=", "<", "<=")
+FINDING_KINDS: Final = frozenset({"anomaly", "straggler", "hang", "slow_link", "bottleneck"})
+#: ``==`` and ``!=`` compare exactly: meant for counts, versions and 0/1 states.
+OPS: Final[tuple[str, ...]] = (">", ">=", "<", "<=", "==", "!=")
 AGGREGATES: Final[tuple[str, ...]] = ("mean", "max", "min", "sum")
 #: What may act on an alert: the notifiers, the autotuner, the memory recommendation.
 ACTIONS: Final[tuple[str, ...]] = ("notify", "autotune", "recommend_memory")
@@ -45,6 +55,7 @@ METRIC_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
     "compute_seconds": ("job", "rank"),
     "communication_time_ratio": ("job", "rank"),
     "training_efficiency_ratio": ("job", "rank"),
+    "input_wait_time_ratio": ("job", "rank"),
     "throughput_samples_per_second": ("job", "rank"),
     "loss": ("job", "rank"),
     "cpu_utilization_ratio": ("node",),
@@ -56,6 +67,14 @@ METRIC_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
     "agent_silence_seconds": ("node",),
 }
 KNOWN_METRICS: Final = frozenset(METRIC_LABELS)
+#: The series the rolling z-score detector watches, each in one direction: step time,
+#: loss and communication wait up, throughput down. An ``anomaly`` rule names one.
+ANOMALY_METRICS: Final[Mapping[str, str]] = {
+    "step_duration_seconds": "up",
+    "loss": "up",
+    "comm_wait_seconds": "up",
+    "throughput_samples_per_second": "down",
+}
 #: Labels the detectors put on their findings (``rank`` is missing where a whole
 #: job is at fault; a template naming it then renders it empty).
 FINDING_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
@@ -63,6 +82,7 @@ FINDING_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
     "straggler": ("job", "rank"),
     "hang": ("job", "rank", "op", "pg"),
     "slow_link": ("job", "rank", "node"),
+    "bottleneck": ("job", "category"),
 }
 
 
@@ -75,6 +95,8 @@ _COMPARE: Final[Mapping[str, Callable[[float, float], bool]]] = {
     ">=": operator.ge,
     "<": operator.lt,
     "<=": operator.le,
+    "==": operator.eq,
+    "!=": operator.ne,
 }
 DEFAULT_WINDOW_S: Final = 60.0
 
@@ -227,6 +249,7 @@ def default_summary(rule: Rule) -> str | None:
 __all__ = [
     "ACTIONS",
     "AGGREGATES",
+    "ANOMALY_METRICS",
     "DEFAULT_WINDOW_S",
     "FINDING_KINDS",
     "FINDING_LABELS",

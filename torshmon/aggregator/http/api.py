@@ -16,6 +16,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -29,6 +30,7 @@ from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.tuner import TunerError
 from torshmon.aggregator.http.guard import RequestGuard, read_body
 from torshmon.aggregator.http.openapi import openapi_document
+from torshmon.aggregator.http.pages import Pages, ReportSource
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.aggregator.tuning_manager import TuningConflict, TuningUnavailable
 from torshmon.history.query import QueryError, format_result, json_value, run_query
@@ -83,6 +85,8 @@ class LiveView(Protocol):
 
     def link_reading(self, job: str) -> dict[str, Any] | None: ...
 
+    def job_kind(self, job: str) -> str | None: ...
+
 
 class CommandSink(Protocol):
     """Queues commands and knows where they stand (``dispatch.CommandDispatch``)."""
@@ -121,10 +125,12 @@ def make_app(
     live: LiveView,
     commands: CommandSink,
     tuning: Tuning,
+    reports: ReportSource,
     registry: CollectorRegistry,
     clock: Callable[[], float],
 ) -> web.Application:
-    """The API's application: JSON errors, ``guard`` before every handler, every route.
+    """The API's application: JSON errors, ``guard`` before every handler, every route,
+    and the pages (``/``, ``/jobs/{job}``; ``torshmon.aggregator.http.pages``).
 
     The caller may add routes (the ingest) before it starts serving.
     """
@@ -151,6 +157,7 @@ def make_app(
     r.add_get("/api/v1/tuning/sessions", h.tuning_sessions)
     r.add_get("/api/v1/tuning/trials", h.tuning_trials)
     r.add_post("/api/v1/query", h.query)
+    Pages(settings.token, guard, reports, clock).add_routes(r)
     return app
 
 
@@ -230,16 +237,8 @@ class _Handlers:
         return web.json_response(
             {
                 "job": job,
-                "bottlenecks": [
-                    {
-                        "severity": f.severity,
-                        "summary": f.summary,
-                        "recommendation": f.recommendation,
-                        "value": f.value,
-                        "labels": dict(f.labels),
-                    }
-                    for f in findings
-                ],
+                "job_kind": self._live.job_kind(job),
+                "bottlenecks": [finding_json(f) for f in findings],
                 "link_check": self._live.link_reading(job),
             }
         )
@@ -432,4 +431,23 @@ def _command_json(status: CommandStatus) -> dict[str, Any]:
         "effective_step": status.effective_step,
         "created_unix_s": status.created_unix_s,
         "updated_unix_s": status.updated_unix_s,
+    }
+
+
+def finding_json(f: Finding) -> dict[str, Any]:
+    """A finding of the bottleneck report as the API answers it (priority order)."""
+    rank = f.labels.get("rank", "")
+    return {
+        "kind": f.kind,
+        "category": f.category or None,
+        "severity": f.severity,
+        "priority": f.priority,
+        "expected_gain_ratio": f.expected_gain_ratio,
+        "difficulty": f.difficulty or None,
+        "summary": f.summary,
+        "recommendation": f.recommendation,
+        "value": f.value if math.isfinite(f.value) else None,
+        "rank": int(rank) if rank.isdecimal() else None,
+        "labels": dict(f.labels),
+        "since_unix_s": f.since_unix_s,
     }

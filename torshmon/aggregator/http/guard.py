@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 #: Methods that change nothing; every other method must send a JSON body.
 _SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
+#: Paths that take a form a browser posts (the pages' sign-in), not only JSON.
+FORM_PATHS: Final = frozenset({"/login"})
+_FORM_TYPE: Final = "application/x-www-form-urlencoded"
 _LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "[::1]"})
 _HOST_HEADER: Final = re.compile(rf"(?P<name>{HOST_NAME.pattern})(?::[0-9]*)?")
 _GZIP_WBITS: Final = 16 + zlib.MAX_WBITS  # a gzip header and trailer, not zlib's
@@ -94,16 +97,19 @@ class RequestGuard:
         given = headers.get("Authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode())
 
-    def check(self, method: str, headers: Mapping[str, str]) -> None:
-        """Raise the HTTP error that refuses a request with ``method`` and ``headers``;
-        return if it may go on to its handler."""
+    def check(self, method: str, headers: Mapping[str, str], path: str = "") -> None:
+        """Raise the HTTP error that refuses a request with ``method`` and ``headers``
+        (to ``path``); return if it may go on to its handler."""
         host = headers.get("Host")
         if host is not None:
             self._check_host(host, headers)
         self._check_origin(method, host, headers)
         if method not in _SAFE_METHODS:
             given = headers.get("Content-Type", "")
-            if given.partition(";")[0].strip().lower() != "application/json":
+            allowed = (
+                ("application/json", _FORM_TYPE) if path in FORM_PATHS else ("application/json",)
+            )
+            if given.partition(";")[0].strip().lower() not in allowed:
                 raise web.HTTPUnsupportedMediaType(
                     text=f"{method} needs Content-Type: application/json, got {given or 'none'!r}"
                 )
@@ -148,7 +154,7 @@ class RequestGuard:
         @web.middleware
         async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             try:
-                self.check(request.method, request.headers)
+                self.check(request.method, request.headers, request.path)
             except web.HTTPException as exc:
                 log_rejection(request, exc.text or exc.reason)
                 raise

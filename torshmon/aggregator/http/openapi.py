@@ -161,6 +161,18 @@ def openapi_document() -> dict[str, Any]:
                 },
             }
         },
+        "/api/v1/jobs/{job}/summary": {
+            "get": {
+                "summary": "The job's report from the history, as torshmon report shows it: "
+                "per-rank statistics, phases of a step, series, findings, alerts, tuning "
+                "(the page of it is /jobs/{job})",
+                "parameters": [job_param],
+                "responses": {
+                    "200": _json_response({"type": "object"}),
+                    "404": _json_response(ref("Error")),
+                },
+            }
+        },
         "/api/v1/jobs/{job}/commands": {
             "post": {
                 "summary": "Queue a command (kind 'config': request_config arguments) for rank 0",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from sqlalchemy import types as sa_types
 from sqlalchemy.engine import Connection, Engine
 
 from torshmon.aggregator.core.alert import Alert
+from torshmon.aggregator.core.episodes import FindingChange, FindingKey
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.silences import Silence, SilenceRequest
 from torshmon.history.db import make_engine, upsert
@@ -152,6 +154,7 @@ class HistoryStore:
         self._writer = writer
         self._engine: Engine | None = None
         self._alert_rows: dict[str, int] = {}  # fingerprint -> alerts.id of open alerts
+        self._finding_rows: dict[FindingKey, int] = {}  # key -> findings.id of open episodes
 
     def open(self) -> None:
         """Make the engine (no connection yet); raises DatabaseConfigError for a bad URL."""
@@ -180,26 +183,82 @@ class HistoryStore:
     # -- alerts and findings -----------------------------------------------------------
 
     async def record(
-        self, findings: Sequence[Finding], alerts: Sequence[Alert], now_unix_s: float
+        self, findings: Sequence[FindingChange], alerts: Sequence[Alert], now_unix_s: float
     ) -> None:
-        """Store new findings and alert transitions in one transaction."""
+        """Open, update and close finding episodes and store alert transitions, in one
+        transaction (a failed write can be retried whole, in the same order)."""
         await self._write(self._record, list(findings), list(alerts), now_unix_s)
 
-    def _record(self, findings: list[Finding], alerts: list[Alert], now: float) -> None:
+    def _record(self, findings: list[FindingChange], alerts: list[Alert], now: float) -> None:
         if self._engine is None:
             return
+        rows: dict[FindingKey, int | None] = {}
         with self._engine.begin() as conn:
-            if findings:
-                conn.execute(_T["findings"].insert(), [_finding_row(f, now) for f in findings])
+            for change in findings:
+                key = change.finding.key()
+                rows[key] = self._record_finding(conn, change, now, rows)
             opened: dict[str, int | None] = {}
             for alert in alerts:
                 opened[alert.fingerprint] = self._record_alert(conn, alert, now, opened)
         # Only once committed: a failed write is retried whole with the next tick's.
+        for key, finding_id in rows.items():
+            if finding_id is None:
+                self._finding_rows.pop(key, None)
+            else:
+                self._finding_rows[key] = finding_id
         for fingerprint, row_id in opened.items():
             if row_id is None:
                 self._alert_rows.pop(fingerprint, None)
             else:
                 self._alert_rows[fingerprint] = row_id
+
+    def _record_finding(
+        self,
+        conn: Connection,
+        change: FindingChange,
+        now: float,
+        rows: Mapping[FindingKey, int | None],
+    ) -> int | None:
+        """Write one episode change; the episode's row id while it is open."""
+        table = _T["findings"]
+        key = change.finding.key()
+        row_id = rows[key] if key in rows else self._finding_rows.get(key)
+        if change.change == "close":
+            if row_id is not None:
+                conn.execute(
+                    update(table)
+                    .where(table.c.id == row_id)
+                    .values(ended_unix_s=now, updated_unix_s=now)
+                )
+            return None
+        values = _finding_row(change.finding, now)
+        if row_id is None:  # opened, or updated after its row was lost: open one
+            values.update(detected_unix_s=now, aggregator_id=self.aggregator_id)
+            result = conn.execute(table.insert().values(**values))
+            inserted = result.inserted_primary_key
+            if inserted is None:
+                raise RuntimeError("the database returned no id for a new finding row")
+            return int(inserted[0])
+        conn.execute(update(table).where(table.c.id == row_id).values(**values))
+        return row_id
+
+    async def close_open_findings(self, now_unix_s: float) -> int:
+        """Close the episodes this aggregator left open when it stopped (a finding that
+        still holds opens a new one); returns how many."""
+        return await self._write(self._close_open_findings, now_unix_s)
+
+    def _close_open_findings(self, now: float) -> int:
+        if self._engine is None:
+            return 0
+        table = _T["findings"]
+        with self._engine.begin() as conn:
+            result = conn.execute(
+                update(table)
+                .where(table.c.ended_unix_s.is_(None), table.c.aggregator_id == self.aggregator_id)
+                .values(ended_unix_s=now, updated_unix_s=now)
+            )
+        self._finding_rows.clear()
+        return int(result.rowcount or 0)
 
     def _record_alert(
         self, conn: Connection, alert: Alert, now: float, opened: Mapping[str, int | None]
@@ -563,18 +622,31 @@ def _rank(labels: Mapping[str, str]) -> int | None:
 
 
 def _finding_row(f: Finding, now: float) -> dict[str, Any]:
+    """The columns of ``f`` an episode's row takes when opened or updated."""
     return {
         "kind": f.kind,
         "job": f.labels.get("job", ""),
         "rank": _rank(f.labels),
-        "metric": f.labels.get("metric"),
-        "value": f.value,
-        "score": f.score,
+        "metric": f.labels.get("metric") or _text(f.details.get("metric")),
+        "value": _finite(f.value),
+        "score": _finite(f.score),
         "summary": f.summary,
         "recommendation": f.recommendation,
         "severity": f.severity,
+        "category": f.category or None,
+        "priority": f.priority,
+        "expected_gain_ratio": f.expected_gain_ratio,
+        "difficulty": f.difficulty or None,
         "since_unix_s": f.since_unix_s,
-        "detected_unix_s": now,
+        "updated_unix_s": now,
         # Detectors may put tuples, sets or numpy scalars in details: JSON-safe as text.
         "details": msgspec.to_builtins(dict(f.details), str_keys=True, enc_hook=str),
     }
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None

@@ -1,0 +1,147 @@
+"""``torshmon report``: the summary of a history with known numbers (tests/report_history.py),
+the page's escaping, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests import report_history as h
+from torshmon.cli import main
+from torshmon.history.db import make_engine
+from torshmon.report import from_json, report_from_db, to_json
+from torshmon.report.page import render_page
+from torshmon.report.text import when
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    h.make_history(tmp_path / "h.db")
+    return tmp_path / "h.db"
+
+
+def _row(text: str, first_cell: str) -> list[str]:
+    """The cells (split on 2+ spaces) of the table row that starts with ``first_cell``."""
+    for line in text.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells[0] == first_cell:
+            return cells
+    raise AssertionError(f"no row {first_cell!r} in:\n{text}")
+
+
+def test_the_summary_shows_each_rank_the_findings_alerts_and_tuning(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["report", h.JOB, "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    ranks = out.split("Ranks (medians over the steps)")[1].split("Phases")[0]
+    # rank, node, steps, median step, p95 step, compute, comm wait, comm %, samples/s
+    assert _row(ranks, "0")[:5] == ["0", "node0", "20", "105 ms", "190 ms"]
+    assert _row(ranks, "0")[7] == "25%"
+    assert _row(ranks, "1") == ["1", "node1", "20", "50 ms", "50 ms", "45 ms", "5 ms", "10%", "640"]
+    phases = out.split("Phases of a step")[1].split("Top findings")[0]
+    # 5 ms of input wait before a 50 ms step: forward 20%, backward 50% less 5 ms of comm
+    # wait, optimizer 10%, the rest other.
+    assert _row(phases, "1") == ["1", "5 ms", "10 ms", "20 ms", "5 ms", "5 ms", "10 ms"]
+    assert _row(phases, "0")[1] == "-"
+    # Two stored episodes of one straggler finding are one item, with the latest's text.
+    findings = " ".join(out.split("Top findings")[1].split("Alerts")[0].split())  # unwrapped
+    assert "[high, straggler, priority 1, 2 episodes] " + h.SUMMARY in findings
+    assert "rank 1 was slow" not in findings
+    since, ended = when(h.T0 + 2), when(h.T0 + 14)
+    assert f"since {since}, ended {ended}; expected gain 30% of the step, difficulty medium" in (
+        findings
+    )
+    assert "what to do: Check rank 1's node." in findings
+    alerts = out.split("Alerts (4 episodes)")[1].split("Tuning sessions")[0]
+    # rule, rank, severity, episodes, fired, firing time, first, last ended, now
+    assert _row(alerts, "Straggler")[:6] == ["Straggler", "1", "high", "1", "1", "4 s"]
+    assert _row(alerts, "High Comm")[:6] == ["High Comm", "-", "high", "3", "0", "0 s"]
+    tuning = out.split("Tuning sessions")[1]
+    assert "baseline 600, best 700 samples/s" in tuning
+    assert _row(tuning, "0")[1:4] == ["fp16, bucket 25 MB", "700", "keep"]
+    assert _row(tuning, "1")[1:4] == ["int8, bucket 25 MB", "450", "rollback"]
+
+
+def test_the_report_travels_as_json_unchanged(db: Path) -> None:
+    report = report_from_db(f"sqlite:///{db}", h.JOB, now_unix_s=h.T0 + 100)
+    assert from_json(to_json(report)) == report
+    assert not report.running  # seen last 80 s before the report
+
+
+def test_the_page_shows_user_text_as_text(db: Path) -> None:
+    report = report_from_db(f"sqlite:///{db}", h.JOB, now_unix_s=h.T0 + 100)
+    page = render_page(report)
+    assert "<script>alert(1)" not in page
+    assert "bert&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<b>now</b>" not in page and "&lt;b&gt;now&lt;/b&gt;" in page
+    # The data block cannot be closed early, and it is the report.
+    block = page.split('<script type="application/json" id="report-data">')[1]
+    data, _, _ = block.partition("</script>")
+    assert "<" not in data
+    assert json.loads(data)["job"] == h.JOB
+    # No script runs: the only <script> element is the JSON block.
+    assert page.count("<script") == 1
+    assert 'http-equiv="refresh"' not in page  # a stopped job's page stays as it is
+
+
+def test_bad_input_is_one_line_and_status_2(
+    db: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"not a database" * 100)
+    cases = [
+        (["report", "nope", "--db", str(db)], "no job 'nope' in the history"),
+        (["report", "j", "--db", str(tmp_path / "missing.db")], "no history database at"),
+        (["report", "j", "--db", str(garbage)], "cannot read the history"),
+        (["report", "j", "--db", "mysql://x/y"], "supported: sqlite"),
+        (["report", "j", "--aggregator", "http://127.0.0.1:1"], "cannot reach"),
+        (["report", "j", "--aggregator", "ftp://x"], "is not http(s)://HOST[:PORT]"),
+        (["report", h.JOB, "--db", str(db), "--html", str(tmp_path / "no/dir/x.html")],
+         "cannot write"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (argv, err)
+        assert err.startswith("torshmon report: "), err
+
+
+def test_alerts_link_the_evidence_captured_for_them(db: Path) -> None:
+    # The evidence tables as a history with evidence has them (only the columns read).
+    url = f"sqlite:///{db}"
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE TABLE evidence_captures (id TEXT PRIMARY KEY, job TEXT, alert_id INTEGER, "
+            "alert_fingerprint TEXT, created_unix_s REAL)"
+        )
+        conn.exec_driver_sql(
+            "CREATE TABLE evidence_files (capture_id TEXT, rank INTEGER, name TEXT, path TEXT)"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO evidence_captures VALUES ('c1', ?, 1, NULL, ?), "
+            # Asked for by fingerprint before the alert's row existed, during its episode.
+            "('c2', ?, NULL, ?, ?), ('c3', ?, NULL, ?, ?)",
+            (h.JOB, h.STRAGGLER_START + 3, h.JOB, f"{1:016x}", h.STRAGGLER_START + 1,
+             h.JOB, f"{1:016x}", h.T0 + 100),  # c3: after the episode ended, not its own
+        )  # fmt: skip
+        conn.exec_driver_sql(
+            "INSERT INTO evidence_files VALUES ('c1', 1, 'profile.json', 'c1/1/profile.json'), "
+            "('c1', 0, 'flight_recorder.json', NULL), ('c2', 1, 'fr.json', 'c2/1/fr.json'), "
+            "('c3', 1, 'late.json', 'c3/1/late.json')"
+        )
+    engine.dispose()
+    report = report_from_db(url, h.JOB, now_unix_s=h.T0 + 100)
+    (straggler,) = [a for a in report.alerts if a.rule == "Straggler"]
+    assert [(e.name, e.url) for e in straggler.evidence] == [
+        ("rank 1 profile.json", "/api/v1/evidence/c1/1/profile.json"),
+        ("rank 1 fr.json", "/api/v1/evidence/c2/1/fr.json"),
+    ]
+    assert all(not a.evidence for a in report.alerts if a.rule != "Straggler")
+    assert '<a href="/api/v1/evidence/c1/1/profile.json">rank 1 profile.json</a>' in (
+        render_page(report)
+    )

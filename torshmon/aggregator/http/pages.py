@@ -1,0 +1,163 @@
+"""The aggregator's web pages: the jobs at ``/``, a job's report at ``/jobs/{job}``.
+
+Read-only, under the API's rule: with a token configured, a page needs it. A browser
+cannot send a bearer header when it follows a link, so ``POST /login`` takes the
+token once from a form and sets a cookie (HttpOnly, SameSite=Strict, never the token
+itself but an HMAC of it, so it stops working when the token changes); the token is
+never put in a URL. The pages run no script and say so in their
+Content-Security-Policy; a report is rendered off the event loop (matplotlib takes
+a few hundred milliseconds for a large job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import urllib.parse
+from collections.abc import Callable
+from typing import Any, Final, Protocol
+
+from aiohttp import web
+
+from torshmon.aggregator.http.guard import RequestGuard, read_body
+from torshmon.report.model import JobReport, to_json
+from torshmon.report.page import (
+    CONTENT_SECURITY_POLICY,
+    render_index,
+    render_login,
+    render_not_found,
+    render_page,
+)
+
+#: The cookie a signed-in browser sends; its value is ``session_cookie(token)``.
+SESSION_COOKIE: Final = "torshmon_session"
+LOGIN_PATH: Final = "/login"
+#: How often a running job's page reloads itself, seconds.
+REFRESH_S: Final = 15
+_MAX_FORM_BYTES: Final = 16 * 1024
+_HEADERS: Final = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+class ReportSource(Protocol):
+    """Reports and the list of jobs from the history (``HistoryStore``)."""
+
+    async def job_report(self, job: str, now_unix_s: float) -> JobReport | None: ...
+
+    async def job_list(self) -> list[dict[str, Any]]: ...
+
+
+def session_cookie(token: str) -> str:
+    """The session cookie's value for ``token``: an HMAC, not the token."""
+    return hmac.new(token.encode(), b"torshmon page session v1", hashlib.sha256).hexdigest()
+
+
+def html_response(text: str, status: int = 200) -> web.Response:
+    """An HTML page with the pages' security headers."""
+    return web.Response(text=text, status=status, content_type="text/html", headers=_HEADERS)
+
+
+class Pages:
+    """The handlers of the pages and of ``/api/v1/jobs/{job}/summary`` (the report as
+    JSON, for ``torshmon report --aggregator``)."""
+
+    def __init__(
+        self,
+        token: str | None,
+        guard: RequestGuard,
+        reports: ReportSource,
+        clock: Callable[[], float],
+    ) -> None:
+        self._token = token
+        self._guard = guard
+        self._reports = reports
+        self._clock = clock
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_get("/", self.index)
+        router.add_get("/jobs/{job}", self.job)
+        router.add_get(LOGIN_PATH, self.login_form)
+        router.add_post(LOGIN_PATH, self.login)
+        router.add_get("/api/v1/jobs/{job}/summary", self.summary)
+
+    def _signed_in(self, request: web.Request) -> bool:
+        if self._guard.authorized(request.headers):  # no token configured, or a bearer
+            return True
+        cookie = request.cookies.get(SESSION_COOKIE, "")
+        return self._token is not None and hmac.compare_digest(
+            cookie.encode(), session_cookie(self._token).encode()
+        )
+
+    def _login_page(self, request: web.Request, *, failed: bool = False) -> web.Response:
+        return html_response(render_login(next_url=request.path_qs, failed=failed), 401)
+
+    async def index(self, request: web.Request) -> web.Response:
+        if not self._signed_in(request):
+            return self._login_page(request)
+        jobs = await self._reports.job_list()
+        return html_response(render_index(jobs, self._clock()))
+
+    async def job(self, request: web.Request) -> web.Response:
+        if not self._signed_in(request):
+            return self._login_page(request)
+        job = request.match_info["job"]
+        report = await self._reports.job_report(job, self._clock())
+        if report is None:
+            return html_response(render_not_found(job), 404)
+        loop = asyncio.get_running_loop()
+        page = await loop.run_in_executor(None, _render, report)
+        return html_response(page)
+
+    async def summary(self, request: web.Request) -> web.Response:
+        if not self._guard.authorized(request.headers):
+            raise web.HTTPUnauthorized(text="missing or wrong bearer token")
+        job = request.match_info["job"]
+        report = await self._reports.job_report(job, self._clock())
+        if report is None:
+            raise web.HTTPNotFound(text=f"no job {job!r} in the history")
+        return web.Response(body=to_json(report), content_type="application/json")
+
+    async def login_form(self, request: web.Request) -> web.Response:
+        next_url = _local_path(request.query.get("next", "/"))
+        return html_response(render_login(next_url=next_url, failed=False), 200)
+
+    async def login(self, request: web.Request) -> web.Response:
+        body = await read_body(request, _MAX_FORM_BYTES)
+        form = urllib.parse.parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
+        given = form.get("token", [""])[0].strip()
+        next_url = _local_path(form.get("next", ["/"])[0])
+        response = web.Response(status=303, headers={**_HEADERS, "Location": next_url})
+        if self._token is None:
+            return response
+        if not hmac.compare_digest(given.encode(), self._token.encode()):
+            return html_response(render_login(next_url=next_url, failed=True), 401)
+        response.set_cookie(
+            SESSION_COOKIE,
+            session_cookie(self._token),
+            httponly=True,
+            samesite="Strict",
+            secure=request.secure,
+            path="/",
+        )
+        return response
+
+
+def _render(report: JobReport) -> str:
+    return render_page(report, refresh_s=REFRESH_S, index_url="/")
+
+
+def _local_path(url: str) -> str:
+    """``url`` if it is a path on this server (``/jobs/x``), else ``/``: a login never
+    sends the browser to another site."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme or parts.netloc or not url.startswith("/") or url.startswith("//"):
+        return "/"
+    if "\\" in url:
+        return "/"
+    return url

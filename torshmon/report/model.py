@@ -1,0 +1,593 @@
+"""A job's report as data: per-rank statistics, phases, series, alerts, findings, tuning.
+
+``build_report`` is pure: a job's history rows (``torshmon.history.store.report``) and
+the report time in, a ``JobReport`` out. The same record is rendered for the terminal
+(``torshmon.report.text``) and as a page (``torshmon.report.page``), and travels as
+JSON from an aggregator to ``torshmon report --aggregator`` (``to_json``/``from_json``).
+Times are Unix seconds, durations seconds, memory bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+import numpy as np
+
+from torshmon.aggregator.core.bottleneck import JobSnapshot, bottleneck_report, rank_findings
+from torshmon.aggregator.core.findings import SEVERITIES
+from torshmon.history.store.report import JobHistory
+
+#: Points per rank in a time series; longer runs are reduced to medians of equal spans.
+MAX_POINTS: Final = 600
+#: A job whose latest data is younger than this is shown as running (the page refreshes).
+RUNNING_WITHIN_S: Final = 60.0
+#: The phases of a step, in the order they happen.
+PHASES: Final[tuple[str, ...]] = (
+    "input_wait",
+    "forward",
+    "backward",
+    "comm_wait",
+    "optimizer",
+    "other",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RankStats:
+    """One rank's steps: counts, medians and the 95th percentile of step time."""
+
+    rank: int
+    node: str
+    steps: int
+    last_step: int
+    median_step_s: float | None
+    p95_step_s: float | None
+    median_compute_s: float | None
+    median_comm_wait_s: float | None
+    median_comm_ratio: float | None
+    median_samples_per_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepPhases:
+    """The median split of one rank's step into ``PHASES`` (seconds each).
+
+    ``backward_s`` is backward compute: the probe's backward time less the
+    communication the step waited for, which ``comm_wait_s`` shows on its own.
+    ``input_wait_s`` (waiting for the next batch, before the step starts) is None where
+    the probe did not measure it; the others add up to the step time.
+    """
+
+    rank: int
+    input_wait_s: float | None
+    forward_s: float | None
+    backward_s: float | None
+    comm_wait_s: float | None
+    optimizer_s: float | None
+    other_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RankSeries:
+    """One rank over time (``MAX_POINTS`` at most): each point the median of its span."""
+
+    rank: int
+    time_unix_s: tuple[float, ...]
+    step: tuple[int, ...]
+    duration_s: tuple[float | None, ...]
+    compute_s: tuple[float | None, ...]
+    comm_ratio: tuple[float | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySeries:
+    """Memory over time of a node (``kind`` "node", ratio of the node's memory) or of a
+    rank's process (``kind`` "rank", resident bytes)."""
+
+    kind: str
+    name: str
+    time_unix_s: tuple[float, ...]
+    value: tuple[float | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EvidenceLink:
+    """A file captured for an alert (a profiler trace, a Flight Recorder dump)."""
+
+    name: str
+    url: str
+
+
+@dataclass(frozen=True, slots=True)
+class AlertItem:
+    """One alert episode."""
+
+    id: int
+    rule: str
+    severity: str
+    state: str
+    rank: int | None
+    summary: str
+    recommendation: str
+    value: float | None
+    starts_at_unix_s: float
+    fired_at_unix_s: float | None
+    ends_at_unix_s: float | None
+    evidence: tuple[EvidenceLink, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AlertGroup:
+    """The episodes of one rule on one rank (a flapping rule is one line, not fifty);
+    ``fired`` of them fired, the others stayed pending (resolved before their ``for``)."""
+
+    rule: str
+    rank: int | None
+    severity: str
+    episodes: int
+    fired: int
+    first_start_unix_s: float
+    last_end_unix_s: float | None
+    firing_s: float
+    state: str
+    summary: str
+    recommendation: str
+    evidence: tuple[EvidenceLink, ...]
+
+
+def alert_groups(alerts: Sequence[AlertItem], until_unix_s: float) -> list[AlertGroup]:
+    """``alerts`` grouped by rule and rank, the group that started first first.
+
+    ``firing_s`` sums the time each episode fired, an open one until ``until_unix_s``;
+    ``last_end_unix_s`` is None while an episode is open; ``state``, ``summary`` and
+    ``recommendation`` are the latest episode's, ``severity`` the highest.
+    """
+    grouped: dict[tuple[str, int | None], list[AlertItem]] = {}
+    for alert in sorted(alerts, key=lambda a: (a.starts_at_unix_s, a.id)):
+        grouped.setdefault((alert.rule, alert.rank), []).append(alert)
+    groups = []
+    for (rule, rank), episodes in grouped.items():
+        latest = episodes[-1]
+        open_episode = any(a.ends_at_unix_s is None for a in episodes)
+        groups.append(
+            AlertGroup(
+                rule=rule,
+                rank=rank,
+                severity=max((a.severity for a in episodes), key=_severity_rank),
+                episodes=len(episodes),
+                fired=sum(a.fired_at_unix_s is not None for a in episodes),
+                first_start_unix_s=episodes[0].starts_at_unix_s,
+                last_end_unix_s=None
+                if open_episode
+                else max(a.ends_at_unix_s or 0.0 for a in episodes),
+                firing_s=sum(
+                    max(0.0, (a.ends_at_unix_s or until_unix_s) - a.fired_at_unix_s)
+                    for a in episodes
+                    if a.fired_at_unix_s is not None
+                ),
+                state=latest.state,
+                summary=latest.summary,
+                recommendation=latest.recommendation,
+                evidence=tuple(e for a in episodes for e in a.evidence),
+            )
+        )
+    return groups
+
+
+@dataclass(frozen=True, slots=True)
+class FindingItem:
+    """A detector's or the bottleneck report's conclusion with what to do about it.
+
+    Stored episodes of one condition (kind, category, rank, metric) are one item:
+    ``episodes`` of them, the latest's text, ``since_unix_s`` the first's start,
+    ``ended_unix_s`` None while one is open. ``stored`` False: computed from the
+    history's steps when the report was made. ``priority`` (1 = act first),
+    ``category``, ``expected_gain_ratio`` (share of step time a fix may save) and
+    ``difficulty`` are empty where the history does not record them.
+    """
+
+    kind: str
+    severity: str
+    rank: int | None
+    summary: str
+    recommendation: str
+    value: float | None
+    since_unix_s: float
+    detected_unix_s: float
+    ended_unix_s: float | None
+    stored: bool
+    category: str = ""
+    priority: int | None = None
+    expected_gain_ratio: float | None = None
+    difficulty: str = ""
+    episodes: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TrialItem:
+    """One config a tuning session tried, with its throughput and what was decided."""
+
+    session_id: str
+    trial_index: int
+    codec: str
+    bucket_cap_mb: float | None
+    config_text: str
+    score: float | None
+    decision: str | None
+    reason: str
+    started_unix_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionItem:
+    """One tuning session."""
+
+    id: str
+    state: str
+    trigger: str
+    started_unix_s: float
+    ended_unix_s: float | None
+    baseline_score: float | None
+    best_score: float | None
+    best_config_text: str
+    unit: str
+    summary: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class JobReport:
+    """Everything ``torshmon report`` shows of one job."""
+
+    job: str
+    world_size: int | None
+    backend: str | None
+    first_seen_unix_s: float
+    last_seen_unix_s: float
+    generated_unix_s: float
+    running: bool
+    steps_read: int
+    steps_truncated: bool
+    ranks: tuple[RankStats, ...]
+    phases: tuple[StepPhases, ...]
+    series: tuple[RankSeries, ...]
+    memory: tuple[MemorySeries, ...]
+    alerts: tuple[AlertItem, ...]
+    findings: tuple[FindingItem, ...]
+    sessions: tuple[SessionItem, ...]
+    trials: tuple[TrialItem, ...]
+
+
+def to_json(report: JobReport) -> bytes:
+    """``report`` as JSON (NaN never appears: unknown values are null)."""
+    return msgspec.json.encode(report)
+
+
+def from_json(data: bytes) -> JobReport:
+    """A report sent by ``to_json``; msgspec.ValidationError/DecodeError if it is not one."""
+    return msgspec.json.decode(data, type=JobReport)
+
+
+def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
+    """The report of ``history`` as of ``now_unix_s``."""
+    job = history.job
+    steps = _steps_by_rank(history.steps)
+    nodes = {row["rank"]: str(row["node"]) for row in history.steps}
+    nodes.update({s["rank"]: s["node"] for s in history.sessions if s["node"]})
+    last_seen = job["last_seen_unix_ns"] / 1e9
+    findings = _stored_findings(history.findings)
+    if not any(f.kind == "bottleneck" for f in findings):
+        findings += _computed_bottlenecks(job["job"], history, now_unix_s)
+    findings.sort(key=_finding_order)
+    return JobReport(
+        job=job["job"],
+        world_size=job["world_size"],
+        backend=job["backend"],
+        first_seen_unix_s=job["first_seen_unix_ns"] / 1e9,
+        last_seen_unix_s=last_seen,
+        generated_unix_s=now_unix_s,
+        running=now_unix_s - last_seen < RUNNING_WITHIN_S,
+        steps_read=len(history.steps),
+        steps_truncated=history.steps_truncated,
+        ranks=tuple(_rank_stats(r, cols, nodes.get(r, "")) for r, cols in steps.items()),
+        phases=tuple(_phases(r, cols) for r, cols in steps.items()),
+        series=tuple(_series(r, cols) for r, cols in steps.items()),
+        memory=_memory(history),
+        alerts=tuple(_alert(a, history.evidence.get(a["id"], ())) for a in history.alerts),
+        findings=tuple(findings),
+        sessions=tuple(_session(s) for s in history.tuning_sessions),
+        trials=tuple(_trial(t) for t in history.tuning_trials),
+    )
+
+
+#: Step columns the report computes with, as float arrays (NULL is NaN).
+_STEP_FIELDS: Final = (
+    "step",
+    "end_unix_ns",
+    "duration_s",
+    "comm_wait_s",
+    "compute_s",
+    "communication_time_ratio",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "samples_per_s",
+    "input_wait_s",
+)
+
+Columns = dict[str, "np.ndarray[Any, Any]"]
+
+
+def _columns(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> Columns:
+    """Each of ``names`` as a float array over ``rows`` (NULL and absent columns NaN)."""
+    return {n: np.array([r.get(n) for r in rows], dtype=float) for n in names}
+
+
+def _steps_by_rank(rows: Sequence[Mapping[str, Any]]) -> dict[int, Columns]:
+    """Each rank's step columns in step order, ranks in order."""
+    if not rows:
+        return {}
+    cols = _columns(rows, ("rank", *_STEP_FIELDS))
+    order = np.lexsort((cols["end_unix_ns"], cols["step"], cols["rank"]))
+    cols = {n: v[order] for n, v in cols.items()}
+    ranks, starts = np.unique(cols["rank"], return_index=True)
+    bounds = [*starts[1:], len(order)]
+    return {
+        int(rank): {n: v[start:end] for n, v in cols.items()}
+        for rank, start, end in zip(ranks, starts, bounds, strict=True)
+    }
+
+
+def _median(values: np.ndarray[Any, Any]) -> float | None:
+    """The median of the finite ``values``; None if there are none."""
+    finite = values[np.isfinite(values)]
+    return float(np.median(finite)) if finite.size else None
+
+
+def _binned(values: np.ndarray[Any, Any], size: int) -> np.ndarray[Any, Any]:
+    """Medians of ``values`` in consecutive bins of ``size`` (NaN for a bin of NaN)."""
+    padded = np.concatenate([values, np.full((-len(values)) % size, np.nan)])
+    with warnings.catch_warnings():  # a bin with no finite value is NaN, as meant
+        warnings.simplefilter("ignore", RuntimeWarning)
+        medians: np.ndarray[Any, Any] = np.nanmedian(padded.reshape(-1, size), axis=1)
+    return medians
+
+
+def _optional(values: np.ndarray[Any, Any]) -> tuple[float | None, ...]:
+    return tuple(float(v) if np.isfinite(v) else None for v in values)
+
+
+def _bin_size(count: int) -> int:
+    return max(1, -(-count // MAX_POINTS))
+
+
+def _rank_stats(rank: int, cols: Columns, node: str) -> RankStats:
+    durations = cols["duration_s"][np.isfinite(cols["duration_s"])]
+    return RankStats(
+        rank=rank,
+        node=node,
+        steps=len(cols["step"]),
+        last_step=int(cols["step"][-1]),
+        median_step_s=float(np.median(durations)) if durations.size else None,
+        p95_step_s=float(np.percentile(durations, 95)) if durations.size else None,
+        median_compute_s=_median(cols["compute_s"]),
+        median_comm_wait_s=_median(cols["comm_wait_s"]),
+        median_comm_ratio=_median(cols["communication_time_ratio"]),
+        median_samples_per_s=_median(cols["samples_per_s"]),
+    )
+
+
+def _phases(rank: int, cols: Columns) -> StepPhases:
+    step, input_wait, forward, backward, comm, optimizer = (
+        _median(cols[n])
+        for n in ("duration_s", "input_wait_s", "forward_s", "backward_s", "comm_wait_s",
+                  "optimizer_s")
+    )  # fmt: skip
+    if backward is not None and comm is not None:
+        backward = max(0.0, backward - comm)
+    # The input wait comes before the step (it is not in its duration).
+    known = [v for v in (forward, backward, comm, optimizer) if v is not None]
+    other = max(0.0, step - sum(known)) if step is not None else None
+    return StepPhases(rank, input_wait, forward, backward, comm, optimizer, other)
+
+
+def _series(rank: int, cols: Columns) -> RankSeries:
+    size = _bin_size(len(cols["step"]))
+    steps = np.concatenate([cols["step"], np.full((-len(cols["step"])) % size, np.nan)])
+    return RankSeries(
+        rank=rank,
+        time_unix_s=tuple(float(t) / 1e9 for t in _binned(cols["end_unix_ns"], size)),
+        step=tuple(int(s) for s in np.nanmax(steps.reshape(-1, size), axis=1)),
+        duration_s=_optional(_binned(cols["duration_s"], size)),
+        compute_s=_optional(_binned(cols["compute_s"], size)),
+        comm_ratio=_optional(_binned(cols["communication_time_ratio"], size)),
+    )
+
+
+def _memory(history: JobHistory) -> tuple[MemorySeries, ...]:
+    series: list[MemorySeries] = []
+    for kind, rows, key, value in (
+        ("node", history.node_samples, "node", "memory_utilization_ratio"),
+        ("rank", history.rank_samples, "rank", "rss_bytes"),
+    ):
+        by_key: dict[Any, list[Mapping[str, Any]]] = {}
+        for row in reversed(rows):  # oldest first
+            by_key.setdefault(row[key], []).append(row)
+        for name, of_key in sorted(by_key.items()):
+            cols = _columns(of_key, ("ts_unix_ns", value))
+            size = _bin_size(len(of_key))
+            series.append(
+                MemorySeries(
+                    kind=kind,
+                    name=str(name),
+                    time_unix_s=tuple(float(t) / 1e9 for t in _binned(cols["ts_unix_ns"], size)),
+                    value=_optional(_binned(cols[value], size)),
+                )
+            )
+    return tuple(series)
+
+
+def _alert(row: Mapping[str, Any], evidence: Sequence[Mapping[str, Any]]) -> AlertItem:
+    annotations = row["annotations"] if isinstance(row["annotations"], dict) else {}
+    return AlertItem(
+        id=int(row["id"]),
+        rule=str(row["rule"]),
+        severity=str(row["severity"]),
+        state=str(row["state"]),
+        rank=row["rank"],
+        summary=str(annotations.get("summary", "")),
+        recommendation=str(annotations.get("recommendation", "")),
+        value=_finite(row["value"]),
+        starts_at_unix_s=float(row["starts_at_unix_s"]),
+        fired_at_unix_s=row["fired_at_unix_s"],
+        ends_at_unix_s=row["ends_at_unix_s"],
+        evidence=tuple(EvidenceLink(str(e["name"]), str(e["url"])) for e in evidence),
+    )
+
+
+def _stored_findings(rows: Sequence[Mapping[str, Any]]) -> list[FindingItem]:
+    """The stored episodes, one item per condition (see ``FindingItem``)."""
+    grouped: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    for row in sorted(rows, key=lambda r: (r["detected_unix_s"], r["id"])):
+        key = (row["kind"], row.get("category"), row["rank"], row["metric"])
+        grouped.setdefault(key, []).append(row)
+    found = []
+    for episodes in grouped.values():
+        latest = episodes[-1]
+        still_open = any(r.get("ended_unix_s") is None for r in episodes)
+        found.append(
+            FindingItem(
+                kind=str(latest["kind"]),
+                severity=max((str(r["severity"]) for r in episodes), key=_severity_rank),
+                rank=latest["rank"],
+                summary=str(latest["summary"]),
+                recommendation=str(latest["recommendation"]),
+                value=_finite(latest["value"]),
+                since_unix_s=float(episodes[0]["since_unix_s"]),
+                detected_unix_s=float(latest["detected_unix_s"]),
+                ended_unix_s=None if still_open else latest.get("ended_unix_s"),
+                stored=True,
+                category=_text(latest.get("category")),
+                priority=latest.get("priority"),
+                expected_gain_ratio=_finite(latest.get("expected_gain_ratio")),
+                difficulty=_text(latest.get("difficulty")),
+                episodes=len(episodes),
+            )
+        )
+    return found
+
+
+def _computed_bottlenecks(job: str, history: JobHistory, now: float) -> list[FindingItem]:
+    """The bottleneck report (``bottleneck_report``, ranked) on the medians of the
+    job's steps and the fullest of its nodes, for a history that stored none."""
+    steps = _columns(history.steps, ("duration_s", "comm_wait_s", "compute_s", "input_wait_s"))
+    duration, comm, compute, input_wait = (_median(v) for v in steps.values())
+    period = (duration or 0.0) + (input_wait or 0.0)
+
+    def share(value: float | None) -> float | None:
+        """``value`` as a share of the step period (step time plus input wait)."""
+        return _ratio(value / period) if value is not None and period > 0 else None
+
+    nodes = _columns(history.node_samples, ("memory_utilization_ratio", "io_wait_ratio"))
+    memory = nodes["memory_utilization_ratio"][np.isfinite(nodes["memory_utilization_ratio"])]
+    snapshot = JobSnapshot(
+        communication_time_ratio=share(comm),
+        training_efficiency_ratio=share(compute),
+        input_wait_ratio=share(input_wait),
+        memory_utilization_ratio=_ratio(float(np.max(memory)) if memory.size else None),
+        io_wait_ratio=_ratio(_median(nodes["io_wait_ratio"])),
+        step_s=period or None,
+    )
+    since = history.job["first_seen_unix_ns"] / 1e9
+    ranked = rank_findings(bottleneck_report(job, snapshot, now), [], snapshot)
+    return [
+        FindingItem(
+            kind=f.kind,
+            severity=f.severity,
+            rank=None,
+            summary=f.summary,
+            recommendation=f.recommendation,
+            value=f.value,
+            since_unix_s=since,
+            detected_unix_s=now,
+            ended_unix_s=None,
+            stored=False,
+            category=f.category,
+            priority=f.priority,
+            expected_gain_ratio=f.expected_gain_ratio,
+            difficulty=f.difficulty,
+        )
+        for f in ranked
+    ]
+
+
+def _session(row: Mapping[str, Any]) -> SessionItem:
+    blob = row["state_blob"] if isinstance(row["state_blob"], dict) else {}
+    return SessionItem(
+        id=str(row["id"]),
+        state=str(row["state"]),
+        trigger=str(row["trigger"]),
+        started_unix_s=float(row["started_unix_s"]),
+        ended_unix_s=row["ended_unix_s"],
+        baseline_score=_finite(row["baseline_score"]),
+        best_score=_finite(row["best_score"]),
+        best_config_text=config_text(row["best_config"]) if row["best_config"] else "",
+        unit=_text(blob.get("unit")),
+        summary=_text(blob.get("summary")),
+        reason=str(row["reason"] or ""),
+    )
+
+
+def _trial(row: Mapping[str, Any]) -> TrialItem:
+    config = row["config"] if isinstance(row["config"], dict) else {}
+    cap = config.get("bucket_cap_mb")
+    return TrialItem(
+        session_id=str(row["session_id"]),
+        trial_index=int(row["trial_index"]),
+        codec=_text(config.get("codec")),
+        bucket_cap_mb=float(cap) if isinstance(cap, (int, float)) else None,
+        config_text=config_text(config),
+        score=_finite(row["score"]),
+        decision=row["decision"],
+        reason=str(row["reason"] or ""),
+        started_unix_s=row["started_unix_s"],
+    )
+
+
+def config_text(config: Mapping[str, Any]) -> str:
+    """``fp16, bucket 25 MB`` or ``powersgd rank 4, bucket 4 MB``: a config for people."""
+    words = [_text(config.get("codec")) or "none"]
+    params = config.get("codec_params")
+    if isinstance(params, dict):
+        words += [f"{name} {value:g}" for name, value in sorted(params.items())]
+    cap = config.get("bucket_cap_mb")
+    text = " ".join(words)
+    return f"{text}, bucket {cap:.3g} MB" if isinstance(cap, (int, float)) else text
+
+
+def _finding_order(f: FindingItem) -> tuple[float, ...]:
+    """Open before ended, then most severe, largest expected gain, the report's priority."""
+    gain = f.expected_gain_ratio if f.expected_gain_ratio is not None else -1.0
+    priority = f.priority if f.priority is not None else 1_000_000
+    return (f.ended_unix_s is not None, -_severity_rank(f.severity), -gain, priority)
+
+
+def _severity_rank(severity: str) -> int:
+    return SEVERITIES.index(severity) if severity in SEVERITIES else -1
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _ratio(value: float | None) -> float | None:
+    return min(1.0, max(0.0, value)) if value is not None else None
+
+
+def _text(value: Any) -> str:
+    return "" if value is None else str(value)

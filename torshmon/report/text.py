@@ -1,0 +1,221 @@
+"""A job's report for the terminal: plain text, one section per part of the report."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+from collections.abc import Sequence
+
+from torshmon.report.model import FindingItem, JobReport, alert_groups
+
+_WIDTH = 100
+
+
+def render_text(report: JobReport) -> str:
+    """``report`` as text for a terminal (about 100 columns wide)."""
+    sections = [
+        _header(report),
+        _ranks(report),
+        _phases(report),
+        _findings(report),
+        _alerts(report),
+        _tuning(report),
+    ]
+    return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def when(unix_s: float | None) -> str:
+    """A Unix time as local ``YYYY-MM-DD HH:MM:SS``; ``-`` for None."""
+    if unix_s is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_s))
+
+
+def seconds(value: float | None) -> str:
+    """A duration with a unit that suits it: ``850 µs``, ``12.3 ms``, ``1.25 s``."""
+    if value is None:
+        return "-"
+    if value == 0.0:
+        return "0 s"
+    if value < 1e-3:
+        return f"{value * 1e6:.0f} µs"
+    if value < 1.0:
+        return f"{value * 1e3:.3g} ms"
+    return f"{value:.3g} s"
+
+
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns aligned under ``header``, the first left-aligned, the rest right."""
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        first, *rest = cells
+        parts = [first.ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(rest, widths[1:], strict=True)
+        ]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _title(text: str) -> str:
+    return f"{text}\n{'=' * len(text)}"
+
+
+def _header(r: JobReport) -> str:
+    state = "running" if r.running else "stopped"
+    lines = [
+        _title(f"torshmon report: job {r.job}"),
+        f"world size {r.world_size if r.world_size is not None else '?'}, backend "
+        f"{r.backend or '?'}, {state}; first seen {when(r.first_seen_unix_s)}, "
+        f"last seen {when(r.last_seen_unix_s)}",
+    ]
+    if r.steps_truncated:
+        lines.append(f"(the latest {r.steps_read} step records only)")
+    return "\n".join(lines)
+
+
+def _ranks(r: JobReport) -> str:
+    if not r.ranks:
+        return _title("Ranks") + "\nno steps recorded"
+    header = ("rank", "node", "steps", "median step", "p95 step", "compute", "comm wait",
+              "comm %", "samples/s")  # fmt: skip
+    rows = [
+        (
+            str(s.rank),
+            s.node,
+            str(s.steps),
+            seconds(s.median_step_s),
+            seconds(s.p95_step_s),
+            seconds(s.median_compute_s),
+            seconds(s.median_comm_wait_s),
+            percent(s.median_comm_ratio),
+            _number(s.median_samples_per_s),
+        )
+        for s in r.ranks
+    ]
+    return _title("Ranks (medians over the steps)") + "\n" + table(header, rows)
+
+
+def _phases(r: JobReport) -> str:
+    if not r.phases:
+        return ""
+    header = ("rank", "input wait", "forward", "backward", "comm wait", "optimizer", "other")
+    rows = [
+        (
+            str(p.rank),
+            seconds(p.input_wait_s),
+            seconds(p.forward_s),
+            seconds(p.backward_s),
+            seconds(p.comm_wait_s),
+            seconds(p.optimizer_s),
+            seconds(p.other_s),
+        )
+        for p in r.phases
+    ]
+    note = "backward is compute only: the communication it waited for is under comm wait"
+    return _title("Phases of a step (medians)") + "\n" + table(header, rows) + "\n" + note
+
+
+def _wrap(text: str, indent: str) -> str:
+    """``text`` filled to the width, its first line after ``indent`` (a bullet, say),
+    the others under the first's text."""
+    return textwrap.fill(text, _WIDTH, initial_indent=indent, subsequent_indent=" " * len(indent))
+
+
+def finding_tags(f: FindingItem) -> list[str]:
+    """``critical``, ``bottleneck``, ``communication``, ``priority 1``, ``3 episodes``, ..."""
+    tags = [f.severity, f.kind]
+    if f.category and f.category != f.kind:
+        tags.append(f.category)
+    if f.priority is not None:
+        tags.append(f"priority {f.priority}")
+    if f.episodes > 1:
+        tags.append(f"{f.episodes} episodes")
+    return tags
+
+
+def finding_effort(f: FindingItem) -> str:
+    """``expected gain 25% of the step, difficulty easy``; empty where neither is known."""
+    parts = []
+    if f.expected_gain_ratio is not None:
+        parts.append(f"expected gain {f.expected_gain_ratio:.0%} of the step")
+    if f.difficulty:
+        parts.append(f"difficulty {f.difficulty}")
+    return ", ".join(parts)
+
+
+def _findings(r: JobReport, top: int = 5) -> str:
+    if not r.findings:
+        return _title("Findings") + "\nnone: nothing crossed a threshold"
+    lines = [_title(f"Top findings ({min(top, len(r.findings))} of {len(r.findings)})")]
+    for f in r.findings[:top]:
+        lines.append(_wrap(f"[{', '.join(finding_tags(f))}] {f.summary}", "- "))
+        when_text = f"since {when(f.since_unix_s)}" + (
+            f", ended {when(f.ended_unix_s)}" if f.ended_unix_s is not None else ""
+        )
+        effort = finding_effort(f)
+        lines.append(_wrap(f"{when_text}; {effort}" if effort else when_text, "  "))
+        if f.recommendation:
+            lines.append(_wrap(f"what to do: {f.recommendation}", "  "))
+    return "\n".join(lines)
+
+
+def _alerts(r: JobReport) -> str:
+    if not r.alerts:
+        return _title("Alerts") + "\nnone"
+    groups = alert_groups(r.alerts, r.last_seen_unix_s)
+    header = ("rule", "rank", "severity", "episodes", "fired", "firing", "first", "last ended",
+              "now")  # fmt: skip
+    rows = [
+        (
+            g.rule,
+            "-" if g.rank is None else str(g.rank),
+            g.severity,
+            str(g.episodes),
+            str(g.fired),
+            seconds(g.firing_s),
+            when(g.first_start_unix_s),
+            when(g.last_end_unix_s) if g.last_end_unix_s is not None else "open",
+            g.state,
+        )
+        for g in groups
+    ]
+    lines = [_title(f"Alerts ({len(r.alerts)} episodes)"), table(header, rows)]
+    for g in groups:
+        rank = "" if g.rank is None else f" (rank {g.rank})"
+        lines.append(_wrap(f"{g.rule}{rank}: {g.summary}", "- "))
+        lines += [f"  evidence: {e.name} {e.url}" for e in g.evidence]
+    return "\n".join(lines)
+
+
+def _tuning(r: JobReport) -> str:
+    if not r.sessions:
+        return _title("Tuning sessions") + "\nnone"
+    lines = [_title("Tuning sessions")]
+    for s in r.sessions:
+        lines.append(
+            f"session {s.id} ({s.trigger}): {s.state}, {when(s.started_unix_s)} to "
+            f"{when(s.ended_unix_s)}; baseline {_number(s.baseline_score)}, best "
+            f"{_number(s.best_score)} {s.unit}".rstrip()
+        )
+        if s.summary or s.reason:
+            lines.append(_wrap(s.summary or s.reason, "  "))
+        trials = [t for t in r.trials if t.session_id == s.id]
+        if trials:
+            header = ("trial", "config", "throughput", "decision", "reason")
+            rows = [
+                (str(t.trial_index), t.config_text, _number(t.score), t.decision or "-",
+                 t.reason[:50])
+                for t in trials
+            ]  # fmt: skip
+            lines.append(textwrap.indent(table(header, rows), "  "))
+    return "\n".join(lines)
