@@ -8,6 +8,8 @@ statements and bulk inserts of ingest. Not here: the read-only user queries
 
 from torshmon.history.store.state import (
     LISTING_ORDER,
+    EvidenceCaptureRow,
+    EvidenceFileRow,
     FilterError,
     HistoryStore,
     Listing,
@@ -19,6 +21,8 @@ from torshmon.history.store.state import (
 
 __all__ = [
     "LISTING_ORDER",
+    "EvidenceCaptureRow",
+    "EvidenceFileRow",
     "FilterError",
     "HistoryStore",
     "Listing",
