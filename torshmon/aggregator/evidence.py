@@ -49,7 +49,7 @@ class EvidenceSettings:
     max_capture_bytes: int = 64 * 1024 * 1024
     max_total_bytes: int = 1024 * 1024 * 1024
     retention_s: float = 7 * 86400.0
-    #: Least time between two captures of one job (a flapping alert asks once).
+    #: Least time between two captures for one alert instance (rule and labels).
     min_interval_s: float = 300.0
     profile_steps: int = 3
 
@@ -103,13 +103,17 @@ class EvidenceKeeper:
 
     # -- asking --------------------------------------------------------------------------
     def on_alert(self, alert: Alert) -> None:
-        """The ``capture_evidence`` action of a firing alert (at most one capture per job
-        every ``min_interval_s``)."""
+        """The ``capture_evidence`` action of a firing alert (at most one capture per
+        alert instance every ``min_interval_s``: a flapping alert asks once)."""
         job = alert.job
         now = self._clock()
-        if not job or now - self._last_capture.get(job, -1e18) < self.settings.min_interval_s:
+        last = self._last_capture.get(alert.fingerprint)
+        if not job or (last is not None and now - last < self.settings.min_interval_s):
             return
-        self._last_capture[job] = now
+        self._last_capture = {
+            k: t for k, t in self._last_capture.items() if now - t < self.settings.min_interval_s
+        }
+        self._last_capture[alert.fingerprint] = now
         task = asyncio.ensure_future(self._capture_logged(job, alert))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -227,7 +227,7 @@ class AggregatorSettings(Section, frozen=True):
         7 * 86400.0
     )
     evidence_min_interval_s: Annotated[
-        float, setting("least time between two evidence captures of one job", ge=0)
+        float, setting("least time between two evidence captures for one alert", ge=0)
     ] = 300.0
     otlp_endpoint: Annotated[
         str | None,

@@ -31,6 +31,7 @@ from torshmon.aggregator.core.findings import Finding
 from torshmon.history.db import insert_ignore, make_engine, upsert
 from torshmon.history.models import Base
 from torshmon.history.retention import RetentionReport, apply_retention
+from torshmon.history.store.evidence import list_evidence
 
 T = TypeVar("T")
 _T = Base.metadata.tables
@@ -476,10 +477,6 @@ class HistoryStore:
             result = conn.execute(insert_ignore(conn, _T["evidence_files"]), [_row(file)])
             return bool(result.rowcount)
 
-    async def evidence_file_exists(self, capture_id: str, rank: int, name: str) -> bool:
-        """Whether that file's row is stored (its data, or why it is missing)."""
-        return await self._read(self._evidence_file, capture_id, rank, name) is not None
-
     async def evidence_file(self, capture_id: str, rank: int, name: str) -> Row | None:
         """The row of one evidence file, or None."""
         return await self._read(self._evidence_file, capture_id, rank, name)
@@ -505,45 +502,8 @@ class HistoryStore:
     def _evidence(self, job: str | None, alert_id: int | None, limit: int) -> list[Row]:
         if self._engine is None:
             return []
-        captures, files, alerts = _T["evidence_captures"], _T["evidence_files"], _T["alerts"]
-        query = select(captures)
         with self._engine.connect() as conn:
-            if job is not None:
-                query = query.where(captures.c.job == job)
-            if alert_id is not None:
-                alert = (
-                    conn.execute(select(alerts).where(alerts.c.id == alert_id)).mappings().first()
-                )
-                if alert is None:
-                    return []
-                # The id, or the fingerprint within the episode (an alert the action saw
-                # before its row was written).
-                during = captures.c.created_unix_s >= alert["starts_at_unix_s"]
-                if alert["ends_at_unix_s"] is not None:
-                    during = during & (captures.c.created_unix_s <= alert["ends_at_unix_s"])
-                query = query.where(
-                    (captures.c.alert_id == alert_id)
-                    | (
-                        captures.c.alert_id.is_(None)
-                        & (captures.c.alert_fingerprint == alert["fingerprint"])
-                        & during
-                    )
-                )
-            query = query.order_by(captures.c.created_unix_s.desc()).limit(limit)
-            out = [dict(r) for r in conn.execute(query).mappings()]
-            ids = [r["id"] for r in out]
-            by_capture: dict[str, list[Row]] = {i: [] for i in ids}
-            if ids:
-                rows = conn.execute(
-                    select(files)
-                    .where(files.c.capture_id.in_(ids))
-                    .order_by(files.c.rank, files.c.name)
-                ).mappings()
-                for r in rows:
-                    by_capture[r["capture_id"]].append(dict(r))
-        for capture in out:
-            capture["files"] = by_capture[capture["id"]]
-        return out
+            return list_evidence(conn, job=job, alert_id=alert_id, limit=limit)
 
     async def evidence_bytes(self, capture_id: str | None = None) -> int:
         """Bytes of evidence stored on disk, in all or in one capture."""
