@@ -53,11 +53,13 @@ def _by(files: list[dict[str, Any]], name: str) -> dict[int, dict[str, Any]]:
     return {f["rank"]: f for f in files if f["name"] == name}
 
 
-def _check_trace(trace: Any) -> None:
-    """Chrome trace JSON (what Perfetto and HTA load) with the step's CPU ops in it."""
+def _check_trace(trace: Any, rank: int) -> None:
+    """Chrome trace JSON (what Perfetto and HTA load) with the step's CPU ops in it, and
+    the rank it came from (HTA reads ``distributedInfo``)."""
     events = trace["traceEvents"]
     names = {e.get("name", "") for e in events if e.get("ph") == "X"}
     assert any(n.startswith("aten::") for n in names), sorted(names)[:20]
+    assert trace["distributedInfo"]["rank"] == rank
 
 
 async def test_a_hang_captures_flight_recorder_dumps_of_every_rank_and_traces(
@@ -81,8 +83,8 @@ async def test_a_hang_captures_flight_recorder_dumps_of_every_rank_and_traces(
     assert hung and "all_reduce" in hung[0]["profiling_name"], hung
     traces = _by(files, "profiler_trace.json")
     assert sorted(traces) == [0, 1], files
-    for row in traces.values():
-        _check_trace(_load(tmp_path, row))
+    for rank, row in traces.items():
+        _check_trace(_load(tmp_path, row), rank)
 
 
 async def test_a_straggler_captures_evidence_naming_the_slow_rank(tmp_path: Path) -> None:
@@ -99,5 +101,5 @@ async def test_a_straggler_captures_evidence_naming_the_slow_rank(tmp_path: Path
         assert _load(tmp_path, row)["entries"]
     traces = _by(files, "profiler_trace.json")
     assert sorted(traces) == [0, 2], files
-    for row in traces.values():
-        _check_trace(_load(tmp_path, row))
+    for rank, row in traces.items():
+        _check_trace(_load(tmp_path, row), rank)
