@@ -78,25 +78,12 @@ def _median_ms(values: list[float]) -> float | None:
     return round(1000 * statistics.median(values), 2) if values else None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--at", type=int, default=120, help="step at which to capture")
-    parser.add_argument("--window-s", type=float, default=5.0)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="torshmon-evidence-bench-") as tmp:
-        db = Path(tmp) / "on.db"
-        asked = _run(args, db, {}, capture=True)
-        if "unix_s" not in asked:
-            raise SystemExit("the job ended before the capture step: raise --steps")
-        [capture] = evidence_of(f"sqlite:///{db}", job="demo")
-        taken = [f["taken_unix_s"] for f in capture["files"]]
-        start, end = capture["created_unix_s"], max(taken)
-        steps = _steps(db)
-        off_db = Path(tmp) / "off.db"
-        _run(args, off_db, {"TORCH_FR_BUFFER_SIZE": "0"}, capture=False)
-        off = _steps(off_db)
+def _capture_table(args: argparse.Namespace, db: Path) -> dict[str, Any]:
+    """Step times before and during the capture, per rank, printed and returned."""
+    [capture] = evidence_of(f"sqlite:///{db}", job="demo")
+    taken = [f["taken_unix_s"] for f in capture["files"]]
+    start, end = capture["created_unix_s"], max(taken)
+    steps = _steps(db)
     result: dict[str, Any] = {
         "capture_s": round(end - start, 2),
         "files": {
@@ -116,10 +103,36 @@ def main() -> None:
         ratio = round(d / b, 3) if b and d else None
         result["ranks"][rank] = {"before_ms": b, "during_ms": d, "ratio": ratio, "n": len(during)}
         print(f"{rank:>4} {b!s:>10} {d!s:>10} {ratio!s:>6} {len(during):>8}")
-    on_all = _median_ms([s["duration_s"] for s in steps if s["end_unix_ns"] / 1e9 < start])
-    off_all = _median_ms([s["duration_s"] for s in off])
-    result["flight_recorder"] = {"on_ms": on_all, "off_ms": off_all}
-    print(f"median step, Flight Recorder on (before the capture): {on_all} ms; off: {off_all} ms")
+    result["fr_on_ms"] = _median_ms(
+        [s["duration_s"] for s in steps if s["end_unix_ns"] / 1e9 < start]
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--at", type=int, default=120, help="step at which to capture")
+    parser.add_argument("--window-s", type=float, default=5.0)
+    parser.add_argument(
+        "--no-fr-off", action="store_true", help="skip the run with the Flight Recorder off"
+    )
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="torshmon-evidence-bench-") as tmp:
+        db = Path(tmp) / "on.db"
+        asked = _run(args, db, {}, capture=True)
+        if "unix_s" not in asked:
+            raise SystemExit("the job ended before the capture step: raise --steps")
+        result = _capture_table(args, db)
+        if not args.no_fr_off:
+            off_db = Path(tmp) / "off.db"
+            _run(args, off_db, {"TORCH_FR_BUFFER_SIZE": "0"}, capture=False)
+            result["fr_off_ms"] = _median_ms([s["duration_s"] for s in _steps(off_db)])
+            print(
+                f"median step before the capture, Flight Recorder on: {result['fr_on_ms']} ms; "
+                f"in a run with it off: {result['fr_off_ms']} ms"
+            )
     print(json.dumps(result))
 
 

@@ -291,6 +291,7 @@ class Shipper:
         if (
             not evidence
             and last is not None
+            and not last.evidence  # a 2 MiB file leaves no room in its frame for 256 steps
             and last.seq > self._sent_seq
             and len(last.steps) + len(steps) <= self._max_steps_per_batch
         ):
