@@ -204,8 +204,8 @@ def test_every_mistake_is_reported_at_once() -> None:
         "rules[3].severity: expected one of " + ", ".join(SEVERITIES) + ", got 'urgent'" in errors
     )
     assert (
-        "rules[4].actions[1]: expected one of notify, autotune, recommend_memory, got 'page'"
-        in errors
+        "rules[4].actions[1]: expected one of notify, autotune, recommend_memory, "
+        "capture_evidence, got 'page'" in errors
     )
     assert any(e.startswith("rules[5].kind: expected one of threshold, rate") for e in errors)
     assert any(e.startswith("rules[6].metric: unknown metric 'gpu_util' (known: ") for e in errors)

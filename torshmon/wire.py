@@ -256,6 +256,29 @@ class LinkCheckResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     host: Label = ""
 
 
+#: The largest evidence file a probe sends, gzip-compressed (a frame is at most
+#: ``MAX_FRAME_BYTES`` and JSON carries bytes as base64, 4/3 of their size).
+EVIDENCE_FILE_MAX_BYTES: Final = 2 * 1024 * 1024
+
+
+class EvidenceFile(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One file of evidence capture ``id`` taken on this rank, or why it is missing.
+
+    ``name``: ``flight_recorder.json`` (torch.distributed's Flight Recorder dump, JSON)
+    or ``profiler_trace.json`` (torch.profiler's Chrome trace). ``data_gzip``: the
+    file, gzip-compressed, at most ``EVIDENCE_FILE_MAX_BYTES``; empty with ``error``
+    saying why when the file could not be taken or was over the cap. ``size_bytes``:
+    the uncompressed size (0 when missing).
+    """
+
+    id: Label
+    name: Label
+    size_bytes: Count = 0
+    data_gzip: Annotated[bytes, Meta(max_length=EVIDENCE_FILE_MAX_BYTES)] = b""
+    error: Text = ""
+    created_unix_ns: Int64 = 0
+
+
 class Hello(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="hello", tag_field="kind"):
     """First frame on every connection: who is speaking."""
 
@@ -284,7 +307,8 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", ta
     of each connection, while an op has been in flight for a second or more, and every
     30 s, so an aggregator that restarted learns them again (empty: unchanged).
     ``urgent``: the probe's fast lane is open (a step out of line with the rank's recent
-    ones); the agent forwards it without waiting to gather more.
+    ones); the agent forwards it without waiting to gather more. ``evidence``: files of an
+    evidence capture (at most one per batch, so a frame stays under its limit).
     """
 
     v: int
@@ -300,6 +324,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", ta
     link_checks: list[LinkCheckResult] = []
     urgent: bool = False
     groups: list[ProcessGroupMembers] = []
+    evidence: list[EvidenceFile] = []
 
 
 class Ack(msgspec.Struct, frozen=True, kw_only=True, tag="ack", tag_field="kind"):
@@ -417,6 +442,11 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     ``args`` may set ``size_bytes`` (sent each way per pair) and ``repeats`` (exchanges
     per pair, the fastest counts). Results come back as
     ``LinkCheckResult`` records, one per rank, with the command's id.
+    ``kind`` "evidence": relayed by the agent to every rank of the job, not only rank 0
+    (a hung job has no step at which to agree). Each rank dumps its Flight Recorder
+    from the probe's own thread; ranks named in ``args["profile_ranks"]`` also record
+    ``args["profile_steps"]`` steps under torch.profiler. Files come back as
+    ``EvidenceFile`` records in the ranks' batches, with the command's id.
     """
 
     id: Label

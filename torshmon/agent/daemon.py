@@ -3,9 +3,10 @@
 It serves the probes of its node on a Unix socket, makes what they send durable
 in an on-disk spool before acknowledging it, samples the node, exposes
 ``/metrics`` and ``/healthz``, forwards the spool to the aggregator and relays
-the aggregator's commands to each job's rank-0 probe. It keeps working when
-everything around it fails: with no aggregator it spools (bounded), a bad
-probe frame costs that frame, and SIGTERM flushes before exit.
+the aggregator's commands to each job's rank-0 probe (evidence captures to every
+rank of the job). It keeps working when everything around it fails: with no
+aggregator it spools (bounded), a bad probe frame costs that frame, and SIGTERM
+flushes before exit.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import gc
 import logging
 import signal
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +55,11 @@ GROUP_COMMIT_S = 0.1
 INGEST_PATH = "/api/v1/ingest"
 #: Commands kept per job while no rank-0 probe of it is connected.
 MAX_QUEUED_COMMANDS = 64
+#: Commands every rank of a job takes, not only rank 0 (an evidence capture must reach
+#: the ranks of a hung job, which agree on no step), and how long each is offered to
+#: the job's probes that have not taken it yet.
+FAN_OUT_KINDS = frozenset({"evidence"})
+FAN_OUT_S = 60.0
 
 
 class Agent:
@@ -94,6 +101,8 @@ class Agent:
         self._commands: dict[str, deque[Command]] = defaultdict(
             lambda: deque(maxlen=MAX_QUEUED_COMMANDS)
         )
+        #: job -> [(command, sessions that took it, offered until (monotonic s))]
+        self._fan_out: dict[str, list[tuple[Command, set[str], float]]] = defaultdict(list)
         self._pending: list[bytes] = []
         self._pending_urgent = False
         self._pending_done: asyncio.Future[None] | None = None
@@ -238,14 +247,34 @@ class Agent:
             self.forwarder.notify(urgent=urgent)
 
     def _commands_for(self, hello: Hello) -> list[Command]:
-        if hello.rank != 0 or hello.job not in self._commands:
+        out = self._fanned_out(hello)
+        if hello.rank == 0 and hello.job in self._commands:
+            out += self._commands.pop(hello.job)
+        return out
+
+    def _fanned_out(self, hello: Hello) -> list[Command]:
+        """The fan-out commands of ``hello``'s job that its session has not taken yet."""
+        offers = self._fan_out.get(hello.job)
+        if not offers:
             return []
-        queued = self._commands.pop(hello.job)
-        return list(queued)
+        now = time.monotonic()
+        offers[:] = [offer for offer in offers if offer[2] > now]
+        out = []
+        for command, sessions, _until in offers:
+            if hello.session not in sessions:
+                sessions.add(hello.session)
+                out.append(command)
+        return out
 
     def _on_reply(self, reply: IngestReply) -> None:
         for command in reply.commands:
-            self._commands[command.job].append(command)
+            if command.kind in FAN_OUT_KINDS:
+                offers = self._fan_out[command.job]
+                if all(offer[0].id != command.id for offer in offers):
+                    offers.append((command, set(), time.monotonic() + FAN_OUT_S))
+                    del offers[:-MAX_QUEUED_COMMANDS]
+            else:
+                self._commands[command.job].append(command)
 
     # -- node -------------------------------------------------------------------------
     async def _sample_forever(self) -> None:

@@ -61,13 +61,14 @@ class CommandDispatch:
         self._clock = clock
 
     async def submit_command(
-        self, job: str, kind: str, args: Mapping[str, object]
+        self, job: str, kind: str, args: Mapping[str, object], *, command_id: str | None = None
     ) -> CommandStatus:
-        """Queue a command for ``job``'s rank 0; stored in SQL before it can be sent.
+        """Queue a command for ``job``'s rank 0 (an evidence capture: for every rank);
+        stored in SQL before it can be sent. ``command_id``: an id made by the caller.
 
         CommandError names a bad kind, job or argument.
         """
-        command = self.book.new(job, kind, args)
+        command = self.book.new(job, kind, args, command_id=command_id)
         await self._store.add_command(command.id, job, kind, command.args, self._clock())
         return self.book.add(command)
 

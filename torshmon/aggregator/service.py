@@ -26,6 +26,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -45,7 +46,8 @@ from torshmon.aggregator.core.silences import SilenceBook
 from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.tuner import TunerSettings
 from torshmon.aggregator.dispatch import CommandDispatch
-from torshmon.aggregator.http import api
+from torshmon.aggregator.evidence import EvidenceKeeper, EvidenceSettings
+from torshmon.aggregator.http import api, evidence_api
 from torshmon.aggregator.http.alerting import add_alerting_routes
 from torshmon.aggregator.http.guard import RequestGuard, ServerLog, log_rejection, read_body
 from torshmon.aggregator.ingest import IngestStore
@@ -174,7 +176,28 @@ class Aggregator:
             settings=tuner_settings,
         )
         self.command_hooks.append(self.tuning.on_command_status)
-        self.action_hooks: dict[str, list[ActionHook]] = {"autotune": [self.tuning.on_alert]}
+        self.evidence = EvidenceKeeper(
+            EvidenceSettings(
+                directory=Path(settings.evidence_dir or "torshmon.evidence"),
+                max_capture_bytes=settings.evidence_capture_max_bytes,
+                max_total_bytes=settings.evidence_max_bytes,
+                retention_s=settings.evidence_retention_s,
+                min_interval_s=settings.evidence_min_interval_s,
+            ),
+            store=self.store,
+            commands=self.dispatch,
+            world_size=self._world_size,
+            clock=clock,
+        )
+        self.action_hooks: dict[str, list[ActionHook]] = {
+            "autotune": [self.tuning.on_alert],
+            "capture_evidence": [self.evidence.on_alert],
+        }
+
+    def _world_size(self, job: str) -> int | None:
+        summary = self.live.job_summary(job)
+        size = None if summary is None else summary.get("world_size")
+        return size if isinstance(size, int) else None
 
     def _load_rules(self) -> RuleSet:
         if self.settings.rules_path:
@@ -269,6 +292,13 @@ class Aggregator:
             changed=self._silences_changed,
         )
         app.router.add_post(INGEST_PATH, self._ingest)
+        evidence_api.add_routes(
+            app,
+            guard=self.guard,
+            store=self.store,
+            keeper=self.evidence,
+            max_body_bytes=self.settings.max_body_bytes,
+        )
         # Bodies are inflated by read_body, which answers a broken or unknown content
         # coding with a 4xx; aiohttp's own inflating logs them as unhandled errors.
         # ServerLog keeps aiohttp's 400s for malformed HTTP out of the error log.
@@ -311,7 +341,13 @@ class Aggregator:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         # The loop over parts is deliberate: one failing must not leave the rest running.
-        parts = (self._close_http, self._last_evaluation, self.tuning.aclose, self.notifier.aclose)
+        parts = (
+            self._close_http,
+            self._last_evaluation,
+            self.tuning.aclose,
+            self.evidence.aclose,
+            self.notifier.aclose,
+        )
         for part in parts:
             try:
                 await part()
@@ -369,6 +405,7 @@ class Aggregator:
             stored = await self.ingest.store(body, batch, handed)
         except BaseException as exc:
             self.commands.release([c.id for c in handed])
+            self.commands.unfan(batch.agent_id, [c.id for c in handed])
             if isinstance(exc, StoreRefused):
                 self.m_batches.labels("invalid").inc()
                 return api.error(400, str(exc))
@@ -387,6 +424,7 @@ class Aggregator:
         self.m_duplicates.inc(stored.duplicates)
         self.m_samples.inc(stored.samples)
         self._observe(stored, batch.node)
+        await self.evidence.receive(batch)
         if self.live.take_fresh() and self.settings.eval_on_finding:
             self._eval_wanted.set()
         reply = IngestReply(v=SCHEMA_VERSION, acked_seq=stored.acked_seq, commands=stored.commands)
@@ -394,14 +432,18 @@ class Aggregator:
 
     def _hand_out(self, batch: IngestBatch) -> list[Command]:
         """The pending commands that go back to the agent posting ``batch``: those of
-        the jobs whose rank 0 it serves (reserved until its store commits or fails)."""
+        the jobs whose rank 0 it serves (reserved until its store commits or fails), and
+        the fan-out commands (evidence) of every job it brought data of."""
         agent = batch.agent_id
+        served: set[str] = set()
         for item in batch.records:
             for message in item.record.messages:
+                served.add(message.job)
                 if message.rank == 0:
                     self.rank0_agent[message.job] = agent
         jobs = [job for job, a in self.rank0_agent.items() if a == agent]
-        return self.commands.reserve(jobs) if jobs else []
+        handed = self.commands.reserve(jobs) if jobs else []
+        return handed + self.commands.fan_out(agent, sorted(served)) if served else handed
 
     def _observe(self, stored: Stored, agent_node: str) -> None:
         """Feed the live state; a bug there must never fail an ingest already stored."""
@@ -559,6 +601,7 @@ class Aggregator:
                     raw_retention_s=self.settings.raw_retention_s,
                     rollup_retention_s=self.settings.rollup_retention_s,
                 )
+                await self.evidence.prune(self.clock())
             except Exception:
                 log.exception("retention failed; retrying next interval")
 

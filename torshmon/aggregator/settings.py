@@ -34,6 +34,7 @@ from torshmon.history.db import (
     DatabaseConfigError,
     as_db_url,
     normalize_url,
+    sqlite_path,
 )
 from torshmon.history.reader import QUERY_DB_URL_ENV, reader_url
 from torshmon.settings import Layers, Section, SettingsError, setting
@@ -206,6 +207,28 @@ class AggregatorSettings(Section, frozen=True):
     command_timeout_s: Annotated[float, setting("time a command may take to be applied", gt=0)] = (
         60.0
     )
+    evidence_dir: Annotated[
+        str | None,
+        setting(
+            "folder of the evidence captured on alert (Flight Recorder dumps, profiler traces)",
+            env="TORSHMON_EVIDENCE_DIR",
+            flag="--evidence-dir",
+            default_text="beside a SQLite history (<db>.evidence), else "
+            "$XDG_STATE_HOME/torshmon/evidence",
+        ),
+    ] = None
+    evidence_capture_max_bytes: Annotated[
+        int, setting("most bytes kept of one evidence capture (all its ranks' files)", ge=1024)
+    ] = 64 * 1024 * 1024
+    evidence_max_bytes: Annotated[
+        int, setting("most bytes of evidence kept; the oldest captures go first", ge=1024)
+    ] = 1024 * 1024 * 1024
+    evidence_retention_s: Annotated[float, setting("how long evidence captures are kept", gt=0)] = (
+        7 * 86400.0
+    )
+    evidence_min_interval_s: Annotated[
+        float, setting("least time between two evidence captures for one alert", ge=0)
+    ] = 300.0
     otlp_endpoint: Annotated[
         str | None,
         setting(
@@ -254,6 +277,8 @@ class AggregatorSettings(Section, frozen=True):
             name = "query_db_url" if self.query_db_url else "db_url"
             raise SettingsError(f"{name}: {exc}") from None
         msgspec.structs.force_setattr(self, "query_db_url", query_db_url)
+        if not self.evidence_dir:
+            msgspec.structs.force_setattr(self, "evidence_dir", default_evidence_dir(self.db_url))
         if not self.aggregator_id:
             aggregator_id = f"{socket.gethostname()}-{os.getpid()}"
             msgspec.structs.force_setattr(self, "aggregator_id", aggregator_id)
@@ -272,6 +297,16 @@ class AggregatorSettings(Section, frozen=True):
                 "who reaches it could drive the API: set one with --token-file or TORSHMON_TOKEN "
                 "(or listen on 127.0.0.1)"
             )
+
+
+def default_evidence_dir(db_url: str) -> str:
+    """Beside a SQLite history file (``<file>.evidence``), else under the user's state
+    folder (``$XDG_STATE_HOME``, by default ``~/.local/state``)."""
+    path = sqlite_path(db_url)
+    if path is not None:
+        return str(path.with_name(path.name + ".evidence"))
+    state = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(state, "torshmon", "evidence")
 
 
 def is_loopback(host: str) -> bool:

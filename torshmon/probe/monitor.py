@@ -25,6 +25,7 @@ from torshmon.probe.collectives import CollectiveTracer
 from torshmon.probe.commhook import DispatchingCommHook
 from torshmon.probe.config import CommConfig, ConfigError
 from torshmon.probe.events import RawStep, StepEvents
+from torshmon.probe.evidence import EvidenceCapture
 from torshmon.probe.gpu import cuda_memory
 from torshmon.probe.groups import GroupRegistry
 from torshmon.probe.inflight import InflightTable
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 _CONFIG_ARGS = frozenset({"bucket_cap_mb", "first_bucket_cap_mb", "codec", "codec_params"})
 #: What a "link_check" command may set.
 _LINK_CHECK_ARGS = frozenset({"size_bytes", "repeats"})
-_COMMAND_KINDS = "config, link_check"
+_COMMAND_KINDS = "config, link_check, evidence"
 
 #: Steps during which every parameter's gradient is watched to find the last one;
 #: DDP's statistics are sampled then too (it has rebuilt its buckets by then).
@@ -172,6 +173,7 @@ class Monitor:
             on_commands=self._on_commands,
             groups=GroupRegistry(dist.group.WORLD, self.world_size),
         )
+        self._evidence = EvidenceCapture(self.rank, self._shipper.evidence.put)
         self._shipper.start()
         atexit.register(self.close)
 
@@ -240,6 +242,7 @@ class Monitor:
         if self._hook is not None:
             self._hook.enabled = False
         self._remove_hooks()
+        self._evidence.close()
         self._shipper.close(timeout_s)
 
     def _remove_hooks(self) -> None:
@@ -338,11 +341,13 @@ class Monitor:
         if self._in_step:
             raise RuntimeError("mon.step() scopes cannot be nested")
         self._in_step = True
+        self._evidence.step_started()
         self._step_start_ns = time.perf_counter_ns()
 
     def _exit_step(self, scope: StepScope, *, failed: bool) -> None:
         end_ns = time.perf_counter_ns()
         self._in_step = False
+        self._evidence.step_ended()
         # Everything from here to the next step's end belongs to the next step.
         events, self._events = self._events, StepEvents()
         if failed or self._closed:
@@ -394,6 +399,11 @@ class Monitor:
                     raise ConfigError(f"command for job {command.job!r} reached job {self.job!r}")
                 if command.kind == "link_check":
                     self._accept_link_check(command)
+                    continue
+                if command.kind == "evidence":
+                    self._evidence.request(command)
+                    if self.rank == 0:  # every rank takes it; rank 0 answers for the job
+                        self._ack_command(command, "applied", effective_step=self._step)
                     continue
                 version = self._accept_command(command)
             except (ConfigError, RuntimeError, TypeError, ValueError) as exc:

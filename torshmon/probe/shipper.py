@@ -46,6 +46,7 @@ from torshmon.wire import (
     Batch,
     Command,
     CommandAck,
+    EvidenceFile,
     Hello,
     LinkCheckResult,
     StepRecord,
@@ -85,6 +86,13 @@ class Outbox(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def take(self) -> list[T]:
+        """The oldest item alone, or nothing."""
+        try:
+            return [self._items.popleft()]
+        except IndexError:
+            return []
 
     def drain(self) -> list[T]:
         out = []
@@ -196,6 +204,8 @@ class Shipper:
         self._on_commands = on_commands
         self.command_acks: Outbox[CommandAck] = Outbox(1024)
         self.link_checks: Outbox[LinkCheckResult] = Outbox(64)
+        #: Evidence files waiting for a batch: one per batch, each up to 2 MiB.
+        self.evidence: Outbox[EvidenceFile] = Outbox(8)
         self._seq = itertools.count(1)
         self._unacked: deque[Batch] = deque()
         self._sent_seq = 0  # the newest seq ever written to a socket
@@ -275,9 +285,13 @@ class Shipper:
         idle = now - self._last_batch >= self._heartbeat_interval_s
         if not self._unacked and (idle or self.command_acks or self.link_checks):
             self._enqueue([])  # heartbeat: carries in-flight ops of a stuck rank
+        while self.evidence and len(self._unacked) < 4:
+            self._enqueue([], evidence=True)
         self._send_unacked()
 
-    def _enqueue(self, steps: list[StepRecord], *, urgent: bool = False) -> None:
+    def _enqueue(
+        self, steps: list[StepRecord], *, urgent: bool = False, evidence: bool = False
+    ) -> None:
         # Make room first, so the count stamped on this batch includes what it evicts.
         excess = self._buffered_steps + len(steps) - self._max_buffered_steps
         while excess > 0 and self._unacked:
@@ -293,7 +307,9 @@ class Shipper:
         groups = self._groups.take(inflight) if self._groups is not None else []
         last = self._unacked[-1] if self._unacked else None
         if (
-            last is not None
+            not evidence
+            and last is not None
+            and not last.evidence  # a 2 MiB file leaves no room in its frame for 256 steps
             and last.seq > self._sent_seq
             and len(last.steps) + len(steps) <= self._max_steps_per_batch
         ):
@@ -325,6 +341,7 @@ class Shipper:
             link_checks=self.link_checks.drain(),
             urgent=urgent,
             groups=groups,
+            evidence=self.evidence.take() if evidence else [],
         )
         self._unacked.append(batch)
         self._buffered_steps += len(steps)

@@ -3,7 +3,9 @@
 Only a job's rank 0 takes commands (DESIGN: consensus, never timing), so a command
 waits here until the agent serving that rank posts its next batch; it goes back in
 the ingest reply, and the probe's acknowledgement (accepted, applied at step N, or
-rejected with a reason) comes back in a later batch. A command sent but never
+rejected with a reason) comes back in a later batch. The exception is an evidence
+capture, which every rank takes at once (a hung job agrees on no step): it goes to
+every agent serving a rank of the job while it is young (``fan_out``). A command sent but never
 acknowledged (the reply was lost, the job ended) expires after ``timeout_s``.
 Thread-safe.
 """
@@ -19,7 +21,9 @@ from typing import Final
 
 from torshmon.wire import Command, CommandAck
 
-KINDS: Final = frozenset({"config", "link_check"})
+KINDS: Final = frozenset({"config", "link_check", "evidence"})
+#: Kinds every agent serving a rank of the job receives, not only rank 0's.
+FAN_OUT_KINDS: Final = frozenset({"evidence"})
 FINAL_STATES: Final = frozenset({"applied", "rejected", "expired"})
 
 
@@ -60,16 +64,24 @@ class CommandBook:
         self._lock = threading.Lock()
         self._status: dict[str, CommandStatus] = {}
         self._pending: dict[str, list[str]] = {}
+        #: job -> {fan-out command id: the agents it was handed to}
+        self._fan_out: dict[str, dict[str, set[str]]] = {}
 
-    def new(self, job: str, kind: str, args: Mapping[str, object]) -> Command:
-        """A validated command with a fresh id (not yet queued: store it, then ``add``)."""
+    def new(
+        self, job: str, kind: str, args: Mapping[str, object], *, command_id: str | None = None
+    ) -> Command:
+        """A validated command with ``command_id`` or a fresh id (not yet queued: store it,
+        then ``add``)."""
         if kind not in KINDS:
             raise CommandError(f"unknown command kind {kind!r}; allowed: {sorted(KINDS)}")
         if not job or len(job) > 200:
             raise CommandError("job must be a non-empty name of at most 200 characters")
         if kind == "link_check":
             _check_link_check_args(args)
-        return Command(id=uuid.uuid4().hex[:16], job=job, kind=kind, args=dict(args))
+        if kind == "evidence":
+            _check_evidence_args(args)
+        command_id = command_id or uuid.uuid4().hex[:16]
+        return Command(id=command_id, job=job, kind=kind, args=dict(args))
 
     def add(self, command: Command) -> CommandStatus:
         """Queue ``command`` for its job's rank-0 agent."""
@@ -77,9 +89,39 @@ class CommandBook:
         status = CommandStatus(command, "pending", now, now)
         with self._lock:
             self._status[command.id] = status
-            self._pending.setdefault(command.job, []).append(command.id)
+            if command.kind in FAN_OUT_KINDS:
+                self._fan_out.setdefault(command.job, {})[command.id] = set()
+            else:
+                self._pending.setdefault(command.job, []).append(command.id)
         self._changed(status)
         return status
+
+    def fan_out(self, agent: str, jobs: Iterable[str]) -> list[Command]:
+        """The fan-out commands of ``jobs`` younger than ``timeout_s`` that ``agent`` was
+        not handed yet, oldest first; handed from now on (``unfan`` if the reply fails)."""
+        now = self._clock()
+        out: list[Command] = []
+        with self._lock:
+            for job in jobs:
+                offers = self._fan_out.get(job)
+                if not offers:
+                    continue
+                for command_id, agents in list(offers.items()):
+                    status = self._status.get(command_id)
+                    if status is None or now - status.created_unix_s > self.timeout_s:
+                        del offers[command_id]
+                    elif agent not in agents:
+                        agents.add(agent)
+                        out.append(status.command)
+        return out
+
+    def unfan(self, agent: str, ids: Iterable[str]) -> None:
+        """Fan-out commands whose reply to ``agent`` failed: hand them to it again."""
+        with self._lock:
+            for command_id in ids:
+                status = self._status.get(command_id)
+                if status is not None:
+                    self._fan_out.get(status.command.job, {}).get(command_id, set()).discard(agent)
 
     def reserve(self, jobs: Iterable[str]) -> list[Command]:
         """Take the commands of ``jobs`` not yet sent out of their queues, oldest first,
@@ -99,6 +141,8 @@ class CommandBook:
             for command_id in reversed(list(ids)):
                 status = self._status.get(command_id)
                 if status is None or status.status != "pending":
+                    continue
+                if status.command.kind in FAN_OUT_KINDS:
                     continue
                 queue = self._pending.setdefault(status.command.job, [])
                 if command_id not in queue:
@@ -164,6 +208,11 @@ class CommandBook:
                 if s.done and now - s.updated_unix_s > 10 * self.timeout_s
             ]:
                 del self._status[command_id]
+            for job, offers in list(self._fan_out.items()):
+                for command_id in [i for i in offers if i not in self._status]:
+                    del offers[command_id]
+                if not offers:
+                    del self._fan_out[job]
         for status in expired:
             self._changed(status)
         return expired
@@ -193,3 +242,28 @@ def _check_link_check_args(args: Mapping[str, object]) -> None:
         value = args.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise CommandError(f"{name} must be an integer, got {value!r}")
+
+
+#: What an "evidence" command may set (``torshmon.probe.evidence.ARGS``).
+EVIDENCE_ARGS: Final = ("profile_ranks", "profile_steps")
+MAX_PROFILE_STEPS: Final = 20
+
+
+def _check_evidence_args(args: Mapping[str, object]) -> None:
+    """CommandError naming an unknown field or a bad value, before any probe sees it."""
+    unknown = sorted(set(args) - set(EVIDENCE_ARGS))
+    if unknown:
+        allowed = ", ".join(EVIDENCE_ARGS)
+        raise CommandError(f"unknown field(s) {', '.join(unknown)}; allowed: {allowed}")
+    ranks = args.get("profile_ranks", [])
+    if not isinstance(ranks, list) or not all(
+        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks
+    ):
+        raise CommandError(f"profile_ranks must be a list of ranks, got {ranks!r}")
+    steps = args.get("profile_steps")
+    if steps is not None and (
+        isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_PROFILE_STEPS
+    ):
+        raise CommandError(
+            f"profile_steps must be an integer from 1 to {MAX_PROFILE_STEPS}, got {steps!r}"
+        )

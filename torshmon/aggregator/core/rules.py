@@ -44,8 +44,9 @@ FINDING_KINDS: Final = frozenset({"anomaly", "straggler", "hang", "slow_link", "
 #: ``==`` and ``!=`` compare exactly: meant for counts, versions and 0/1 states.
 OPS: Final[tuple[str, ...]] = (">", ">=", "<", "<=", "==", "!=")
 AGGREGATES: Final[tuple[str, ...]] = ("mean", "max", "min", "sum")
-#: What may act on an alert: the notifiers, the autotuner, the memory recommendation.
-ACTIONS: Final[tuple[str, ...]] = ("notify", "autotune", "recommend_memory")
+#: What may act on an alert: the notifiers, the autotuner, the memory recommendation,
+#: an evidence capture (Flight Recorder dumps and profiler traces of the job's ranks).
+ACTIONS: Final[tuple[str, ...]] = ("notify", "autotune", "recommend_memory", "capture_evidence")
 
 #: The series the aggregator keeps, by name without the ``torshmon_`` prefix, with
 #: the labels each series carries.

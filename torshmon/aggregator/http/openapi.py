@@ -71,8 +71,26 @@ def openapi_document() -> dict[str, Any]:
         "tuning_trials",
         "commands",
         "silences",
+        "evidence_captures",
+        "evidence_files",
     ):
         schemas[f"row_{name}"] = _table_schema(_T[name])
+    capture_schema = {
+        "allOf": [
+            _ref("row_evidence_captures"),
+            {
+                "type": "object",
+                "properties": {
+                    "files": {
+                        "type": "array",
+                        "description": "Its files; those kept have the url they download from "
+                        "(path is left out).",
+                        "items": _ref("row_evidence_files"),
+                    }
+                },
+            },
+        ]
+    }
     schemas["Error"] = {
         "type": "object",
         "properties": {"error": {"type": "string"}, "status": {"type": "integer"}},
@@ -389,6 +407,83 @@ def openapi_document() -> dict[str, Any]:
         "/api/v1/anomalies": listing("anomalies", "row_findings", ("job", "kind", "metric")),
         "/api/v1/tuning/sessions": listing("sessions", "row_tuning_sessions", ("job", "state")),
         "/api/v1/tuning/trials": listing("trials", "row_tuning_trials", ("job", "session_id")),
+        "/api/v1/evidence": {
+            "get": {
+                "summary": "Evidence captures (Flight Recorder dumps, profiler traces), newest "
+                "first, each with its files",
+                "parameters": [
+                    {"name": p, "in": "query", "required": False, "schema": {"type": "string"}}
+                    for p in ("job", "alert_id", "limit")
+                ],
+                "responses": {
+                    "200": _json_response(
+                        {
+                            "type": "object",
+                            "properties": {"captures": {"type": "array", "items": capture_schema}},
+                        }
+                    ),
+                    "400": _json_response(ref("Error")),
+                    "401": _json_response(ref("Error")),
+                },
+            }
+        },
+        "/api/v1/alerts/{id}/evidence": {
+            "get": {
+                "summary": "The evidence captures an alert episode (alerts.id) asked for",
+                "parameters": [
+                    {"name": "id", "in": "path", "required": True, "schema": {"type": "integer"}}
+                ],
+                "responses": {
+                    "200": _json_response(
+                        {
+                            "type": "object",
+                            "properties": {
+                                "alert_id": {"type": "integer"},
+                                "captures": {"type": "array", "items": capture_schema},
+                            },
+                        }
+                    ),
+                    "404": _json_response(ref("Error")),
+                },
+            }
+        },
+        "/api/v1/evidence/{capture}/{rank}/{name}": {
+            "get": {
+                "summary": "One evidence file as stored, gzip-compressed JSON",
+                "parameters": [
+                    {"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                    for n in ("capture", "rank", "name")
+                ],
+                "responses": {
+                    "200": {"description": "application/gzip"},
+                    "404": _json_response(ref("Error")),
+                },
+            }
+        },
+        "/api/v1/jobs/{job}/evidence": {
+            "post": {
+                "summary": "Ask every rank of a job for evidence now (202 with the capture id)",
+                "parameters": [job_param],
+                "requestBody": {
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "properties": {
+                                    "profile_ranks": {"type": "array", "items": {"type": "integer"}}
+                                },
+                            }
+                        }
+                    }
+                },
+                "responses": {
+                    "202": _json_response(
+                        {"type": "object", "properties": {"id": {"type": "string"}}}
+                    ),
+                    "400": _json_response(ref("Error")),
+                },
+            }
+        },
         "/api/v1/query": {
             "post": {
                 "summary": "Read-only SQL on the history (enforced by the database)",
@@ -437,6 +532,10 @@ def openapi_document() -> dict[str, Any]:
 def _json_body(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
     schema = {"type": "object", "required": required, "properties": properties}
     return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
 
 
 def _json_response(schema: dict[str, Any]) -> dict[str, Any]:

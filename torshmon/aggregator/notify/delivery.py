@@ -461,7 +461,7 @@ class _Worker:
         target = self.target
         payload: object
         if isinstance(target, SlackTarget):
-            payload = slack_payload(alerts, group_key=key)
+            payload = slack_payload(alerts, group_key=key, external_url=self._s.external_url)
         elif isinstance(target, WebhookTarget):
             payload = alertmanager_webhook_payload(
                 alerts, receiver=target.name, group_key=key, external_url=self._s.external_url

@@ -14,6 +14,7 @@ import re
 import time
 from collections.abc import Sequence
 from typing import Any, Final
+from urllib.parse import quote
 
 from torshmon.aggregator.core.alert import Alert
 
@@ -46,11 +47,15 @@ _SEVERITY_EMOJI: Final = {
 }
 
 
-def slack_payload(alerts: Sequence[Alert], *, group_key: str) -> dict[str, Any]:
+def slack_payload(
+    alerts: Sequence[Alert], *, group_key: str, external_url: str = ""
+) -> dict[str, Any]:
     """The incoming-webhook body announcing one group of alerts (same alertname and job).
 
-    The group is "firing" while any of its alerts fires. Raises ValueError for an empty
-    group or a ``pending`` alert (pending alerts are never notified).
+    The group is "firing" while any of its alerts fires. A firing alert with the
+    ``capture_evidence`` action links to its job's evidence under ``external_url`` (the
+    aggregator's URL). Raises ValueError for an empty group or a ``pending`` alert
+    (pending alerts are never notified).
     """
     if not alerts:
         raise ValueError("slack_payload needs at least one alert, got none")
@@ -62,7 +67,7 @@ def slack_payload(alerts: Sequence[Alert], *, group_key: str) -> dict[str, Any]:
     for index, alert in enumerate(shown):
         if index:
             blocks.append({"type": "divider"})
-        blocks.extend(_alert_blocks(alert))
+        blocks.extend(_alert_blocks(alert, external_url))
     if hidden > 0:
         blocks.append(_section(f"_… and {hidden} more alerts in this group_"))
     blocks.append(
@@ -96,7 +101,14 @@ def _header(alerts: Sequence[Alert], status: str) -> dict[str, Any]:
     }
 
 
-def _alert_blocks(alert: Alert) -> list[dict[str, Any]]:
+def evidence_url(alert: Alert, external_url: str) -> str | None:
+    """Where the evidence an alert asks for will be listed, or None if it asks for none."""
+    if alert.state != "firing" or "capture_evidence" not in alert.actions or not external_url:
+        return None
+    return f"{external_url.rstrip('/')}/api/v1/evidence?job={quote(alert.job, safe='')}"
+
+
+def _alert_blocks(alert: Alert, external_url: str = "") -> list[dict[str, Any]]:
     emoji, word = _STATE_STYLE[alert.state]
     summary = alert.annotations.get("summary") or _alertname(alert)
     text = f"{emoji} *{_escape(summary)}*"
@@ -119,7 +131,13 @@ def _alert_blocks(alert: Alert) -> list[dict[str, Any]]:
     recommendation = alert.annotations.get("recommendation", "")
     if recommendation:
         blocks.append(_section(f"*Recommendation*\n{_escape(recommendation)}"))
-    blocks.append({"type": "context", "elements": _times(alert)[:MAX_CONTEXT_ELEMENTS]})
+    context = _times(alert)
+    url = evidence_url(alert, external_url)
+    if url is not None:
+        # In the context block: an alert keeps to four blocks (see MAX_ALERTS_SHOWN).
+        text = f"Evidence (Flight Recorder dumps, profiler traces): <{_escape(url)}|captures>"
+        context.append(_mrkdwn(text, MAX_FIELD_CHARS))
+    blocks.append({"type": "context", "elements": context[:MAX_CONTEXT_ELEMENTS]})
     return blocks
 
 
@@ -212,4 +230,4 @@ def human_duration(seconds: float) -> str:
     return " ".join(parts)
 
 
-__all__ = ["MAX_ALERTS_SHOWN", "format_value", "human_duration", "slack_payload"]
+__all__ = ["MAX_ALERTS_SHOWN", "evidence_url", "format_value", "human_duration", "slack_payload"]

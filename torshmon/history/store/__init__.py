@@ -1,13 +1,17 @@
 """The store: every statement the daemons run on the history, built from the models.
 
 ``state`` is the aggregator's own state (alerts, findings, commands, tuning, the
-API's listings, retention) behind ``HistoryStore``; ``ingest`` the per-request
+API's listings, retention, evidence) behind ``HistoryStore``; ``evidence`` lists the
+evidence captured on alert (for the API and the report); ``ingest`` the per-request
 statements and bulk inserts of ingest. Not here: the read-only user queries
 (``torshmon.history.query``, run as the reader role), and migrations.
 """
 
+from torshmon.history.store.evidence import evidence_of, list_evidence
 from torshmon.history.store.state import (
     LISTING_ORDER,
+    EvidenceCaptureRow,
+    EvidenceFileRow,
     FilterError,
     HistoryStore,
     Listing,
@@ -19,6 +23,8 @@ from torshmon.history.store.state import (
 
 __all__ = [
     "LISTING_ORDER",
+    "EvidenceCaptureRow",
+    "EvidenceFileRow",
     "FilterError",
     "HistoryStore",
     "Listing",
@@ -26,4 +32,6 @@ __all__ = [
     "RunningJob",
     "TuningSessionRow",
     "TuningTrialRow",
+    "evidence_of",
+    "list_evidence",
 ]

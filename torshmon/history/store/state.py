@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar
 
 import msgspec
-from sqlalchemy import Table, select, update
+from sqlalchemy import Table, delete, func, select, update
 from sqlalchemy import types as sa_types
 from sqlalchemy.engine import Connection, Engine
 
@@ -31,9 +31,10 @@ from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.episodes import FindingChange, FindingKey
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.silences import Silence, SilenceRequest
-from torshmon.history.db import make_engine, upsert
+from torshmon.history.db import insert_ignore, make_engine, upsert
 from torshmon.history.models import Base
 from torshmon.history.retention import RetentionReport, apply_retention
+from torshmon.history.store.evidence import list_evidence
 
 T = TypeVar("T")
 _T = Base.metadata.tables
@@ -124,7 +125,38 @@ def _check_fields(cls: type, table: str, added: frozenset[str] = frozenset()) ->
         )
 
 
+@dataclass(frozen=True, slots=True)
+class EvidenceCaptureRow:
+    """One row of ``evidence_captures`` (the store adds ``aggregator_id``)."""
+
+    id: str
+    job: str
+    alert_id: int | None
+    alert_fingerprint: str | None
+    rule: str
+    profile_ranks: Sequence[int]
+    created_unix_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EvidenceFileRow:
+    """One row of ``evidence_files``: a file stored under ``path``, or ``error``."""
+
+    capture_id: str
+    rank: int
+    name: str
+    job: str
+    size_bytes: int
+    stored_bytes: int
+    path: str | None
+    error: str
+    taken_unix_s: float
+    received_unix_s: float
+
+
 _check_fields(TuningSessionRow, "tuning_sessions", frozenset({"aggregator_id"}))
+_check_fields(EvidenceCaptureRow, "evidence_captures", frozenset({"aggregator_id"}))
+_check_fields(EvidenceFileRow, "evidence_files")
 _check_fields(TuningTrialRow, "tuning_trials")
 
 
@@ -569,6 +601,123 @@ class HistoryStore:
                 .where(table.c.id == session_id)
                 .values(state="aborted", reason=reason, ended_unix_s=now)
             )
+
+    # -- evidence ------------------------------------------------------------------------
+
+    async def add_evidence_capture(self, capture: EvidenceCaptureRow) -> None:
+        """Store a new evidence capture; ``alert_id`` None takes the open alert's row of
+        ``alert_fingerprint`` where there is one."""
+        await self._write(self._add_evidence_capture, capture)
+
+    def _add_evidence_capture(self, capture: EvidenceCaptureRow) -> None:
+        if self._engine is None:
+            return
+        row = _row(capture)
+        if row["alert_id"] is None and capture.alert_fingerprint is not None:
+            row["alert_id"] = self._alert_rows.get(capture.alert_fingerprint)
+        with self._engine.begin() as conn:
+            conn.execute(
+                _T["evidence_captures"].insert().values(aggregator_id=self.aggregator_id, **row)
+            )
+
+    async def add_evidence_file(self, file: EvidenceFileRow) -> bool:
+        """Store one evidence file's row; False when the capture is unknown here or the
+        file was stored before (an agent's resend)."""
+        return await self._write(self._add_evidence_file, file)
+
+    def _add_evidence_file(self, file: EvidenceFileRow) -> bool:
+        if self._engine is None:
+            return False
+        captures = _T["evidence_captures"]
+        with self._engine.begin() as conn:
+            known = conn.execute(
+                select(captures.c.id).where(captures.c.id == file.capture_id)
+            ).first()
+            if known is None:
+                return False
+            result = conn.execute(insert_ignore(conn, _T["evidence_files"]), [_row(file)])
+            return bool(result.rowcount)
+
+    async def evidence_file(self, capture_id: str, rank: int, name: str) -> Row | None:
+        """The row of one evidence file, or None."""
+        return await self._read(self._evidence_file, capture_id, rank, name)
+
+    def _evidence_file(self, capture_id: str, rank: int, name: str) -> Row | None:
+        if self._engine is None:
+            return None
+        files = _T["evidence_files"]
+        query = select(files).where(
+            files.c.capture_id == capture_id, files.c.rank == rank, files.c.name == name
+        )
+        with self._engine.connect() as conn:
+            row = conn.execute(query).mappings().first()
+        return None if row is None else dict(row)
+
+    async def evidence(
+        self, *, job: str | None = None, alert_id: int | None = None, limit: int = 100
+    ) -> list[Row]:
+        """Evidence captures, newest first, each with its ``files`` (rows); of ``job``,
+        or of alert episode ``alert_id`` (asked for while it was open)."""
+        return await self._read(self._evidence, job, alert_id, limit)
+
+    def _evidence(self, job: str | None, alert_id: int | None, limit: int) -> list[Row]:
+        if self._engine is None:
+            return []
+        with self._engine.connect() as conn:
+            return list_evidence(conn, job=job, alert_id=alert_id, limit=limit)
+
+    async def evidence_bytes(self, capture_id: str | None = None) -> int:
+        """Bytes of evidence stored on disk, in all or in one capture."""
+        return await self._read(self._evidence_bytes, capture_id)
+
+    def _evidence_bytes(self, capture_id: str | None) -> int:
+        if self._engine is None:
+            return 0
+        files = _T["evidence_files"]
+        query = select(func.coalesce(func.sum(files.c.stored_bytes), 0))
+        if capture_id is not None:
+            query = query.where(files.c.capture_id == capture_id)
+        with self._engine.connect() as conn:
+            return int(conn.execute(query).scalar_one())
+
+    async def prune_evidence(self, before_unix_s: float, max_bytes: int) -> list[Row]:
+        """Delete the captures asked for before ``before_unix_s``, then the oldest ones
+        until the rest hold at most ``max_bytes`` on disk; returns the rows of the files
+        deleted (the caller removes them from disk)."""
+        return await self._write(self._prune_evidence, before_unix_s, max_bytes)
+
+    def _prune_evidence(self, before_unix_s: float, max_bytes: int) -> list[Row]:
+        if self._engine is None:
+            return []
+        captures, files = _T["evidence_captures"], _T["evidence_files"]
+        sizes = (
+            select(
+                captures.c.id,
+                captures.c.created_unix_s,
+                func.coalesce(func.sum(files.c.stored_bytes), 0).label("bytes"),
+            )
+            .select_from(captures.outerjoin(files, files.c.capture_id == captures.c.id))
+            .group_by(captures.c.id, captures.c.created_unix_s)
+            .order_by(captures.c.created_unix_s.desc())
+        )
+        with self._engine.begin() as conn:
+            kept_bytes = 0
+            doomed = []
+            for capture_id, created, size in conn.execute(sizes):
+                kept_bytes += int(size)
+                if created < before_unix_s or kept_bytes > max_bytes:
+                    doomed.append(capture_id)
+            if not doomed:
+                return []
+            gone = [
+                dict(r)
+                for r in conn.execute(
+                    select(files).where(files.c.capture_id.in_(doomed))
+                ).mappings()
+            ]
+            conn.execute(delete(files).where(files.c.capture_id.in_(doomed)))
+            conn.execute(delete(captures).where(captures.c.id.in_(doomed)))
+        return gone
 
     # -- listings and retention ----------------------------------------------------------
 

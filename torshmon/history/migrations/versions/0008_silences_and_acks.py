@@ -1,7 +1,7 @@
 """Alert silences (table ``silences``) and acknowledgements (columns on ``alerts``).
 
 Revision ID: 0008
-Revises: 0004
+Revises: 0006
 Create Date: 2026-11-26
 """
 
@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0008"
-down_revision: str | Sequence[str] | None = "0004"
+down_revision: str | Sequence[str] | None = "0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
