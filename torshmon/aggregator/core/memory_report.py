@@ -78,7 +78,8 @@ def _rank_line(r: RankMemory) -> tuple[float, str]:
         (r.rss[i + 1][1] - r.rss[i][1], (r.rss[i][0], r.rss[i + 1][0]))
         for i in range(len(r.rss) - 1)
     )
-    if rise >= STEADY_BYTES and rise < growth:
+    # Worth naming only where memory grew in jumps: twice the mean rise or more.
+    if rise >= STEADY_BYTES and rise < growth and rise >= 2 * growth / (len(r.rss) - 1):
         text += (
             f"; the largest rise, {_signed(rise)}, came between "
             f"{_steps_text(_step_number(r.steps, a), _step_number(r.steps, b))}"
