@@ -178,8 +178,7 @@ def test_error_names_file_line_and_field() -> None:
     with pytest.raises(RuleError) as info:
         load_rules(DATA / "bad_op.yaml")
     assert info.value.errors == (
-        f"{DATA / 'bad_op.yaml'}:13: rules[2].op: "
-        "expected one of >, >=, <, <=, ==, !=, got '=>'",
+        f"{DATA / 'bad_op.yaml'}:13: rules[2].op: expected one of >, >=, <, <=, ==, !=, got '=>'",
     )
 
 
