@@ -270,10 +270,11 @@ def _node(scenario: dict[str, Any], job: str) -> NodeSample:
     )
 
 
-def _live(name: str) -> tuple[LiveState, dict[str, Any]]:
-    """A live state that took the scenario's steps in batches of 8, as ingest hands them."""
+def _live(name: str, **options: Any) -> tuple[LiveState, dict[str, Any]]:
+    """A live state (with ``options``) that took the scenario's steps in batches of 8,
+    as ingest hands them."""
     scenario = _load(name)
-    live = LiveState(idle_s=3600.0)
+    live = LiveState(idle_s=3600.0, **options)
     world = scenario["world_size"]
     hellos = [wf.hello(name, rank, world) for rank in range(world)]
     live.observe(Stored(acked_seq=0, hellos=hellos), T0)

@@ -101,6 +101,41 @@ def test_a_bottleneck_rule_fires_on_the_live_report_after_its_for() -> None:
     assert "num_workers" in last.annotations["recommendation"]
 
 
+def test_a_rule_on_one_collective_op_reads_its_per_step_mean() -> None:
+    text = """
+rules:
+  - name: Slow All-Reduce
+    kind: threshold
+    metric: collective_duration_seconds
+    op: ">"
+    value: 0.05
+    matchers: {op: all_reduce}
+  - name: Slow Broadcast
+    kind: threshold
+    metric: collective_duration_seconds
+    op: ">"
+    value: 0.05
+    matchers: {op: broadcast}
+"""
+    rules = load_rules_text(text, source="t.yaml")
+    assert expression(rules.rules[0]) == (
+        'rate(torshmon_collective_duration_seconds_sum{op="all_reduce"}[1m]) / '
+        'rate(torshmon_collective_duration_seconds_count{op="all_reduce"}[1m]) > 0.05'
+    )
+    # 60 ms of all-reduce per 0.1 s step on each rank; the loop's broadcasts 17.5 ms.
+    for name in ("ddp_communication", "collectives_only"):
+        live, _ = _live(name, collective_series=True)
+        fired = AlertEngine(rules).evaluate(T0 + 10, live.series, [])
+        assert [(a.rule, dict(a.labels)["op"]) for a in fired] == (
+            [("Slow All-Reduce", "all_reduce")] if name == "ddp_communication" else []
+        )
+        if fired:
+            assert dict(fired[0].labels)["pg"] == "0"
+            assert fired[0].value == pytest.approx(0.06, rel=0.03)
+    live, _ = _live("ddp_communication")  # no rule names the series: none kept
+    assert live.series.latest("collective_duration_seconds") == []
+
+
 def test_default_anomaly_rules_watch_comm_wait_and_throughput_in_the_live_state() -> None:
     live, _ = _live("straggler")  # rank 2 waits 0 s, its peers 0.1 s: steady, no anomaly
     assert live.comm_z.active() == [] and live.throughput_z.active() == []

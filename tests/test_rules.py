@@ -405,6 +405,7 @@ def test_known_metrics_cover_what_the_aggregator_feeds() -> None:
         "gpu_utilization_ratio",
         "rank_memory_rss_bytes",
         "agent_silence_seconds",
+        "collective_duration_seconds",
     } == KNOWN_METRICS
 
 

@@ -107,6 +107,7 @@ class LiveState:
         label_cap: LabelCap | None = None,
         bottleneck: Thresholds | None = None,
         anomaly_metrics: Collection[str] | None = None,
+        collective_series: bool = False,
     ) -> None:
         """``idle_s``: a job (or node) that sent nothing for this long is dropped, with
         its series and detector state; a hung job still sends heartbeats, so it stays.
@@ -121,7 +122,9 @@ class LiveState:
         ``bottleneck``: the bottleneck report's thresholds (None: DESIGN.md's).
         ``anomaly_metrics``: the z-scores to run beyond step time and loss
         (``comm_wait_seconds``, ``throughput_samples_per_second``; None: both); the
-        service passes those its rules name, as each costs ingest time."""
+        service passes those its rules name, as each costs ingest time.
+        ``collective_series``: keep ``collective_duration_seconds`` per (op, pg) for
+        rules (on where a rule names it; a point per collective per step)."""
         self.idle_s = idle_s
         self._labels = label_cap if label_cap is not None else LabelCap()
         self.series = SeriesStore(retention_s=series_retention_s, windows_s=series_windows_s)
@@ -145,6 +148,7 @@ class LiveState:
         wanted = set(ANOMALY_METRICS) if anomaly_metrics is None else set(anomaly_metrics)
         self._comm_z_on = "comm_wait_seconds" in wanted
         self._throughput_z_on = "throughput_samples_per_second" in wanted
+        self._collective_series = collective_series
         self.straggler = StragglerDetector(
             **msgspec.structs.asdict(straggler if straggler is not None else StragglerSettings())
         )
@@ -361,6 +365,8 @@ class LiveState:
             for step_collectives in collectives:
                 if step_collectives:
                     observe_collectives(r, step_collectives, batch.job, self._labels)
+            if self._collective_series:
+                self._observe_collective_series(batch.job, r, ts, collectives)
         if any(buckets):
             fold = self._labels.value
             for step_buckets in buckets:
@@ -389,6 +395,26 @@ class LiveState:
         r.compute_s = computes[-1]
         r.communication_time_ratio = ratios[-1]
         r.config_version = config_versions[-1]
+
+    def _observe_collective_series(
+        self,
+        job: str,
+        r: RankState,
+        ts: list[float],
+        collectives: tuple[list[CollectiveStat], ...],
+    ) -> None:
+        """Each step's mean duration per (op, pg) into ``collective_duration_seconds``
+        (labels job, op, pg: every rank's steps into one series per op and group, as
+        Prometheus sums the histogram over ranks). Pairs folded into ``other`` by the
+        label cap are left out."""
+        kept = r.collectives
+        for t, step_collectives in zip(ts, collectives, strict=True):
+            for c in step_collectives:
+                if c.count and (c.op, c.pg) in kept:
+                    labels = (("job", job), ("op", c.op), ("pg", c.pg))
+                    self.series.add(
+                        "collective_duration_seconds", labels, t, c.duration_s / c.count
+                    )
 
     def _observe_throughputs(
         self, r: RankState, ts: list[float], throughputs: tuple[float | None, ...]
