@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.integration import wire_factory as wf
 from tests.test_bottleneck import T0, _live
 from tests.test_promrules import _promtool
 from torshmon.aggregator.core.alert_engine import AlertEngine
 from torshmon.aggregator.core.promrules import expression, to_prometheus
-from torshmon.aggregator.core.rule_file import default_rules, load_rules_text
+from torshmon.aggregator.core.rule_file import load_rules_text
 from torshmon.aggregator.core.rules import RuleError
 from torshmon.aggregator.core.series import SeriesStore, labelset
+from torshmon.aggregator.core.stored import Stored
 
 RULES = """
 rules:
@@ -136,12 +138,45 @@ rules:
     assert live.series.latest("collective_duration_seconds") == []
 
 
-def test_default_anomaly_rules_watch_comm_wait_and_throughput_in_the_live_state() -> None:
-    live, _ = _live("straggler")  # rank 2 waits 0 s, its peers 0.1 s: steady, no anomaly
-    assert live.comm_z.active() == [] and live.throughput_z.active() == []
-    rules = {rule.name: rule for rule in default_rules()}
-    assert rules["Communication Wait Anomaly"].metric == "comm_wait_seconds"
-    assert rules["Throughput Drop"].metric == "throughput_samples_per_second"
+def test_anomaly_rules_on_comm_wait_and_throughput_run_only_where_a_rule_names_them() -> None:
+    text = """
+rules:
+  - name: Communication Wait Anomaly
+    kind: anomaly
+    metric: comm_wait_seconds
+  - name: Throughput Drop
+    kind: anomaly
+    metric: throughput_samples_per_second
+"""
+    rules = load_rules_text(text, source="t.yaml")
+    assert [expression(rule) for rule in rules] == [
+        'torshmon_anomaly_active{metric="comm_wait_seconds"} > 0',
+        'torshmon_anomaly_active{metric="throughput_samples_per_second"} > 0',
+    ]
+    wanted = {rule.metric for rule in rules if rule.metric}
+    # The straggler's peers wait for it: their communication wait jumps at step 41 on.
+    live, _ = _live("ddp_communication", anomaly_metrics=wanted)
+    off, _ = _live("ddp_communication", anomaly_metrics=())
+    for state in (live, off):
+        for rank in (0, 1):
+            hello = wf.hello("ddp_communication", rank, 2)
+            steps = [
+                wf.step(
+                    n, duration_s=0.4, comm_wait_s=0.36, end_unix_ns=int((T0 + 4 + n * 0.4) * 1e9)
+                )
+                for n in range(41, 51)
+            ]
+            state.observe(Stored(acked_seq=0, batches=[(wf.batch(hello, 9, steps), "node-a")]), T0)
+    found = {
+        (f.labels["metric"], f.labels["rank"])
+        for f in live.findings(T0 + 30)
+        if f.kind == "anomaly"
+    }
+    assert ("comm_wait_seconds", "0") in found and ("comm_wait_seconds", "1") in found
+    assert ("throughput_samples_per_second", "0") in found
+    assert not [f for f in off.findings(T0 + 30) if f.labels.get("metric") == "comm_wait_seconds"]
+    fired = AlertEngine(rules).evaluate(T0 + 30, live.series, live.findings(T0 + 30))
+    assert {a.rule for a in fired} == {"Communication Wait Anomaly", "Throughput Drop"}
 
 
 def test_prometheus_evaluates_the_new_rules_as_torshmon_does(tmp_path: Path) -> None:
