@@ -359,6 +359,9 @@ def test_a_bottleneck_keeps_the_time_it_began_across_evaluations() -> None:
     assert set(first) == set(later) and first
     for key, f in later.items():
         assert f.since_unix_s == first[key].since_unix_s == T0 + 10
+    report = live.report("input_bound", T0 + 80)
+    assert report is not None
+    assert {f.since_unix_s for f in report} == {T0 + 10}  # the API says when it began too
 
 
 def test_input_wait_is_exported_and_counted_in_efficiency() -> None:
