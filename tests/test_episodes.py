@@ -59,7 +59,7 @@ def _changes(episodes: FindingEpisodes, findings: Sequence[Finding], now: float)
 
 
 def test_an_episode_opens_is_rewritten_sparingly_and_closes() -> None:
-    episodes = FindingEpisodes(update_every_s=30.0)
+    episodes = FindingEpisodes(update_every_s=30.0, close_after_s=0.0)
     assert _changes(episodes, [_input(), _input()], T0) == [("open", "bottleneck")]
     assert _changes(episodes, [_input(value=0.6)], T0 + 10) == []  # value moves: no write
     assert _changes(episodes, [_input(value=0.6)], T0 + 30) == [("update", "bottleneck")]
@@ -73,9 +73,21 @@ def test_an_episode_opens_is_rewritten_sparingly_and_closes() -> None:
     assert _changes(episodes, [], T0 + 60) == []
 
 
-def test_a_negative_update_interval_is_refused() -> None:
+def test_a_finding_that_wavers_about_its_threshold_is_one_episode() -> None:
+    episodes = FindingEpisodes(close_after_s=10.0)
+    assert _changes(episodes, [_input()], T0) == [("open", "bottleneck")]
+    assert _changes(episodes, [], T0 + 1) == []  # gone for a moment
+    assert _changes(episodes, [_input()], T0 + 5) == []  # back: the same episode
+    assert _changes(episodes, [], T0 + 6) == []
+    (close,) = episodes.evaluate([], T0 + 15)
+    assert (close.change, close.ended_unix_s) == ("close", T0 + 5)  # when it last held
+
+
+def test_a_negative_interval_is_refused() -> None:
     with pytest.raises(ValueError, match="update_every_s"):
         FindingEpisodes(update_every_s=-1.0)
+    with pytest.raises(ValueError, match="close_after_s"):
+        FindingEpisodes(close_after_s=-1.0)
 
 
 async def _ticks(store: HistoryStore, episodes: FindingEpisodes) -> None:
@@ -105,10 +117,11 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
         "input",
         "input_wait_time_ratio",
     )
+    # Gone at T0 + 60 (10 s grace): it ended when it last held, at T0 + 45.
     assert (first["detected_unix_s"], first["updated_unix_s"], first["ended_unix_s"]) == (
         T0,
         T0 + 60,
-        T0 + 60,
+        T0 + 45,
     )
     assert first["value"] == pytest.approx(0.7)  # the update at T0 + 45
     assert (first["priority"], first["difficulty"]) == (1, "easy")
@@ -119,7 +132,7 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
         "straggler",
         None,
     )
-    assert (straggler["detected_unix_s"], straggler["ended_unix_s"]) == (T0 + 10, T0 + 45)
+    assert (straggler["detected_unix_s"], straggler["ended_unix_s"]) == (T0 + 10, T0 + 10)
     assert (second["detected_unix_s"], second["ended_unix_s"]) == (T0 + 70, None)
     assert {row["aggregator_id"] for row in rows} == {"a1"}
 
@@ -154,8 +167,8 @@ async def _scenario(url: str) -> None:
             restarted.close()
         ended = {(row["aggregator_id"], row["id"]): row["ended_unix_s"] for row in _rows(store)}
         assert sorted(ended.values(), key=lambda v: (v is None, v)) == [
+            T0 + 10,
             T0 + 45,
-            T0 + 60,
             T0 + 100,
             None,  # a2's straggler stays open
         ]
