@@ -20,16 +20,19 @@ Change = Literal["open", "update", "close"]
 
 @dataclass(frozen=True, slots=True)
 class FindingChange:
-    """One write: open a row for ``finding``, update its open row, or close it."""
+    """One write: open a row for ``finding``, update its open row, or close it.
+    ``ended_unix_s``: for a close, when the finding last held (None: the write's time)."""
 
     change: Change
     finding: Finding
+    ended_unix_s: float | None = None
 
 
 @dataclass(slots=True)
 class _Open:
     finding: Finding
     written_unix_s: float
+    seen_unix_s: float
 
 
 class FindingEpisodes:
@@ -37,13 +40,18 @@ class FindingEpisodes:
 
     ``update_every_s``: an open episode is rewritten at most this often (its value
     and summary move with every step), and at once when its severity, priority or
-    category changes. Raises ValueError for a negative interval.
+    category changes. ``close_after_s``: an episode closes once its finding has been
+    gone this long, ending when it last held; back sooner, it goes on (a measure that
+    wavers about its threshold is one episode, not many short ones). Raises ValueError
+    for a negative interval.
     """
 
-    def __init__(self, *, update_every_s: float = 30.0) -> None:
-        if not update_every_s >= 0:
-            raise ValueError(f"update_every_s must be >= 0 seconds, got {update_every_s}")
+    def __init__(self, *, update_every_s: float = 30.0, close_after_s: float = 10.0) -> None:
+        for name, value in (("update_every_s", update_every_s), ("close_after_s", close_after_s)):
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {value}")
         self.update_every_s = update_every_s
+        self.close_after_s = close_after_s
         self._open: dict[FindingKey, _Open] = {}
 
     def evaluate(self, findings: Sequence[Finding], now_unix_s: float) -> list[FindingChange]:
@@ -57,17 +65,19 @@ class FindingEpisodes:
             seen.add(key)
             held = self._open.get(key)
             if held is None:
-                self._open[key] = _Open(finding, now_unix_s)
+                self._open[key] = _Open(finding, now_unix_s, now_unix_s)
                 changes.append(FindingChange("open", finding))
             elif _ranking(held.finding) != _ranking(finding) or (
                 now_unix_s - held.written_unix_s >= self.update_every_s
             ):
-                self._open[key] = _Open(finding, now_unix_s)
+                self._open[key] = _Open(finding, now_unix_s, now_unix_s)
                 changes.append(FindingChange("update", finding))
             else:
-                held.finding = finding
-        for key in [k for k in self._open if k not in seen]:
-            changes.append(FindingChange("close", self._open.pop(key).finding))
+                held.finding, held.seen_unix_s = finding, now_unix_s
+        for key, held in list(self._open.items()):
+            if key not in seen and now_unix_s - held.seen_unix_s >= self.close_after_s:
+                del self._open[key]
+                changes.append(FindingChange("close", held.finding, held.seen_unix_s))
         return changes
 
     def open_count(self) -> int:

@@ -257,10 +257,11 @@ class HistoryStore:
         row_id = rows[key] if key in rows else self._finding_rows.get(key)
         if change.change == "close":
             if row_id is not None:
+                ended = change.ended_unix_s if change.ended_unix_s is not None else now
                 conn.execute(
                     update(table)
                     .where(table.c.id == row_id)
-                    .values(ended_unix_s=now, updated_unix_s=now)
+                    .values(ended_unix_s=ended, updated_unix_s=now)
                 )
             return None
         values = _finding_row(change.finding, now)
