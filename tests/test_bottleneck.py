@@ -1,12 +1,34 @@
+"""The bottleneck report: thresholds on snapshots, and golden step data per scenario
+(tests/data/bottleneck) fed through the live state as ingest feeds it, read back as
+the report, the findings the rules see and the exported series."""
+
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from torshmon.aggregator.core.bottleneck import JobSnapshot, Thresholds, bottleneck_report
-from torshmon.aggregator.core.findings import SEVERITIES
+from tests.integration import wire_factory as wf
+from torshmon.aggregator.core.bottleneck import (
+    JobSnapshot,
+    Thresholds,
+    bottleneck_report,
+    rank_findings,
+)
+from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.live import LiveState
+from torshmon.aggregator.core.live_metrics import LiveCollector
+from torshmon.aggregator.core.stored import Stored
+from torshmon.wire import CollectiveStat, GpuSample, NodeSample, RankProcess, StepRecord
+
+DATA = Path(__file__).parent / "data" / "bottleneck"
+SCENARIOS = sorted(p.stem for p in DATA.glob("*.json"))
+T0 = 1_700_000_000.0
 
 HEALTHY = JobSnapshot(
     communication_time_ratio=0.2,
@@ -17,11 +39,11 @@ HEALTHY = JobSnapshot(
 )
 
 
-def _metrics(snapshot: JobSnapshot, **kwargs: Any) -> list[tuple[str, str]]:
-    return [
-        (f.labels["metric"], f.severity)
-        for f in bottleneck_report("demo", snapshot, 50.0, **kwargs)
-    ]
+def _categories(snapshot: JobSnapshot, **kwargs: Any) -> list[tuple[str, str]]:
+    return [(f.category, f.severity) for f in bottleneck_report("demo", snapshot, 50.0, **kwargs)]
+
+
+# -- thresholds on snapshots -------------------------------------------------------------
 
 
 def test_a_healthy_or_unknown_job_has_no_bottleneck() -> None:
@@ -33,81 +55,85 @@ def test_a_healthy_or_unknown_job_has_no_bottleneck() -> None:
     ("ratio", "expected"),
     [
         (0.3, []),
-        (0.31, [("communication_time_ratio", "high")]),
-        (0.5, [("communication_time_ratio", "high")]),
-        (0.51, [("communication_time_ratio", "critical")]),
+        (0.31, [("communication", "high")]),
+        (0.5, [("communication", "high")]),
+        (0.51, [("communication", "critical")]),
     ],
 )
 def test_communication_thresholds(ratio: float, expected: list[tuple[str, str]]) -> None:
-    snap = JobSnapshot(communication_time_ratio=ratio)
-    assert _metrics(snap) == expected
+    assert _categories(JobSnapshot(communication_time_ratio=ratio)) == expected
 
 
-def test_each_area_names_its_metric_and_a_concrete_recommendation() -> None:
-    cases = [
-        ("communication_time_ratio", 0.4, "high", ("bucket", "PowerSGD", "autotuner")),
-        ("memory_utilization_ratio", 0.97, "critical", ("batch size", "checkpointing")),
-        ("gpu_utilization_ratio", 0.5, "medium", ("num_workers", "pin_memory")),
-        ("io_wait_ratio", 0.2, "high", ("storage", "prefetch", "num_workers")),
-    ]
-    for field, value, severity, words in cases:
-        (finding,) = bottleneck_report("demo", JobSnapshot(**{field: value}), 50.0)
-        assert finding.kind == "bottleneck"
-        assert finding.severity == severity
-        assert finding.value == value
-        assert finding.since_unix_s == 50.0
-        assert finding.labels["job"] == "demo"
-        assert "demo" in finding.summary and f"{value:.0%}" in finding.summary
-        for word in words:
-            assert word in finding.recommendation, (field, word)
+@pytest.mark.parametrize(
+    ("ratio", "expected"), [(0.4, []), (0.41, [("input", "high")]), (0.9, [("input", "high")])]
+)
+def test_input_wait_over_40_percent_of_the_step_is_a_finding(
+    ratio: float, expected: list[tuple[str, str]]
+) -> None:
+    assert _categories(JobSnapshot(input_wait_ratio=ratio)) == expected
+
+
+def test_node_io_wait_stands_in_only_where_input_wait_is_not_measured() -> None:
     (io,) = bottleneck_report("demo", JobSnapshot(io_wait_ratio=0.2), 0.0)
-    assert io.labels["metric"] == "io_wait_time_ratio"
+    assert (io.category, io.details["metric"], io.expected_gain_ratio) == (
+        "input",
+        "io_wait_time_ratio",
+        None,
+    )
     assert io.score == pytest.approx(0.1)
+    both = JobSnapshot(io_wait_ratio=0.2, input_wait_ratio=0.1)
+    assert bottleneck_report("demo", both, 0.0) == []
 
 
 def test_memory_at_the_threshold_and_gpu_absent_are_fine() -> None:
-    assert _metrics(JobSnapshot(memory_utilization_ratio=0.95, gpu_utilization_ratio=None)) == []
-
-
-def test_low_efficiency_alone_points_to_profiling() -> None:
-    (finding,) = bottleneck_report("demo", JobSnapshot(training_efficiency_ratio=0.6), 0.0)
-    assert finding.severity == "critical"
-    assert finding.labels["metric"] == "training_efficiency_ratio"
-    assert "torch.profiler" in finding.recommendation
-
-
-def test_low_efficiency_with_causes_points_to_them() -> None:
-    snap = JobSnapshot(communication_time_ratio=0.45, training_efficiency_ratio=0.55)
-    findings = bottleneck_report("demo", snap, 0.0)
-    eff = next(f for f in findings if f.labels["metric"] == "training_efficiency_ratio")
-    assert "other findings" in eff.recommendation
-    assert "55%" in eff.recommendation
-
-
-def test_findings_are_sorted_most_severe_first() -> None:
     snap = JobSnapshot(
-        communication_time_ratio=0.6,
+        memory_utilization_ratio=0.95, gpu_memory_utilization_ratio=0.95, gpu_utilization_ratio=None
+    )
+    assert _categories(snap) == []
+
+
+def test_low_efficiency_alone_points_to_profiling_and_is_all_gain() -> None:
+    (finding,) = bottleneck_report("demo", JobSnapshot(training_efficiency_ratio=0.6), 0.0)
+    assert (finding.category, finding.severity, finding.difficulty) == (
+        "efficiency",
+        "critical",
+        "hard",
+    )
+    assert "torch.profiler" in finding.recommendation
+    assert finding.expected_gain_ratio == pytest.approx(0.1)
+
+
+def test_low_efficiency_with_causes_points_to_them_and_ranks_after_them() -> None:
+    snap = JobSnapshot(communication_time_ratio=0.45, training_efficiency_ratio=0.55)
+    ranked = rank_findings(bottleneck_report("demo", snap, 0.0), [], snap)
+    assert [(f.category, f.priority) for f in ranked] == [("communication", 1), ("efficiency", 2)]
+    efficiency = ranked[1]
+    assert "other findings" in efficiency.recommendation and "55%" in efficiency.recommendation
+    # The 15 points below 70% compute are all explained by communication's 15.
+    assert efficiency.expected_gain_ratio == pytest.approx(0.0, abs=1e-9)
+
+
+def test_priority_is_severity_then_gain() -> None:
+    snap = JobSnapshot(
+        communication_time_ratio=0.35,
         memory_utilization_ratio=0.99,
         gpu_utilization_ratio=0.3,
-        io_wait_ratio=0.5,
-        training_efficiency_ratio=0.3,
+        input_wait_ratio=0.45,
     )
-    assert _metrics(snap) == [
-        ("communication_time_ratio", "critical"),
-        ("memory_utilization_ratio", "critical"),
-        ("training_efficiency_ratio", "critical"),
-        ("io_wait_time_ratio", "high"),
-        ("gpu_utilization_ratio", "medium"),
+    ranked = rank_findings(bottleneck_report("demo", snap, 0.0), [], snap)
+    assert [(f.category, f.severity, f.priority) for f in ranked] == [
+        ("memory", "critical", 1),  # prevents a failure: no gain, first anyway
+        ("input", "high", 2),  # gain 0.45
+        ("communication", "high", 3),  # gain 0.05
+        ("gpu", "medium", 4),
     ]
-    ranks = [SEVERITIES.index(s) for _, s in _metrics(snap)]
-    assert ranks == sorted(ranks, reverse=True)
 
 
 def test_thresholds_are_configurable() -> None:
     strict = Thresholds(communication_high_ratio=0.1, communication_critical_ratio=0.15)
-    assert _metrics(HEALTHY, thresholds=strict) == [("communication_time_ratio", "critical")]
+    assert _categories(HEALTHY, thresholds=strict) == [("communication", "critical")]
     lax = Thresholds(gpu_utilization_medium_ratio=0.5)
-    assert _metrics(JobSnapshot(gpu_utilization_ratio=0.6), thresholds=lax) == []
+    assert _categories(JobSnapshot(gpu_utilization_ratio=0.6), thresholds=lax) == []
 
 
 @pytest.mark.parametrize(
@@ -115,6 +141,7 @@ def test_thresholds_are_configurable() -> None:
     [
         ({"communication_high_ratio": 1.5}, "communication_high_ratio"),
         ({"io_wait_high_ratio": math.nan}, "io_wait_high_ratio"),
+        ({"input_wait_high_ratio": -0.1}, "input_wait_high_ratio"),
         (
             {"communication_high_ratio": 0.6, "communication_critical_ratio": 0.5},
             "communication_critical_ratio",
@@ -127,9 +154,233 @@ def test_bad_thresholds_are_rejected_by_name(kwargs: dict[str, Any], match: str)
 
 
 @pytest.mark.parametrize(
-    "field", ["communication_time_ratio", "gpu_utilization_ratio", "training_efficiency_ratio"]
+    "field",
+    [
+        "communication_time_ratio",
+        "gpu_utilization_ratio",
+        "training_efficiency_ratio",
+        "input_wait_ratio",
+        "gpu_memory_utilization_ratio",
+    ],
 )
 @pytest.mark.parametrize("value", [-0.1, 1.2, math.nan, math.inf])
 def test_snapshot_rejects_values_that_are_not_ratios(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
-        JobSnapshot(**{field: value})
+        JobSnapshot(**{field: value})  # type: ignore[arg-type]
+
+
+def test_snapshot_rejects_an_unknown_job_kind() -> None:
+    with pytest.raises(ValueError, match="job_kind"):
+        JobSnapshot(job_kind="horovod")  # type: ignore[arg-type]
+
+
+def test_a_slow_link_is_ranked_with_the_bandwidth_it_loses() -> None:
+    link = Finding(
+        kind="slow_link",
+        labels={"job": "demo", "rank": "1"},
+        value=1e8,
+        score=0.25,  # a quarter of the healthy links' bandwidth
+        summary="slow link at rank 1",
+        since_unix_s=0.0,
+    )
+    snap = JobSnapshot(communication_time_ratio=0.2)
+    (ranked,) = rank_findings([], [link], snap)
+    assert (ranked.category, ranked.difficulty, ranked.priority) == ("network", "hard", 1)
+    assert ranked.expected_gain_ratio == pytest.approx(0.15)  # 0.2 * (1 - 0.25)
+    assert ranked.labels == link.labels and ranked.summary == link.summary
+
+
+# -- golden step data through the live state ---------------------------------------------
+
+
+def _load(name: str) -> dict[str, Any]:
+    scenario: dict[str, Any] = json.loads((DATA / f"{name}.json").read_text())
+    return scenario
+
+
+def _collective(op: str, duration_s: float) -> CollectiveStat:
+    return CollectiveStat(
+        op=op,
+        pg="0",
+        dtype="float32",
+        count=1,
+        size_bytes=1 << 20,
+        duration_s=duration_s,
+        max_duration_s=duration_s,
+        algbw_bytes_per_s=1e8,
+        busbw_bytes_per_s=1e8,
+        duration_hist=[0] * 6 + [1] + [0] * 8,
+    )
+
+
+def _step(n: int, rank: int, shape: dict[str, Any]) -> StepRecord:
+    ripple = 1.0 + 0.01 * ((n * 7 + rank * 3) % 5 - 2)  # deterministic, within +-2%
+    duration = shape["duration_s"] * ripple
+    wait = shape["comm_wait_s"] * ripple
+    ops = shape.get("ops", [])
+    phases = shape.get("phases", False)
+    input_wait = shape.get("input_wait_s")
+    return StepRecord(
+        step=n,
+        end_unix_ns=int((T0 + n * (duration + (input_wait or 0.0))) * 1e9),
+        duration_s=duration,
+        comm_wait_s=wait,
+        compute_s=duration - wait,
+        communication_time_ratio=wait / duration,
+        comm_busy_s=wait,
+        forward_s=(duration - wait) / 3 if phases else None,
+        backward_s=(duration - wait) / 2 if phases else None,
+        optimizer_s=(duration - wait) / 6 if phases else None,
+        input_wait_s=None if input_wait is None else input_wait * ripple,
+        batch_size=32,
+        samples_per_s=32 / duration,
+        loss=1.0,
+        collectives=[_collective(op, wait / max(1, len(ops))) for op in ops],
+    )
+
+
+def _node(scenario: dict[str, Any], job: str) -> NodeSample:
+    node = scenario["node"]
+    gpus = node.get("gpus", [])
+    owner = {g["rank"]: g["index"] for g in gpus if "rank" in g}
+    return NodeSample(
+        ts_unix_ns=int(T0 * 1e9),
+        node="node-a",
+        cpu_utilization_ratio=0.5,
+        memory_utilization_ratio=node["memory_utilization_ratio"],
+        memory_used_bytes=8 << 30,
+        io_wait_ratio=node.get("io_wait_ratio", 0.01),
+        net_rx_bytes_total=0,
+        net_tx_bytes_total=0,
+        disk_read_bytes_total=0,
+        disk_write_bytes_total=0,
+        gpus=[
+            GpuSample(
+                index=g["index"],
+                utilization_ratio=g["utilization_ratio"],
+                memory_used_bytes=g["memory_used_bytes"],
+                memory_total_bytes=g["memory_total_bytes"],
+            )
+            for g in gpus
+        ],
+        ranks=[
+            RankProcess(job=job, rank=r, pid=100 + r, rss_bytes=1 << 30, gpu=owner.get(r))
+            for r in range(scenario["world_size"])
+        ],
+    )
+
+
+def _live(name: str, **options: Any) -> tuple[LiveState, dict[str, Any]]:
+    """A live state (with ``options``) that took the scenario's steps in batches of 8,
+    as ingest hands them."""
+    scenario = _load(name)
+    live = LiveState(idle_s=3600.0, **options)
+    world = scenario["world_size"]
+    hellos = [wf.hello(name, rank, world) for rank in range(world)]
+    live.observe(Stored(acked_seq=0, hellos=hellos), T0)
+    for h in hellos:
+        shape = {**scenario["step"], **scenario.get("ranks", {}).get(str(h.rank), {})}
+        steps = [_step(n, h.rank, shape) for n in range(1, scenario["steps"] + 1)]
+        for seq, start in enumerate(range(0, len(steps), 8), start=1):
+            batch = wf.batch(h, seq, steps[start : start + 8])
+            live.observe(Stored(acked_seq=0, batches=[(batch, "node-a")]), T0)
+    live.observe(Stored(acked_seq=0, node_samples=[_node(scenario, name)]), T0)
+    return live, scenario
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_golden_scenario_report(name: str) -> None:
+    live, scenario = _live(name)
+    expect = scenario["expect"]
+    report = live.report(name, T0 + 10)
+    assert report is not None
+    assert [[f.category, f.severity] for f in report] == expect["findings"], scenario["about"]
+    assert [f.priority for f in report] == list(range(1, len(report) + 1))
+    assert live.job_kind(name) == expect["job_kind"]
+    by_category = {f.category: f for f in report}
+    for category, words in expect.get("advice", {}).items():
+        for word in words:
+            assert word in by_category[category].recommendation, (category, word)
+    for category, words in expect.get("not_advice", {}).items():
+        for word in words:
+            assert word not in by_category[category].recommendation, (category, word)
+    for category, gain in expect.get("gain", {}).items():
+        found = by_category[category].expected_gain_ratio
+        if gain is None:
+            assert found is None, category
+        else:
+            assert found == pytest.approx(gain, abs=0.01), category
+    for category, difficulty in expect.get("difficulty", {}).items():
+        assert by_category[category].difficulty == difficulty
+    for category, value in expect.get("value", {}).items():
+        assert by_category[category].value == pytest.approx(value, abs=0.01)
+    for f in report:
+        assert f.labels["job"] == name and name in f.summary
+        if f.kind == "bottleneck":
+            assert f.expected_gain_ratio is None or "gain_basis" in f.details
+    if "straggler_rank" in expect:
+        assert by_category["straggler"].labels["rank"] == str(expect["straggler_rank"])
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_the_rules_see_the_report_and_it_is_exported(name: str) -> None:
+    live, scenario = _live(name)
+    findings = live.findings(T0 + 10)
+    ranked = [f for f in findings if f.category]
+    assert sorted(f.priority or 0 for f in ranked) == list(range(1, len(ranked) + 1))
+    assert sorted(f.category for f in ranked) == sorted(
+        c for c, _ in scenario["expect"]["findings"]
+    )
+    registry = CollectorRegistry()
+    registry.register(LiveCollector(live))
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    active = {
+        dict(labels)["category"]
+        for (metric, labels), value in samples.items()
+        if metric == "torshmon_bottleneck_active" and value == 1.0
+    }
+    assert active == {c for c, _ in scenario["expect"]["findings"]}
+    for f in ranked:
+        key = ("torshmon_bottleneck_expected_gain_ratio", (("category", f.category), ("job", name)))
+        if f.expected_gain_ratio is None:
+            assert key not in samples
+        else:
+            assert samples[key] == pytest.approx(f.expected_gain_ratio)
+
+
+def test_a_bottleneck_keeps_the_time_it_began_across_evaluations() -> None:
+    live, _ = _live("input_bound")
+    first = {f.key(): f for f in live.findings(T0 + 10) if f.kind == "bottleneck"}
+    later = {f.key(): f for f in live.findings(T0 + 70) if f.kind == "bottleneck"}
+    assert set(first) == set(later) and first
+    for key, f in later.items():
+        assert f.since_unix_s == first[key].since_unix_s == T0 + 10
+    report = live.report("input_bound", T0 + 80)
+    assert report is not None
+    assert {f.since_unix_s for f in report} == {T0 + 10}  # the API says when it began too
+
+
+def test_input_wait_is_exported_and_counted_in_efficiency() -> None:
+    live, _ = _live("input_bound")
+    registry = CollectorRegistry()
+    registry.register(LiveCollector(live))
+    text = generate_latest(registry).decode()
+    values = {
+        (s.name, s.labels.get("rank")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.labels.get("job") == "input_bound"
+    }
+    # 40 steps of 0.12 s +-2% input wait on each rank.
+    assert values[("torshmon_input_wait_seconds_total", "0")] == pytest.approx(4.8, rel=0.02)
+    assert values[("torshmon_input_wait_time_ratio", "1")] == pytest.approx(0.12 / 0.22, rel=0.01)
+    # Compute 0.09 s of a 0.22 s period, not of the 0.1 s step.
+    assert values[("torshmon_training_efficiency_ratio", "1")] == pytest.approx(
+        0.09 / 0.22, rel=0.01
+    )
+    (_, _, ratio) = live.series.latest("input_wait_time_ratio")[0]
+    assert ratio == pytest.approx(0.12 / 0.22, rel=0.01)

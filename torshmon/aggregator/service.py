@@ -130,6 +130,7 @@ class Aggregator:
             hang=settings.hang,
             link_check=settings.link_check,
             anomaly_metrics={r.metric for r in self.rules if r.kind == "anomaly" and r.metric},
+            collective_series=any(r.metric == "collective_duration_seconds" for r in self.rules),
         )
         self.notifier = Notifier(
             list(targets) if targets is not None else settings.notify.targets(),

@@ -318,8 +318,24 @@ def bottleneck_report(
         )
     efficiency = s.training_efficiency_ratio
     if efficiency is not None and efficiency < t.efficiency_critical_ratio:
-        causes = any(f.category in ("communication", "input") for f in found)
-        template = _EFFICIENCY_ADVICE if causes else _EFFICIENCY_ALONE_ADVICE
+        shortfall = t.efficiency_critical_ratio - efficiency
+        causes = [f for f in found if f.category in ("communication", "input")]
+        if causes:
+            # A roll-up of the findings that explain it: its gain is what they leave.
+            explained = sum(f.expected_gain_ratio or 0.0 for f in causes)
+            gain = (
+                shortfall - explained,
+                "the part of the shortfall from "
+                f"{t.efficiency_critical_ratio:.0%} compute the other findings leave",
+            )
+            template = _EFFICIENCY_ADVICE
+        else:
+            gain = (
+                shortfall,
+                f"compute back to {t.efficiency_critical_ratio:.0%} of the step "
+                f"from {efficiency:.0%}",
+            )
+            template = _EFFICIENCY_ALONE_ADVICE
         add(
             "efficiency",
             "training_efficiency_ratio",
@@ -332,12 +348,12 @@ def bottleneck_report(
                 "medium" if causes else "hard",
                 template.format(threshold=t.efficiency_critical_ratio, value=efficiency),
             ),
-            (
-                t.efficiency_critical_ratio - efficiency,
-                f"compute back to {t.efficiency_critical_ratio:.0%} of the step "
-                f"from {efficiency:.0%}",
-            ),
+            gain,
         )
+        if causes:
+            found[-1] = dataclasses.replace(
+                found[-1], details={**found[-1].details, "rollup": True}
+            )
     # Stable sort: equal severities keep the fixed order above.
     found.sort(key=lambda f: -SEVERITIES.index(f.severity))
     return found
@@ -351,7 +367,8 @@ def rank_findings(
     """One job's report: ``bottlenecks`` and the job's straggler and slow-link findings
     among ``others`` (the rest are left out), with category, expected gain and
     difficulty filled in and ``priority`` 1..n: most severe first, then the largest
-    expected gain (unknown last)."""
+    expected gain (unknown last); a low efficiency that other findings explain
+    (``details["rollup"]``, its advice is to fix them) comes after them."""
     report = list(bottlenecks)
     for finding in others:
         if finding.kind == "straggler":
@@ -360,6 +377,7 @@ def rank_findings(
             report.append(_slow_link(finding, snapshot))
     report.sort(
         key=lambda f: (
+            f.details.get("rollup") is True,
             -SEVERITIES.index(f.severity) if f.severity in SEVERITIES else 0,
             -(f.expected_gain_ratio if f.expected_gain_ratio is not None else -1.0),
         )

@@ -24,17 +24,12 @@ import msgspec
 
 from torshmon.aggregator.core.agents import Agents
 from torshmon.aggregator.core.alert import Alert
-from torshmon.aggregator.core.bottleneck import (
-    JobKind,
-    JobSnapshot,
-    Thresholds,
-    bottleneck_report,
-    rank_findings,
-)
+from torshmon.aggregator.core.bottleneck import Thresholds, bottleneck_report, rank_findings
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.hang import HangDetector, HangSettings
+from torshmon.aggregator.core.job_snapshot import job_kind_after, job_snapshot
 from torshmon.aggregator.core.linkcheck import LinkChecker, LinkCheckSettings, reading_json
-from torshmon.aggregator.core.memory_report import GpuMemory, RankMemory
+from torshmon.aggregator.core.memory_report import GpuMemory, RankMemory, memory_of
 from torshmon.aggregator.core.rank_state import (
     JobState,
     RankState,
@@ -107,6 +102,7 @@ class LiveState:
         label_cap: LabelCap | None = None,
         bottleneck: Thresholds | None = None,
         anomaly_metrics: Collection[str] | None = None,
+        collective_series: bool = False,
     ) -> None:
         """``idle_s``: a job (or node) that sent nothing for this long is dropped, with
         its series and detector state; a hung job still sends heartbeats, so it stays.
@@ -121,7 +117,9 @@ class LiveState:
         ``bottleneck``: the bottleneck report's thresholds (None: DESIGN.md's).
         ``anomaly_metrics``: the z-scores to run beyond step time and loss
         (``comm_wait_seconds``, ``throughput_samples_per_second``; None: both); the
-        service passes those its rules name, as each costs ingest time."""
+        service passes those its rules name, as each costs ingest time.
+        ``collective_series``: keep ``collective_duration_seconds`` per (op, pg) for
+        rules (on where a rule names it; a point per collective per step)."""
         self.idle_s = idle_s
         self._labels = label_cap if label_cap is not None else LabelCap()
         self.series = SeriesStore(retention_s=series_retention_s, windows_s=series_windows_s)
@@ -145,6 +143,7 @@ class LiveState:
         wanted = set(ANOMALY_METRICS) if anomaly_metrics is None else set(anomaly_metrics)
         self._comm_z_on = "comm_wait_seconds" in wanted
         self._throughput_z_on = "throughput_samples_per_second" in wanted
+        self._collective_series = collective_series
         self.straggler = StragglerDetector(
             **msgspec.structs.asdict(straggler if straggler is not None else StragglerSettings())
         )
@@ -361,6 +360,8 @@ class LiveState:
             for step_collectives in collectives:
                 if step_collectives:
                     observe_collectives(r, step_collectives, batch.job, self._labels)
+            if self._collective_series:
+                self._observe_collective_series(batch.job, r, ts, collectives)
         if any(buckets):
             fold = self._labels.value
             for step_buckets in buckets:
@@ -372,7 +373,7 @@ class LiveState:
                     if b.relative_error is not None:
                         r.relative_error[codec] = b.relative_error
         if job.kind != "ddp":
-            job.kind = _job_kind(job.kind, ddps, forwards, buckets, collectives)
+            job.kind = job_kind_after(job.kind, ddps, forwards, buckets, collectives)
         if ddps.count(None) < n or applied.count(None) < n:
             for ddp, config in zip(ddps, applied, strict=True):
                 if ddp is not None:
@@ -389,6 +390,26 @@ class LiveState:
         r.compute_s = computes[-1]
         r.communication_time_ratio = ratios[-1]
         r.config_version = config_versions[-1]
+
+    def _observe_collective_series(
+        self,
+        job: str,
+        r: RankState,
+        ts: list[float],
+        collectives: tuple[list[CollectiveStat], ...],
+    ) -> None:
+        """Each step's mean duration per (op, pg) into ``collective_duration_seconds``
+        (labels job, op, pg: every rank's steps into one series per op and group, as
+        Prometheus sums the histogram over ranks). Pairs folded into ``other`` by the
+        label cap are left out."""
+        kept = r.collectives
+        for t, step_collectives in zip(ts, collectives, strict=True):
+            for c in step_collectives:
+                if c.count and (c.op, c.pg) in kept:
+                    labels = (("job", job), ("op", c.op), ("pg", c.pg))
+                    self.series.add(
+                        "collective_duration_seconds", labels, t, c.duration_s / c.count
+                    )
 
     def _observe_throughputs(
         self, r: RankState, ts: list[float], throughputs: tuple[float | None, ...]
@@ -566,16 +587,10 @@ class LiveState:
         by_job: dict[str, list[Finding]] = {}
         for f in found:
             by_job.setdefault(f.labels.get("job", ""), []).append(f)
-        since = self._bottleneck_since
-        reports: dict[str, list[Finding]] = {}
-        for name, job in self.jobs.items():
-            report = self._job_report(name, job, by_job.get(name, ()), now_unix_s)
-            reports[name] = [
-                dataclasses.replace(f, since_unix_s=since.get(f.key(), f.since_unix_s))
-                if f.kind == "bottleneck"
-                else f
-                for f in report
-            ]
+        reports = {
+            name: self._job_report(name, job, by_job.get(name, ()), now_unix_s)
+            for name, job in self.jobs.items()
+        }
         self._reports = reports
         ranked = {f.key(): f for report in reports.values() for f in report}
         self._bottleneck_since = {
@@ -588,9 +603,15 @@ class LiveState:
     def _job_report(
         self, name: str, job: JobState, others: Sequence[Finding], now_unix_s: float
     ) -> list[Finding]:
-        snapshot = self._snapshot(name, job)
+        """``name``'s report; a bottleneck that held at the last ``findings()`` keeps the
+        time it began (the report is recomputed from recent means each time)."""
+        snapshot = job_snapshot(name, job, self.nodes)
         found = bottleneck_report(name, snapshot, now_unix_s, thresholds=self.thresholds)
-        return rank_findings(found, others, snapshot)
+        since = self._bottleneck_since
+        kept = [
+            dataclasses.replace(f, since_unix_s=since.get(f.key(), f.since_unix_s)) for f in found
+        ]
+        return rank_findings(kept, others, snapshot)
 
     def report(self, job: str, now_unix_s: float) -> list[Finding] | None:
         """The bottleneck report of ``job``, highest priority first (None if the job is
@@ -619,86 +640,10 @@ class LiveState:
             reading = self.links.last(job)
         return None if reading is None else reading_json(reading)
 
-    def _snapshot(self, name: str, job: JobState) -> JobSnapshot:
-        """The job's recent means; shares are of the step period (input wait + step)."""
-        comm, efficiency, input_share, periods = [], [], [], []
-        for r in job.ranks.values():
-            recent = r.recent
-            for duration, wait, compute, input_wait in zip(
-                recent.duration_s,
-                recent.wait_s,
-                recent.compute_s,
-                recent.input_wait_s,
-                strict=True,
-            ):
-                measured = math.isfinite(input_wait)
-                period = duration + (input_wait if measured else 0.0)
-                if period > 0:
-                    comm.append(wait / period)
-                    efficiency.append(compute / period)
-                    periods.append(period)
-                    if measured:
-                        input_share.append(input_wait / period)
-        nodes = {r.node for r in job.ranks.values() if r.node in self.nodes}
-        samples = [self.nodes[node] for node in sorted(nodes)]
-        gpu_busy, gpu_memory = [], []
-        for sample in samples:
-            used = {p.gpu for p in sample.ranks if p.job == name and p.gpu is not None}
-            for gpu in sample.gpus:
-                if used and gpu.index not in used:
-                    continue
-                gpu_busy.append(gpu.utilization_ratio)
-                if gpu.memory_total_bytes > 0:
-                    gpu_memory.append(gpu.memory_used_bytes / gpu.memory_total_bytes)
-        kind = job.kind if job.kind in ("ddp", "fsdp2", "collectives") else None
-        return JobSnapshot(
-            communication_time_ratio=_ratio(_mean(comm)),
-            memory_utilization_ratio=_ratio(_max([n.memory_utilization_ratio for n in samples])),
-            gpu_utilization_ratio=_ratio(_mean(gpu_busy)),
-            io_wait_ratio=_ratio(_mean([n.io_wait_ratio for n in samples])),
-            training_efficiency_ratio=_ratio(_mean(efficiency)),
-            input_wait_ratio=_ratio(_mean(input_share)),
-            gpu_memory_utilization_ratio=_ratio(_max(gpu_memory)),
-            job_kind=cast(JobKind | None, kind),
-            step_s=_mean(periods),
-        )
-
     def memory_history(self, labels: Mapping[str, str]) -> tuple[list[RankMemory], list[GpuMemory]]:
-        """The memory behind an alert on ``labels``: a rank's (``job`` and ``rank``) or
-        every rank's on a ``node``, with the RSS samples the live series hold and the
-        step ends to date them; and the GPUs of those ranks' nodes."""
+        """The memory behind an alert on ``labels`` (``memory_report.memory_of``)."""
         with self._lock:
-            picked: list[tuple[str, int, RankState]] = []
-            job_name, rank, node = labels.get("job"), labels.get("rank"), labels.get("node")
-            for name, job in self.jobs.items():
-                for number, r in job.ranks.items():
-                    if job_name is not None and rank is not None:
-                        if name == job_name and str(number) == rank:
-                            picked.append((name, number, r))
-                    elif node is not None and r.node == node:
-                        picked.append((name, number, r))
-            ranks = [
-                RankMemory(
-                    job=name,
-                    rank=number,
-                    node=r.node,
-                    rss=self.series.points(
-                        "rank_memory_rss_bytes",
-                        {"job": name, "node": r.node, "rank": str(number)},
-                        0.0,
-                    ),
-                    steps=list(r.step_marks),
-                )
-                for name, number, r in picked
-            ]
-            nodes = sorted({r.node for r in ranks} | ({node} if node else set()))
-            gpus = [
-                GpuMemory(n, g.index, g.memory_used_bytes, g.memory_total_bytes)
-                for n in nodes
-                if n in self.nodes
-                for g in self.nodes[n].gpus
-            ]
-        return ranks, gpus
+            return memory_of(labels, self.jobs, self.series, self.nodes)
 
     def set_alerts(self, alerts: Sequence[Alert]) -> None:
         with self._lock:
@@ -826,36 +771,9 @@ class LiveState:
             }
 
 
-def _job_kind(
-    kind: str | None,
-    ddps: tuple[object, ...],
-    forwards: tuple[float | None, ...],
-    buckets: tuple[list[object], ...],
-    collectives: tuple[list[CollectiveStat], ...],
-) -> str:
-    """The job's kind after a batch of steps (``JobState.kind``): DDP shows as phase
-    splits, DDP statistics or comm-hook buckets, which only a DDP module gives."""
-    if forwards.count(None) < len(forwards) or ddps.count(None) < len(ddps) or any(buckets):
-        return "ddp"
-    if kind == "fsdp2":
-        return kind
-    for step in collectives:
-        ops = {c.op for c in step}
-        if any(op.startswith("all_gather") for op in ops) and any(
-            op.startswith("reduce_scatter") for op in ops
-        ):
-            return "fsdp2"
-    return "collectives"
-
-
 def _mean(values: Sequence[float]) -> float | None:
     finite = [v for v in values if math.isfinite(v)]
     return statistics.fmean(finite) if finite else None
-
-
-def _max(values: Sequence[float]) -> float | None:
-    finite = [v for v in values if math.isfinite(v)]
-    return max(finite) if finite else None
 
 
 def _ratio(value: float | None) -> float | None:

@@ -5,14 +5,18 @@ is short or growing; this says where, from the job's own numbers: for each rank 
 alert concerns, its resident memory at the start and end of the live window, the
 steps those samples fell in, the growth per step and the largest rise between two
 samples. The service puts it in the alert's ``description`` before it is stored and
-sent. Pure: the live state hands in the points.
+sent. Pure: the live state hands in its records (``memory_of``), under its lock.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from torshmon.aggregator.core.rank_state import JobState, RankState
+from torshmon.aggregator.core.series import SeriesStore
+from torshmon.wire import NodeSample
 
 #: Below this a rank's memory counts as steady (agent samples jitter by pages).
 STEADY_BYTES = 1 << 20
@@ -52,6 +56,46 @@ def memory_report(ranks: Sequence[RankMemory], gpus: Sequence[GpuMemory] = ()) -
     return "\n".join(lines)
 
 
+def memory_of(
+    labels: Mapping[str, str],
+    jobs: Mapping[str, JobState],
+    series: SeriesStore,
+    nodes: Mapping[str, NodeSample],
+) -> tuple[list[RankMemory], list[GpuMemory]]:
+    """The memory behind an alert on ``labels``: a rank's (``job`` and ``rank``) or
+    every rank's on a ``node``, with the RSS samples the live series hold and the
+    step ends to date them; and the GPUs of those ranks' nodes."""
+    picked: list[tuple[str, int, RankState]] = []
+    job_name, rank, node = labels.get("job"), labels.get("rank"), labels.get("node")
+    for name, job in jobs.items():
+        for number, r in job.ranks.items():
+            if job_name is not None and rank is not None:
+                if name == job_name and str(number) == rank:
+                    picked.append((name, number, r))
+            elif node is not None and r.node == node:
+                picked.append((name, number, r))
+    ranks = [
+        RankMemory(
+            job=name,
+            rank=number,
+            node=r.node,
+            rss=series.points(
+                "rank_memory_rss_bytes", {"job": name, "node": r.node, "rank": str(number)}, 0.0
+            ),
+            steps=list(r.step_marks),
+        )
+        for name, number, r in picked
+    ]
+    names = sorted({r.node for r in ranks} | ({node} if node else set()))
+    gpus = [
+        GpuMemory(n, g.index, g.memory_used_bytes, g.memory_total_bytes)
+        for n in names
+        if n in nodes
+        for g in nodes[n].gpus
+    ]
+    return ranks, gpus
+
+
 def _rank_line(r: RankMemory) -> tuple[float, str]:
     """(growth in bytes, the rank's line); (0, "") without two samples."""
     if len(r.rss) < 2:
@@ -78,7 +122,8 @@ def _rank_line(r: RankMemory) -> tuple[float, str]:
         (r.rss[i + 1][1] - r.rss[i][1], (r.rss[i][0], r.rss[i + 1][0]))
         for i in range(len(r.rss) - 1)
     )
-    if rise >= STEADY_BYTES and rise < growth:
+    # Worth naming only where memory grew in jumps: twice the mean rise or more.
+    if rise >= STEADY_BYTES and rise < growth and rise >= 2 * growth / (len(r.rss) - 1):
         text += (
             f"; the largest rise, {_signed(rise)}, came between "
             f"{_steps_text(_step_number(r.steps, a), _step_number(r.steps, b))}"

@@ -101,7 +101,7 @@ _FINDING_SUMMARY: Final[Mapping[str, str]] = {
     "straggler": "{alertname}: rank {rank} of job {job} is straggling",
     "hang": "{alertname}: rank {rank} of job {job} is stuck in {op} on group {pg}",
     "slow_link": "{alertname}: slow network link in job {job} (rank: {rank}, node: {node})",
-    "bottleneck": "{alertname}: job {job} has a {category} bottleneck (torshmon report)",
+    "bottleneck": "{alertname}: job {job} has a bottleneck in {category} (torshmon report)",
 }
 #: Target labels every scrape adds (``job`` only where the series has none of its own).
 _SCRAPE_LABELS: Final = ("instance", "job")

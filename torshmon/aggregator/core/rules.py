@@ -64,6 +64,7 @@ METRIC_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
     "gpu_utilization_ratio": ("node", "gpu"),
     "rank_memory_rss_bytes": ("job", "rank", "node"),
     "agent_silence_seconds": ("node",),
+    "collective_duration_seconds": ("job", "op", "pg"),
 }
 KNOWN_METRICS: Final = frozenset(METRIC_LABELS)
 #: The series the rolling z-score detector watches, each in one direction: step time,
