@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import math
+import time
 import urllib.parse
 from collections.abc import Callable
 from typing import Any, Final, Protocol
@@ -33,7 +35,8 @@ from torshmon.report.page import (
 #: The cookie a signed-in browser sends; its value is ``session_cookie(token)``.
 SESSION_COOKIE: Final = "torshmon_session"
 LOGIN_PATH: Final = "/login"
-#: How often a running job's page reloads itself, seconds.
+#: How often a running job's page reloads itself, seconds; at least 3x the time the
+#: page took to make.
 REFRESH_S: Final = 15
 #: How long a rendered page is served again to other viewers, seconds.
 PAGE_REUSE_S: Final = 5.0
@@ -82,6 +85,7 @@ class Pages:
         self._clock = clock
         self._locks: dict[str, asyncio.Lock] = {}
         self._pages: dict[str, tuple[float, str]] = {}  # job -> (made at, page)
+        self._refresh_s: dict[str, int] = {}  # job -> 3x its latest render time
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_get("/", self.index)
@@ -119,12 +123,15 @@ class Pages:
             cached = self._pages.get(job)
             if cached is not None and self._clock() - cached[0] < PAGE_REUSE_S:
                 return html_response(cached[1])
+            started = time.monotonic()
             report = await self._reports.job_report(job, self._clock())
             if report is None:
                 self._locks.pop(job, None)  # else every unknown name would stay here
                 return html_response(render_not_found(job), 404)
             loop = asyncio.get_running_loop()
-            page = await loop.run_in_executor(None, _render, report)
+            page = await loop.run_in_executor(None, _render, report, self._refresh_s.get(job))
+            # A large job's page takes long to make: its viewers reload it less often.
+            self._refresh_s[job] = max(REFRESH_S, math.ceil(3 * (time.monotonic() - started)))
             self._pages[job] = (self._clock(), page)
         return html_response(page)
 
@@ -162,8 +169,8 @@ class Pages:
         return response
 
 
-def _render(report: JobReport) -> str:
-    return render_page(report, refresh_s=REFRESH_S, index_url="/")
+def _render(report: JobReport, refresh_s: int | None) -> str:
+    return render_page(report, refresh_s=refresh_s or REFRESH_S, index_url="/")
 
 
 def _local_path(url: str) -> str:
