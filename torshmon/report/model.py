@@ -277,7 +277,7 @@ def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
     """The report of ``history`` as of ``now_unix_s``."""
     job = history.job
     steps = _steps_by_rank(history.steps)
-    nodes = {row["rank"]: str(row["node"]) for row in history.steps}
+    nodes = dict(zip(history.steps.get("rank", []), history.steps.get("node", []), strict=True))
     nodes.update({s["rank"]: s["node"] for s in history.sessions if s["node"]})
     last_seen = job["last_seen_unix_ns"] / 1e9
     findings = _stored_findings(history.findings)
@@ -292,7 +292,7 @@ def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
         last_seen_unix_s=last_seen,
         generated_unix_s=now_unix_s,
         running=now_unix_s - last_seen < RUNNING_WITHIN_S,
-        steps_read=len(history.steps),
+        steps_read=len(history.steps.get("step", [])),
         steps_truncated=history.steps_truncated,
         ranks=tuple(_rank_stats(r, cols, nodes.get(r, "")) for r, cols in steps.items()),
         phases=tuple(_phases(r, cols) for r, cols in steps.items()),
@@ -328,11 +328,15 @@ def _columns(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> Columns
     return {n: np.array([r.get(n) for r in rows], dtype=float) for n in names}
 
 
-def _steps_by_rank(rows: Sequence[Mapping[str, Any]]) -> dict[int, Columns]:
+def _steps_by_rank(steps: Mapping[str, Sequence[Any]]) -> dict[int, Columns]:
     """Each rank's step columns in step order, ranks in order."""
-    if not rows:
+    if not steps.get("step"):
         return {}
-    cols = _columns(rows, ("rank", *_STEP_FIELDS))
+    count = len(steps["step"])
+    cols = {
+        n: np.array(steps[n] if n in steps else [None] * count, dtype=float)
+        for n in ("rank", *_STEP_FIELDS)
+    }
     order = np.lexsort((cols["end_unix_ns"], cols["step"], cols["rank"]))
     cols = {n: v[order] for n, v in cols.items()}
     ranks, starts = np.unique(cols["rank"], return_index=True)
@@ -485,8 +489,10 @@ def _stored_findings(rows: Sequence[Mapping[str, Any]]) -> list[FindingItem]:
 def _computed_bottlenecks(job: str, history: JobHistory, now: float) -> list[FindingItem]:
     """The bottleneck report (``bottleneck_report``, ranked) on the medians of the
     job's steps and the fullest of its nodes, for a history that stored none."""
-    steps = _columns(history.steps, ("duration_s", "comm_wait_s", "compute_s", "input_wait_s"))
-    duration, comm, compute, input_wait = (_median(v) for v in steps.values())
+    duration, comm, compute, input_wait = (
+        _median(np.array(history.steps.get(n, []), dtype=float))
+        for n in ("duration_s", "comm_wait_s", "compute_s", "input_wait_s")
+    )
     period = (duration or 0.0) + (input_wait or 0.0)
 
     def share(value: float | None) -> float | None:

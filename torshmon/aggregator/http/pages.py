@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import math
+import time
 import urllib.parse
 from collections.abc import Callable
 from typing import Any, Final, Protocol
@@ -33,8 +35,11 @@ from torshmon.report.page import (
 #: The cookie a signed-in browser sends; its value is ``session_cookie(token)``.
 SESSION_COOKIE: Final = "torshmon_session"
 LOGIN_PATH: Final = "/login"
-#: How often a running job's page reloads itself, seconds.
+#: How often a running job's page reloads itself, seconds; at least 3x the time the
+#: page took to make.
 REFRESH_S: Final = 15
+#: How long a rendered page is served again to other viewers, seconds.
+PAGE_REUSE_S: Final = 5.0
 _MAX_FORM_BYTES: Final = 16 * 1024
 _HEADERS: Final = {
     "Content-Security-Policy": CONTENT_SECURITY_POLICY,
@@ -78,6 +83,9 @@ class Pages:
         self._guard = guard
         self._reports = reports
         self._clock = clock
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._pages: dict[str, tuple[float, str]] = {}  # job -> (made at, page)
+        self._refresh_s: dict[str, int] = {}  # job -> 3x its latest render time
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_get("/", self.index)
@@ -107,11 +115,24 @@ class Pages:
         if not self._signed_in(request):
             return self._login_page(request)
         job = request.match_info["job"]
-        report = await self._reports.job_report(job, self._clock())
-        if report is None:
-            return html_response(render_not_found(job), 404)
-        loop = asyncio.get_running_loop()
-        page = await loop.run_in_executor(None, _render, report)
+        # One render per job at a time, reused for a while: each open browser reloads a
+        # running job's page, and a render takes a core for a second or more.
+        now = self._clock()
+        self._pages = {k: v for k, v in self._pages.items() if now - v[0] < PAGE_REUSE_S}
+        async with self._locks.setdefault(job, asyncio.Lock()):
+            cached = self._pages.get(job)
+            if cached is not None and self._clock() - cached[0] < PAGE_REUSE_S:
+                return html_response(cached[1])
+            started = time.monotonic()
+            report = await self._reports.job_report(job, self._clock())
+            if report is None:
+                self._locks.pop(job, None)  # else every unknown name would stay here
+                return html_response(render_not_found(job), 404)
+            loop = asyncio.get_running_loop()
+            page = await loop.run_in_executor(None, _render, report, self._refresh_s.get(job))
+            # A large job's page takes long to make: its viewers reload it less often.
+            self._refresh_s[job] = max(REFRESH_S, math.ceil(3 * (time.monotonic() - started)))
+            self._pages[job] = (self._clock(), page)
         return html_response(page)
 
     async def summary(self, request: web.Request) -> web.Response:
@@ -148,8 +169,8 @@ class Pages:
         return response
 
 
-def _render(report: JobReport) -> str:
-    return render_page(report, refresh_s=REFRESH_S, index_url="/")
+def _render(report: JobReport, refresh_s: int | None) -> str:
+    return render_page(report, refresh_s=refresh_s or REFRESH_S, index_url="/")
 
 
 def _local_path(url: str) -> str:

@@ -47,11 +47,13 @@ OPTIONAL_STEP_COLUMNS: Final[tuple[str, ...]] = ("input_wait_s",)
 
 @dataclass(frozen=True, slots=True)
 class JobHistory:
-    """One job's rows, each a dict keyed by column name; ``steps`` newest first."""
+    """One job's rows, each a dict keyed by column name; ``steps`` by column instead
+    (column name -> values, newest step first: a job's steps are many, and a list per
+    column is several times cheaper to read and to compute on than a dict per row)."""
 
     job: dict[str, Any]
     sessions: list[dict[str, Any]]
-    steps: list[dict[str, Any]]
+    steps: dict[str, list[Any]]
     steps_truncated: bool
     node_samples: list[dict[str, Any]]
     rank_samples: list[dict[str, Any]]
@@ -80,13 +82,14 @@ def load_job_history(
         return None
     sessions = _all(conn, _T["probe_sessions"], job, "rank")
     steps = _steps(conn, job, max_steps + 1)
+    read = len(next(iter(steps.values()), []))
     nodes = sorted({s["node"] for s in sessions if s["node"]})
     alerts = _all(conn, _T["alerts"], job, "starts_at_unix_s")
     return JobHistory(
         job=dict(row),
         sessions=sessions,
-        steps=steps[:max_steps],
-        steps_truncated=len(steps) > max_steps,
+        steps={name: values[:max_steps] for name, values in steps.items()},
+        steps_truncated=read > max_steps,
         node_samples=_node_samples(conn, nodes, row, max_samples),
         rank_samples=_rank_samples(conn, job, max_samples),
         alerts=alerts,
@@ -157,7 +160,7 @@ def _all(conn: Connection, table: Table, job: str, order: str) -> list[dict[str,
     return [dict(r) for r in conn.execute(query).mappings()]
 
 
-def _steps(conn: Connection, job: str, limit: int) -> list[dict[str, Any]]:
+def _steps(conn: Connection, job: str, limit: int) -> dict[str, list[Any]]:
     steps = _T["steps"]
     present = {c["name"] for c in inspect(conn).get_columns("steps")}
     names = [*STEP_COLUMNS, *(c for c in OPTIONAL_STEP_COLUMNS if c in present)]
@@ -170,7 +173,8 @@ def _steps(conn: Connection, job: str, limit: int) -> list[dict[str, Any]]:
         .order_by(steps.c.end_unix_ns.desc())
         .limit(limit)
     )
-    return [dict(r) for r in conn.execute(query).mappings()]
+    rows = conn.execute(query).all()
+    return {name: [row[i] for row in rows] for i, name in enumerate(names)}
 
 
 def _node_samples(
