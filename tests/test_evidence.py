@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import queue
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
-from torshmon.aggregator.core.commands import CommandBook, CommandError
+from tests.integration import wire_factory as wf
+from torshmon.aggregator.core.commands import CommandBook, CommandError, CommandStatus
+from torshmon.aggregator.evidence import EvidenceKeeper, EvidenceSettings
+from torshmon.history.models import Base
+from torshmon.history.store import HistoryStore
 from torshmon.probe.evidence import (
     FLIGHT_RECORDER_FILE,
     PROFILER_TRACE_FILE,
@@ -19,7 +28,13 @@ from torshmon.probe.evidence import (
     pack,
     parse_request,
 )
-from torshmon.wire import EVIDENCE_FILE_MAX_BYTES, Command, EvidenceFile
+from torshmon.wire import (
+    EVIDENCE_FILE_MAX_BYTES,
+    Command,
+    EvidenceFile,
+    IngestBatch,
+    decode_json,
+)
 
 WAIT_S = 60.0
 
@@ -114,3 +129,72 @@ def test_the_book_hands_an_evidence_command_once_to_each_agent_while_young() -> 
     assert book.fan_out("agent-2", ["j"]) == [command]
     now[0] += 61.0
     assert book.fan_out("agent-3", ["j"]) == []
+
+
+# -- the aggregator's keeping and retention -------------------------------------------
+
+
+class _Sink:
+    """Takes evidence commands as the command dispatch would, and keeps them."""
+
+    def __init__(self) -> None:
+        self.book = CommandBook()
+
+    async def submit_command(
+        self, job: str, kind: str, args: Mapping[str, object], *, command_id: str | None = None
+    ) -> CommandStatus:
+        return self.book.add(self.book.new(job, kind, args, command_id=command_id))
+
+
+async def test_retention_deletes_old_captures_then_the_oldest_over_the_size_cap(
+    tmp_path: Path,
+) -> None:
+    now = [1000.0]
+    with ThreadPoolExecutor(1) as writer:
+        store = HistoryStore(f"sqlite:///{tmp_path / 'h.db'}", aggregator_id="a", writer=writer)
+        store.open()
+        Base.metadata.create_all(store.engine)
+        payload = os.urandom(2048)  # incompressible: ~2 KB stored per file
+        keeper = EvidenceKeeper(
+            EvidenceSettings(
+                directory=tmp_path / "evidence", max_total_bytes=3000, retention_s=1500.0
+            ),
+            store=store,
+            commands=_Sink(),
+            world_size=lambda _job: 2,
+            clock=lambda: now[0],
+        )
+        ids = []
+        h = wf.hello("j", 1, 2)
+        for seq, at in enumerate((1000.0, 2000.0, 3000.0), start=1):
+            now[0] = at
+            capture_id = await keeper.capture("j")
+            ids.append(capture_id)
+            batch = msgspec.structs.replace(
+                wf.batch(h, seq), evidence=[pack(capture_id, FLIGHT_RECORDER_FILE, payload)]
+            )
+            body = wf.ingest_body("agent", [(seq, wf.record(h, batch))])
+            assert await keeper.receive(decode_json(body, IngestBatch)) == 1
+            assert await keeper.receive(decode_json(body, IngestBatch)) == 0  # a resend
+        folders = {i: tmp_path / "evidence" / i for i in ids}
+        assert all((f / "rank1-flight_recorder.json.gz").is_file() for f in folders.values())
+        now[0] = 3100.0
+        # The first is past retention; of the two left only the newest fits 3000 bytes.
+        assert await keeper.prune(now[0]) == 2
+        assert [c["id"] for c in await store.evidence(job="j")] == [ids[2]]
+        assert [f.exists() for f in folders.values()] == [False, False, True]
+        store.close()
+
+
+def test_an_alert_profiles_its_rank_and_a_healthy_peer() -> None:
+    keeper = EvidenceKeeper(
+        EvidenceSettings(directory=Path("unused")),
+        store=None,  # type: ignore[arg-type]
+        commands=_Sink(),
+        world_size=lambda job: {"two": 2, "one": 1}.get(job),
+        clock=lambda: 0.0,
+    )
+    assert keeper.profile_ranks("two", "1") == [1, 0]
+    assert keeper.profile_ranks("two", "0") == [0, 1]
+    assert keeper.profile_ranks("one", "0") == [0]
+    assert keeper.profile_ranks("unknown", None) == [0]
