@@ -115,6 +115,9 @@ def test_a_session_reads_its_evidence_from_the_baseline_and_the_link_check() -> 
     session = TuningSession(settings=settings)
     first = _baseline(session, 0.35, [1.0, 1.0, 1.0, 1.0])
     assert session.evidence() == Evidence(0.12e9, 0.7, 3, 0.0)
+    assert first.reason.endswith(
+        "(the job told: link 0.96 Gbit/s, communication 0.70 of the step, 3 buckets, loss spread 0)"
+    )
     assert first.config == TrialConfig(22.6, 22.6, "topk", {"ratio": 0.001})
     # Communication a small share of the step: no codec, the bucket screen starts.
     quiet = TuningSession(settings=settings)

@@ -502,7 +502,10 @@ class TuningSession:
             return self._conclude(now, "the optimiser converged")
         index = len(s.trials)
         s.trials.append(Trial(index, "trial", config, now))
-        return self._apply(now, config, "trial", index, f"trial {index}: {config.describe()}")
+        reason = f"trial {index}: {config.describe()}"
+        if index == 1 and s.evidence:
+            reason += f" (the job told: {s.evidence})"  # what the first proposals rest on
+        return self._apply(now, config, "trial", index, reason)
 
     def _rollback(self, now: float, why: str) -> Decision | None:
         incumbent = self._s.trials[self._s.incumbent].config
