@@ -680,7 +680,9 @@ def test_shaped_link_reaches_95_percent_of_the_grid_in_8_trials_and_beats_random
     # tests, verification and trial budget; only where its proposals come from differs.
     space = SearchSpace()
     best = max(throughput(c, SHAPED) for c in space.grid(DEFAULT))
-    tuned, blind, randomised = [], [], []
+    tuned: list[float] = []
+    blind: list[float] = []
+    randomised: list[float] = []
     for seed in SEEDS:
         for tuner, out in (
             (TunerSettings(max_trials=8), tuned),
