@@ -100,13 +100,15 @@ class Plan:
     finalists: int
     random_sessions: int
     seed: int
+    #: False (hetero4): no grid and no baselines, only the tuner against the default.
+    compare: bool = True
 
     def sessions(self) -> list[tuple[str, TunerSettings, int]]:
         """(name, settings, seed) of every session the comparison runs."""
-        out = [
-            ("tuner", self.tuner, self.seed),
-            ("tuner_no_prior", _replace(self.tuner, prior=False), self.seed),
-        ]
+        out = [("tuner", self.tuner, self.seed)]
+        if not self.compare:
+            return out
+        out.append(("tuner_no_prior", _replace(self.tuner, prior=False), self.seed))
         for i in range(self.random_sessions):
             out.append((f"random{i}", _replace(self.tuner, proposer="random"), self.seed + i))
         return out
@@ -121,12 +123,15 @@ def build_plan(args: argparse.Namespace) -> Plan:
         labels = {"none", "fp16", "powersgd(rank=1)", "powersgd(rank=4)", "topk(ratio=0.001)"}
         labels |= {"topk(ratio=0.01)", "int8"}
         codecs = tuple(c for c in DEFAULT_CODECS if c.label in labels)
-        space = SearchSpace(max_bucket_cap_mb=64.0, steps_per_octave=1, codecs=codecs)
+        space = SearchSpace(max_bucket_cap_mb=16.0, steps_per_octave=1, codecs=codecs)
+        tuner = TunerSettings(
+            max_trials=args.max_trials, warmup_steps=2, window_steps=4, windows=4, min_windows=3
+        )
     else:
         space = SearchSpace(steps_per_octave=1)
-    tuner = TunerSettings(
-        max_trials=args.max_trials, warmup_steps=3, window_steps=6, windows=4, min_windows=3
-    )
+        tuner = TunerSettings(
+            max_trials=args.max_trials, warmup_steps=3, window_steps=6, windows=4, min_windows=3
+        )
     return Plan(
         hidden=args.hidden,
         layers=args.layers,
@@ -276,12 +281,13 @@ def comparison(plan: Plan, world_size: int, extra: list[dict[str, Any]]) -> Cont
     comm_ratio = max(0.0, 1.0 - compute_s / statistics.median(synced))
 
     note(f"link check: {link or 0:.3g} bytes/s; communication {comm_ratio:.2f} of the step")
-    grid = plan.space.grid()
+    grid = plan.space.grid() if plan.compare else []
     grid_s = []
     for config in grid:
         grid_s.append(statistics.median((yield from measure(config, plan, plan.grid_steps))))
-    best = min(range(len(grid)), key=lambda i: grid_s[i])
-    note(f"grid: {len(grid)} configs, fastest {grid[best].describe()} at {grid_s[best]:.3f} s")
+    if grid:
+        best = min(range(len(grid)), key=lambda i: grid_s[i])
+        note(f"grid: {len(grid)} configs, fastest {grid[best].describe()} at {grid_s[best]:.3f} s")
 
     runs = [
         SessionRun(name, TuningSession(plan.space, settings, seed=seed))
@@ -302,7 +308,7 @@ def comparison(plan: Plan, world_size: int, extra: list[dict[str, Any]]) -> Cont
     order = sorted(range(len(grid)), key=lambda i: grid_s[i])
     admissible = [i for i in order if grid[i].choice.label not in rejected][: plan.finalists]
     configs: list[TrialConfig] = [TORCH_DEFAULT]
-    configs += [grid[i] for i in [*admissible, order[0]]]
+    configs += [grid[i] for i in [*admissible, *order[:1]]]
     configs += [r.session.final_config or TORCH_DEFAULT for r in runs]
     configs += [TrialConfig.from_dict(c) for c in extra]
     finalists = list({c.key(): c for c in configs}.values())
@@ -320,7 +326,7 @@ def comparison(plan: Plan, world_size: int, extra: list[dict[str, Any]]) -> Cont
         "grid": [c.to_dict() for c in grid],
         "grid_s": grid_s,
         "grid_admissible": admissible,
-        "grid_best_any": order[0],
+        "grid_best_any": order[0] if order else None,
         "finalists": [c.to_dict() for c in finalists],
         "final_s": [statistics.median(final_s[i]) for i in range(len(finalists))],
         "sessions": [session_json(r) for r in runs],
@@ -510,12 +516,13 @@ def break_even_steps(steps: int, seconds: float, default_s: float, tuned_s: floa
     return math.ceil(spent / saving)
 
 
-def fraction(job: dict[str, Any], config: dict[str, Any]) -> float:
-    """The final-round throughput of ``config`` over the grid's best finalist's."""
+def fraction(job: dict[str, Any], config: dict[str, Any]) -> float | None:
+    """The final-round throughput of ``config`` over the grid's best finalist's (None
+    without a grid)."""
     finalists = [TrialConfig.from_dict(c).key() for c in job["finalists"]]
     grid_keys = {TrialConfig.from_dict(c).key() for c in job["grid"]}
-    best = min(float(s) for k, s in zip(finalists, job["final_s"], strict=True) if k in grid_keys)
-    return best / seconds_of(job, config)
+    grid_s = [float(s) for k, s in zip(finalists, job["final_s"], strict=True) if k in grid_keys]
+    return min(grid_s) / seconds_of(job, config) if grid_s else None
 
 
 def seconds_of(job: dict[str, Any], config: dict[str, Any]) -> float:
@@ -535,19 +542,21 @@ def summarise(job: dict[str, Any]) -> dict[str, Any]:
         "grid_configs": len(job["grid"]),
         "default_samples_per_s": round(BATCH_SIZE / default_s, 1),
     }
-    grid = job["grid"]
-    best_any = grid[job["grid_best_any"]]
-    out["grid_best_any"] = TrialConfig.from_dict(best_any).describe()
-    out["grid_best_any_ratio_vs_default"] = round(default_s / seconds_of(job, best_any), 4)
+    out["grid_best_any"] = out["grid_best_any_ratio_vs_default"] = None
+    if job["grid_best_any"] is not None:
+        best_any = job["grid"][job["grid_best_any"]]
+        out["grid_best_any"] = TrialConfig.from_dict(best_any).describe()
+        out["grid_best_any_ratio_vs_default"] = round(default_s / seconds_of(job, best_any), 4)
     sessions = {}
     for s in job["sessions"]:
         tuned_s = seconds_of(job, s["final_config"])
+        part = fraction(job, s["final_config"])
         sessions[s["name"]] = {
             "final_config": TrialConfig.from_dict(s["final_config"]).describe(),
             "trials_used": s["trials_used"],
             "rejected_codecs": s["rejected"],
             "evidence": s["evidence"],
-            "fraction_of_grid_best": round(fraction(job, s["final_config"]), 4),
+            "fraction_of_grid_best": None if part is None else round(part, 4),
             "ratio_vs_default": round(default_s / tuned_s, 4),
             "steps": s["steps"],
             "seconds": round(s["seconds"], 1),
@@ -575,7 +584,7 @@ def table(link: str, summary: dict[str, Any]) -> str:
         ("session", lambda x: x[0]),
         ("ended on", lambda x: x[1]["final_config"]),
         ("trials", lambda x: str(x[1]["trials_used"])),
-        ("of grid best", lambda x: f"{x[1]['fraction_of_grid_best']:.3f}"),
+        ("of grid best", lambda x: _num(x[1]["fraction_of_grid_best"])),
         ("vs default", lambda x: f"{x[1]['ratio_vs_default']:.3f}x"),
         ("steps", lambda x: str(x[1]["steps"])),
         ("seconds", lambda x: f"{x[1]['seconds']:.0f}"),
@@ -583,13 +592,21 @@ def table(link: str, summary: dict[str, Any]) -> str:
         ("rejected", lambda x: ", ".join(x[1]["rejected_codecs"]) or "-"),
     ]
     link_text = "unmeasured" if summary["link_gbit_s"] is None else f"{summary['link_gbit_s']:.2f}"
+    grid = "no grid"
+    if summary["grid_best_any"] is not None:
+        grid = (
+            f"grid {summary['grid_configs']} configs, best {summary['grid_best_any']} "
+            f"({summary['grid_best_any_ratio_vs_default']:.3f}x default)"
+        )
     return (
         f"link {link}: link check {link_text} Gbit/s, communication "
-        f"{summary['communication_ratio']:.2f} of the step; grid {summary['grid_configs']} "
-        f"configs, best {summary['grid_best_any']} "
-        f"({summary['grid_best_any_ratio_vs_default']:.3f}x default)\n"
+        f"{summary['communication_ratio']:.2f} of the step; {grid}\n"
         + _table.format_table(columns, rows)
     )
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -655,11 +672,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = []
         if link == "shaped" and real is not None and real.session.final_config is not None:
             extra.append(real.session.final_config.to_dict())
-        note(f"[{link}] {world} ranks, grid {len(plan.space.grid())} configs + sessions ...")
-        job = run_job(plan, world, rates, extra)
+        link_plan = plan if link != "hetero4" else replace(plan, compare=False)
+        note(f"[{link}] {world} ranks, sessions {[n for n, _, _ in link_plan.sessions()]} ...")
+        job = run_job(link_plan, world, rates, extra)
         summary = summarise(job)
         if extra:
-            summary["real_path_fraction_of_grid_best"] = round(fraction(job, extra[0]), 4)
+            summary["real_path_fraction_of_grid_best"] = fraction(job, extra[0])
         summary["wall_s"] = round(time.perf_counter() - link_started, 1)
         summaries[link] = summary
         print(table(link, summary), end="\n\n", flush=True)
