@@ -40,10 +40,16 @@ the session cost nothing, null when the tuned config is not faster).
 
 Prints a table per link; the last line of stdout is one JSON object (keys in ``main``).
 
+The figures are only as good as the machine is quiet: on 2 cores shared with ~35
+runnable processes, step times moved 2-3x between neighbouring measurements and every
+comparison drowned in it. Run it on a quiet machine.
+
 Usage::
 
-    python benchmarks/autotune.py --quick   # smaller space, 1 random search
-    python benchmarks/autotune.py           # the full space; ~30 min on 2 busy cores
+    python benchmarks/autotune.py --quick --hidden 512  # 35 configs, 1 random search;
+                                                        # ~10 min per link on 2 busy cores
+    python benchmarks/autotune.py                       # 90 configs, 3 random searches
+    python benchmarks/autotune.py --links shaped --real-only  # session cost and alerts
 """
 
 from __future__ import annotations
