@@ -69,12 +69,16 @@ class FakeJobs:
     def __init__(self) -> None:
         self.configs: dict[str, dict[str, Any]] = {}
         self.summaries: dict[str, dict[str, Any]] = {}
+        self.links: dict[str, dict[str, Any]] = {}
 
     def job_config(self, job: str) -> dict[str, Any] | None:
         return self.configs.get(job)
 
     def job_summary(self, job: str) -> dict[str, Any] | None:
         return self.summaries.get(job)
+
+    def link_reading(self, job: str) -> dict[str, Any] | None:
+        return self.links.get(job)
 
 
 class Recorder:
@@ -170,6 +174,17 @@ async def test_a_session_starts_from_the_jobs_config_and_pushes_it(parts: Parts)
         parts.registry.get_sample_value("torshmon_tuner_state", {"job": "j", "state": "applying"})
         == 1.0
     )
+    await manager.aclose()
+
+
+async def test_a_session_takes_the_slowest_link_of_the_jobs_link_check(parts: Parts) -> None:
+    parts.jobs.configs["j"] = CONFIG
+    parts.jobs.links["j"] = {"bandwidth_by_rank": {"0": 1.2e8, "1": 1.2e8, "2": 3.0e7}}
+    manager = parts.manager(settings=FAST, seed=1)
+    await manager.start()
+    await manager.start_session("j", trigger="test")
+    session = manager.session("j")
+    assert session is not None and session.evidence().link_bytes_per_s == 3.0e7
     await manager.aclose()
 
 

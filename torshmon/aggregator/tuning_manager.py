@@ -47,6 +47,7 @@ from torshmon.aggregator.core.tuner import (
     TunerSettings,
     TuningSession,
 )
+from torshmon.aggregator.core.tuner.prior import slowest_link
 from torshmon.aggregator.core.tuner.state import Phase
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.codecs import MIB
@@ -88,6 +89,8 @@ class JobView(Protocol):
     def job_config(self, job: str) -> dict[str, Any] | None: ...
 
     def job_summary(self, job: str) -> dict[str, Any] | None: ...
+
+    def link_reading(self, job: str) -> dict[str, Any] | None: ...
 
 
 class AlertSink(Protocol):
@@ -251,7 +254,8 @@ class TuningManager:
         now = self._clock()
         entry = _Active(session_id, job, trigger, TuningSession(space, settings, seed=seed), now)
         self._active[job] = entry
-        decision = entry.session.start(now, baseline)
+        link = slowest_link(self._jobs.link_reading(job))
+        decision = entry.session.start(now, baseline, link_bytes_per_s=link)
         log.info("tuning %s: session %s started (%s)", job, session_id, trigger)
         await self._execute(entry, decision)
         return session_id

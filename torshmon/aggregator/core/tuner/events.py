@@ -29,7 +29,9 @@ class StepSample:
 
     Throughput is ``samples_per_s`` when the job reports batch sizes, else steps per
     second from ``duration_s``. ``relative_errors`` are the sampled per-bucket codec
-    errors of the step (empty on unsampled steps).
+    errors of the step (empty on unsampled steps); ``comm_wait_s`` the time the step
+    waited for communication and ``bucket_count`` the DDP buckets it reduced (None where
+    not reported): the prior reads them while the baseline is measured.
     """
 
     step: int
@@ -39,6 +41,8 @@ class StepSample:
     loss: float | None = None
     loss_nonfinite: bool = False
     relative_errors: tuple[float, ...] = ()
+    comm_wait_s: float | None = None
+    bucket_count: int | None = None
 
     @classmethod
     def from_record(cls, record: StepRecord) -> StepSample:
@@ -53,7 +57,16 @@ class StepSample:
             relative_errors=tuple(
                 b.relative_error for b in record.buckets if b.relative_error is not None
             ),
+            comm_wait_s=record.comm_wait_s,
+            bucket_count=record.ddp.num_buckets_reduced if record.ddp is not None else None,
         )
+
+    def communication_ratio(self) -> float | None:
+        """Communication wait over step time, in [0, 1]; None when not reported."""
+        wait, duration = self.comm_wait_s, self.duration_s
+        if wait is None or duration is None or not (duration > 0 and math.isfinite(wait)):
+            return None
+        return min(max(wait / duration, 0.0), 1.0)
 
     def rate(self) -> tuple[float, str] | None:
         """(throughput, unit), or None when the step carries no usable timing.

@@ -1,4 +1,5 @@
-"""Where a session's proposals come from: the codec and bucket screens, then optuna's TPE.
+"""Where a session's proposals come from: the prior's codec screen and the bucket screen,
+then optuna's TPE (or, as a benchmark's baseline, random draws).
 
 Functions of their inputs alone (the session's seed and what it told the optimiser), so
 a restored session proposes exactly what the original would have.
@@ -7,24 +8,19 @@ a restored session proposes exactly what the original would have.
 from __future__ import annotations
 
 import contextlib
+import random
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 import optuna
 
-from torshmon.aggregator.core.tuner.config import CodecChoice, TrialConfig
+from torshmon.aggregator.core.tuner.config import TrialConfig
+from torshmon.aggregator.core.tuner.prior import Evidence, bucket_factors, first_proposals
 from torshmon.aggregator.core.tuner.settings import TunerSettings
 from torshmon.aggregator.core.tuner.space import SearchSpace
 from torshmon.aggregator.core.tuner.state import Told
 
-#: The codec screen: one choice per family, in order of typical benefit on a slow link.
-SCREEN: Final[tuple[tuple[str, Mapping[str, float | int]], ...]] = (
-    ("powersgd", {"rank": 4}),
-    ("fp16", {}),
-    ("int8", {"bits": 8}),
-    ("topk", {"ratio": 0.01}),
-)
 #: TPE's candidates per ask (optuna's default is 24): with a dozen trials there is no
 #: budget for exploration, so the proposal is the best of many candidates.
 TPE_CANDIDATES: Final = 100
@@ -33,19 +29,28 @@ PENALTY_FACTOR: Final = 0.5
 
 
 def codec_screen(
-    space: SearchSpace, settings: TunerSettings, baseline: TrialConfig
+    space: SearchSpace, settings: TunerSettings, baseline: TrialConfig, evidence: Evidence
 ) -> list[TrialConfig]:
-    """The first proposals: the strongest codecs at the job's own cap."""
-    if not space.tunes_codec:
+    """The first proposals: the codecs the job's evidence points to, at its own cap
+    (none without ``settings.prior``)."""
+    if not settings.prior:
         return []
-    labels = {c.label for c in space.codecs}
-    cap = space.snap_bucket(baseline.bucket_cap_mb) if space.tunes_bucket else None
-    options = [CodecChoice(c, p) for c, p in SCREEN if CodecChoice(c, p).label in labels]
-    return [space.make_config(cap, o, baseline) for o in options][: settings.codec_screen]
+    return first_proposals(
+        space,
+        baseline,
+        evidence,
+        count=settings.codec_screen,
+        compress_above=settings.compress_above,
+        steady_loss_spread=settings.loss_degradation,
+    )
 
 
 def bucket_screen(
-    space: SearchSpace, settings: TunerSettings, best: TrialConfig, baseline: TrialConfig | None
+    space: SearchSpace,
+    settings: TunerSettings,
+    best: TrialConfig,
+    baseline: TrialConfig | None,
+    evidence: Evidence,
 ) -> list[TrialConfig]:
     """After the codec screen: the incumbent's codec (``best``) at caps a factor either
     way, so that the optimiser learns early which way the bucket size goes."""
@@ -54,8 +59,24 @@ def bucket_screen(
     option = best.choice if space.tunes_codec else None
     return [
         space.make_config(space.snap_bucket(best.bucket_cap_mb * f), option, baseline)
-        for f in settings.bucket_screen
+        for f in bucket_factors(settings.bucket_screen, evidence)
     ]
+
+
+def random_proposal(
+    space: SearchSpace,
+    baseline: TrialConfig,
+    seed: int,
+    told: int,
+    known: Callable[[TrialConfig], bool],
+) -> TrialConfig | None:
+    """A config of the space's grid not ``known`` yet, drawn at random: a function of
+    ``seed`` and the number of points told, like ``ask``. None when none is left."""
+    pool = [c for c in space.grid(baseline, steps_per_octave=space.steps_per_octave)]
+    pool = [c for c in pool if not known(c)]
+    if not pool:
+        return None
+    return random.Random(seed * 1_000_003 + told).choice(pool)
 
 
 def ask(

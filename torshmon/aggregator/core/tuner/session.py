@@ -25,7 +25,13 @@ from torshmon.aggregator.core.tuner.events import (
     Trial,
     TrialDecision,
 )
-from torshmon.aggregator.core.tuner.proposals import ask, bucket_screen, codec_screen
+from torshmon.aggregator.core.tuner.prior import Evidence, spread
+from torshmon.aggregator.core.tuner.proposals import (
+    ask,
+    bucket_screen,
+    codec_screen,
+    random_proposal,
+)
 from torshmon.aggregator.core.tuner.settings import TunerSettings
 from torshmon.aggregator.core.tuner.space import SearchSpace
 from torshmon.aggregator.core.tuner.state import (
@@ -175,17 +181,25 @@ class TuningSession:
 
     # -- events --------------------------------------------------------------------------
 
-    def start(self, now: float, baseline_config: TrialConfig) -> Decision:
+    def start(
+        self, now: float, baseline_config: TrialConfig, *, link_bytes_per_s: float | None = None
+    ) -> Decision:
         """Begin: re-apply the job's own config and measure it as the baseline.
 
-        TunerError if the session was already started.
+        ``link_bytes_per_s``: the job's slowest link as its latest link check measured
+        it (None: not measured); with what the baseline shows, the prior's evidence.
+        TunerError if the session was already started or the bandwidth is not positive.
         """
         s = self._s
         if s.phase != "created":
             raise TunerError(f"the session has already started (phase {s.phase!r})")
+        if link_bytes_per_s is not None and not (
+            math.isfinite(link_bytes_per_s) and link_bytes_per_s > 0
+        ):
+            raise TunerError(f"link_bytes_per_s must be > 0, got {link_bytes_per_s!r}")
         s.started_unix_s = now
         s.baseline = s.current = baseline_config
-        s.screen = codec_screen(s.space, s.settings, baseline_config)
+        s.link_bytes_per_s = link_bytes_per_s
         s.trials.append(Trial(0, "baseline", baseline_config, now))
         return self._apply(now, baseline_config, "baseline", 0, "measure the job's own config")
 
@@ -283,6 +297,8 @@ class TuningSession:
             return None
         if not s.unit:
             s.unit = rate[1]
+        if self._active().kind == "baseline":
+            self._observe_baseline(sample)
         seg.rates.append(rate[0])
         if sample.loss is not None:
             seg.losses.append(sample.loss)
@@ -296,6 +312,26 @@ class TuningSession:
         return self._close_window(now)
 
     # -- measuring -----------------------------------------------------------------------
+
+    def _observe_baseline(self, sample: StepSample) -> None:
+        """Keep what the prior reads from the baseline's measured steps."""
+        s = self._s
+        ratio = sample.communication_ratio()
+        if ratio is not None:
+            s.comm_ratios.append(ratio)
+        if sample.bucket_count is not None:
+            s.bucket_count = sample.bucket_count
+
+    def evidence(self) -> Evidence:
+        """What the job has told the prior so far (complete once the baseline is measured)."""
+        s = self._s
+        losses = s.trials[0].loss_windows if s.trials else ()
+        return Evidence(
+            link_bytes_per_s=s.link_bytes_per_s,
+            communication_ratio=statistics.median(s.comm_ratios) if s.comm_ratios else None,
+            bucket_count=s.bucket_count,
+            loss_spread=spread(losses),
+        )
 
     def _measure(self, now: float, version: int, first_step: int) -> None:
         s = self._s
@@ -391,6 +427,10 @@ class TuningSession:
         s.loss_reference = list(trial.loss_windows)
         s.measured.append(trial.config)
         self._tell(trial.config, trial.score)
+        if s.settings.proposer == "tpe" and s.baseline is not None:
+            evidence = self.evidence()
+            s.evidence = evidence.describe()
+            s.screen = codec_screen(s.space, s.settings, s.baseline, evidence)
         return self._next(now)
 
     def _improved(self, now: float, trial: Trial, p: float, change: str) -> Decision | None:
@@ -462,7 +502,10 @@ class TuningSession:
             return self._conclude(now, "the optimiser converged")
         index = len(s.trials)
         s.trials.append(Trial(index, "trial", config, now))
-        return self._apply(now, config, "trial", index, f"trial {index}: {config.describe()}")
+        reason = f"trial {index}: {config.describe()}"
+        if index == 1 and s.evidence:
+            reason += f" (the job told: {s.evidence})"  # what the first proposals rest on
+        return self._apply(now, config, "trial", index, reason)
 
     def _rollback(self, now: float, why: str) -> Decision | None:
         incumbent = self._s.trials[self._s.incumbent].config
@@ -544,11 +587,13 @@ class TuningSession:
         s = self._s
         if s.baseline is None:  # pragma: no cover - set by start()
             raise TunerError("internal: no baseline")
+        if s.settings.proposer == "random":
+            return random_proposal(s.space, s.baseline, s.seed, len(s.told), self._known)
         while s.screen or not s.bucket_screened:
             if not s.screen:
                 s.bucket_screened = True
                 s.screen = bucket_screen(
-                    s.space, s.settings, s.trials[s.incumbent].config, s.baseline
+                    s.space, s.settings, s.trials[s.incumbent].config, s.baseline, self.evidence()
                 )
                 continue
             config = s.screen.pop(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from torshmon.aggregator.core.tuner.config import (
     DEFAULT_MAX_RELATIVE_ERROR,
@@ -52,11 +52,14 @@ class TunerSettings:
     )
     min_error_samples: int = 1
     loss_degradation: float = 0.1
-    codec_screen: int = 1
+    prior: bool = True
+    compress_above: float = 0.4
+    codec_screen: int = 2
     bucket_screen: tuple[float, ...] = (0.125, 8.0)
     n_startup_trials: int = 3
     max_repeats: int = 5
     max_failures: int = 3
+    proposer: Literal["tpe", "random"] = "tpe"
     apply_timeout_s: float = 300.0
     step_timeout_s: float = 300.0
 
@@ -81,6 +84,9 @@ class TunerSettings:
         at_least("max_failures", self.max_failures, 1)
         in_open_interval("alpha", self.alpha, 0.0, 1.0)
         in_open_interval("min_improvement", self.min_improvement, 0.0, 1.0, closed_low=True)
+        in_open_interval("compress_above", self.compress_above, 0.0, 1.0, closed_low=True)
+        if self.proposer not in ("tpe", "random"):
+            raise TunerError(f"proposer must be 'tpe' or 'random', got {self.proposer!r}")
         in_open_interval("loss_degradation", self.loss_degradation, 0.0, math.inf)
         in_open_interval("apply_timeout_s", self.apply_timeout_s, 0.0, math.inf)
         in_open_interval("step_timeout_s", self.step_timeout_s, 0.0, math.inf)

@@ -65,6 +65,12 @@ class SessionState:
     repeats: int = 0
     failures: int = 0
     loss_reference: list[float] = field(default_factory=list)
+    #: What the job told (the prior's evidence): the link check's slowest link at start,
+    #: then rank 0's communication ratios and bucket count while the baseline ran.
+    link_bytes_per_s: float | None = None
+    comm_ratios: list[float] = field(default_factory=list)
+    bucket_count: int | None = None
+    evidence: str = ""
     unit: str = ""
     deadline_unix_s: float | None = None
     started_unix_s: float | None = None
