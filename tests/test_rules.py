@@ -52,7 +52,6 @@ def test_default_rules_encode_the_design_table() -> None:
         "Memory Leak",
         "Slow Link",
         "Input Bound",
-        "GPU Memory Nearly Full",
         "Agent Down",
     ]
     agent = by_name["Agent Down"]
@@ -113,13 +112,11 @@ def test_default_rules_encode_the_design_table() -> None:
         {"category": "input"},
         60.0,
     )
-    gpu_memory = by_name["GPU Memory Nearly Full"]
-    assert (gpu_memory.kind, dict(gpu_memory.matchers), gpu_memory.severity) == (
-        "bottleneck",
-        {"category": "gpu_memory"},
-        "critical",
+    # GPU memory alerts once, per GPU, from NVML (High GPU Memory Usage, the seeds' 90%):
+    # the report's gpu_memory finding (95%) is a series and a rule kind, not a second alert.
+    assert not any(
+        r.kind == "bottleneck" and dict(r.matchers).get("category") == "gpu_memory" for r in rules
     )
-    assert gpu_memory.actions == ("notify", "recommend_memory")
     assert rules.source == "default_rules.yaml"
 
 
