@@ -16,6 +16,7 @@ import pytest
 
 from tests.integration import wire_factory as wf
 from tests.integration.aggregator_thread import AggregatorThread
+from torshmon.aggregator.http.guard import SESSION_COOKIE, session_cookie
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.wire import EvidenceFile
 
@@ -40,8 +41,11 @@ def agg(tmp_path: Path) -> Iterator[AggregatorThread]:
         yield thread
 
 
-def _download(agg: AggregatorThread, path: str, token: str = TOKEN) -> tuple[int, bytes]:
-    req = urllib.request.Request(agg.url + path, headers={"Authorization": f"Bearer {token}"})
+def _download(
+    agg: AggregatorThread, path: str, token: str = TOKEN, cookie: str | None = None
+) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {token}"} if cookie is None else {"Cookie": cookie}
+    req = urllib.request.Request(agg.url + path, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, resp.read()
@@ -98,6 +102,11 @@ def test_files_are_kept_listed_downloaded_and_capped(agg: AggregatorThread, tmp_
     status, data = _download(agg, kept["url"])
     assert status == 200 and json.loads(gzip.decompress(data)) == json.loads(dump)
     assert _download(agg, kept["url"], token="wrong")[0] == 401
+    # The report page links here: a browser signed in to the pages downloads with its
+    # session cookie; a forged one is refused.
+    status, data = _download(agg, kept["url"], cookie=f"{SESSION_COOKIE}={session_cookie(TOKEN)}")
+    assert status == 200 and json.loads(gzip.decompress(data)) == json.loads(dump)
+    assert _download(agg, kept["url"], cookie=f"{SESSION_COOKIE}={session_cookie('x')}")[0] == 401
     status, data = _download(agg, f"/api/v1/evidence/{capture}/1/profiler_trace.json")
     assert status == 404 and b"cap of" in data
 

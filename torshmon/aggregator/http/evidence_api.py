@@ -105,7 +105,9 @@ class _EvidenceHandlers:
         )
 
     async def download(self, request: web.Request) -> web.StreamResponse:
-        self._auth(request)
+        # A read: the report page links here, so its session cookie is enough.
+        if not self._guard.signed_in(request.headers, request.cookies):
+            raise web.HTTPUnauthorized(text="missing or wrong bearer token")
         capture, rank, name = (request.match_info[k] for k in ("capture", "rank", "name"))
         if not rank.isdigit() or name not in FILE_NAMES:
             return error(404, f"no evidence file {capture}/{rank}/{name}")

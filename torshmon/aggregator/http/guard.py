@@ -16,6 +16,7 @@ with a traceback.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -73,6 +74,16 @@ class ServerLog(logging.LoggerAdapter[logging.Logger]):
         super().exception(msg, *args, **kwargs)
 
 
+#: The cookie a signed-in browser sends (the aggregator's pages set it once the token
+#: was given in their sign-in form); its value is ``session_cookie(token)``.
+SESSION_COOKIE: Final = "torshmon_session"
+
+
+def session_cookie(token: str) -> str:
+    """The session cookie's value for ``token``: an HMAC, not the token."""
+    return hmac.new(token.encode(), b"torshmon page session v1", hashlib.sha256).hexdigest()
+
+
 class RequestGuard:
     """Refuses requests a web page could have made: a Host that is not one of the
     aggregator's names (421), another origin (403), a body that is not JSON (415).
@@ -96,6 +107,17 @@ class RequestGuard:
             return True
         given = headers.get("Authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode())
+
+    def signed_in(self, headers: Mapping[str, str], cookies: Mapping[str, str]) -> bool:
+        """Whether a browser's request may read: the bearer token, or the session cookie
+        the sign-in page set (``SESSION_COOKIE``). Reads only: every change to a job
+        still takes the bearer token."""
+        if self.authorized(headers):
+            return True
+        cookie = cookies.get(SESSION_COOKIE, "")
+        return self._token is not None and hmac.compare_digest(
+            cookie.encode(), session_cookie(self._token).encode()
+        )
 
     def check(self, method: str, headers: Mapping[str, str], path: str = "") -> None:
         """Raise the HTTP error that refuses a request with ``method`` and ``headers``

@@ -12,7 +12,6 @@ a few hundred milliseconds for a large job).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import math
 import time
@@ -22,7 +21,12 @@ from typing import Any, Final, Protocol
 
 from aiohttp import web
 
-from torshmon.aggregator.http.guard import RequestGuard, read_body
+from torshmon.aggregator.http.guard import (
+    SESSION_COOKIE,
+    RequestGuard,
+    read_body,
+    session_cookie,
+)
 from torshmon.report.model import JobReport, to_json
 from torshmon.report.page import (
     CONTENT_SECURITY_POLICY,
@@ -32,8 +36,6 @@ from torshmon.report.page import (
     render_page,
 )
 
-#: The cookie a signed-in browser sends; its value is ``session_cookie(token)``.
-SESSION_COOKIE: Final = "torshmon_session"
 LOGIN_PATH: Final = "/login"
 #: How often a running job's page reloads itself, seconds; at least 3x the time the
 #: page took to make.
@@ -56,11 +58,6 @@ class ReportSource(Protocol):
     async def job_report(self, job: str, now_unix_s: float) -> JobReport | None: ...
 
     async def job_list(self) -> list[dict[str, Any]]: ...
-
-
-def session_cookie(token: str) -> str:
-    """The session cookie's value for ``token``: an HMAC, not the token."""
-    return hmac.new(token.encode(), b"torshmon page session v1", hashlib.sha256).hexdigest()
 
 
 def html_response(text: str, status: int = 200) -> web.Response:
@@ -95,12 +92,7 @@ class Pages:
         router.add_get("/api/v1/jobs/{job}/summary", self.summary)
 
     def _signed_in(self, request: web.Request) -> bool:
-        if self._guard.authorized(request.headers):  # no token configured, or a bearer
-            return True
-        cookie = request.cookies.get(SESSION_COOKIE, "")
-        return self._token is not None and hmac.compare_digest(
-            cookie.encode(), session_cookie(self._token).encode()
-        )
+        return self._guard.signed_in(request.headers, request.cookies)
 
     def _login_page(self, request: web.Request, *, failed: bool = False) -> web.Response:
         return html_response(render_login(next_url=request.path_qs, failed=failed), 401)
