@@ -61,7 +61,7 @@ def test_each_area_names_its_metric_and_a_concrete_recommendation() -> None:
         for word in words:
             assert word in finding.recommendation, (field, word)
     (io,) = bottleneck_report("demo", JobSnapshot(io_wait_ratio=0.2), 0.0)
-    assert io.labels["metric"] == "io_wait_time_ratio"
+    assert io.labels["metric"] == "node_cpu_iowait_ratio"
     assert io.score == pytest.approx(0.1)
 
 
@@ -96,7 +96,7 @@ def test_findings_are_sorted_most_severe_first() -> None:
         ("communication_time_ratio", "critical"),
         ("memory_utilization_ratio", "critical"),
         ("training_efficiency_ratio", "critical"),
-        ("io_wait_time_ratio", "high"),
+        ("node_cpu_iowait_ratio", "high"),
         ("gpu_utilization_ratio", "medium"),
     ]
     ranks = [SEVERITIES.index(s) for _, s in _metrics(snap)]

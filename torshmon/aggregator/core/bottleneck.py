@@ -175,7 +175,7 @@ def bottleneck_report(
     io_wait = s.io_wait_ratio
     if io_wait is not None and io_wait > t.io_wait_high_ratio:
         add(
-            "io_wait_time_ratio",
+            "node_cpu_iowait_ratio",
             "io",
             io_wait,
             t.io_wait_high_ratio,

@@ -389,7 +389,7 @@ class LiveState:
         add = self.series.add
         add("cpu_utilization_ratio", node, ts, sample.cpu_utilization_ratio)
         add("memory_utilization_ratio", node, ts, sample.memory_utilization_ratio)
-        add("io_wait_time_ratio", node, ts, sample.io_wait_ratio)
+        add("node_cpu_iowait_ratio", node, ts, sample.io_wait_ratio)
         for gpu in sample.gpus:
             add(
                 "gpu_utilization_ratio",
