@@ -13,7 +13,9 @@ from torshmon.wire import AppliedConfig, ConfigRejection
 
 
 class CollectiveEvent(NamedTuple):
-    """One collective call. ``blocking`` is True when the caller waited for it."""
+    """One collective call. ``blocking`` is True when the caller waited for it
+    whole; otherwise ``wait_ns`` is how long the caller was blocked waiting on it
+    (functional collectives' ``wait_tensor``), where known."""
 
     op: str
     pg: str
@@ -23,6 +25,7 @@ class CollectiveEvent(NamedTuple):
     start_ns: int
     end_ns: int
     blocking: bool
+    wait_ns: int = 0
 
 
 class BucketEvent(NamedTuple):
@@ -65,6 +68,7 @@ class RawStep:
     loss: object
     events: StepEvents
     ddp_logging: dict[str, object] | None
+    input_wait_ns: int | None = None
     config_version: int = 0
     applied_config: AppliedConfig | None = None
     config_rejections: list[ConfigRejection] = field(default_factory=list)

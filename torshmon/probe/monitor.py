@@ -137,6 +137,11 @@ class Monitor:
         self._step = 0
         self._step_start_ns = 0
         self._in_step = False
+        # When the previous step scope was left, and whether the module ran a
+        # forward pass since (an eval pass): what input_wait_s is measured from.
+        self._last_exit_ns: int | None = None
+        self._forward_between_steps = False
+        self._input_wait_ns: int | None = None
         self._closed = False
         self._failure_log = LogLimiter()  # once per kind of record
         self._inflight = InflightTable()
@@ -285,6 +290,8 @@ class Monitor:
             log.warning("torshmon: DDP on a subgroup: live reconfiguration is off")
 
     def _on_grad(self, param: Any) -> None:
+        if not self._in_step:
+            return  # a backward pass outside mon.step() belongs to no step
         events = self._events
         events.last_grad_ns = time.perf_counter_ns()
         self._last_grad_param = id(param)
@@ -305,12 +312,18 @@ class Monitor:
         self._inflight.end(token)
 
     def _on_forward_start(self, _module: Any, _args: Any) -> None:
+        if not self._in_step:
+            # An eval pass (or any forward outside mon.step()): not a training
+            # step's forward, and the gap it sits in is not input wait.
+            self._forward_between_steps = True
+            return
         events = self._events
         if events.forward_start_ns is None:
             events.forward_start_ns = time.perf_counter_ns()
 
     def _on_forward_end(self, _module: Any, _args: Any, _output: Any) -> None:
-        self._events.forward_end_ns = time.perf_counter_ns()
+        if self._in_step:
+            self._events.forward_end_ns = time.perf_counter_ns()
 
     def _hello(self) -> Hello:
         return Hello(
@@ -331,8 +344,13 @@ class Monitor:
     def _enter_step(self) -> None:
         if self._in_step:
             raise RuntimeError("mon.step() scopes cannot be nested")
-        self._in_step = True
         self._step_start_ns = time.perf_counter_ns()
+        last_exit, self._last_exit_ns = self._last_exit_ns, None
+        self._input_wait_ns = None
+        if last_exit is not None and not self._forward_between_steps:
+            self._input_wait_ns = self._step_start_ns - last_exit
+        self._forward_between_steps = False
+        self._in_step = True
 
     def _exit_step(self, scope: StepScope, *, failed: bool) -> None:
         end_ns = time.perf_counter_ns()
@@ -371,6 +389,7 @@ class Monitor:
                     loss=loss,
                     events=events,
                     ddp_logging=ddp_logging,
+                    input_wait_ns=self._input_wait_ns,
                     config_version=config_version,
                     applied_config=applied,
                     config_rejections=rejections,
@@ -378,6 +397,9 @@ class Monitor:
             )
         except Exception:
             self._note_failure("step")
+        finally:
+            # After torshmon's own end-of-step work: that is not the loader's time.
+            self._last_exit_ns = time.perf_counter_ns()
 
     def _on_commands(self, commands: list[Command]) -> None:
         """Commands relayed by the agent (shipper thread): validate and queue them."""
