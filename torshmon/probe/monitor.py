@@ -198,8 +198,7 @@ class Monitor:
         """
         if self._reconfig is None:
             raise RuntimeError(
-                "live reconfiguration needs a DDP module whose process group spans the "
-                "whole job and carries torshmon's comm hook"
+                "live reconfiguration needs a DDP module whose process group spans the whole job"
             )
         return self._reconfig.request(
             bucket_cap_mb=bucket_cap_mb,
@@ -270,19 +269,28 @@ class Monitor:
             for param in module.parameters()
             if param.requires_grad
         }
-        if _torch_compat.has_comm_hook(module):
-            # A hook of the job's own stays; rebuilding the Reducer would drop it.
-            log.warning("torshmon: the job has its own comm hook: buckets untimed, no retuning")
-            return
         hook = DispatchingCommHook(
             module.process_group, self._ddp_pg_label, self._inflight, self._current_events
         )
-        if self._bucket_timing:
+        job_hook = _torch_compat.job_comm_hook(module)
+        if job_hook is not None:
+            # The job's hook stays (torshmon's would replace it and change results):
+            # buckets go untimed, and a config that would drop or replace it is refused.
+            log.warning(
+                "torshmon: the job has its own comm hook (%s): buckets untimed; %s",
+                job_hook.name,
+                "no codec changes" if job_hook.builtin is not None else "no retuning",
+            )
+        elif self._bucket_timing:
             hook.register(module)
         self._hook = hook
         if dist.get_world_size(module.process_group) == self.world_size:
             self._reconfig = Reconfigurator(
-                module, hook, sync_every=self._sync_every, hook_always=self._bucket_timing
+                module,
+                hook,
+                sync_every=self._sync_every,
+                hook_always=self._bucket_timing and job_hook is None,
+                job_hook=job_hook,
             )
         else:
             # new_group() is collective over the whole job; with DDP on a
