@@ -1,10 +1,12 @@
 """Overhead of the torshmon probe on a real 2-rank gloo DDP job, next to torch.profiler.
 
-One run interleaves three configurations in every rank process:
+One run interleaves four configurations in every rank process:
 
 - ``bare``: plain DDP;
 - ``probe``: DDP with ``torshmon.attach`` and ``mon.step()`` around each step,
   shipping its records to a real ``ProbeReceiver`` running in this process;
+- ``probe_buckets``: the same with ``bucket_timing=True`` (every bucket timed
+  through torshmon's Python comm hook);
 - ``profiler``: DDP inside ``torch.profiler.profile(activities=[CPU])``.
 
 on two models: ``small`` (many small parameters, 40 DDP buckets per step, the
@@ -47,7 +49,7 @@ from torshmon.agent.receiver import ThreadedReceiver
 from torshmon.launch import run_ranks
 from torshmon.wire import Batch, ProbeMessage
 
-CONFIGS: tuple[str, ...] = ("bare", "probe", "profiler")
+CONFIGS: tuple[str, ...] = ("bare", "probe", "probe_buckets", "profiler")
 WORLD_SIZE = 2
 
 StepFn = Callable[[], torch.Tensor]
@@ -252,12 +254,13 @@ def _session(
     """Set up one config for one round; yields the per-step scope factory."""
     if config == "bare":
         yield contextlib.nullcontext
-    elif config == "probe":
+    elif config in ("probe", "probe_buckets"):
         monitor = torshmon.attach(
             ddp,
             job="overhead-bench",
             agent_socket=plan.agent_socket,
             flush_interval_s=plan.flush_interval_s,
+            bucket_timing=config == "probe_buckets",
         )
         try:
             yield lambda: monitor.step(batch_size=spec.batch_size)

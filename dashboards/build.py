@@ -521,7 +521,7 @@ def job_overview() -> Dashboard:
             ),
             timeseries(
                 "I/O wait",
-                q(f"torshmon_io_wait_time_ratio{{{NODES}}}", "{{node}}"),
+                q(f"torshmon_node_cpu_iowait_ratio{{{NODES}}}", "{{node}}"),
                 unit="percentunit",
                 min_value=0,
                 thresholds=(("green", None), ("orange", 0.1)),

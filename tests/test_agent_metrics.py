@@ -143,7 +143,7 @@ def test_node_metrics_and_network_per_interface() -> None:
     value = registry.get_sample_value
     assert value("torshmon_cpu_utilization_ratio", node) == 0.25
     assert value("torshmon_memory_utilization_ratio", node) == 0.5
-    assert value("torshmon_io_wait_time_ratio", node) == 0.01
+    assert value("torshmon_node_cpu_iowait_ratio", node) == 0.01
     assert value("torshmon_disk_written_bytes_total", node) == 4000
     assert value("torshmon_network_receive_bytes_total", {**node, "interface": "eth0"}) == 900
     assert value("torshmon_network_transmit_bytes_total", {**node, "interface": "ib0"}) == 200

@@ -77,7 +77,7 @@ def test_node_io_wait_stands_in_only_where_input_wait_is_not_measured() -> None:
     (io,) = bottleneck_report("demo", JobSnapshot(io_wait_ratio=0.2), 0.0)
     assert (io.category, io.details["metric"], io.expected_gain_ratio) == (
         "input",
-        "io_wait_time_ratio",
+        "node_cpu_iowait_ratio",
         None,
     )
     assert io.score == pytest.approx(0.1)

@@ -58,7 +58,7 @@ class FakeWork:
 
 def _event(start_ns: int, end_ns: int, device: Any = None) -> CollectiveEvent:
     return CollectiveEvent(
-        "all_reduce", "default", 2, "float32", 4096, start_ns, end_ns, True, device
+        "all_reduce", "default", 2, "float32", 4096, start_ns, end_ns, True, device=device
     )
 
 

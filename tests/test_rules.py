@@ -403,7 +403,7 @@ def test_known_metrics_cover_what_the_aggregator_feeds() -> None:
         "loss",
         "cpu_utilization_ratio",
         "memory_utilization_ratio",
-        "io_wait_time_ratio",
+        "node_cpu_iowait_ratio",
         "gpu_utilization_ratio",
         "gpu_memory_utilization_ratio",
         "rank_memory_rss_bytes",

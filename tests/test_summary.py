@@ -107,3 +107,28 @@ def test_comm_wait_after_the_last_gradient_when_ddp_reduces_in_cpp() -> None:
     assert record.comm_wait_s == pytest.approx(0.015)
     assert record.backward_s == pytest.approx(0.055)
     assert record.buckets == []
+
+
+def test_a_functional_collective_counts_the_time_its_caller_waited_not_its_whole_span() -> None:
+    events = StepEvents(
+        collectives=[
+            # launched at 10 ms, waited on from 30 ms to 34 ms (wait_tensor)
+            CollectiveEvent(
+                "all_reduce", "default", 2, "float32", 4, 10 * MS, 34 * MS, False, 4 * MS
+            ),
+            # an async op nobody was seen waiting on
+            CollectiveEvent("broadcast", "default", 2, "float32", 4, 40 * MS, 60 * MS, False),
+        ]
+    )
+    record = summarize_step(_raw(events))
+    assert record.comm_wait_s == pytest.approx(0.004)
+    assert record.comm_busy_s == pytest.approx(0.024 + 0.020)
+
+
+def test_input_wait_is_reported_in_seconds_and_stays_out_of_the_step() -> None:
+    raw = _raw(StepEvents())
+    raw.input_wait_ns = 250 * MS
+    record = summarize_step(raw)
+    assert record.input_wait_s == pytest.approx(0.25)
+    assert record.duration_s == pytest.approx(0.1)
+    assert summarize_step(_raw(StepEvents())).input_wait_s is None

@@ -163,7 +163,10 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     ``comm_wait_s`` is communication the step waited for (blocking collectives
     plus DDP bucket reduction not hidden behind backward compute);
     ``compute_s`` is ``duration_s - comm_wait_s``. Phase splits are ``None``
-    where they cannot be measured (no DDP module attached). JSON has no NaN: a
+    where they cannot be measured (no DDP module attached). ``input_wait_s`` is
+    the time from the previous step's end to this step's start (the data
+    loader), outside ``duration_s``; ``None`` for the first step and where the
+    module ran a forward pass in between (an eval pass is not input wait). JSON has no NaN: a
     NaN or infinite loss is sent as ``loss=None, loss_nonfinite=True``.
     ``config_version`` is the communication config the step ran with;
     ``applied_config`` is set on the step at whose end a new one was applied.

@@ -353,7 +353,7 @@ def test_metrics_are_valid_exposition_with_node_and_rank_series(
         # the aggregator only (one exporter per series).
         for name in (
             "torshmon_memory_utilization_ratio",
-            "torshmon_io_wait_time_ratio",
+            "torshmon_node_cpu_iowait_ratio",
             "torshmon_rank_memory_rss_bytes",
             "torshmon_rank_cpu_seconds_total",
             "torshmon_rank_info",

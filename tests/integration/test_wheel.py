@@ -104,8 +104,7 @@ def test_a_bad_rule_file_is_one_line_from_the_wheel(installed: Path, tmp_path: P
 def test_the_sdist_carries_what_a_user_builds_and_tests_with(tmp_path: Path) -> None:
     """The source distribution: license, migrations, tests and their data, dashboards."""
     code = (
-        "import sys; from setuptools import build_meta; "
-        "print(build_meta.build_sdist(sys.argv[1]))"
+        "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)],

@@ -127,7 +127,7 @@ def _node_families(sample: NodeSample) -> Iterator[Metric]:
         (catalogue.CPU_UTILIZATION_RATIO, sample.cpu_utilization_ratio),
         (catalogue.MEMORY_UTILIZATION_RATIO, sample.memory_utilization_ratio),
         (catalogue.MEMORY_USED_BYTES, sample.memory_used_bytes),
-        (catalogue.IO_WAIT_TIME_RATIO, sample.io_wait_ratio),
+        (catalogue.NODE_CPU_IOWAIT_RATIO, sample.io_wait_ratio),
         (catalogue.DISK_READ_BYTES_TOTAL, sample.disk_read_bytes_total),
         (catalogue.DISK_WRITTEN_BYTES_TOTAL, sample.disk_write_bytes_total),
     ):

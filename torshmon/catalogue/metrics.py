@@ -200,8 +200,10 @@ MEMORY_UTILIZATION_RATIO: Final = _agent_gauge(
     "memory_utilization_ratio", "Used over total memory, 0..1."
 )
 MEMORY_USED_BYTES: Final = _agent_gauge("memory_used_bytes", "Memory in use.")
-IO_WAIT_TIME_RATIO: Final = _agent_gauge(
-    "io_wait_time_ratio", "CPU time waiting for I/O, 0..1 (0 off Linux)."
+NODE_CPU_IOWAIT_RATIO: Final = _agent_gauge(
+    "node_cpu_iowait_ratio",
+    "The node's CPU time idle waiting for I/O (Linux iowait), 0..1 (0 off Linux); "
+    "not a job's data-loading time (its steps' input_wait_s).",
 )
 NETWORK_RECEIVE_BYTES_TOTAL: Final = _agent_counter(
     "network_receive_bytes_total",

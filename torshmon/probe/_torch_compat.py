@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -91,9 +92,43 @@ def first_bucket_cap_bytes(module: Any) -> int:
     return int(first) if first is not None else int(module.bucket_bytes_cap)
 
 
-def has_comm_hook(module: Any) -> bool:
-    """Whether the job registered a comm hook of its own on this DDP module."""
-    return bool(getattr(module, "_comm_hooks", None))
+@dataclass(frozen=True, slots=True)
+class JobCommHook:
+    """A comm hook the job registered on its DDP module before torshmon attached.
+
+    ``builtin`` is the ``dist.BuiltinCommHookType`` of a C++ hook
+    (``_register_builtin_comm_hook``), which holds no state and can be registered
+    again on a rebuilt Reducer; None for a Python hook, whose state (PowerSGD's
+    error feedback, per-bucket buffers) may depend on the bucket layout.
+    """
+
+    name: str
+    builtin: Any = None
+
+
+def job_comm_hook(module: Any) -> JobCommHook | None:
+    """The comm hook the job registered on this DDP module, or None.
+
+    Python hooks are listed in ``DDP._comm_hooks``; a built-in C++ hook leaves no
+    trace but the name DDP logs for it (``comm_hook`` in its logging data, e.g.
+    ``BuiltinCommHookType.FP16_COMPRESS``). A hook whose kind cannot be told is
+    reported as a Python hook: it is kept, and never carried across a rebuild.
+    """
+    import torch.distributed as dist
+
+    hooks = getattr(module, "_comm_hooks", None)
+    if hooks:
+        names = [str(getattr(hook, "__qualname__", hook)) for hook, _state in hooks]
+        return JobCommHook(", ".join(names))
+    data = ddp_logging_data(module)
+    name = str(data.get("comm_hook") or "") if data is not None else ""
+    if not name:
+        return None
+    prefix, _, member = name.rpartition(".")
+    builtin = None
+    if prefix == "BuiltinCommHookType":
+        builtin = getattr(dist.BuiltinCommHookType, member, None)
+    return JobCommHook(name, builtin)
 
 
 def rebuild_reducer(
@@ -101,10 +136,14 @@ def rebuild_reducer(
     bucket_cap_bytes: int,
     first_bucket_cap_bytes: int,
     hook: Callable[..., Any] | None,
+    builtin_hook: Any = None,
 ) -> None:
     """Replace ``module``'s Reducer by one that buckets at ``bucket_cap_bytes``
     (``first_bucket_cap_bytes`` for the bucket of the last-computed gradients),
-    reducing through ``hook``, or through DDP's own C++ path when it is None.
+    reducing through ``hook``, or through the job's built-in C++ hook
+    ``builtin_hook`` (a ``dist.BuiltinCommHookType``), or through DDP's own C++
+    path when both are None. A new Reducer has no hook: one the job registered
+    is lost unless passed here again.
 
     Follows what DDP itself does in ``__setstate__``: the parameters, the
     optimizer and the module object stay the same. Like a new DDP, the new
@@ -120,6 +159,8 @@ def rebuild_reducer(
     reason = reducer_rebuild_unavailable(module)
     if reason is not None:
         raise RuntimeError(reason)
+    if hook is not None and builtin_hook is not None:
+        raise ValueError("a Reducer takes one comm hook: pass hook or builtin_hook")
     module._bucket_config = dataclasses.replace(
         module._bucket_config,
         bucket_bytes_cap=bucket_cap_bytes,
@@ -138,6 +179,11 @@ def rebuild_reducer(
     if hook is not None:
         module.logger._set_comm_hook_name(getattr(hook, "__qualname__", "torshmon"))
         dist._register_comm_hook(module.reducer, None, hook)
+    elif builtin_hook is not None:
+        # As DDP._register_builtin_comm_hook does (it also names it in the logs,
+        # which is how job_comm_hook finds it again).
+        module.logger._set_comm_hook_name(str(builtin_hook))
+        dist._register_builtin_comm_hook(module.reducer, builtin_hook)
 
 
 def process_groups() -> list[tuple[Any, list[int]]] | None:

@@ -3,7 +3,9 @@
 ``CollectiveTracer.install()`` replaces the collective functions in
 ``torch.distributed`` and ``torch.distributed.distributed_c10d`` (so torch's own
 helpers such as ``all_gather_object`` are seen too) with thin wrappers;
-``uninstall()`` puts the originals back. Code that imported a function by name
+``uninstall()`` puts the originals back. The functional collectives (DTensor,
+tensor parallelism, compiled code), which call the ProcessGroup from C++, are
+recorded at the dispatcher (``functional.py``). Code that imported a function by name
 before ``install()`` keeps the unwrapped one: attach before the training loop.
 (torch compares some of these functions by identity, e.g. ``P2POp(dist.isend, ...)``;
 both sides see the wrapper while it is installed.)
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from torshmon.probe.events import CollectiveEvent, StepEvents
+from torshmon.probe.functional import FunctionalTracer
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.timing import DeviceClock
 from torshmon.ratelog import LogLimiter
@@ -222,6 +225,9 @@ class CollectiveTracer:
         #: times collectives on the device where their backend runs there (NCCL)
         self.device_clock: DeviceClock | None = None
         self._backends: dict[Any, str] = {}
+        # The functional collectives (DTensor, TP, compiled code) bypass the Python
+        # functions wrapped here; they are recorded at the dispatcher instead.
+        self._functional = FunctionalTracer(inflight, events, self.group_info)
 
     # -- installation -----------------------------------------------------------------
     def install(self) -> None:
@@ -239,12 +245,17 @@ class CollectiveTracer:
             for module in (c10d, dist):
                 if getattr(module, name, None) is original:
                     setattr(module, name, wrapper)
+        try:
+            self._functional.install()
+        except Exception:
+            log.warning("torshmon: functional collectives run unmonitored", exc_info=True)
         CollectiveTracer._installed = self
 
     def uninstall(self) -> None:
         """Restore the original functions; safe to call twice."""
         if CollectiveTracer._installed is not self:
             return
+        self._functional.uninstall()
         for name in DESCRIBERS:
             for module in (c10d, dist):
                 current = getattr(module, name, None)
@@ -320,7 +331,7 @@ class CollectiveTracer:
                 else None
             )
             event = CollectiveEvent(
-                name, pg, group_size, dtype_name, size, start, end, True, device
+                name, pg, group_size, dtype_name, size, start, end, True, device=device
             )
             self._events().collectives.append(event)
             return result
@@ -342,8 +353,9 @@ class CollectiveTracer:
     ) -> Any:
         def done() -> None:
             self._inflight.end(token)
+            end = time.perf_counter_ns()
             event = CollectiveEvent(
-                op, pg, group_size, dtype, size, start, time.perf_counter_ns(), False, device
+                op, pg, group_size, dtype, size, start, end, False, device=device
             )
             self._events().collectives.append(event)
 

@@ -13,9 +13,11 @@ from torshmon.wire import AppliedConfig, ConfigRejection
 
 
 class CollectiveEvent(NamedTuple):
-    """One collective call. ``blocking`` is True when the caller waited for it.
-    ``device``: its device timing still to be read (``torshmon.probe.timing``), None
-    where the host's clock times it (gloo) or once read into ``end_ns``."""
+    """One collective call. ``blocking`` is True when the caller waited for it
+    whole; otherwise ``wait_ns`` is how long the caller was blocked waiting on it
+    (functional collectives' ``wait_tensor``), where known. ``device``: its device
+    timing still to be read (``torshmon.probe.timing``), None where the host's clock
+    times it (gloo) or once read into ``end_ns``."""
 
     op: str
     pg: str
@@ -25,6 +27,7 @@ class CollectiveEvent(NamedTuple):
     start_ns: int
     end_ns: int
     blocking: bool
+    wait_ns: int = 0
     device: Any = None
 
 
@@ -68,6 +71,7 @@ class RawStep:
     loss: object
     events: StepEvents
     ddp_logging: dict[str, object] | None
+    input_wait_ns: int | None = None
     config_version: int = 0
     applied_config: AppliedConfig | None = None
     config_rejections: list[ConfigRejection] = field(default_factory=list)

@@ -141,6 +141,11 @@ class Monitor:
         self._step = 0
         self._step_start_ns = 0
         self._in_step = False
+        # When the previous step scope was left, and whether the module ran a
+        # forward pass since (an eval pass): what input_wait_s is measured from.
+        self._last_exit_ns: int | None = None
+        self._forward_between_steps = False
+        self._input_wait_ns: int | None = None
         self._closed = False
         self._failure_log = LogLimiter()  # once per kind of record
         self._inflight = InflightTable()
@@ -201,8 +206,7 @@ class Monitor:
         """
         if self._reconfig is None:
             raise RuntimeError(
-                "live reconfiguration needs a DDP module whose process group spans the "
-                "whole job and carries torshmon's comm hook"
+                "live reconfiguration needs a DDP module whose process group spans the whole job"
             )
         return self._reconfig.request(
             bucket_cap_mb=bucket_cap_mb,
@@ -274,19 +278,28 @@ class Monitor:
             for param in module.parameters()
             if param.requires_grad
         }
-        if _torch_compat.has_comm_hook(module):
-            # A hook of the job's own stays; rebuilding the Reducer would drop it.
-            log.warning("torshmon: the job has its own comm hook: buckets untimed, no retuning")
-            return
         hook = DispatchingCommHook(
             module.process_group, self._ddp_pg_label, self._inflight, self._current_events
         )
-        if self._bucket_timing:
+        job_hook = _torch_compat.job_comm_hook(module)
+        if job_hook is not None:
+            # The job's hook stays (torshmon's would replace it and change results):
+            # buckets go untimed, and a config that would drop or replace it is refused.
+            log.warning(
+                "torshmon: the job has its own comm hook (%s): buckets untimed; %s",
+                job_hook.name,
+                "no codec changes" if job_hook.builtin is not None else "no retuning",
+            )
+        elif self._bucket_timing:
             hook.register(module)
         self._hook = hook
         if dist.get_world_size(module.process_group) == self.world_size:
             self._reconfig = Reconfigurator(
-                module, hook, sync_every=self._sync_every, hook_always=self._bucket_timing
+                module,
+                hook,
+                sync_every=self._sync_every,
+                hook_always=self._bucket_timing and job_hook is None,
+                job_hook=job_hook,
             )
         else:
             # new_group() is collective over the whole job; with DDP on a
@@ -294,6 +307,8 @@ class Monitor:
             log.warning("torshmon: DDP on a subgroup: live reconfiguration is off")
 
     def _on_grad(self, param: Any) -> None:
+        if not self._in_step:
+            return  # a backward pass outside mon.step() belongs to no step
         events = self._events
         events.last_grad_ns = time.perf_counter_ns()
         self._last_grad_param = id(param)
@@ -314,12 +329,18 @@ class Monitor:
         self._inflight.end(token)
 
     def _on_forward_start(self, _module: Any, _args: Any) -> None:
+        if not self._in_step:
+            # An eval pass (or any forward outside mon.step()): not a training
+            # step's forward, and the gap it sits in is not input wait.
+            self._forward_between_steps = True
+            return
         events = self._events
         if events.forward_start_ns is None:
             events.forward_start_ns = time.perf_counter_ns()
 
     def _on_forward_end(self, _module: Any, _args: Any, _output: Any) -> None:
-        self._events.forward_end_ns = time.perf_counter_ns()
+        if self._in_step:
+            self._events.forward_end_ns = time.perf_counter_ns()
 
     def _hello(self) -> Hello:
         return Hello(
@@ -340,9 +361,14 @@ class Monitor:
     def _enter_step(self) -> None:
         if self._in_step:
             raise RuntimeError("mon.step() scopes cannot be nested")
-        self._in_step = True
         self._evidence.step_started()
         self._step_start_ns = time.perf_counter_ns()
+        last_exit, self._last_exit_ns = self._last_exit_ns, None
+        self._input_wait_ns = None
+        if last_exit is not None and not self._forward_between_steps:
+            self._input_wait_ns = self._step_start_ns - last_exit
+        self._forward_between_steps = False
+        self._in_step = True
 
     def _exit_step(self, scope: StepScope, *, failed: bool) -> None:
         end_ns = time.perf_counter_ns()
@@ -382,6 +408,7 @@ class Monitor:
                     loss=loss,
                     events=events,
                     ddp_logging=ddp_logging,
+                    input_wait_ns=self._input_wait_ns,
                     config_version=config_version,
                     applied_config=applied,
                     config_rejections=rejections,
@@ -390,6 +417,9 @@ class Monitor:
             )
         except Exception:
             self._note_failure("step")
+        finally:
+            # After torshmon's own end-of-step work: that is not the loader's time.
+            self._last_exit_ns = time.perf_counter_ns()
 
     def _on_commands(self, commands: list[Command]) -> None:
         """Commands relayed by the agent (shipper thread): validate and queue them."""

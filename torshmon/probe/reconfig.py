@@ -128,11 +128,15 @@ class Reconfigurator:
         *,
         sync_every: int = 10,
         hook_always: bool = False,
+        job_hook: _torch_compat.JobCommHook | None = None,
     ) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if job_hook is not None and hook_always:
+            raise ValueError("torshmon's comm hook cannot replace the job's own")
         self._module = module
         self._hook = hook
+        self._job_hook = job_hook
         self._sync_every = sync_every
         self._hook_always = hook_always
         self._hook_installed = hook_always
@@ -292,6 +296,9 @@ class Reconfigurator:
     def _check_applicable(self, config: CommConfig) -> None:
         if len(config.to_json()) > MAX_CONFIG_BYTES:
             raise ConfigError(f"codec_params too large to send (over {MAX_CONFIG_BYTES} bytes)")
+        reason = self._job_hook_conflict(config)
+        if reason is not None:
+            raise ConfigError(reason)
         reason = self._rebuild_unavailable
         if reason is None:
             return
@@ -302,6 +309,28 @@ class Reconfigurator:
                 f"codec cannot change in this job: {reason} "
                 "(attach with bucket_timing=True to keep torshmon's comm hook installed)"
             )
+
+    def _job_hook_conflict(self, config: CommConfig) -> str | None:
+        """Why ``config`` would change what the job's own comm hook computes, or None.
+
+        A built-in C++ hook is registered again on every rebuilt Reducer, so the
+        bucket cap may change; a codec would replace it. A Python hook's state may
+        depend on the bucket layout, so nothing changes under it.
+        """
+        job_hook = self._job_hook
+        if job_hook is None:
+            return None
+        if job_hook.builtin is None:
+            return (
+                f"the job registered its own DDP comm hook ({job_hook.name}): torshmon "
+                "keeps it and does not retune this job (a new Reducer would drop it)"
+            )
+        if config.codec != "none":
+            return (
+                f"the job registered its own DDP comm hook ({job_hook.name}): a codec "
+                "would replace it and change the job's results; bucket_cap_mb may change"
+            )
+        return None
 
     def _apply(self, config: CommConfig, step: int) -> Applied | Rejected:
         prepared: Codec | None = None
@@ -317,6 +346,9 @@ class Reconfigurator:
         return Applied(config, effective_step=step + 1)
 
     def _prepare(self, config: CommConfig) -> Codec | None:
+        conflict = self._job_hook_conflict(config)
+        if conflict is not None:
+            raise ConfigError(conflict)
         if self._needs_rebuild(config) and self._rebuild_unavailable:
             raise ConfigError(self._rebuild_unavailable)
         if config.codec == "none":
@@ -338,6 +370,7 @@ class Reconfigurator:
                 config.bucket_cap_bytes,
                 config.first_bucket_cap_bytes,
                 self._hook.__call__ if install else None,
+                builtin_hook=None if self._job_hook is None else self._job_hook.builtin,
             )
             self._hook_installed = install
         self._hook.set_codec(codec)

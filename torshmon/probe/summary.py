@@ -38,6 +38,7 @@ def summarize_step(raw: RawStep) -> StepRecord:
         forward_s=forward_s,
         backward_s=backward_s,
         optimizer_s=optimizer_s,
+        input_wait_s=None if raw.input_wait_ns is None else raw.input_wait_ns * _NS,
         batch_size=raw.batch_size,
         samples_per_s=samples_per_s,
         loss=loss if loss is None or math.isfinite(loss) else None,
@@ -71,15 +72,16 @@ def summarize_step(raw: RawStep) -> StepRecord:
 def communication_wait_s(events: StepEvents, step_start_ns: int) -> float:
     """Seconds the step spent waiting for communication.
 
-    Blocking collectives count whole. DDP's reduction overlaps backward compute:
+    Blocking collectives count whole, others by the time their caller waited on
+    them (functional collectives' ``wait_tensor``). DDP's reduction overlaps backward compute:
     only what follows the last gradient (backward compute over) until backward
     returns (DDP waited for every bucket) is waiting. Without those marks, the
     tail from the last bucket's launch to the last bucket's end stands for it.
     """
     waited_ns = sum(
-        e.end_ns - e.start_ns
+        e.end_ns - e.start_ns if e.blocking else e.wait_ns
         for e in events.collectives
-        if e.blocking and e.start_ns >= step_start_ns
+        if e.start_ns >= step_start_ns
     )
     if events.last_grad_ns is not None and events.backward_end_ns is not None:
         waited_ns += max(0, events.backward_end_ns - events.last_grad_ns)

@@ -291,7 +291,7 @@ def bottleneck_report(
         # step is unknown).
         add(
             "input",
-            "io_wait_time_ratio",
+            "node_cpu_iowait_ratio",
             io_wait,
             t.io_wait_high_ratio,
             "high",

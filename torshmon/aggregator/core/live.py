@@ -504,7 +504,7 @@ class LiveState:
         add = self.series.add
         add("cpu_utilization_ratio", node, ts, sample.cpu_utilization_ratio)
         add("memory_utilization_ratio", node, ts, sample.memory_utilization_ratio)
-        add("io_wait_time_ratio", node, ts, sample.io_wait_ratio)
+        add("node_cpu_iowait_ratio", node, ts, sample.io_wait_ratio)
         for gpu in sample.gpus:
             labels = (("gpu", str(gpu.index)), ("node", sample.node))
             add("gpu_utilization_ratio", labels, ts, gpu.utilization_ratio)

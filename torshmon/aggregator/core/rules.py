@@ -61,7 +61,7 @@ METRIC_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
     "loss": ("job", "rank"),
     "cpu_utilization_ratio": ("node",),
     "memory_utilization_ratio": ("node",),
-    "io_wait_time_ratio": ("node",),
+    "node_cpu_iowait_ratio": ("node",),
     "gpu_utilization_ratio": ("node", "gpu"),
     "gpu_memory_utilization_ratio": ("node", "gpu"),
     "rank_memory_rss_bytes": ("job", "rank", "node"),
