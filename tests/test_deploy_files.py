@@ -668,7 +668,12 @@ def doc_commands() -> Iterator[tuple[str, list[str]]]:
                 continue
             if not in_block:
                 continue
-            words = shlex.split(line.split(" #")[0], comments=False) if line.strip() else []
+            try:
+                words = shlex.split(line.split(" #")[0], comments=False) if line.strip() else []
+            except ValueError:
+                # Not shell (a tree drawing, a continued curl line); a torshmon line must be.
+                assert "torshmon " not in line.split("#")[0].lstrip()[:20], (page.name, line)
+                continue
             while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
                 words = words[1:]  # VAR=value prefixes
             for index, word in enumerate(words):

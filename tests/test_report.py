@@ -12,6 +12,7 @@ import pytest
 from tests import report_history as h
 from torshmon.cli import main
 from torshmon.history.db import make_engine
+from torshmon.history.models import Base
 from torshmon.report import from_json, report_from_db, to_json
 from torshmon.report.page import render_page
 from torshmon.report.text import when
@@ -111,28 +112,57 @@ def test_bad_input_is_one_line_and_status_2(
 
 
 def test_alerts_link_the_evidence_captured_for_them(db: Path) -> None:
-    # The evidence tables as a history with evidence has them (only the columns read).
+    # Evidence rows as the aggregator stores them (history.models' evidence tables).
     url = f"sqlite:///{db}"
     engine = make_engine(url)
+    tables = Base.metadata.tables
+    fingerprint = f"{1:016x}"
+    captures = [
+        ("c1", 1, None, h.STRAGGLER_START + 3),
+        # Asked for by fingerprint before the alert's row existed, during its episode.
+        ("c2", None, fingerprint, h.STRAGGLER_START + 1),
+        ("c3", None, fingerprint, h.T0 + 100),  # after the episode ended: not its own
+    ]
+    files = [
+        ("c1", 1, "profile.json", "c1/1/profile.json"),
+        ("c1", 0, "flight_recorder.json", None),
+        ("c2", 1, "fr.json", "c2/1/fr.json"),
+        ("c3", 1, "late.json", "c3/1/late.json"),
+    ]
     with engine.begin() as conn:
-        conn.exec_driver_sql(
-            "CREATE TABLE evidence_captures (id TEXT PRIMARY KEY, job TEXT, alert_id INTEGER, "
-            "alert_fingerprint TEXT, created_unix_s REAL)"
+        conn.execute(
+            tables["evidence_captures"].insert(),
+            [
+                {
+                    "id": capture,
+                    "job": h.JOB,
+                    "alert_id": alert_id,
+                    "alert_fingerprint": alert_fingerprint,
+                    "rule": "Straggler",
+                    "profile_ranks": [1],
+                    "created_unix_s": created,
+                    "aggregator_id": "a1",
+                }
+                for capture, alert_id, alert_fingerprint, created in captures
+            ],
         )
-        conn.exec_driver_sql(
-            "CREATE TABLE evidence_files (capture_id TEXT, rank INTEGER, name TEXT, path TEXT)"
-        )
-        conn.exec_driver_sql(
-            "INSERT INTO evidence_captures VALUES ('c1', ?, 1, NULL, ?), "
-            # Asked for by fingerprint before the alert's row existed, during its episode.
-            "('c2', ?, NULL, ?, ?), ('c3', ?, NULL, ?, ?)",
-            (h.JOB, h.STRAGGLER_START + 3, h.JOB, f"{1:016x}", h.STRAGGLER_START + 1,
-             h.JOB, f"{1:016x}", h.T0 + 100),  # c3: after the episode ended, not its own
-        )  # fmt: skip
-        conn.exec_driver_sql(
-            "INSERT INTO evidence_files VALUES ('c1', 1, 'profile.json', 'c1/1/profile.json'), "
-            "('c1', 0, 'flight_recorder.json', NULL), ('c2', 1, 'fr.json', 'c2/1/fr.json'), "
-            "('c3', 1, 'late.json', 'c3/1/late.json')"
+        conn.execute(
+            tables["evidence_files"].insert(),
+            [
+                {
+                    "capture_id": capture,
+                    "rank": rank,
+                    "name": name,
+                    "job": h.JOB,
+                    "size_bytes": 10,
+                    "stored_bytes": 10 if path else 0,
+                    "path": path,
+                    "error": "" if path else "no file",
+                    "taken_unix_s": h.STRAGGLER_START + 4,
+                    "received_unix_s": h.STRAGGLER_START + 5,
+                }
+                for capture, rank, name, path in files
+            ],
         )
     engine.dispose()
     report = report_from_db(url, h.JOB, now_unix_s=h.T0 + 100)

@@ -430,16 +430,18 @@ class GpuSample(Base):
     temperature_celsius: Mapped[float | None] = mapped_column(
         Float, comment="GPU core temperature, degrees Celsius."
     )
-    throttle_reasons: Mapped[int] = mapped_column(
+    throttle_reasons: Mapped[int | None] = mapped_column(
         BigInteger, comment="NVML bitmask of clock event (throttle) reasons active; 0 none."
     )
     ecc_uncorrected_errors_total: Mapped[int | None] = mapped_column(
         BigInteger, comment="Uncorrected ECC errors since the driver loaded (NULL: no ECC)."
     )
-    xid_errors_total: Mapped[int] = mapped_column(
+    xid_errors_total: Mapped[int | None] = mapped_column(
         BigInteger, comment="Xid errors the agent has seen on this GPU since it started."
     )
-    last_xid: Mapped[int] = mapped_column(BigInteger, comment="Latest Xid code seen; 0 none.")
+    last_xid: Mapped[int | None] = mapped_column(
+        BigInteger, comment="Latest Xid code seen; 0 none."
+    )
 
 
 class RankSample(Base):

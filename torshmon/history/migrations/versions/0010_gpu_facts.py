@@ -24,7 +24,7 @@ _GPU_COLUMNS = (
     (
         "throttle_reasons",
         sa.BigInteger(),
-        False,
+        True,
         "NVML bitmask of clock event (throttle) reasons active; 0 none.",
     ),
     (
@@ -36,10 +36,10 @@ _GPU_COLUMNS = (
     (
         "xid_errors_total",
         sa.BigInteger(),
-        False,
+        True,
         "Xid errors the agent has seen on this GPU since it started.",
     ),
-    ("last_xid", sa.BigInteger(), False, "Latest Xid code seen; 0 none."),
+    ("last_xid", sa.BigInteger(), True, "Latest Xid code seen; 0 none."),
 )
 _STEP_COLUMNS = (
     (
@@ -52,16 +52,10 @@ _STEP_COLUMNS = (
 
 
 def upgrade() -> None:
+    # Nullable: rows from agents before these fields (and other writers) have none.
     with op.batch_alter_table("gpu_samples") as batch:
         for name, type_, nullable, comment in _GPU_COLUMNS:
-            default = None if nullable else sa.text("0")
-            batch.add_column(
-                sa.Column(name, type_, nullable=nullable, server_default=default, comment=comment)
-            )
-    with op.batch_alter_table("gpu_samples") as batch:
-        for name, type_, nullable, comment in _GPU_COLUMNS:
-            if not nullable:  # the default only filled the rows already there
-                batch.alter_column(name, server_default=None, existing_type=type_, comment=comment)
+            batch.add_column(sa.Column(name, type_, nullable=nullable, comment=comment))
     with op.batch_alter_table("steps") as batch:
         for name, comment in _STEP_COLUMNS:
             batch.add_column(sa.Column(name, sa.BigInteger(), nullable=True, comment=comment))
