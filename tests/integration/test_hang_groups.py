@@ -79,16 +79,9 @@ class _Stack:
     """A real aggregator (its own thread, loopback port, SQLite history) and a real
     ``torshmon agent`` process forwarding to it."""
 
-    def __init__(self, tmp_path: Path) -> None:
-        settings = AggregatorSettings(
-            port=0,
-            db_url=f"sqlite:///{tmp_path / 'history.db'}",
-            token="t",
-            aggregator_id="a1",
-            eval_interval_s=0.2,
-        )
-        self.aggregator = AggregatorThread(settings)
-        self.agent = AgentProcess(tmp_path, None, "t")
+    def __init__(self, aggregator: AggregatorThread, agent: AgentProcess, tmp_path: Path) -> None:
+        self.aggregator = aggregator
+        self.agent = agent
         self.release = tmp_path / "release"
 
     def hang_alerts(self, job: str) -> list[dict[str, Any]]:
@@ -99,14 +92,19 @@ class _Stack:
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[_Stack]:
-    built = _Stack(tmp_path)
-    with built.aggregator:
-        built.agent._args += ["--aggregator", built.aggregator.url]
-        built.agent.start()
+    settings = AggregatorSettings(
+        port=0,
+        db_url=f"sqlite:///{tmp_path / 'history.db'}",
+        token="t",
+        aggregator_id="a1",
+        eval_interval_s=0.2,
+    )
+    with AggregatorThread(settings) as aggregator:
+        agent = AgentProcess(tmp_path, aggregator.url, "t").start()
         try:
-            yield built
+            yield _Stack(aggregator, agent, tmp_path)
         finally:
-            built.agent.stop()
+            agent.stop()
 
 
 def _hold(release: str, timeout_s: float = 120.0) -> None:
