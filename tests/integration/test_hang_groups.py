@@ -20,7 +20,7 @@ from torshmon.launch import run_ranks
 
 pytestmark = pytest.mark.integration
 
-TIMEOUT_S = 120
+TIMEOUT_S = 400  # four ranks importing torch take over a minute on 2 loaded cores
 
 
 def _make_groups(rank: int, world: int, sock: str) -> dict[str, Any]:
@@ -29,6 +29,7 @@ def _make_groups(rank: int, world: int, sock: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import torshmon
+    from torshmon.probe.collectives import DESCRIBERS
 
     before = dist.new_group([2, 3])  # before attach: found in torch's registry
     monitor = torshmon.attach(None, job="groups", agent_socket=sock, flush_interval_s=0.05)
@@ -41,6 +42,9 @@ def _make_groups(rank: int, world: int, sock: str) -> dict[str, Any]:
     if rank in (2, 3):
         dist.all_reduce(torch.ones(4), group=before)
         labels["before"] = ([2, 3], before.group_name)
+        # batch_isend_irecv names the peer by its rank in the group; reports use global ranks
+        peer = DESCRIBERS["isend"](torch.ones(1), group=before, group_dst=3 - rank)[4]
+        labels["peer"] = ([5 - rank], str(peer))
     for _ in range(3):
         with monitor.step():
             dist.all_reduce(torch.ones(4))
@@ -48,6 +52,7 @@ def _make_groups(rank: int, world: int, sock: str) -> dict[str, Any]:
     return labels
 
 
+@pytest.mark.timeout(600)
 def test_the_probe_reports_every_group_it_belongs_to_with_its_members(
     receiver: ReceiverThread,
 ) -> None:
@@ -58,6 +63,9 @@ def test_the_probe_reports_every_group_it_belongs_to_with_its_members(
         }
         assert reported["default"][0] == [0, 1, 2, 3]
         for name, (ranks, pg) in labels.items():
+            if name == "peer":
+                assert [int(pg)] == ranks  # the other one of ranks 2 and 3
+                continue
             assert reported[pg][0] == ranks, (rank, name, reported)
         assert any(desc == "mesh_dp" for _, desc in reported.values()), reported
         # Only this rank's groups: the other pair's group is not in its reports.
@@ -71,16 +79,9 @@ class _Stack:
     """A real aggregator (its own thread, loopback port, SQLite history) and a real
     ``torshmon agent`` process forwarding to it."""
 
-    def __init__(self, tmp_path: Path) -> None:
-        settings = AggregatorSettings(
-            port=0,
-            db_url=f"sqlite:///{tmp_path / 'history.db'}",
-            token="t",
-            aggregator_id="a1",
-            eval_interval_s=0.2,
-        )
-        self.aggregator = AggregatorThread(settings)
-        self.agent = AgentProcess(tmp_path, None, "t")
+    def __init__(self, aggregator: AggregatorThread, agent: AgentProcess, tmp_path: Path) -> None:
+        self.aggregator = aggregator
+        self.agent = agent
         self.release = tmp_path / "release"
 
     def hang_alerts(self, job: str) -> list[dict[str, Any]]:
@@ -91,14 +92,19 @@ class _Stack:
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[_Stack]:
-    built = _Stack(tmp_path)
-    with built.aggregator:
-        built.agent._args += ["--aggregator", built.aggregator.url]
-        built.agent.start()
+    settings = AggregatorSettings(
+        port=0,
+        db_url=f"sqlite:///{tmp_path / 'history.db'}",
+        token="t",
+        aggregator_id="a1",
+        eval_interval_s=0.2,
+    )
+    with AggregatorThread(settings) as aggregator:
+        agent = AgentProcess(tmp_path, aggregator.url, "t").start()
         try:
-            yield built
+            yield _Stack(aggregator, agent, tmp_path)
         finally:
-            built.agent.stop()
+            agent.stop()
 
 
 def _hold(release: str, timeout_s: float = 120.0) -> None:
@@ -169,8 +175,7 @@ def _run_until_named(
     args = (str(stack.agent.socket), str(stack.release))
     held = Path(str(stack.release) + ".held")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        # Generous: four ranks importing torch take over a minute on 2 loaded cores.
-        running = pool.submit(run_ranks, target, 4, *args, timeout_s=480)
+        running = pool.submit(run_ranks, target, 4, *args, timeout_s=TIMEOUT_S + 80)
         try:
             while not held.exists() and not running.done():
                 time.sleep(0.2)

@@ -112,20 +112,28 @@ def _scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gr
     return _nbytes(tensor), tensor.dtype, group, async_op, None
 
 
+def _peer(peer: int | None, group: Any, group_peer: int | None) -> int | None:
+    """The peer's global rank: in-flight reports pair ops by global ranks, and
+    ``batch_isend_irecv`` passes the peer's rank in the group (``group_dst``/``group_src``)."""
+    if peer is not None or group_peer is None or group is None:
+        return peer if peer is not None else group_peer
+    return int(dist.get_global_rank(group, group_peer))
+
+
 def _send(tensor, dst=None, group=None, tag=0, group_dst=None):  # type: ignore[no-untyped-def]
-    return _nbytes(tensor), tensor.dtype, group, False, dst if dst is not None else group_dst
+    return _nbytes(tensor), tensor.dtype, group, False, _peer(dst, group, group_dst)
 
 
 def _recv(tensor, src=None, group=None, tag=0, group_src=None):  # type: ignore[no-untyped-def]
-    return _nbytes(tensor), tensor.dtype, group, False, src if src is not None else group_src
+    return _nbytes(tensor), tensor.dtype, group, False, _peer(src, group, group_src)
 
 
 def _isend(tensor, dst=None, group=None, tag=0, group_dst=None):  # type: ignore[no-untyped-def]
-    return _nbytes(tensor), tensor.dtype, group, True, dst if dst is not None else group_dst
+    return _nbytes(tensor), tensor.dtype, group, True, _peer(dst, group, group_dst)
 
 
 def _irecv(tensor, src=None, group=None, tag=0, group_src=None):  # type: ignore[no-untyped-def]
-    return _nbytes(tensor), tensor.dtype, group, True, src if src is not None else group_src
+    return _nbytes(tensor), tensor.dtype, group, True, _peer(src, group, group_src)
 
 
 DESCRIBERS: dict[str, Callable[..., _Described]] = {

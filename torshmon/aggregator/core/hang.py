@@ -73,9 +73,17 @@ from typing import Annotated, Final, Protocol
 import msgspec
 
 from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.waits import (
+    DEFAULT_PG,
+    Block,
+    Entry,
+    Waits,
+    members_text,
+    op_text,
+    pair_blocks,
+    ranks_text,
+)
 from torshmon.settings import Section, setting
-
-DEFAULT_PG: Final = "default"
 
 _NEVER_JOINED_ADVICE: Final = (
     "Rank {rank} is the one to look at: dump its Python stacks (py-spy dump --pid) to "
@@ -167,16 +175,6 @@ class _Job:
     since: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
     #: Moving average of the job's step durations (None until one is observed).
     step_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    """A fresh rank's op at evaluation time."""
-
-    rank: int
-    seq: int
-    op: str
-    age_s: float
 
 
 class HangSettings(Section, frozen=True):
@@ -365,14 +363,14 @@ class HangDetector:
             and not self._quiet(rep, now)
             and (job, r) not in self._gone
         ]
-        groups: dict[str, dict[int, _Entry]] = {}
-        pairs: dict[tuple[str, int, int], _Entry] = {}
+        groups: dict[str, dict[int, Entry]] = {}
+        pairs: dict[tuple[str, int, int], Entry] = {}
         for rank, report in fresh:
             # Silence after the report is not time spent in the op, unless the node's
             # agent has delivered newer data without a newer report of this rank.
             since_report = max(0.0, self._reach(report, now) - report.ts_unix_s)
             for op in report.ops:
-                entry = _Entry(rank, op.seq, op.op, op.age_s + since_report)
+                entry = Entry(rank, op.seq, op.op, op.age_s + since_report)
                 if op.peer is None:
                     groups.setdefault(op.pg, {})[rank] = entry
                 else:
@@ -383,12 +381,12 @@ class HangDetector:
             for pg in sorted(groups)
             if (block := self._group_block(state, pg, groups[pg], timeout)) is not None
         ]
-        blocks.extend(_pair_blocks(pairs, timeout))
+        blocks.extend(pair_blocks(pairs, timeout))
         found: dict[tuple[str, tuple[tuple[str, str], ...]], Finding] = {}
         if blocks:
             blocked = {b.pg for b in blocks if b.members is not None}
             young = self._young_waits(state, groups, pairs, blocked)
-            waits = _Waits(blocks, groups, pairs, timeout, young)
+            waits = Waits(blocks, groups, pairs, timeout, young)
             self._attribute(job, state, now, waits, found)
         active_keys = set(found)
         state.since = {k: v for k, v in state.since.items() if k in active_keys}
@@ -397,10 +395,10 @@ class HangDetector:
     def _young_waits(
         self,
         state: _Job,
-        groups: Mapping[str, Mapping[int, _Entry]],
-        pairs: Mapping[tuple[str, int, int], _Entry],
+        groups: Mapping[str, Mapping[int, Entry]],
+        pairs: Mapping[tuple[str, int, int], Entry],
         blocked: set[str],
-    ) -> list[_Block]:
+    ) -> list[Block]:
         """Ops ranks wait in, not yet past the timeout, for members not in them: their
         ranks are victims too, named in the culprit's finding from its first report."""
         young = []
@@ -417,12 +415,12 @@ class HangDetector:
             if missing:
                 age = max(entries[r].age_s for r in waiting)
                 op = entries[waiting[0]].op
-                young.append(_Block(pg, op, seq, waiting, missing, age, age, sorted(members)))
+                young.append(Block(pg, op, seq, waiting, missing, age, age, sorted(members)))
         for (pg, rank, peer), entry in pairs.items():
             partner = pairs.get((pg, peer, rank))
             if partner is None or partner.seq < entry.seq:
                 young.append(
-                    _Block(pg, entry.op, entry.seq, [rank], [peer], entry.age_s, entry.age_s)
+                    Block(pg, entry.op, entry.seq, [rank], [peer], entry.age_s, entry.age_s)
                 )
         return young
 
@@ -439,8 +437,8 @@ class HangDetector:
         return set(state.members.get(pg, ())), False
 
     def _group_block(
-        self, state: _Job, pg: str, entries: dict[int, _Entry], timeout: float
-    ) -> _Block | None:
+        self, state: _Job, pg: str, entries: dict[int, Entry], timeout: float
+    ) -> Block | None:
         """The collective of ``pg`` its ranks are held in past ``timeout``, if any."""
         members, known = self._members(state, pg)
         entries = {r: e for r, e in entries.items() if r in members or not known}
@@ -458,7 +456,7 @@ class HangDetector:
         missing = sorted(members - set(waiting))
         if not missing and min(ages) <= timeout:
             return None  # every member is in it, the last only just: not stuck yet
-        return _Block(
+        return Block(
             pg=pg,
             op=entries[waiting[0]].op,
             seq=seq,
@@ -475,12 +473,12 @@ class HangDetector:
         job: str,
         state: _Job,
         now: float,
-        waits: _Waits,
+        waits: Waits,
         found: dict[tuple[str, tuple[tuple[str, str], ...]], Finding],
     ) -> None:
         """Name the root causes of the job's blocked ops; the ranks waiting because of
         them are their victims, named in their findings and never blamed."""
-        culprits: dict[int, list[_Block]] = {}
+        culprits: dict[int, list[Block]] = {}
         for block in waits.blocks:
             for rank in block.missing:
                 if waits.role(block, rank) == "culprit":
@@ -525,8 +523,8 @@ class HangDetector:
         state: _Job,
         now: float,
         rank: int,
-        block: _Block,
-        waits: _Waits,
+        block: Block,
+        waits: Waits,
         reason: str | None,
         cycle: Collection[int] = (),
     ) -> Finding | None:
@@ -539,8 +537,8 @@ class HangDetector:
         own = waits.own(block, rank)
         op, seq, pg = block.op, block.seq, block.pg
         waiting = block.waiting
-        who = _ranks(waiting)
-        where = f"pg {pg}" + _members_text(block)
+        who = ranks_text(waiting)
+        where = f"pg {pg}" + members_text(block)
         if block.members is None:
             counterpart = "recv" if op in ("send", "isend") else "send"
             joined = (
@@ -565,7 +563,7 @@ class HangDetector:
             in_text = (
                 ""
                 if there is None
-                else f": it waits in {_op_text(there)} for {_ranks(there.missing)}, a deadlock"
+                else f": it waits in {op_text(there)} for {ranks_text(there.missing)}, a deadlock"
             )
             summary = f"rank {rank} of job {job} never {joined}{in_text}"
             advice = _DEADLOCK_ADVICE
@@ -614,7 +612,7 @@ class HangDetector:
             details=details,
         )
 
-    def _all_stuck(self, job: str, block: _Block, waits: _Waits) -> Finding:
+    def _all_stuck(self, job: str, block: Block, waits: Waits) -> Finding:
         """The finding for ``block`` that every member entered (no rank at fault)."""
         waiting = block.waiting
         victims = waits.victims(waiting)
@@ -627,10 +625,10 @@ class HangDetector:
             who += f" of job {job}"
         elif block.known:
             joined = f"every member of pg {block.pg} joined"
-            who = f"{_ranks(waiting)} of job {job}"
+            who = f"{ranks_text(waiting)} of job {job}"
         else:
             joined = "every rank seen on it joined (its members were not reported)"
-            who = f"{_ranks(waiting)} of job {job}"
+            who = f"{ranks_text(waiting)} of job {job}"
         summary = (
             f"{who} have been in {block.op} #{block.seq} on pg {block.pg} for "
             f"{block.age_s:.1f} s: {joined}, the collective itself is stuck"
@@ -656,168 +654,3 @@ class HangDetector:
             severity="critical",
             details=details,
         )
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _Block:
-    """An op ranks have been held in past the timeout: ``waiting`` are in it, ``missing``
-    are not (empty: every member is in it, so the op itself is stuck). ``members``: the
-    group's ranks, None for a point-to-point op (between ``waiting[0]`` and
-    ``missing[0]``); ``known``: whether they were reported rather than seen."""
-
-    pg: str
-    op: str
-    seq: int
-    waiting: list[int]
-    missing: list[int]
-    age_s: float
-    youngest_s: float
-    members: list[int] | None = None
-    known: bool = True
-
-
-def _pair_blocks(pairs: Mapping[tuple[str, int, int], _Entry], timeout: float) -> list[_Block]:
-    """Point-to-point ops held past ``timeout``: rank r's op #k with peer p matches p's
-    op #k with peer r, and only those two ranks are compared."""
-    blocks = []
-    for (pg, rank, peer), entry in sorted(pairs.items()):
-        if entry.age_s <= timeout:
-            continue
-        partner = pairs.get((pg, peer, rank))
-        if partner is not None and partner.seq == entry.seq:
-            if partner.age_s > timeout and rank < peer:
-                ages = (entry.age_s, partner.age_s)
-                blocks.append(
-                    _Block(pg, entry.op, entry.seq, [rank, peer], [], max(ages), min(ages))
-                )
-            continue
-        if partner is not None and partner.seq > entry.seq:
-            continue  # this rank is the one behind: its peer's op names it
-        blocks.append(_Block(pg, entry.op, entry.seq, [rank], [peer], entry.age_s, entry.age_s))
-    return blocks
-
-
-class _Waits:
-    """Who waits for whom among a job's blocked ops, at one evaluation.
-
-    A rank missing from a blocked op is its cause (a culprit) unless it is itself held
-    in another blocked op (a victim: the chain goes on from there) or is in flight
-    elsewhere for less than the timeout (pending: its own wait is judged once it has
-    lasted). Blocked ops that wait only on each other's ranks are a deadlock.
-    """
-
-    def __init__(
-        self,
-        blocks: list[_Block],
-        groups: Mapping[str, Mapping[int, _Entry]],
-        pairs: Mapping[tuple[str, int, int], _Entry],
-        timeout: float,
-        young: Sequence[_Block] = (),
-    ) -> None:
-        """``young``: ops ranks wait in for less than ``timeout`` (only for victims)."""
-        self.blocks = blocks
-        self.timeout = timeout
-        self._groups = groups
-        self._pairs = pairs
-        self.waits_in: dict[int, list[_Block]] = {}
-        self._held_up: dict[int, set[int]] = {}
-        for block in blocks:
-            for rank in block.waiting:
-                self.waits_in.setdefault(rank, []).append(block)
-            for rank in block.missing:
-                self._held_up.setdefault(rank, set()).update(block.waiting)
-        # Where each waiting rank is, for the findings' text: a blocked op first.
-        self._where: dict[int, _Block] = {}
-        for block in [*blocks, *young]:
-            for rank in block.waiting:
-                self._where.setdefault(rank, block)
-        for block in young:
-            for rank in block.missing:
-                self._held_up.setdefault(rank, set()).update(block.waiting)
-        self._busy = {e.rank for entries in groups.values() for e in entries.values()}
-        self._busy.update(rank for _pg, rank, _peer in pairs)
-
-    def own(self, block: _Block, rank: int) -> _Entry | None:
-        """``rank``'s own op on ``block``'s group (with its peer for point-to-point)."""
-        if block.members is None:
-            return self._pairs.get((block.pg, rank, block.waiting[0]))
-        return self._groups.get(block.pg, {}).get(rank)
-
-    def role(self, block: _Block, rank: int) -> str:
-        """ "culprit", "victim" or "pending" for a rank missing from ``block``."""
-        own = self.own(block, rank)
-        if own is not None and own.seq != block.seq:
-            return "culprit"  # behind on an older op of the group, or skipped this one
-        if rank in self.waits_in:
-            return "victim"
-        if rank in self._busy:
-            return "pending"  # in flight elsewhere, not yet for long
-        return "culprit"
-
-    def deadlocked(self) -> list[_Block]:
-        """Blocked ops from which no chain of waits reaches a cause: their ranks wait
-        in a cycle (collectives issued in different orders on different ranks)."""
-        leads: dict[int, bool] = {}
-        for i, block in enumerate(self.blocks):
-            leads[i] = not block.missing or any(
-                self.role(block, rank) != "victim" for rank in block.missing
-            )
-        index = {id(block): i for i, block in enumerate(self.blocks)}
-        changed = True
-        while changed:
-            changed = False
-            for i, block in enumerate(self.blocks):
-                if leads[i]:
-                    continue
-                if any(
-                    leads[index[id(there)]]
-                    for rank in block.missing
-                    for there in self.waits_in.get(rank, ())
-                ):
-                    leads[i] = changed = True
-        return [block for i, block in enumerate(self.blocks) if not leads[i]]
-
-    def behind(self, victims: list[int], direct: list[int]) -> str:
-        """ "; ranks 0, 1 wait behind it in <op>", for the ``victims`` not among the
-        ``direct`` waiters, by the op they wait in; "" if none."""
-        by_op: dict[str, list[int]] = {}
-        for rank in victims:
-            if rank not in direct and rank in self._where:
-                by_op.setdefault(_op_text(self._where[rank]), []).append(rank)
-        return "".join(
-            f"; {_ranks(ranks)} wait{'s' if len(ranks) == 1 else ''} behind it in {where}"
-            for where, ranks in by_op.items()
-        )
-
-    def victims(self, causes: list[int], exclude: Collection[int] = ()) -> list[int]:
-        """Every rank held up, directly or through others, by the ranks ``causes``
-        (but those of ``exclude``)."""
-        seen = set(causes) | set(exclude)
-        frontier = list(causes)
-        out: set[int] = set()
-        while frontier:
-            rank = frontier.pop()
-            for waiter in self._held_up.get(rank, ()):
-                if waiter not in seen:
-                    seen.add(waiter)
-                    out.add(waiter)
-                    frontier.append(waiter)
-        return sorted(out)
-
-
-def _op_text(block: _Block) -> str:
-    return f"{block.op} #{block.seq} on pg {block.pg}"
-
-
-def _members_text(block: _Block) -> str:
-    """ " (members: ranks 0, 1)" for a known group other than the world, else ""."""
-    if block.members is None or block.pg == DEFAULT_PG or not block.known:
-        return ""
-    return f" (members: {_ranks(block.members)})"
-
-
-def _ranks(ranks: list[int]) -> str:
-    """'rank 0' or 'ranks 0, 2, 3'."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(str(r) for r in ranks)
