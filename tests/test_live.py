@@ -477,3 +477,5 @@ def test_a_config_switch_starts_the_step_time_baseline_over(switch: bool) -> Non
     found = [f.labels.get("metric") for f in live.findings(1001.0)]
     assert found == ([] if switch else ["step_duration_seconds"])
     assert live.jobs["j"].config_version == (1 if switch else 0)
+    # the alert engine's rate rules hear of it (when the aggregator learnt of it)
+    assert live.config_switches() == ({"j": 1000.0} if switch else {})

@@ -217,7 +217,7 @@ class LiveState:
         r.dropped_records_total = batch.dropped_records_total
         r.inflight_oldest_age_s = max((op.age_s for op in batch.inflight), default=0.0)
         if batch.steps:
-            self._observe_steps(batch, job, r)
+            self._observe_steps(batch, job, r, now_unix_s)
             if batch.urgent:
                 r.urgent_steps_total += len(batch.steps)
         if job.world_size is None or batch.rank < job.world_size:
@@ -229,7 +229,7 @@ class LiveState:
             self.links.observe_result(result, now_unix_s)
             self._fresh = True
 
-    def _observe_steps(self, batch: Batch, job: JobState, r: RankState) -> None:
+    def _observe_steps(self, batch: Batch, job: JobState, r: RankState, now_unix_s: float) -> None:
         """Every step of ``batch`` into the series, detectors and ``r``, in step order."""
         # The ingest hot path. Each consumer takes the batch's steps as columns in one
         # call (series, detectors, collector), as it would step by step; the findings
@@ -309,6 +309,7 @@ class LiveState:
             loss_found = self._observe_losses(r, ts, losses, nonfinite)
         if config_versions[-1] > job.config_version:
             self._config_switched(batch.job, job, numbers, config_versions)
+            job.config_switched_unix_s = now_unix_s
         self.links.observe_steps(batch.job, batch.rank, waits, computes)
         step_found: list[tuple[int, Finding]] = []
         straggler_found: list[tuple[int, Finding]] = []
@@ -484,6 +485,16 @@ class LiveState:
             self._evaluated = {f.key() for f in out}
             self._fresh = False
         return out
+
+    def config_switches(self) -> dict[str, float]:
+        """Per job, when (aggregator clock) a rank first reported its newest config
+        switch; jobs that never switched are left out."""
+        with self._lock:
+            return {
+                name: job.config_switched_unix_s
+                for name, job in self.jobs.items()
+                if job.config_switched_unix_s is not None
+            }
 
     # -- link checks (the service sends the commands) --------------------------------------
     def link_checks_due(self, now_unix_s: float) -> list[tuple[str, str]]:

@@ -96,6 +96,8 @@ class JobState:
     config_version: int = 0
     #: Steps before this one are a config switch settling: not judged by step time.
     settled_from_step: int = 0
+    #: When the aggregator learnt of the newest config switch (None: never switched).
+    config_switched_unix_s: float | None = None
 
 
 def copy_rank(r: RankState) -> RankState:
