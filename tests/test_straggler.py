@@ -265,7 +265,9 @@ def test_log_ratios_are_against_the_median_of_the_other_unnamed_ranks(
     got = _log_ratios(by_rank, named)
     for rank, x in by_rank.items():
         peers = sorted(v for r, v in by_rank.items() if r != rank and r not in named)
-        assert got[rank] == pytest.approx(math.log(x / _median(peers)), abs=1e-12)
+        ratio, peers_s = got[rank]
+        assert peers_s == _median(peers)
+        assert ratio == pytest.approx(math.log(x / _median(peers)), abs=1e-12)
 
 
 # -- StepCollector ------------------------------------------------------------------------

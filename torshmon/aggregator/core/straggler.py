@@ -333,18 +333,28 @@ class StragglerDetector:
         sigma = _window_sigma(state.noise)
         bar = None if sigma is None else max(floor, self._z_threshold * sigma)
         stride = -(-len(ratios) // _NOISE_RANKS_PER_STEP)
-        for i, (rank, ratio) in enumerate(ratios.items()):
-            rank_state = state.ranks.get(rank) or self._new_rank(state, rank)
-            self._push(rank_state, ratio, values[rank], ts_unix_s)
+        ranks = state.ranks
+        for i, (rank, (ratio, peers_s)) in enumerate(ratios.items()):
+            rank_state = ranks.get(rank) or self._new_rank(state, rank)
+            compute_s = values[rank]
+            rank_state.ratios.append(ratio)
+            rank_state.computes.append(compute_s)
+            rank_state.peers.append(peers_s)
+            rank_state.times.append(ts_unix_s)
+            sampled = (i + step) % stride == 0
+            if not (sampled or rank_state.active or (bar is not None and ratio > bar)):
+                # A rank is named at one of its slow steps, so one that is neither slow
+                # now nor named has nothing to decide (the common case, kept cheap).
+                continue
             stat = self._statistic(rank_state, recent=True)
             if stat is None:
                 continue
             holds = bar is not None and stat > bar
-            if (i + step) % stride == 0 and not (holds or rank_state.active):
+            if sampled and not (holds or rank_state.active):
                 before = self._statistic(rank_state, recent=False)
                 if before is not None:
                     state.noise.append(abs(stat - before))
-            if bar is not None:
+            if bar is not None and (holds or rank_state.active):
                 self._advance(job, step, ts_unix_s, rank, rank_state, bar, holds=holds)
         return _active_findings(state)
 
@@ -390,12 +400,6 @@ class StragglerDetector:
             times=deque(maxlen=n),
         )
         return created
-
-    def _push(self, state: _RankState, ratio: float, compute_s: float, ts: float) -> None:
-        state.ratios.append(ratio)
-        state.computes.append(compute_s)
-        state.peers.append(compute_s / math.exp(ratio))
-        state.times.append(ts)
 
     def _advance(
         self,
@@ -502,8 +506,9 @@ def _paused(state: _JobState, step: int) -> bool:
     return any(a <= step < b for a, b in state.paused)
 
 
-def _log_ratios(values: Mapping[int, float], named: set[int]) -> dict[int, float]:
-    """Each rank's log(value / median of its peers' values); all values > 0.
+def _log_ratios(values: Mapping[int, float], named: set[int]) -> dict[int, tuple[float, float]]:
+    """Each rank's log(value / median of its peers' values), with that median; all
+    values > 0.
 
     The peers are the ranks not ``named`` stragglers (while at least two are left): with
     few ranks a straggler would move its peers' reference, and each of its slow spells
@@ -515,23 +520,25 @@ def _log_ratios(values: Mapping[int, float], named: set[int]) -> dict[int, float
     reference.sort()
     n = len(reference)
     whole = _median(reference)
-    out: dict[int, float] = {}
+    # The median of the n - 1 values left when one x (at index i) is taken out: the
+    # j-th of them is reference[j] below i, reference[j + 1] from i on.
+    mid = (n - 1) // 2
+    odd = (n - 1) % 2 == 1
+    log, bisect_left = math.log, bisect.bisect_left
+    out: dict[int, tuple[float, float]] = {}
     for rank, x in values.items():
-        peers = whole if rank in named else _median_without(reference, n, x)
-        out[rank] = math.log(x / peers)
+        if rank in named:
+            peers = whole
+        else:
+            i = bisect_left(reference, x)
+            upper = reference[mid] if mid < i else reference[mid + 1]
+            if odd:
+                peers = upper
+            else:
+                lower = reference[mid - 1] if mid - 1 < i else reference[mid]
+                peers = (lower + upper) / 2
+        out[rank] = (log(x / peers), peers)
     return out
-
-
-def _median_without(ordered: list[float], n: int, x: float) -> float:
-    """The median of ``ordered`` (sorted, length ``n``) with one ``x`` taken out."""
-    i = bisect.bisect_left(ordered, x)
-
-    def at(j: int) -> float:  # the j-th of the n - 1 values left
-        return ordered[j] if j < i else ordered[j + 1]
-
-    m = n - 1
-    mid = m // 2
-    return at(mid) if m % 2 else (at(mid - 1) + at(mid)) / 2
 
 
 def _window_sigma(noise: deque[float]) -> float | None:
