@@ -17,7 +17,8 @@ as the rank is out of line.
   straggler; ``pair_min_slowdown``, 20 %, with two ranks, where one peer is no majority)
   and ``z_threshold`` standard deviations of the window statistic's noise. That noise is
   measured from the peers: the changes of each rank's window statistic from one window
-  to the next (median absolute change), over the ranks not above the bar. A steady
+  to the next (the upper quartile of the absolute changes, which heavy tails such as
+  preempted ranks raise more than the median), over the ranks not above the bar. A steady
   slowdown does not change a rank's ratio from window to window, so a straggler cannot
   raise its own bar; on a busy shared CPU the bar rises with the jitter. Before
   ``noise_samples`` can say anything (16 changes) no rank is named.
@@ -49,8 +50,9 @@ import msgspec
 from torshmon.aggregator.core.findings import Finding
 from torshmon.settings import Section, setting
 
-#: Scales a median absolute deviation to a standard deviation (normal data).
-_MAD_TO_SIGMA: Final = 1.4826
+#: Scales the 75th percentile of |x| to the standard deviation of x (normal data):
+#: higher than the median's scale where the noise has heavy tails (preempted ranks).
+_Q75_TO_SIGMA: Final = 1 / 1.1503
 #: Fewer noise samples than this are no estimate.
 _MIN_NOISE: Final = 16
 #: The noise is sampled from this many ranks a step at most (in turns), so a large job's
@@ -333,6 +335,9 @@ class StragglerDetector:
         sigma = _window_sigma(state.noise)
         bar = None if sigma is None else max(floor, self._z_threshold * sigma)
         stride = -(-len(ratios) // _NOISE_RANKS_PER_STEP)
+        # The peers' ratios measure the noise only where a named straggler is not among
+        # their peers; with fewer than two other ranks it is (a pair mirrors it).
+        measures = not named or len(values) - len(named) >= 2
         ranks = state.ranks
         for i, (rank, (ratio, peers_s)) in enumerate(ratios.items()):
             rank_state = ranks.get(rank) or self._new_rank(state, rank)
@@ -341,7 +346,7 @@ class StragglerDetector:
             rank_state.computes.append(compute_s)
             rank_state.peers.append(peers_s)
             rank_state.times.append(ts_unix_s)
-            sampled = (i + step) % stride == 0
+            sampled = measures and (i + step) % stride == 0
             if not (sampled or rank_state.active or (bar is not None and ratio > bar)):
                 # A rank is named at one of its slow steps, so one that is neither slow
                 # now nor named has nothing to decide (the common case, kept cheap).
@@ -547,7 +552,8 @@ def _window_sigma(noise: deque[float]) -> float | None:
     of two windows' noise: sqrt(2) times as wide); None with too few samples."""
     if len(noise) < _MIN_NOISE:
         return None
-    return _median(sorted(noise)) * _MAD_TO_SIGMA / math.sqrt(2)
+    ordered = sorted(noise)
+    return ordered[3 * len(ordered) // 4] * _Q75_TO_SIGMA / math.sqrt(2)
 
 
 def _usable(compute_s_by_rank: Mapping[int, float]) -> dict[int, float]:
