@@ -24,7 +24,7 @@ as the rank is out of line.
   ``noise_samples`` can say anything (16 changes) no rank is named.
 - The peers' median leaves out ranks already named, so with 3 or 4 ranks a straggler
   does not move its peers' reference (and each of its slow spells does not look like
-  noise on theirs).
+  noise on theirs). A rank left with a single peer that way takes the pair floor.
 - A finding clears only after ``hold_steps`` steps in a row without the condition, so a
   straggler that is slow on and off (off spells up to about ``hold_steps`` steps) stays
   one alert, and it resolves once the rank has been back in line with its peers for
@@ -331,9 +331,14 @@ class StragglerDetector:
             return _active_findings(state)
         named = {rank for rank, r in state.ranks.items() if r.active and rank in values}
         ratios = _log_ratios(values, named)
+        # With one peer to compare with (2 ranks, or 3 with one named, for the other two)
+        # there is no majority to say which of the two is normal: the higher floor.
         floor = self._pair_floor if len(values) == 2 else self._floor
+        peer_floor = self._pair_floor if len(values) - len(named) <= 2 else floor
         sigma = _window_sigma(state.noise)
-        bar = None if sigma is None else max(floor, self._z_threshold * sigma)
+        noise_bar = None if sigma is None else self._z_threshold * sigma
+        named_bar = None if noise_bar is None else max(floor, noise_bar)
+        other_bar = None if noise_bar is None else max(peer_floor, noise_bar)
         stride = -(-len(ratios) // _NOISE_RANKS_PER_STEP)
         # The peers' ratios measure the noise only where a named straggler is not among
         # their peers; with fewer than two other ranks it is (a pair mirrors it).
@@ -347,6 +352,7 @@ class StragglerDetector:
             rank_state.peers.append(peers_s)
             rank_state.times.append(ts_unix_s)
             sampled = measures and (i + step) % stride == 0
+            bar = named_bar if rank in named else other_bar
             if not (sampled or rank_state.active or (bar is not None and ratio > bar)):
                 # A rank is named at one of its slow steps, so one that is neither slow
                 # now nor named has nothing to decide (the common case, kept cheap).
