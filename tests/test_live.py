@@ -104,11 +104,13 @@ def test_a_non_finite_loss_asks_for_an_evaluation() -> None:
 
 
 def _steps_of_rank(rank: int) -> list[StepRecord]:
-    """40 steps: a loss spike at 12-14, a step-time spike at 16-18 (both found and
-    cleared inside a batch of 40), rank 2 computing 3x slower from step 20, a
-    non-finite loss at 30, no loss at 31, no throughput at 32, a zero-length step at 33."""
+    """100 steps: a loss spike at 12-14, a step-time spike at 16-18 (both found and
+    cleared inside a batch), rank 2 computing 3x slower from step 20 (before the
+    straggler detector has measured the noise: the onset enters the estimate and the rank
+    is named only once that has washed out, tens of steps later), a non-finite loss at
+    30, no loss at 31, no throughput at 32, a zero-length step at 33."""
     out = []
-    for n in range(1, 41):
+    for n in range(1, 101):
         duration = 0.1 + 0.001 * (n % 3)
         if rank == 2 and n >= 20:
             duration *= 3
