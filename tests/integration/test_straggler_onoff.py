@@ -14,8 +14,12 @@ from torshmon.history.query import run_query
 
 pytestmark = pytest.mark.integration
 
-#: Rank 2 computes 4x slower (the fault sleeps inside the step, after the optimizer:
-#: compute, not communication) for 15 steps, then 12 normal steps, three times.
+#: Rank 2 computes 8x slower (the fault sleeps inside the step, after the optimizer:
+#: compute, not communication) for 15 steps, then 12 normal steps, three times. The
+#: magnitude is for the lifecycle under test, not sensitivity (that is the golden
+#: scenarios' and benchmarks/detection.py's): on 2 cores shared with other busy
+#: processes single steps of a healthy rank scatter 2-5x, the noise bar rises with them,
+#: and 2.5x and 4x went unnamed in some runs.
 SPELLS = [(45, 60), (72, 87), (99, 114)]
 STEPS = 180
 
@@ -23,7 +27,7 @@ STEPS = 180
 async def test_an_on_off_straggler_is_one_alert_from_first_spell_to_after_the_last(
     tmp_path: Path,
 ) -> None:
-    specs = [f"straggler:rank=2,slowdown=3,from={a},to={b}" for a, b in SPELLS]
+    specs = [f"straggler:rank=2,slowdown=7,from={a},to={b}" for a, b in SPELLS]
     config = DemoConfig(
         world_size=3,
         steps=STEPS,
