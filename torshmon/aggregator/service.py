@@ -484,7 +484,10 @@ class Aggregator:
         now = self.clock()
         findings = self.live.findings(now)
         transitions = [
-            self._recommend_memory(a) for a in self.alerts.evaluate(now, self.live.series, findings)
+            self._recommend_memory(a)
+            for a in self.alerts.evaluate(
+                now, self.live.series, findings, self.live.config_switches()
+            )
         ]
         episodes = self.episodes.evaluate(findings, now)
         self.live.set_alerts(self.alerts.active())

@@ -417,14 +417,20 @@ AGENT_SILENCE_SECONDS: Final = _gauge(
 
 ANOMALY_ACTIVE: Final = _gauge(
     "anomaly_active",
-    "1 while a rolling z-score anomaly is active on the series",
+    "1 while a rolling z-score anomaly is active on the series (rank is empty for the "
+    "job's step time, judged once per job)",
     ("job", "rank", "metric"),
 )
 ANOMALY_ZSCORE: Final = _gauge(
     "anomaly_zscore", "z-score of the active anomaly", ("job", "rank", "metric")
 )
 STRAGGLER_ACTIVE: Final = _gauge("straggler_active", "1 while the rank is a straggler", _RANK)
-STRAGGLER_SCORE: Final = _gauge("straggler_score", "Straggler score of the rank", _RANK)
+STRAGGLER_SCORE: Final = _gauge(
+    "straggler_score",
+    "While the rank is a straggler: its compute time over its peers' median at the same "
+    "steps (median over the detector's window; 1.4 = 40 % slower)",
+    _RANK,
+)
 BOTTLENECK_ACTIVE: Final = _gauge(
     "bottleneck_active",
     "1 while the job's bottleneck report has a finding of the category (communication, "

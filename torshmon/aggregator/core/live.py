@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import math
 import operator
-import statistics
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import repeat
@@ -22,6 +21,7 @@ from typing import Any, cast
 
 import msgspec
 
+from torshmon.aggregator.core import summaries
 from torshmon.aggregator.core.agents import Agents
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.bottleneck import Thresholds, bottleneck_report, rank_findings
@@ -103,6 +103,7 @@ class LiveState:
         bottleneck: Thresholds | None = None,
         anomaly_metrics: Collection[str] | None = None,
         collective_series: bool = False,
+        config_settle_steps: int = 10,
     ) -> None:
         """``idle_s``: a job (or node) that sent nothing for this long is dropped, with
         its series and detector state; a hung job still sends heartbeats, so it stays.
@@ -119,8 +120,14 @@ class LiveState:
         (``comm_wait_seconds``, ``throughput_samples_per_second``; None: both); the
         service passes those its rules name, as each costs ingest time.
         ``collective_series``: keep ``collective_duration_seconds`` per (op, pg) for
-        rules (on where a rule names it; a point per collective per step)."""
+        rules (on where a rule names it; a point per collective per step).
+        ``config_settle_steps``: after a config switch (an autotuner trial, a
+        ``request_config``) the job's step time and straggler detectors skip this many
+        steps and then learn the new level afresh, so a switch sets off no alert."""
         self.idle_s = idle_s
+        if config_settle_steps < 0:
+            raise ValueError(f"config_settle_steps must be >= 0, got {config_settle_steps}")
+        self.config_settle_steps = config_settle_steps
         self._labels = label_cap if label_cap is not None else LabelCap()
         self.series = SeriesStore(retention_s=series_retention_s, windows_s=series_windows_s)
         self.jobs: dict[str, JobState] = {}
@@ -220,7 +227,7 @@ class LiveState:
     def _job(self, name: str) -> JobState:
         job = self.jobs.get(name)
         if job is None:
-            job = self.jobs[name] = JobState()
+            job = self.jobs[name] = JobState(labels=(("job", name),))
         return job
 
     def _rank(self, job_name: str, job: JobState, rank: int) -> RankState:
@@ -239,7 +246,7 @@ class LiveState:
         r.dropped_records_total = batch.dropped_records_total
         r.inflight_oldest_age_s = max((op.age_s for op in batch.inflight), default=0.0)
         if batch.steps:
-            self._observe_steps(batch, job, r)
+            self._observe_steps(batch, job, r, now_unix_s)
             if batch.urgent:
                 r.urgent_steps_total += len(batch.steps)
         if batch.groups:
@@ -253,7 +260,7 @@ class LiveState:
             self.links.observe_result(result, now_unix_s)
             self._fresh = True
 
-    def _observe_steps(self, batch: Batch, job: JobState, r: RankState) -> None:
+    def _observe_steps(self, batch: Batch, job: JobState, r: RankState, now_unix_s: float) -> None:
         """Every step of ``batch`` into the series, detectors and ``r``, in step order."""
         # The ingest hot path. Each consumer takes the batch's steps as columns in one
         # call (series, detectors, collector), as it would step by step; the findings
@@ -338,20 +345,38 @@ class LiveState:
             loss_found = self.loss_z.observe_many(r.labels, ts, losses)
         else:
             loss_found = self._observe_losses(r, ts, losses, nonfinite)
-        step_found = self.step_z.observe_many(r.labels, ts, durations)
-        if self._comm_z_on:
-            step_found += self.comm_z.observe_many(r.labels, ts, waits)
-        if self._throughput_z_on:
-            step_found += self._observe_throughputs(r, ts, throughputs)
+        if config_versions[-1] > job.config_version:
+            self._config_switched(batch.job, job, numbers, config_versions)
+            job.config_switched_unix_s = now_unix_s
         self.links.observe_steps(batch.job, batch.rank, waits, computes)
+        step_found: list[tuple[int, Finding]] = []
         straggler_found: list[tuple[int, Finding]] = []
         collector = job.collector
         if collector is not None and batch.rank < collector.world_size:
-            for i, complete in collector.add_many(batch.job, batch.rank, numbers, computes, ts):
+            at: list[int] = []
+            job_ts: list[float] = []
+            job_durations: list[float] = []
+            for i, complete in collector.add_many(
+                batch.job, batch.rank, numbers, computes, ts, durations
+            ):
                 for found in self.straggler.observe_step(
                     complete.job, complete.step, complete.compute_s_by_rank, complete.ts_unix_s
                 ):
                     straggler_found.append((i, found))
+                if complete.step >= job.settled_from_step:
+                    at.append(i)
+                    job_ts.append(complete.ts_unix_s)
+                    job_durations.append(complete.duration_s)
+            if at:
+                # The job's step time, one series per job: in synchronous training every
+                # rank's step takes as long as the slowest rank's, so a slowdown is one
+                # job-level finding, not one per rank.
+                found_at = self.step_z.observe_many(job.labels, job_ts, job_durations)
+                step_found = [(at[j], finding) for j, finding in found_at]
+        if self._comm_z_on:
+            step_found += self.comm_z.observe_many(r.labels, ts, waits)
+        if self._throughput_z_on:
+            step_found += self._observe_throughputs(r, ts, throughputs)
         if loss_found or step_found or straggler_found:
             # Sorting is stable: within a step, loss before step time before straggler.
             for _, found in sorted(loss_found + step_found + straggler_found, key=_first):
@@ -461,6 +486,23 @@ class LiveState:
         self.series.add_many(r.labels, kept_ts, {"input_wait_time_ratio": shares})
         self.series.add_many(r.labels, kept_eff_ts, {"training_efficiency_ratio": efficiencies})
 
+    def _config_switched(
+        self, name: str, job: JobState, numbers: Sequence[int], versions: Sequence[int]
+    ) -> None:
+        """A new communication config took effect at the first of ``numbers`` whose
+        version is newer than the job's: its steps and the next few take a new bucket
+        layout or codec, and the step time settles at a new level. The detectors that
+        compare a job with its past start over from there, and the straggler detector
+        skips those steps (ranks rebuild buckets unevenly)."""
+        first = next(i for i, v in enumerate(versions) if v > job.config_version)
+        job.config_version = versions[-1]
+        switch_step = numbers[first]
+        until = switch_step + self.config_settle_steps
+        job.settled_from_step = max(job.settled_from_step, until)
+        self.straggler.pause(name, switch_step, until)
+        for detector in (self.step_z, self.comm_z, self.throughput_z):
+            detector.forget(name)
+
     def _observe_losses(
         self,
         r: RankState,
@@ -559,6 +601,16 @@ class LiveState:
             self._evaluated = {f.key() for f in out}
             self._fresh = False
         return out
+
+    def config_switches(self) -> dict[str, float]:
+        """Per job, when (aggregator clock) a rank first reported its newest config
+        switch; jobs that never switched are left out."""
+        with self._lock:
+            return {
+                name: job.config_switched_unix_s
+                for name, job in self.jobs.items()
+                if job.config_switched_unix_s is not None
+            }
 
     # -- link checks (the service sends the commands) --------------------------------------
     def link_checks_due(self, now_unix_s: float) -> list[tuple[str, str]]:
@@ -694,59 +746,22 @@ class LiveState:
             ):
                 detector.forget(job)
 
-    # -- summaries for the API -----------------------------------------------------------
+    # -- summaries for the API (core.summaries) -----------------------------------------
     def job_summary(self, job: str) -> dict[str, Any] | None:
         with self._lock:
             state = self.jobs.get(job)
-            if state is None:
-                return None
-            ranks = list(state.ranks.values())
-            recent = [x for r in ranks for x in r.recent.rows()]
-            return {
-                "world_size": state.world_size,
-                "ranks_reporting": len(ranks),
-                "last_step": max((r.last_step for r in ranks), default=-1),
-                "step_duration_s": _mean([d for d, _, _ in recent]),
-                "communication_time_ratio": _mean([w / d for d, w, _ in recent if d > 0]),
-                "throughput_samples_per_s": _sum_finite([r.samples_per_s for r in ranks]),
-                "bucket_cap_bytes": state.bucket_cap_bytes,
-            }
+            return None if state is None else summaries.job_summary(state)
 
     def job_config(self, job: str) -> dict[str, Any] | None:
         with self._lock:
             state = self.jobs.get(job)
             config = state.config if state is not None else None
-        if config is None:
-            return None
-        return {
-            "version": config.version,
-            "bucket_cap_bytes": config.bucket_cap_bytes,
-            "first_bucket_cap_bytes": config.first_bucket_cap_bytes,
-            "codec": config.codec,
-            "codec_params": dict(config.codec_params),
-            "effective_step": config.effective_step,
-        }
+        return None if config is None else summaries.config_summary(config)
 
     def rank_summaries(self, job: str) -> dict[int, dict[str, Any]]:
         with self._lock:
             state = self.jobs.get(job)
-            if state is None:
-                return {}
-            return {
-                rank: {
-                    "node": r.node,
-                    "last_step": r.last_step,
-                    "steps_total": r.steps_total,
-                    "step_duration_s": _nan_none(r.duration_s),
-                    "compute_s": _nan_none(r.compute_s),
-                    "comm_wait_s": _nan_none(r.comm_wait_s),
-                    "communication_time_ratio": _nan_none(r.communication_time_ratio),
-                    "samples_per_s": _nan_none(r.samples_per_s),
-                    "loss": _nan_none(r.loss),
-                    "config_version": r.config_version,
-                }
-                for rank, r in sorted(state.ranks.items())
-            }
+            return {} if state is None else summaries.rank_summaries(state)
 
     # -- export --------------------------------------------------------------------------
     def snapshot_for_export(self) -> dict[str, Any]:
@@ -775,22 +790,3 @@ class LiveState:
                 "reports": dict(self._reports),  # lists of frozen findings, replaced whole
                 "labels_folded": self._labels.folded(),
             }
-
-
-def _mean(values: Sequence[float]) -> float | None:
-    finite = [v for v in values if math.isfinite(v)]
-    return statistics.fmean(finite) if finite else None
-
-
-def _ratio(value: float | None) -> float | None:
-    """A mean of measured ratios kept inside 0..1 (clock jitter can push one just past)."""
-    return None if value is None else min(1.0, max(0.0, value))
-
-
-def _sum_finite(values: Sequence[float]) -> float | None:
-    finite = [v for v in values if math.isfinite(v)]
-    return sum(finite) if finite else None
-
-
-def _nan_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
