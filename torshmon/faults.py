@@ -197,7 +197,8 @@ class FaultRunner:
     _compute_s: list[float] = field(default_factory=list)
     _step_s: list[float] = field(default_factory=list)
     _step_started: float = 0.0
-    _leaked: list[Any] = field(default_factory=list)
+    #: Each leak's tensors, by the fault's index: one leak ending frees only its own.
+    _leaked: dict[int, list[Any]] = field(default_factory=dict)
 
     def _mine(self, kinds: tuple[str, ...]) -> list[tuple[int, Fault]]:
         return [(i, f) for i, f in enumerate(self.faults) if f.kind in kinds and f.hits(self.rank)]
@@ -248,9 +249,9 @@ class FaultRunner:
         elapsed = time.perf_counter() - self._step_started
         for index, fault in self._mine(("memory-leak",)):
             if self._track(index, fault, step):
-                self._leak(fault.amount)
+                self._leak(index, fault.amount)
             elif step >= (fault.stop_step or step + 1):
-                self._leaked.clear()
+                self._leaked.pop(index, None)
         # A step is normal only if no fault hit it. Any rank's fault counts: in a
         # synchronous job a peer's fault slows this rank too.
         if not any(f.active(step) for f in self.faults) and len(self._step_s) < 50:
@@ -264,16 +265,22 @@ class FaultRunner:
         if job_wide:
             time.sleep(sum(f.amount for f in job_wide) * self.normal_step_s(elapsed))
 
+    @property
+    def leaked_bytes(self) -> int:
+        """Bytes the memory leaks hold now."""
+        return sum(t.numel() * t.element_size() for ts in self._leaked.values() for t in ts)
+
     def normal_step_s(self, default: float) -> float:
         """The median time from ``begin_step`` to ``end_compute`` over the first fault-free
         steps (``default`` before any): what a regression stretches."""
         return _median(self._step_s, default)
 
-    def _leak(self, mb: float) -> None:
+    def _leak(self, index: int, mb: float) -> None:
         import torch
 
         # ones, not empty: untouched pages would not be resident, so RSS would not grow.
-        self._leaked.append(torch.ones(int(mb * 1e6) // 4, dtype=torch.float32))
+        tensor = torch.ones(int(mb * 1e6) // 4, dtype=torch.float32)
+        self._leaked.setdefault(index, []).append(tensor)
 
 
 def _median(values: list[float], default: float) -> float:
