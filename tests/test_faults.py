@@ -161,3 +161,15 @@ def test_a_slow_link_leaves_signal_files_for_the_launcher(tmp_path: Path) -> Non
         if step >= 5:
             expected = {"fault0.on", "fault0.off"}
         assert {p.name for p in signal_dir.iterdir()} == expected, step
+
+
+def test_the_normal_step_is_the_latest_fault_free_steps_not_the_first() -> None:
+    # A job whose steps got slower since it started (start-up, or a sweep's earlier
+    # episodes): a straggler later in the job stretches today's step, not the first ones.
+    runner = FaultRunner(1, (parse_fault("straggler:rank=1,slowdown=1,from=200"),))
+    _loop(runner, 50)  # fast steps
+    for step in range(51, 101):
+        runner.begin_step(step)
+        time.sleep(0.01)
+        runner.end_compute(step)
+    assert runner.normal_step_s(0.0) >= 0.01
