@@ -606,6 +606,132 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def run_fault_jobs(kinds: Sequence[str], seeds: Sequence[int], quick: bool) -> list[JobOutcome]:
+    """Every fault job of every seed, with a line per job and per episode as it ends."""
+    outcomes: list[JobOutcome] = []
+    for seed in seeds:
+        for plan in plan_jobs(kinds, seed, quick):
+            outcome = asyncio.run(run_job(plan, seed))
+            outcomes.append(outcome)
+            found = sum(s.detected for s in outcome.score.episodes)
+            outside = [a.name for a in outcome.score.outside]
+            print(
+                f"{plan.name} seed {seed}: {found}/{len(plan.episodes)} episodes detected, "
+                f"false alerts outside episodes: {outside or 'none'} ({outcome.wall_s:.0f} s)",
+                flush=True,
+            )
+            for i, score in enumerate(outcome.score.episodes):
+                ep = score.episode
+                print(
+                    f"  {ep.label} {ep.magnitude:g} rank {ep.rank} step {ep.onset_step}: "
+                    f"detected={score.detected} named={score.named} "
+                    f"latency={_fmt(score.latency_s)} s/{score.latency_steps} steps "
+                    f"coverage={_fmt(score.coverage)} measured={_fmt(outcome.measured.get(i))} "
+                    f"false={[a.name for a in (*score.false, *score.wrong_rank)]} "
+                    f"symptoms={[a.name for a in score.symptoms]}",
+                    flush=True,
+                )
+    return outcomes
+
+
+def run_clean_jobs(clean_steps: int, seed: int) -> list[list[FiredAlert]]:
+    """The clean jobs, 60% of the steps at 2 ranks and 40% at 4: the alerts of each."""
+    jobs = []
+    for world_size, share in ((2, 0.6), (4, 0.4)):
+        steps = int(clean_steps * share)
+        alerts, wall_s = asyncio.run(run_clean(world_size, steps, seed))
+        jobs.append(alerts)
+        print(
+            f"clean {world_size} ranks, {steps} steps, bursty CPU load: "
+            f"alerts: {[a.name for a in alerts] or 'none'} ({wall_s:.0f} s)",
+            flush=True,
+        )
+    return jobs
+
+
+def run_tuning_job() -> list[FiredAlert]:
+    alerts, wall_s, phase = asyncio.run(run_tuning())
+    print(
+        f"autotune session ({phase}), no fault: alerts: "
+        f"{[a.name for a in alerts] or 'none'} ({wall_s:.0f} s)",
+        flush=True,
+    )
+    return alerts
+
+
+def straggler_thresholds(
+    scores: Sequence[EpisodeScore], by_label: dict[str, list[CurvePoint]]
+) -> dict[str, float | None]:
+    """``straggler_min_ratio_detected_{4,2}`` and, beside each, the compute ratio the
+    steps table measured at that ratio (``_measured``)."""
+    found: dict[str, float | None] = {}
+    for world in (4, 2):
+        labels = [k for k in by_label if k.startswith("straggler") and f"{world} ranks" in k]
+        least = min_magnitude_detected([s for s in scores if s.episode.label in labels])
+        measured = [
+            m for k in labels for p in by_label[k] if p.magnitude == least for m in p.measured
+        ]
+        found[f"straggler_min_ratio_detected_{world}"] = least
+        found[f"straggler_min_ratio_detected_{world}_measured"] = median(measured)
+    return found
+
+
+def build_report(
+    outcomes: Sequence[JobOutcome],
+    clean_jobs: Sequence[Sequence[FiredAlert]],
+    tuning_jobs: Sequence[Sequence[FiredAlert]],
+    by_label: dict[str, list[CurvePoint]],
+) -> dict[str, Any]:
+    scores = [s for o in outcomes for s in o.score.episodes]
+    summary = summarize([o.score for o in outcomes], clean_jobs, tuning_jobs)
+    false_in_fault_jobs = [
+        a.name
+        for o in outcomes
+        for a in (
+            *o.score.outside,
+            *(x for s in o.score.episodes for x in (*s.false, *s.wrong_rank)),
+        )
+    ]
+    return {
+        "grace_s": GRACE_S,
+        **straggler_thresholds(scores, by_label),
+        "coverage_median": summary.coverage_median,
+        "coverage_median_all_kinds": summary.coverage_median_all,
+        "recall": summary.recall,
+        "recall_all": summary.recall_all,
+        "attribution": summary.attribution,
+        "precision_runs": summary.precision_runs,
+        "precision_units": {"true": summary.true_units, "false": summary.false_units},
+        "median_latency_steps": summary.median_latency_steps,
+        "median_latency_s": summary.median_latency_s,
+        "worst_latency_s": summary.worst_latency_s,
+        "episodes": len(scores),
+        "false_alerts_in_fault_jobs": sorted(false_in_fault_jobs),
+        "clean_false_alerts": sum(len(j) for j in clean_jobs) if clean_jobs else None,
+        "clean_alerts": [a.name for j in clean_jobs for a in j],
+        "tuning_false_alerts": sum(len(j) for j in tuning_jobs) if tuning_jobs else None,
+        "tuning_alerts": [a.name for j in tuning_jobs for a in j],
+        "curves": {label: [p.as_json() for p in points] for label, points in by_label.items()},
+    }
+
+
+#: The figures printed before the JSON line.
+HEADLINE = (
+    "straggler_min_ratio_detected_4",
+    "straggler_min_ratio_detected_4_measured",
+    "straggler_min_ratio_detected_2",
+    "straggler_min_ratio_detected_2_measured",
+    "recall",
+    "attribution",
+    "precision_runs",
+    "coverage_median",
+    "median_latency_steps",
+    "clean_false_alerts",
+    "tuning_false_alerts",
+    "wall_s",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few magnitudes, 1 000 clean steps")
@@ -628,122 +754,21 @@ def main(argv: list[str] | None = None) -> int:
         args.kinds = [k for k in args.kinds if k != "slow-link"]
 
     started = time.monotonic()
-    outcomes: list[JobOutcome] = []
-    for seed in args.seeds:
-        for plan in plan_jobs(args.kinds, seed, args.quick):
-            outcome = asyncio.run(run_job(plan, seed))
-            outcomes.append(outcome)
-            found = sum(s.detected for s in outcome.score.episodes)
-            outside = [a.name for a in outcome.score.outside]
-            print(
-                f"{plan.name} seed {seed}: {found}/{len(plan.episodes)} episodes detected, "
-                f"false alerts outside episodes: {outside or 'none'} ({outcome.wall_s:.0f} s)",
-                flush=True,
-            )
-            for i, score in enumerate(outcome.score.episodes):
-                ep = score.episode
-                print(
-                    f"  {ep.label} {ep.magnitude:g} rank {ep.rank} step {ep.onset_step}: "
-                    f"detected={score.detected} named={score.named} "
-                    f"latency={_fmt(score.latency_s)} s/{score.latency_steps} steps "
-                    f"coverage={_fmt(score.coverage)} measured={_fmt(outcome.measured.get(i))} "
-                    f"false={[a.name for a in (*score.false, *score.wrong_rank)]} "
-                    f"symptoms={[a.name for a in score.symptoms]}",
-                    flush=True,
-                )
-    clean_jobs: list[list[FiredAlert]] = []
-    if not args.no_clean:
-        for world_size, share in ((2, 0.6), (4, 0.4)):
-            alerts, wall_s = asyncio.run(
-                run_clean(world_size, int(clean_steps * share), args.seeds[0])
-            )
-            clean_jobs.append(alerts)
-            print(
-                f"clean {world_size} ranks, {int(clean_steps * share)} steps, bursty CPU load: "
-                f"alerts: {[a.name for a in alerts] or 'none'} ({wall_s:.0f} s)",
-                flush=True,
-            )
-    tuning_jobs: list[list[FiredAlert]] = []
-    if not args.no_tuning:
-        alerts, wall_s, phase = asyncio.run(run_tuning())
-        tuning_jobs.append(alerts)
-        print(
-            f"autotune session ({phase}), no fault: alerts: "
-            f"{[a.name for a in alerts] or 'none'} ({wall_s:.0f} s)",
-            flush=True,
-        )
-
+    outcomes = run_fault_jobs(args.kinds, args.seeds, args.quick)
+    clean_jobs = [] if args.no_clean else run_clean_jobs(clean_steps, args.seeds[0])
+    tuning_jobs = [] if args.no_tuning else [run_tuning_job()]
     by_label = curves(outcomes)
     print_curves(by_label)
-    scores = [s for o in outcomes for s in o.score.episodes]
-    summary = summarize([o.score for o in outcomes], clean_jobs, tuning_jobs)
-    extra: dict[str, Any] = {}
-    for world in (4, 2):
-        stragglers = [
-            s
-            for s in scores
-            if s.episode.label.startswith("straggler") and f"{world} ranks" in s.episode.label
-        ]
-        least = min_magnitude_detected(stragglers)
-        measured = [
-            m
-            for label, points in by_label.items()
-            if label.startswith("straggler") and f"{world} ranks" in label
-            for p in points
-            if p.magnitude == least
-            for m in p.measured
-        ]
-        extra[f"straggler_min_ratio_detected_{world}"] = least
-        # The compute ratio the steps table showed at that magnitude (module docstring).
-        extra[f"straggler_min_ratio_detected_{world}_measured"] = median(measured)
-    report: dict[str, Any] = {
+    report = {
         "seeds": args.seeds,
         "kinds": args.kinds,
         "quick": args.quick,
-        "grace_s": GRACE_S,
-        **extra,
-        "coverage_median": summary.coverage_median,
-        "coverage_median_all_kinds": summary.coverage_median_all,
-        "recall": summary.recall,
-        "recall_all": summary.recall_all,
-        "attribution": summary.attribution,
-        "precision_runs": summary.precision_runs,
-        "precision_units": {"true": summary.true_units, "false": summary.false_units},
-        "median_latency_steps": summary.median_latency_steps,
-        "median_latency_s": summary.median_latency_s,
-        "worst_latency_s": summary.worst_latency_s,
-        "episodes": len(scores),
-        "false_alerts_in_fault_jobs": sorted(
-            a.name
-            for o in outcomes
-            for a in (
-                *o.score.outside,
-                *(x for s in o.score.episodes for x in (*s.false, *s.wrong_rank)),
-            )
-        ),
         "clean_steps": clean_steps if clean_jobs else 0,
-        "clean_false_alerts": sum(len(j) for j in clean_jobs) if clean_jobs else None,
-        "clean_alerts": [a.name for j in clean_jobs for a in j],
-        "tuning_false_alerts": sum(len(j) for j in tuning_jobs) if tuning_jobs else None,
-        "tuning_alerts": [a.name for j in tuning_jobs for a in j],
+        **build_report(outcomes, clean_jobs, tuning_jobs, by_label),
         "wall_s": time.monotonic() - started,
-        "curves": {label: [p.as_json() for p in points] for label, points in by_label.items()},
     }
     print()
-    for key in (
-        "straggler_min_ratio_detected_4",
-        "straggler_min_ratio_detected_4_measured",
-        "straggler_min_ratio_detected_2",
-        "straggler_min_ratio_detected_2_measured",
-        "recall",
-        "attribution",
-        "precision_runs",
-        "coverage_median",
-        "median_latency_steps",
-        "clean_false_alerts",
-        "tuning_false_alerts",
-        "wall_s",
-    ):
+    for key in HEADLINE:
         print(f"{key}: {report[key]}")
     print(json.dumps(report))
     return 0

@@ -3,6 +3,8 @@ what counts as caught, as excused, as false."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from benchmarks._scoring import (
@@ -168,3 +170,30 @@ def test_min_magnitude_needs_every_episode_from_there_up() -> None:
     assert min_magnitude_detected(run.episodes) == 1.5
     assert min_magnitude_detected(run.episodes[:1]) == 1.2
     assert min_magnitude_detected([run.episodes[1]]) is None
+
+
+def test_the_sweep_plans_faults_that_parse_and_do_not_overlap() -> None:
+    from benchmarks.detection import GAP_STEPS, plan_jobs
+    from torshmon.faults import KINDS, parse_fault
+
+    for seed in (0, 1, 100):
+        jobs = plan_jobs(KINDS, seed, quick=False)
+        assert {j.name for j in jobs} >= {"timing-2", "timing-4", "hang", "memory-leak"}
+        for job in jobs:
+            episodes = sorted(job.episodes, key=lambda e: e.onset_step)
+            for before, after in itertools.pairwise(episodes):
+                assert after.onset_step - before.end_step >= GAP_STEPS
+            for ep in episodes:
+                faults = [parse_fault(s) for s in ep.specs]
+                assert all(f.rank is None or f.rank < job.world_size for f in faults)
+                assert faults[0].start_step == ep.onset_step
+                assert job.steps > ep.end_step
+            intermittent = [e for e in episodes if "on/off" in e.label]
+            for ep in intermittent:  # three periods of 10 slow steps, 10 normal between
+                periods = [(f.start_step, f.stop_step) for f in map(parse_fault, ep.specs)]
+                assert [b - a for a, b in periods] == [10, 10, 10]
+                assert periods[1][0] - periods[0][1] == 10
+        timing = {j.name: j for j in jobs}
+        for name in ("timing-2", "timing-4"):
+            ratios = sorted(e.magnitude for e in timing[name].episodes if e.kind == "straggler")
+            assert ratios == sorted([1.1, 1.2, 1.3, 1.5, 2.0, 3.0] * 2)
