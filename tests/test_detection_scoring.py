@@ -190,7 +190,7 @@ def test_the_sweep_plans_faults_that_parse_and_do_not_overlap() -> None:
                 assert job.steps > ep.end_step
             intermittent = [e for e in episodes if "on/off" in e.label]
             for ep in intermittent:  # three periods of 10 slow steps, 10 normal between
-                periods = [(f.start_step, f.stop_step) for f in map(parse_fault, ep.specs)]
+                periods = [(f.start_step, f.stop_step or 0) for f in map(parse_fault, ep.specs)]
                 assert [b - a for a, b in periods] == [10, 10, 10]
                 assert periods[1][0] - periods[0][1] == 10
         timing = {j.name: j for j in jobs}
