@@ -379,6 +379,38 @@ def test_the_default_memory_leak_rule_fires_within_ten_seconds_of_a_steady_leak(
     assert fired_at is not None and fired_at - 60 <= 10
 
 
+@pytest.mark.parametrize("switched", [True, False])
+def test_a_config_switch_is_no_memory_leak_until_it_leaves_the_window(switched: bool) -> None:
+    """An autotuner trial at t=60 allocates its buffers over 8 s (RSS rises 30 MB/s, then
+    stays): with the switch reported, the Memory Leak rule leaves the job's series alone
+    while the switch is in its window; unreported, the same rise fires."""
+    engine = AlertEngine(default_rules())
+    series = SeriesStore()
+    labels = labelset(job="j", rank="0", node="n")
+    switches = {"j": 60.0} if switched else {}
+    fired = []
+    for now in range(0, 120):
+        rss = 1e9 + 1e5 * (now % 3) + 30e6 * min(max(0, now - 60), 8)
+        series.add("rank_memory_rss_bytes", labels, float(now), rss)
+        fired += [a for a in engine.evaluate(float(now), series, [], switches)]
+    assert [a.rule for a in fired if a.state == "firing"] == ([] if switched else ["Memory Leak"])
+
+
+def test_a_leak_after_a_config_switch_settles_is_still_caught() -> None:
+    engine = AlertEngine(default_rules())
+    series = SeriesStore()
+    labels = labelset(job="j", rank="0", node="n")
+    fired_at = None
+    for now in range(0, 120):
+        rss = 1e9 + 1e5 * (now % 3) + 30e6 * max(0, now - 40)  # leaking from t=40
+        series.add("rank_memory_rss_bytes", labels, float(now), rss)
+        states = _states(engine.evaluate(float(now), series, [], {"j": 30.0}))
+        if ("Memory Leak", "firing") in states:
+            fired_at = now
+            break
+    assert fired_at is not None and fired_at - 40 <= 10
+
+
 def test_rate_needs_points_spanning_half_the_window() -> None:
     rules = _rules(
         """

@@ -429,3 +429,53 @@ def test_the_last_reports_of_a_job_whose_processes_ended_make_no_hang() -> None:
         sample = msgspec.structs.replace(ended, ts_unix_ns=int((now - _SKEW_S) * 1e9))
         live.observe(Stored(acked_seq=3 + i, node_samples=[sample]), now, "node-a")
         assert [f for f in live.findings(now) if f.kind == "hang"] == [], now
+
+
+def _job_steps(
+    live: LiveState, world: int, durations: list[float], *, versions: list[int] | None = None
+) -> None:
+    """Every rank of a ``world``-rank job runs steps 1.. with these step times (the
+    same on every rank, as in synchronous training: a step waits for the slowest rank),
+    and these config versions."""
+    hellos = [wf.hello("j", rank, world) for rank in range(world)]
+    live.observe(Stored(acked_seq=0, hellos=hellos), now_unix_s=1000.0)
+    for h in hellos:
+        steps = []
+        for n, duration in enumerate(durations, start=1):
+            jitter = 1.0 + 0.01 * ((n + h.rank) % 3)
+            step = wf.step(n, duration_s=duration * jitter, comm_wait_s=0.02, end_unix_ns=n * 10**8)
+            if versions is not None:
+                step = msgspec.structs.replace(step, config_version=versions[n - 1])
+            steps.append(step)
+        live.observe(Stored(acked_seq=0, batches=[(wf.batch(h, 1, steps), "n")]), 1000.0)
+
+
+def test_a_job_wide_slowdown_is_one_job_level_step_time_anomaly() -> None:
+    """Every rank's steps take 3x longer: one Step Time Anomaly for the job, without a
+    rank (it used to be one per rank), and no straggler."""
+    live = LiveState(idle_s=60.0)
+    _job_steps(live, 3, [0.1] * 40 + [0.3] * 10)
+    found = live.findings(1001.0)
+    assert [(f.kind, dict(f.labels)) for f in found] == [
+        ("anomaly", {"job": "j", "metric": "step_duration_seconds"})
+    ]
+    assert found[0].summary.startswith("step time of job j is 0.3")
+    engine = AlertEngine(default_rules())
+    (alert,) = [a for a in engine.evaluate(1001.0, live.series, found) if a.state == "firing"]
+    assert (alert.rule, alert.rank) == ("Step Time Anomaly", None)
+
+
+@pytest.mark.parametrize("switch", [True, False])
+def test_a_config_switch_starts_the_step_time_baseline_over(switch: bool) -> None:
+    """An autotuner trial makes steps 1.6x longer (a slower codec) from step 41: with the
+    config version rising there, nothing fires; the same change without a switch is a
+    Step Time Anomaly."""
+    live = LiveState(idle_s=60.0)
+    durations = [0.1] * 40 + [0.16] * 40
+    versions = [0] * 40 + ([1] if switch else [0]) * 40
+    _job_steps(live, 2, durations, versions=versions)
+    found = [f.labels.get("metric") for f in live.findings(1001.0)]
+    assert found == ([] if switch else ["step_duration_seconds"])
+    assert live.jobs["j"].config_version == (1 if switch else 0)
+    # the alert engine's rate rules hear of it (when the aggregator learnt of it)
+    assert live.config_switches() == ({"j": 1000.0} if switch else {})

@@ -200,9 +200,9 @@ def test_detector_section_defaults_are_the_detectors_own() -> None:
 
 
 def test_detector_settings_reach_the_live_state() -> None:
-    settings = load_settings({"straggler": {"persistence": 9}, "hang": {"timeout_s": 7}}, env={})
+    settings = load_settings({"straggler": {"persistence": 7}, "hang": {"timeout_s": 7}}, env={})
     live = LiveState(straggler=settings.straggler, hang=settings.hang, zscore=settings.zscore)
-    assert live.straggler._persistence == 9
+    assert live.straggler._persistence == 7
     assert live.hang._timeout_s == 7.0
     assert live.step_z._threshold == live.loss_z._threshold == 2.5
 

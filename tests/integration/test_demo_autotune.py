@@ -107,3 +107,27 @@ async def test_on_tick_hands_hooks_the_running_shaper(shaping: None, tmp_path: P
     assert len(result.results) == 2
     assert seen[0] == (parse_rate("1gbit"), parse_rate("1gbit"))
     assert seen[-1] == (parse_rate("1gbit"), parse_rate("100mbit"))
+
+
+async def test_a_fault_free_autotune_session_fires_no_alert(tmp_path: Path) -> None:
+    """Every trial switches the job's config (new buckets, another codec): its step time
+    and memory change with it. The detectors start over after a switch, so a session on a
+    healthy job sets off nothing (it used to fire Memory Leak and Step Time Anomaly)."""
+    config = DemoConfig(
+        world_size=2,
+        steps=3000,
+        hidden=512,
+        layers=3,
+        db=tmp_path / "h.db",
+        # ~115 ms steps, as real jobs take 0.1-1 s (see test_faults.py): on 2 shared
+        # cores the aggregator's own bursts would span several 15 ms steps of one rank.
+        step_sleep_s=0.1,
+        autotune=True,
+        tune_max_trials=3,
+        linger_s=2.0,
+        quiet=True,
+    )
+    result = await run_system(config)
+    assert result.tuning is not None and result.tuning.phase == "finished"
+    fired = [(a["rule"], a["rank"]) for a in result.alerts if a["fired_at_unix_s"] is not None]
+    assert fired == []

@@ -415,7 +415,9 @@ class Aggregator:
         """One evaluation tick: findings, rules, storage, notifications. Returns transitions."""
         now = self.clock()
         findings = self.live.findings(now)
-        transitions = self.alerts.evaluate(now, self.live.series, findings)
+        transitions = self.alerts.evaluate(
+            now, self.live.series, findings, self.live.config_switches()
+        )
         new_findings = [f for f in findings if f.key() not in self._finding_keys]
         self._finding_keys = {f.key() for f in findings}
         self.live.set_alerts(self.alerts.active())

@@ -358,14 +358,20 @@ AGENT_SILENCE_SECONDS: Final = _gauge(
 
 ANOMALY_ACTIVE: Final = _gauge(
     "anomaly_active",
-    "1 while a rolling z-score anomaly is active on the series",
+    "1 while a rolling z-score anomaly is active on the series (rank is empty for the "
+    "job's step time, judged once per job)",
     ("job", "rank", "metric"),
 )
 ANOMALY_ZSCORE: Final = _gauge(
     "anomaly_zscore", "z-score of the active anomaly", ("job", "rank", "metric")
 )
 STRAGGLER_ACTIVE: Final = _gauge("straggler_active", "1 while the rank is a straggler", _RANK)
-STRAGGLER_SCORE: Final = _gauge("straggler_score", "Straggler score of the rank", _RANK)
+STRAGGLER_SCORE: Final = _gauge(
+    "straggler_score",
+    "While the rank is a straggler: its compute time over its peers' median at the same "
+    "steps (median over the detector's window; 1.4 = 40 % slower)",
+    _RANK,
+)
 HUNG_COLLECTIVE_AGE_SECONDS: Final = _gauge(
     "hung_collective_age_seconds",
     "Age of a collective the rank never joined while its peers wait",

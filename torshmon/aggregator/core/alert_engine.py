@@ -155,16 +155,27 @@ class AlertEngine:
         self._groups: dict[str, dict[int, LabelSet]] = {}
         # Per threshold rule: what it knows of its series' newest points.
         self._newest: dict[str, _Newest] = {}
+        # Per job: when its config last switched (as given to ``evaluate``).
+        self._switched: Mapping[str, float] = {}
 
     # -- evaluation -----------------------------------------------------------------------
 
     def evaluate(
-        self, now_unix_s: float, series: SeriesStore, findings: Sequence[Finding]
+        self,
+        now_unix_s: float,
+        series: SeriesStore,
+        findings: Sequence[Finding],
+        config_switched_unix_s: Mapping[str, float] | None = None,
     ) -> list[Alert]:
         """Evaluate every rule at ``now_unix_s``; returns this evaluation's transitions.
 
         ``findings`` are the detectors' currently active findings.
+        ``config_switched_unix_s``: per job, when its communication config last changed
+        (an autotuner trial). A ``rate`` rule does not judge a job's series while the
+        switch is in its window: a new bucket layout or codec allocates its buffers over
+        the first steps, a rise that is the switch's, not a trend.
         """
+        self._switched = config_switched_unix_s or {}
         now = now_unix_s
         transitions: list[Alert] = []
         for alert in self._orphans.values():
@@ -252,6 +263,8 @@ class AlertEngine:
             }
         if rule.kind == "rate":
             values = self._rates(rule, now, series, fresh_after, matchers)
+            if self._switched:
+                values = self._settled(values, now - rule.window_s)
         else:
             values = self._fresh_newest(rule, series, fresh_after, matchers)
         if rule.aggregate is None:
@@ -259,6 +272,18 @@ class AlertEngine:
         else:
             pairs = self._aggregate(rule, values)
         return {key: _Hit(value, now, None) for key, value in pairs if rule.compare(value)}
+
+    def _settled(
+        self, values: list[tuple[int, LabelSet, float]], window_start_s: float
+    ) -> list[tuple[int, LabelSet, float]]:
+        """``values`` without the series of jobs whose config switched inside the window."""
+        switched = self._switched
+        kept = []
+        for row in values:
+            job = dict(row[1]).get("job")
+            if job is None or switched.get(job, -math.inf) < window_start_s:
+                kept.append(row)
+        return kept
 
     def _fresh_newest(
         self,

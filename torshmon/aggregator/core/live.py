@@ -93,6 +93,7 @@ class LiveState:
         hang: HangSettings | None = None,
         link_check: LinkCheckSettings | None = None,
         label_cap: LabelCap | None = None,
+        config_settle_steps: int = 10,
     ) -> None:
         """``idle_s``: a job (or node) that sent nothing for this long is dropped, with
         its series and detector state; a hung job still sends heartbeats, so it stays.
@@ -103,8 +104,14 @@ class LiveState:
         settings (None: their defaults). ``link_check``: when to run pairwise link
         checks and how to read them.
         ``label_cap``: how many op, pg and codec values a job's probes may name; the
-        rest fold into ``other`` as they are taken in (``torshmon.labels``)."""
+        rest fold into ``other`` as they are taken in (``torshmon.labels``).
+        ``config_settle_steps``: after a config switch (an autotuner trial, a
+        ``request_config``) the job's step time and straggler detectors skip this many
+        steps and then learn the new level afresh, so a switch sets off no alert."""
         self.idle_s = idle_s
+        if config_settle_steps < 0:
+            raise ValueError(f"config_settle_steps must be >= 0, got {config_settle_steps}")
+        self.config_settle_steps = config_settle_steps
         self._labels = label_cap if label_cap is not None else LabelCap()
         self.series = SeriesStore(retention_s=series_retention_s, windows_s=series_windows_s)
         self.jobs: dict[str, JobState] = {}
@@ -191,7 +198,7 @@ class LiveState:
     def _job(self, name: str) -> JobState:
         job = self.jobs.get(name)
         if job is None:
-            job = self.jobs[name] = JobState()
+            job = self.jobs[name] = JobState(labels=(("job", name),))
         return job
 
     def _rank(self, job_name: str, job: JobState, rank: int) -> RankState:
@@ -210,7 +217,7 @@ class LiveState:
         r.dropped_records_total = batch.dropped_records_total
         r.inflight_oldest_age_s = max((op.age_s for op in batch.inflight), default=0.0)
         if batch.steps:
-            self._observe_steps(batch, job, r)
+            self._observe_steps(batch, job, r, now_unix_s)
             if batch.urgent:
                 r.urgent_steps_total += len(batch.steps)
         if job.world_size is None or batch.rank < job.world_size:
@@ -222,7 +229,7 @@ class LiveState:
             self.links.observe_result(result, now_unix_s)
             self._fresh = True
 
-    def _observe_steps(self, batch: Batch, job: JobState, r: RankState) -> None:
+    def _observe_steps(self, batch: Batch, job: JobState, r: RankState, now_unix_s: float) -> None:
         """Every step of ``batch`` into the series, detectors and ``r``, in step order."""
         # The ingest hot path. Each consumer takes the batch's steps as columns in one
         # call (series, detectors, collector), as it would step by step; the findings
@@ -300,16 +307,34 @@ class LiveState:
             loss_found = self.loss_z.observe_many(r.labels, ts, losses)
         else:
             loss_found = self._observe_losses(r, ts, losses, nonfinite)
-        step_found = self.step_z.observe_many(r.labels, ts, durations)
+        if config_versions[-1] > job.config_version:
+            self._config_switched(batch.job, job, numbers, config_versions)
+            job.config_switched_unix_s = now_unix_s
         self.links.observe_steps(batch.job, batch.rank, waits, computes)
+        step_found: list[tuple[int, Finding]] = []
         straggler_found: list[tuple[int, Finding]] = []
         collector = job.collector
         if collector is not None and batch.rank < collector.world_size:
-            for i, complete in collector.add_many(batch.job, batch.rank, numbers, computes, ts):
+            at: list[int] = []
+            job_ts: list[float] = []
+            job_durations: list[float] = []
+            for i, complete in collector.add_many(
+                batch.job, batch.rank, numbers, computes, ts, durations
+            ):
                 for found in self.straggler.observe_step(
                     complete.job, complete.step, complete.compute_s_by_rank, complete.ts_unix_s
                 ):
                     straggler_found.append((i, found))
+                if complete.step >= job.settled_from_step:
+                    at.append(i)
+                    job_ts.append(complete.ts_unix_s)
+                    job_durations.append(complete.duration_s)
+            if at:
+                # The job's step time, one series per job: in synchronous training every
+                # rank's step takes as long as the slowest rank's, so a slowdown is one
+                # job-level finding, not one per rank.
+                found_at = self.step_z.observe_many(job.labels, job_ts, job_durations)
+                step_found = [(at[j], finding) for j, finding in found_at]
         if loss_found or step_found or straggler_found:
             # Sorting is stable: within a step, loss before step time before straggler.
             for _, found in sorted(loss_found + step_found + straggler_found, key=_first):
@@ -345,6 +370,22 @@ class LiveState:
         r.compute_s = computes[-1]
         r.communication_time_ratio = ratios[-1]
         r.config_version = config_versions[-1]
+
+    def _config_switched(
+        self, name: str, job: JobState, numbers: Sequence[int], versions: Sequence[int]
+    ) -> None:
+        """A new communication config took effect at the first of ``numbers`` whose
+        version is newer than the job's: its steps and the next few take a new bucket
+        layout or codec, and the step time settles at a new level. The detectors that
+        compare a job with its past start over from there, and the straggler detector
+        skips those steps (ranks rebuild buckets unevenly)."""
+        first = next(i for i, v in enumerate(versions) if v > job.config_version)
+        job.config_version = versions[-1]
+        switch_step = numbers[first]
+        until = switch_step + self.config_settle_steps
+        job.settled_from_step = max(job.settled_from_step, until)
+        self.straggler.pause(name, switch_step, until)
+        self.step_z.forget(name)
 
     def _observe_losses(
         self,
@@ -444,6 +485,16 @@ class LiveState:
             self._evaluated = {f.key() for f in out}
             self._fresh = False
         return out
+
+    def config_switches(self) -> dict[str, float]:
+        """Per job, when (aggregator clock) a rank first reported its newest config
+        switch; jobs that never switched are left out."""
+        with self._lock:
+            return {
+                name: job.config_switched_unix_s
+                for name, job in self.jobs.items()
+                if job.config_switched_unix_s is not None
+            }
 
     # -- link checks (the service sends the commands) --------------------------------------
     def link_checks_due(self, now_unix_s: float) -> list[tuple[str, str]]:

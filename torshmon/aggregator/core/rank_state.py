@@ -85,11 +85,19 @@ class RankState:
 
 @dataclass(slots=True)
 class JobState:
+    #: The job's own series labels (job-level step time).
+    labels: tuple[tuple[str, str], ...] = ()
     world_size: int | None = None
     ranks: dict[int, RankState] = field(default_factory=dict)
     config: AppliedConfig | None = None
     bucket_cap_bytes: int | None = None
     collector: StepCollector | None = None
+    #: The newest config version any rank ran a step with.
+    config_version: int = 0
+    #: Steps before this one are a config switch settling: not judged by step time.
+    settled_from_step: int = 0
+    #: When the aggregator learnt of the newest config switch (None: never switched).
+    config_switched_unix_s: float | None = None
 
 
 def copy_rank(r: RankState) -> RankState:

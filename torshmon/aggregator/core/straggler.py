@@ -1,67 +1,47 @@
-"""Cross-rank straggler detection on compute time (step time minus communication wait).
+"""Straggler detection: a rank's compute time against its peers' at the same steps.
 
 In a blocking collective the slow rank waits least, so its collective time looks
-best; compute time is where a straggler shows. Each complete step is scored across
-ranks with a robust z-score, ``0.6745 * (x - median) / MAD``, the MAD floored at
-``mad_floor_ratio`` of the median so that ranks in lock-step (MAD ~ 0) do not turn
-microsecond noise into huge z. A rank is flagged on a step when its robust z passes
-``z_threshold`` AND it computes at least ``min_slowdown`` more than the median of its
-peers (a shift worth acting on, as in Greyhound/Falcon: >= 10 %). A finding becomes
-active after ``persistence`` flagged steps in a row and clears after ``persistence``
-steps in a row without.
+best; compute time (step time minus communication wait) is where a straggler shows,
+while its peers wait for it in communication. Each complete step gives every rank a
+log ratio, ``log(compute / median of its peers' compute at that step)``: a rank is
+compared with what the others did in the same step, never with its own history, so a
+lasting slowdown does not become the rank's new normal and the finding lasts as long
+as the rank is out of line.
 
-Guards keep noise from naming a rank. Measured on the demo (2 ranks sharing 2 busy
-cores with the aggregator): single steps' compute scattered by 20-50 %, rank 0 computed
-1.2-1.8x its peer on 27 of 220 clean steps, three in a row during warm-up, and the
-plain rule named it.
-
-- Each rank is scored on the median of its last ``smoothing`` compute times, so one
-  noisy step never counts. A rank is named after ``persistence`` (4) flagged smoothed
-  steps, its fourth slow step; one at least ``1 + fast_slowdown`` (3x) slower than
-  its peers after ``fast_persistence`` (2), its third. On 2 shared cores contention
-  made single ranks 1.5-2x slower for up to three steps in a row; a sustained
-  straggler lasts longer, a severe one is obvious sooner.
-- A rank must also be slower than its own history: above the median of its last
-  ``history_steps`` unflagged (smoothed) compute times by ``min_slowdown`` and by
-  ``z_threshold`` robust standard deviations of that history, so the bar rises with
-  the noise. A rank that has always been somewhat slower (rank 0 also hosting the
-  store, a slower GPU model) is that rank's normal, not a new fault. A rank at least
-  ``standalone_slowdown`` (50 %) slower than the median of its peers is named
-  whatever its history. The first ``warmup_steps`` complete steps only build history.
-
-Decisions:
-
-- World size 2 has no meaningful MAD (each rank is the other's only peer): there the
-  log of the two ranks' compute ratio is compared with its own history, and a rank is
-  flagged when the ratio moves its way by at least ``pair_min_slowdown`` (50 %, a
-  higher bar than ``min_slowdown`` because with one peer there is no majority to say
-  which rank is normal, and because clean demo runs on 2 shared cores showed 1.3x
-  episodes lasting five steps) and by ``z_threshold`` robust standard deviations of
-  that history. Score: the move, as a factor. The rank must also be slower than its
-  own history by the same ``pair_min_slowdown`` (unless it is ``1 + fast_slowdown``,
-  3x, slower than its peer now): when one rank recovers from a long slow phase (a
-  memory leak made a rank 1.3-2x slower for 120 steps in the detection benchmark), the
-  ratio swings the peer's way against a history the slow phase had shifted, and the
-  peer, no slower than ever, was named. A pair does not take ``standalone_slowdown``
-  (50 %) as its bypass: that is the pair's own bar, so every flagged step would pass
-  it and the history check would guard nothing. It failed so after a job-wide
-  slowdown ended (CI, test_faults regression): the ranks' compute fell from ~180 ms
-  back to ~10 ms, where the shared cores' noise makes one rank 1.3-1.5x its peer for
-  several steps, against a pair history the slowdown had filled with ratios near 1;
-  that rank, far below its own (slowed) history, was named.
-- A permanently slower rank keeps its finding: synchronous data-parallel training
-  runs at its slowest rank's pace, so the slowdown costs every step. Once the finding
-  has been active for ``window_steps`` steps it is marked ``chronic`` and its
-  recommendation turns to heterogeneous hardware and uneven data shards. Flagged steps
-  never enter a rank's history, so a straggler does not become its own normal.
+- A rank is named when ``persistence`` of its last ``window_steps`` steps (5 of 8) are
+  slower than its peers by more than a bar (k of n, not an unbroken streak: one lucky
+  step does not restart the count; a preempted rank's burst of two or three slow steps
+  is not enough). Equivalently, the ``persistence``-th largest ratio of the window, the
+  window statistic, passes the bar.
+- The bar is the larger of a relative floor (``min_slowdown``, 12 %, so jitter is never a
+  straggler; ``pair_min_slowdown``, 20 %, with two ranks, where one peer is no majority)
+  and ``z_threshold`` standard deviations of the window statistic's noise. That noise is
+  measured from the peers: the changes of each rank's window statistic from one window
+  to the next (median absolute change), over the ranks not above the bar. A steady
+  slowdown does not change a rank's ratio from window to window, so a straggler cannot
+  raise its own bar; on a busy shared CPU the bar rises with the jitter. Before
+  ``noise_samples`` can say anything (16 changes) no rank is named.
+- The peers' median leaves out ranks already named, so with 3 or 4 ranks a straggler
+  does not move its peers' reference (and each of its slow spells does not look like
+  noise on theirs).
+- A finding clears only after ``hold_steps`` steps in a row without the condition, so a
+  straggler that is slow on and off (off spells up to about ``hold_steps`` steps) stays
+  one alert, and it resolves once the rank has been back in line with its peers for
+  that long.
+- Steps of a config switch (``pause``) are not scored: a new bucket layout or codec
+  makes the first steps after it uneven across ranks.
+- A rank named for ``chronic_steps`` steps is marked ``chronic``: synchronous training
+  runs at its slowest rank's pace, so a permanently slower rank costs every step, and
+  the recommendation turns to heterogeneous hardware and uneven data shards.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Final
 
 import msgspec
@@ -69,28 +49,26 @@ import msgspec
 from torshmon.aggregator.core.findings import Finding
 from torshmon.settings import Section, setting
 
-#: Scales the MAD of a normal distribution to its standard deviation (Iglewicz-Hoaglin).
-_MAD_TO_Z: Final = 0.6745
-_TINY: Final = 1e-12
-#: Scales a MAD to a standard deviation (normal data).
+#: Scales a median absolute deviation to a standard deviation (normal data).
 _MAD_TO_SIGMA: Final = 1.4826
-#: Fewer past values than this are no baseline.
-_MIN_HISTORY: Final = 5
-
-
-def _rank_of(item: tuple[int, Finding | None]) -> int:
-    return item[0]
+#: Fewer noise samples than this are no estimate.
+_MIN_NOISE: Final = 16
+#: The noise is sampled from this many ranks a step at most (in turns), so a large job's
+#: estimate still spans many steps.
+_NOISE_RANKS_PER_STEP: Final = 16
 
 
 @dataclass(frozen=True, slots=True)
 class CompleteStep:
     """One step of one job with a compute time from every rank; ``ts_unix_s`` is the
-    time of the report that completed it."""
+    time of the report that completed it, ``duration_s`` the job's step time (its
+    slowest rank's; NaN where the reports carried none)."""
 
     job: str
     step: int
     compute_s_by_rank: Mapping[int, float]
     ts_unix_s: float
+    duration_s: float = math.nan
 
 
 class StepCollector:
@@ -111,8 +89,9 @@ class StepCollector:
             raise ValueError(f"max_pending_steps must be at least 1, got {max_pending_steps}")
         self._world_size = world_size
         self._max_pending = max_pending_steps
-        # Per job: step -> compute_s by rank, in the order steps were first reported.
-        self._pending: dict[str, dict[int, dict[int, float]]] = {}
+        # Per job: step -> (compute_s by rank, step time by rank), in the order steps
+        # were first reported.
+        self._pending: dict[str, dict[int, tuple[dict[int, float], dict[int, float]]]] = {}
 
     @property
     def world_size(self) -> int:
@@ -136,15 +115,19 @@ class StepCollector:
         steps: Sequence[int],
         compute_s: Sequence[float],
         ts_unix_s: Sequence[float],
+        duration_s: Sequence[float] | None = None,
     ) -> list[tuple[int, CompleteStep]]:
         """``add`` for consecutive reports of one rank, in order; ``(index, step)`` for
         each report that completed a step (the ingest hot path: one call per batch).
+        ``duration_s``: the reports' step times, for the complete steps' job step time.
 
         Raises ValueError if ``rank`` is outside ``0..world_size-1`` or the lengths differ.
         """
         if not 0 <= rank < self._world_size:
             raise ValueError(f"rank must be in 0..{self._world_size - 1}, got {rank}")
-        if not len(steps) == len(compute_s) == len(ts_unix_s):
+        if duration_s is None:
+            duration_s = [math.nan] * len(steps)
+        if not len(steps) == len(compute_s) == len(ts_unix_s) == len(duration_s):
             raise ValueError(
                 f"{len(steps)} steps, {len(compute_s)} compute times, {len(ts_unix_s)} times"
             )
@@ -154,12 +137,14 @@ class StepCollector:
         world_size, max_pending = self._world_size, self._max_pending
         out: list[tuple[int, CompleteStep]] = []
         for i, step in enumerate(steps):
-            by_rank = pending.get(step)
-            if by_rank is None:
+            entry = pending.get(step)
+            if entry is None:
                 if len(pending) >= max_pending:
                     del pending[next(iter(pending))]
-                by_rank = pending[step] = {}
+                entry = pending[step] = ({}, {})
+            by_rank, durations = entry
             by_rank[rank] = compute_s[i]
+            durations[rank] = duration_s[i]
             if len(by_rank) < world_size:
                 continue
             del pending[step]
@@ -168,7 +153,8 @@ class StepCollector:
                 if oldest >= step:
                     break
                 del pending[oldest]
-            out.append((i, CompleteStep(job, step, by_rank, ts_unix_s[i])))
+            slowest = max(durations.values())
+            out.append((i, CompleteStep(job, step, by_rank, ts_unix_s[i], slowest)))
         return out
 
     def pending_steps(self, job: str) -> int:
@@ -182,96 +168,88 @@ class StepCollector:
 
 @dataclass(slots=True, eq=False)
 class _RankState:
-    """Recent and normal compute times, persistence counters and the active finding of
-    one rank."""
+    """One rank's recent steps and its finding: ``ratios`` (log(compute / peers'
+    median), the last two windows), ``computes``, ``peers`` (the peers' median) and
+    ``times`` (the last window)."""
 
-    recent: deque[float]
-    history: deque[float]
-    flagged_streak: int = 0
-    clear_streak: int = 0
+    ratios: deque[float]
+    computes: deque[float]
+    peers: deque[float]
+    times: deque[float]
     active: bool = False
     active_steps: int = 0
+    quiet_steps: int = 0
     since_unix_s: float = 0.0
     finding: Finding | None = None
-
-    def smoothed(self) -> float:
-        return _median(sorted(self.recent))
 
 
 @dataclass(slots=True)
 class _JobState:
-    #: World size 2: log(slower rank's / faster rank's compute) of unflagged steps.
-    pair_history: deque[float]
+    #: |change of a rank's window statistic from one window to the next|, of ranks
+    #: not above the bar.
+    noise: deque[float]
     complete_steps: int = 0
     ranks: dict[int, _RankState] = field(default_factory=dict)
-    #: The ranks with a flagged streak or an active finding (usually none): a step
-    #: needs to look at these and at the ranks it flags, and the others only append
-    #: to their history.
-    busy: dict[int, _RankState] = field(default_factory=dict)
+    #: Steps ``[from, until)`` of config switches, not scored.
+    paused: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class _Score:
-    """One rank's standing on one step."""
+    """One rank's standing over its window: medians of its compute, of its peers' and
+    of their ratio (as a factor)."""
 
     rank: int
     compute_s: float
-    score: float
-    slowdown_ratio: float
     peer_median_s: float
-    median_s: float
-    mad_s: float | None
+    slowdown_ratio: float
+    bar_ratio: float
 
 
 def _active_findings(state: _JobState) -> list[Finding]:
-    """The job's active findings by rank. Active ranks are busy ranks (``_settle`` keeps
-    them there), so this sorts those (usually none), not the whole job."""
-    active = [
-        (rank, rank_state.finding)
-        for rank, rank_state in state.busy.items()
-        if rank_state.active and rank_state.finding is not None
-    ]
-    active.sort(key=_rank_of)
-    return [finding for _, finding in active]
+    """The job's active findings by rank."""
+    return [s.finding for _, s in sorted(state.ranks.items()) if s.active and s.finding is not None]
 
 
 class StragglerSettings(Section, frozen=True):
     """The straggler detector's settings; the detector checks the rules between them."""
 
-    z_threshold: Annotated[
-        float, setting("robust z-score a rank's compute time must pass", gt=0)
-    ] = 3.5
     min_slowdown: Annotated[
         float,
-        setting("how much slower than its peers' median a rank must compute (0.1 = 10 %)", gt=0),
-    ] = 0.10
-    persistence: Annotated[int, setting("flagged steps in a row before a rank is named", ge=1)] = 4
-    fast_persistence: Annotated[
-        int, setting("flagged steps in a row for a rank 1 + fast_slowdown times slower", ge=1)
-    ] = 2
-    fast_slowdown: Annotated[
-        float, setting("slowdown named after fast_persistence steps", gt=0)
-    ] = 2.0
-    window_steps: Annotated[
-        int,
-        setting("steps a finding stays active before it is marked chronic (>= persistence)", ge=1),
-    ] = 500
+        setting(
+            "how much slower than its peers' median at the same step a rank must compute "
+            "for the step to count against it (0.12 = 12 %), with 3 or more ranks",
+            gt=0,
+        ),
+    ] = 0.12
     pair_min_slowdown: Annotated[
-        float, setting("with two ranks: how far their compute ratio must move (0.5 = 50 %)", gt=0)
-    ] = 0.50
-    mad_floor_ratio: Annotated[
-        float, setting("floor of the MAD as a fraction of the median (ranks in lock-step)", gt=0)
-    ] = 0.01
-    smoothing: Annotated[
-        int, setting("a rank is scored on the median of this many steps", ge=1)
-    ] = 3
-    warmup_steps: Annotated[int, setting("complete steps that only build history", ge=0)] = 10
-    history_steps: Annotated[
-        int, setting("unflagged steps each rank's own history holds", ge=1)
-    ] = 50
-    standalone_slowdown: Annotated[
-        float, setting("slowdown named whatever the rank's history (0.5 = 50 %)", gt=0)
-    ] = 0.5
+        float, setting("the same with 2 ranks, where one peer is no majority", gt=0)
+    ] = 0.20
+    z_threshold: Annotated[
+        float,
+        setting(
+            "and only beyond this many standard deviations of the window's noise "
+            "(measured from the peers' window-to-window changes)",
+            gt=0,
+        ),
+    ] = 4.0
+    persistence: Annotated[
+        int, setting("steps of the last window_steps that must count before a finding", ge=1)
+    ] = 5
+    window_steps: Annotated[
+        int, setting("steps persistence is counted over (>= persistence)", ge=1)
+    ] = 8
+    hold_steps: Annotated[
+        int,
+        setting("steps in a row without the condition before a finding clears", ge=1),
+    ] = 25
+    noise_samples: Annotated[
+        int, setting("window-to-window changes the noise is estimated from", ge=16)
+    ] = 256
+    warmup_steps: Annotated[int, setting("complete steps not scored at a job's start", ge=0)] = 10
+    chronic_steps: Annotated[
+        int, setting("steps a finding stays active before it is marked chronic", ge=1)
+    ] = 500
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -279,27 +257,24 @@ class StragglerSettings(Section, frozen=True):
 
 
 class StragglerDetector:
-    """Names the rank whose compute time persistently lags its peers'.
+    """Names the rank whose compute time lags its peers' at the same steps.
 
-    Pure and deterministic; O(world_size log world_size) per complete step. Not
+    Pure and deterministic; O(world_size x window_steps) per complete step. Not
     thread-safe; the aggregator drives it from one task.
     """
 
     def __init__(
         self,
         *,
-        z_threshold: float = 3.5,
-        min_slowdown: float = 0.10,
-        persistence: int = 4,
-        fast_persistence: int = 2,
-        fast_slowdown: float = 2.0,
-        window_steps: int = 500,
-        pair_min_slowdown: float = 0.50,
-        mad_floor_ratio: float = 0.01,
-        smoothing: int = 3,
+        min_slowdown: float = 0.12,
+        pair_min_slowdown: float = 0.20,
+        z_threshold: float = 4.0,
+        persistence: int = 5,
+        window_steps: int = 8,
+        hold_steps: int = 25,
+        noise_samples: int = 256,
         warmup_steps: int = 10,
-        history_steps: int = 50,
-        standalone_slowdown: float = 0.5,
+        chronic_steps: int = 500,
     ) -> None:
         """Raises ValueError naming any setting outside its allowed range."""
         if not (math.isfinite(z_threshold) and z_threshold > 0):
@@ -307,19 +282,15 @@ class StragglerDetector:
         for name, ratio in (
             ("min_slowdown", min_slowdown),
             ("pair_min_slowdown", pair_min_slowdown),
-            ("mad_floor_ratio", mad_floor_ratio),
-            ("standalone_slowdown", standalone_slowdown),
         ):
             if not (math.isfinite(ratio) and ratio > 0):
                 raise ValueError(f"{name} must be a positive fraction (0.1 = 10 %), got {ratio}")
-        if not (math.isfinite(fast_slowdown) and fast_slowdown > 0):
-            raise ValueError(f"fast_slowdown must be a positive fraction, got {fast_slowdown}")
         for name, steps, least in (
             ("persistence", persistence, 1),
-            ("fast_persistence", fast_persistence, 1),
-            ("smoothing", smoothing, 1),
+            ("hold_steps", hold_steps, 1),
+            ("noise_samples", noise_samples, _MIN_NOISE),
             ("warmup_steps", warmup_steps, 0),
-            ("history_steps", history_steps, 1),
+            ("chronic_steps", chronic_steps, 1),
         ):
             if steps < least:
                 raise ValueError(f"{name} must be at least {least} steps, got {steps}")
@@ -327,18 +298,15 @@ class StragglerDetector:
             raise ValueError(
                 f"window_steps must be at least persistence ({persistence}), got {window_steps}"
             )
+        self._floor = math.log1p(min_slowdown)
+        self._pair_floor = math.log1p(pair_min_slowdown)
         self._z_threshold = z_threshold
-        self._min_slowdown = min_slowdown
-        self._pair_min_slowdown = pair_min_slowdown
-        self._mad_floor_ratio = mad_floor_ratio
         self._persistence = persistence
-        self._fast_persistence = min(fast_persistence, persistence)
-        self._fast_slowdown = fast_slowdown
         self._window_steps = window_steps
-        self._smoothing = smoothing
+        self._hold_steps = hold_steps
+        self._noise_samples = noise_samples
         self._warmup_steps = warmup_steps
-        self._history_steps = history_steps
-        self._standalone_slowdown = standalone_slowdown
+        self._chronic_steps = chronic_steps
         self._jobs: dict[str, _JobState] = {}
 
     def observe_step(
@@ -346,105 +314,74 @@ class StragglerDetector:
     ) -> list[Finding]:
         """Score one complete step of ``job``; the job's active findings, by rank.
 
-        Call once per complete step (see ``StepCollector``). Ranks with a non-finite
-        or negative compute time are left out of this step; fewer than 2 usable ranks
-        leave every rank's state unchanged.
+        Call once per complete step (see ``StepCollector``), in step order. Ranks with a
+        non-finite or non-positive compute time are left out of this step; fewer than 2
+        usable ranks, a warm-up step and a paused step leave every rank's state as it was.
         """
-        values = _usable(compute_s_by_rank)
         state = self._jobs.get(job)
         if state is None:
-            state = self._jobs[job] = _JobState(pair_history=deque(maxlen=self._history_steps))
-        if len(values) >= 2:
-            ranks = list(values)
-            states, smoothed = self._smooth(state, values)
-            state.complete_steps += 1
-            warming_up = state.complete_steps <= self._warmup_steps
-            if len(values) == 2:
-                pair = dict(zip(ranks, smoothed, strict=True))
-                flagged = self._pair(state, pair, warming_up=warming_up)
-            else:
-                flagged = {} if warming_up else self._robust(ranks, smoothed)
-            if warming_up:
-                for rank_state, x in zip(states, smoothed, strict=True):
-                    rank_state.history.append(x)
-            else:
-                self._settle(job, step, ts_unix_s, state, values, states, smoothed, flagged)
+            state = self._jobs[job] = _JobState(noise=deque(maxlen=self._noise_samples))
+        values = _usable(compute_s_by_rank)
+        if len(values) < 2 or _paused(state, step):
+            return _active_findings(state)
+        state.complete_steps += 1
+        if state.complete_steps <= self._warmup_steps:
+            return _active_findings(state)
+        named = {rank for rank, r in state.ranks.items() if r.active and rank in values}
+        ratios = _log_ratios(values, named)
+        floor = self._pair_floor if len(values) == 2 else self._floor
+        sigma = _window_sigma(state.noise)
+        bar = None if sigma is None else max(floor, self._z_threshold * sigma)
+        stride = -(-len(ratios) // _NOISE_RANKS_PER_STEP)
+        ranks = state.ranks
+        for i, (rank, (ratio, peers_s)) in enumerate(ratios.items()):
+            rank_state = ranks.get(rank) or self._new_rank(state, rank)
+            compute_s = values[rank]
+            rank_state.ratios.append(ratio)
+            rank_state.computes.append(compute_s)
+            rank_state.peers.append(peers_s)
+            rank_state.times.append(ts_unix_s)
+            sampled = (i + step) % stride == 0
+            if not (sampled or rank_state.active or (bar is not None and ratio > bar)):
+                # A rank is named at one of its slow steps, so one that is neither slow
+                # now nor named has nothing to decide (the common case, kept cheap).
+                continue
+            stat = self._statistic(rank_state, recent=True)
+            if stat is None:
+                continue
+            holds = bar is not None and stat > bar
+            if sampled and not (holds or rank_state.active):
+                before = self._statistic(rank_state, recent=False)
+                if before is not None:
+                    state.noise.append(abs(stat - before))
+            if bar is not None and (holds or rank_state.active):
+                self._advance(job, step, ts_unix_s, rank, rank_state, bar, holds=holds)
         return _active_findings(state)
 
-    def _smooth(
-        self, state: _JobState, values: Mapping[int, float]
-    ) -> tuple[list[_RankState], list[float]]:
-        """Each rank's state, with its value added to its recent ones, and the median of
-        those, in the order of ``values``."""
-        states: list[_RankState] = []
-        smoothed: list[float] = []
-        for rank, x in values.items():
-            rank_state = state.ranks.get(rank) or self._new_rank(state, rank)
-            rank_state.recent.append(x)
-            states.append(rank_state)
-            smoothed.append(rank_state.smoothed())
-        return states, smoothed
+    def _statistic(self, state: _RankState, *, recent: bool) -> float | None:
+        """The ``persistence``-th largest ratio of the last ``window_steps`` steps
+        (``recent``) or of the ``window_steps`` before them; None until there are as
+        many. It passes a bar exactly when ``persistence`` of the window's steps do."""
+        n = self._window_steps
+        ratios = state.ratios
+        if len(ratios) < (n if recent else 2 * n):
+            return None
+        window = list(ratios)[-n:] if recent else list(ratios)[-2 * n : -n]
+        window.sort()
+        return window[-self._persistence]
 
-    def _settle(
-        self,
-        job: str,
-        step: int,
-        ts_unix_s: float,
-        state: _JobState,
-        values: Mapping[int, float],
-        states: list[_RankState],
-        smoothed: list[float],
-        flagged: dict[int, _Score],
-    ) -> None:
-        """After warm-up: the flagged ranks' scores (if also slower than their own
-        history), the histories of the others, and the streaks of both."""
-        scores: dict[int, _Score] = {}
-        for rank, score in flagged.items():
-            if self._new_for_rank(state.ranks[rank], score):
-                scores[rank] = score
-        # A scored step never enters the rank's history.
-        for rank, rank_state, x in zip(values, states, smoothed, strict=True):
-            if rank not in scores:
-                rank_state.history.append(x)
-        busy = state.busy
-        if not (scores or busy):
-            return
-        # A rank neither scored nor busy has no streak to reset and nothing to advance.
-        touched: dict[int, _Score | None] = dict(scores)
-        for rank in busy:
-            if rank not in scores and rank in values:
-                touched[rank] = None
-        for rank, maybe in touched.items():
-            rank_state = state.ranks[rank]
-            if maybe is None and not rank_state.active:
-                rank_state.flagged_streak = 0
-            else:
-                self._advance(job, step, ts_unix_s, rank_state, maybe)
-            if rank_state.flagged_streak or rank_state.active:
-                busy[rank] = rank_state
-            else:
-                busy.pop(rank, None)
-
-    def _new_rank(self, state: _JobState, rank: int) -> _RankState:
-        created = state.ranks[rank] = _RankState(
-            recent=deque(maxlen=self._smoothing), history=deque(maxlen=self._history_steps)
-        )
-        return created
-
-    def _new_for_rank(self, state: _RankState, score: _Score) -> bool:
-        """Whether a rank slower than its peers is also slower than its own normal: by
-        ``min_slowdown`` (``pair_min_slowdown`` in a pair) and by ``z_threshold`` times
-        the spread of its own history. Always, for a rank ``standalone_slowdown``
-        (``fast_slowdown`` in a pair) slower than its peers now."""
-        pair = score.mad_s is None
-        if score.slowdown_ratio >= 1 + (self._fast_slowdown if pair else self._standalone_slowdown):
-            return True
-        if len(state.history) < _MIN_HISTORY or score.compute_s <= 0:
-            return True
-        normal, spread = _center_spread([math.log(x) for x in state.history if x > 0])
-        least = self._pair_min_slowdown if pair else self._min_slowdown
-        bar = max(math.log1p(least), self._z_threshold * spread)
-        return math.log(score.compute_s) - normal >= bar
+    def pause(self, job: str, from_step: int, until_step: int) -> None:
+        """Leave ``job``'s steps ``from_step <= step < until_step`` unscored (a config
+        switch and the steps it takes to settle). Ranges overlapping earlier ones merge."""
+        state = self._jobs.get(job)
+        if state is None:
+            state = self._jobs[job] = _JobState(noise=deque(maxlen=self._noise_samples))
+        kept = [(a, b) for a, b in state.paused if b >= from_step - 1]
+        for a, b in kept:
+            if a <= until_step and from_step <= b:
+                from_step, until_step = min(a, from_step), max(b, until_step)
+        state.paused = [(a, b) for a, b in kept if not (a >= from_step and b <= until_step)]
+        state.paused.append((from_step, until_step))
 
     def active(self) -> list[Finding]:
         """Every active finding, ordered by job and rank."""
@@ -454,141 +391,168 @@ class StragglerDetector:
         """Drop all state of a finished job (unknown jobs are ignored)."""
         self._jobs.pop(job, None)
 
-    def _robust(self, ranks: list[int], values: list[float]) -> dict[int, _Score]:
-        """The ranks whose value (``values[i]`` is ``ranks[i]``'s) passes the robust
-        z-score and the minimum slowdown, in the order of ``ranks``."""
-        ordered = sorted(values)
-        median = _median(ordered)
-        mad = _median(sorted(abs(x - median) for x in ordered))
-        scale = max(mad, self._mad_floor_ratio * median, _TINY)
-        flagged: dict[int, _Score] = {}
-        for rank, x in zip(ranks, values, strict=True):
-            z = _MAD_TO_Z * (x - median) / scale
-            if z <= self._z_threshold:
-                continue
-            peers = ordered.copy()
-            peers.remove(x)
-            peer_median = _median(peers)
-            if peer_median <= 0 or x < peer_median * (1 + self._min_slowdown):
-                continue
-            flagged[rank] = _Score(rank, x, z, x / peer_median, peer_median, median, mad)
-        return flagged
-
-    def _pair(
-        self, state: _JobState, values: Mapping[int, float], *, warming_up: bool
-    ) -> dict[int, _Score]:
-        """World size 2: the log of the ranks' compute ratio against its own history.
-
-        A steady offset (one rank always a bit slower) is the baseline; a rank is
-        flagged when the ratio moves its way by ``pair_min_slowdown`` and by
-        ``z_threshold`` times the ratio's own spread (noise-adaptive: on a busy shared
-        CPU single steps scatter by 20-50 %, on a GPU by a few percent). The score is
-        that move as a factor.
-        """
-        (rank_a, a), (rank_b, b) = sorted(values.items())
-        if a <= 0 or b <= 0:
-            return {}
-        history = state.pair_history
-        log_ratio = math.log(b / a)
-        if warming_up:
-            history.append(log_ratio)
-            return {}
-        base, spread = _center_spread(history) if len(history) >= _MIN_HISTORY else (0.0, 0.0)
-        bar = max(math.log1p(self._pair_min_slowdown), self._z_threshold * spread)
-        shift = log_ratio - base
-        if abs(shift) < bar:
-            history.append(log_ratio)
-            return {}
-        rank, x, other = (rank_b, b, a) if shift > 0 else (rank_a, a, b)
-        return {rank: _Score(rank, x, math.exp(abs(shift)), x / other, other, (a + b) / 2, None)}
+    def _new_rank(self, state: _JobState, rank: int) -> _RankState:
+        n = self._window_steps
+        created = state.ranks[rank] = _RankState(
+            ratios=deque(maxlen=2 * n),
+            computes=deque(maxlen=n),
+            peers=deque(maxlen=n),
+            times=deque(maxlen=n),
+        )
+        return created
 
     def _advance(
-        self, job: str, step: int, ts_unix_s: float, state: _RankState, score: _Score | None
+        self,
+        job: str,
+        step: int,
+        ts: float,
+        rank: int,
+        state: _RankState,
+        bar: float,
+        *,
+        holds: bool,
     ) -> None:
-        if score is None:
-            state.flagged_streak = 0
-            if state.active:
-                state.active_steps += 1
-                state.clear_streak += 1
-                if state.clear_streak >= self._persistence:
-                    state.active = False
-                    state.active_steps = state.clear_streak = 0
-                    state.finding = None
-            return
-        state.clear_streak = 0
-        if state.flagged_streak == 0 and not state.active:
-            state.since_unix_s = ts_unix_s
-        state.flagged_streak += 1
-        if state.active:
+        if holds:
+            if not state.active:
+                state.active = True
+                state.active_steps = 0
+                n = self._window_steps
+                recent = list(state.ratios)[-n:]
+                state.since_unix_s = next(
+                    (t for t, r in zip(state.times, recent, strict=True) if r > bar), ts
+                )
             state.active_steps += 1
-        elif state.flagged_streak >= self._required_streak(score):
-            state.active = True
-            state.active_steps = state.flagged_streak
-        else:
+            state.quiet_steps = 0
+            state.finding = self._finding(
+                job, step, state, _score(rank, state, bar, self._window_steps)
+            )
             return
-        state.finding = self._finding(job, step, state, score)
-
-    def _required_streak(self, score: _Score) -> int:
-        """Flagged steps in a row before a finding: fewer for a rank far slower."""
-        if score.slowdown_ratio >= 1 + self._fast_slowdown:
-            return self._fast_persistence
-        return self._persistence
+        if not state.active:
+            return
+        state.active_steps += 1
+        state.quiet_steps += 1
+        if state.quiet_steps >= self._hold_steps:
+            state.active = False
+            state.active_steps = state.quiet_steps = 0
+            state.finding = None
+        elif state.finding is not None:
+            steps, chronic = state.active_steps, self._chronic_steps
+            state.finding = _with_steps(state.finding, step, steps, chronic)
 
     def _finding(self, job: str, step: int, state: _RankState, score: _Score) -> Finding:
         rank = score.rank
-        chronic = state.active_steps >= self._window_steps
-        against = "its peer" if score.mad_s is None else "the median of its peers"
         summary = (
             f"rank {rank} of job {job} computes {score.slowdown_ratio:.2f}x slower than "
-            f"{against} ({score.compute_s:.3f} s vs {score.peer_median_s:.3f} s)"
+            f"the median of its peers at the same steps ({score.compute_s:.3f} s vs "
+            f"{score.peer_median_s:.3f} s)"
         )
-        if chronic:
-            recommendation = (
-                f"Rank {rank} has been slower for {state.active_steps} steps and "
-                "holds back every step of the job: if its hardware differs from its peers' "
-                "or its data shard is larger, rebalance the work; otherwise check its node "
-                "for thermal or power throttling, CPU contention and a slow data loader."
-            )
-        else:
-            recommendation = (
-                f"Check rank {rank}'s node: thermal or power throttling (nvidia-smi -q -d "
-                "PERFORMANCE), CPU contention from other processes, its data loader and "
-                "storage, and other processes on its GPU."
-            )
-        return Finding(
+        finding = Finding(
             kind="straggler",
             labels={"job": job, "rank": str(rank)},
             value=score.compute_s,
-            score=score.score,
+            score=score.slowdown_ratio,
             summary=summary,
             since_unix_s=state.since_unix_s,
-            recommendation=recommendation,
+            recommendation=_ADVICE,
             severity="high",
             details={
                 "slowdown_ratio": score.slowdown_ratio,
                 "peer_median_s": score.peer_median_s,
-                "median_s": score.median_s,
-                "mad_s": score.mad_s,
-                "method": "pair" if score.mad_s is None else "robust_z",
+                "bar_ratio": score.bar_ratio,
+                "method": "peers_same_step",
                 "step": step,
                 "steps": state.active_steps,
-                "chronic": chronic,
+                "chronic": False,
             },
         )
+        return _with_steps(finding, step, state.active_steps, self._chronic_steps)
+
+
+_ADVICE: Final = (
+    "Check the rank's node: thermal or power throttling (nvidia-smi -q -d PERFORMANCE), "
+    "CPU contention from other processes, its data loader and storage, and other "
+    "processes on its GPU."
+)
+
+
+def _with_steps(finding: Finding, step: int, steps: int, chronic_steps: int) -> Finding:
+    """``finding`` as of ``step``, active for ``steps`` steps (chronic from
+    ``chronic_steps``)."""
+    chronic = steps >= chronic_steps
+    details = {**finding.details, "step": step, "steps": steps, "chronic": chronic}
+    recommendation = finding.recommendation
+    if chronic:
+        rank = finding.labels["rank"]
+        recommendation = (
+            f"Rank {rank} has been slower than its peers for {steps} steps and holds back "
+            "every step of the job: if its hardware differs from its peers' or its data "
+            "shard is larger, rebalance the work; otherwise check its node for thermal or "
+            "power throttling, CPU contention and a slow data loader."
+        )
+    return replace(finding, details=details, recommendation=recommendation)
+
+
+def _score(rank: int, state: _RankState, bar: float, n: int) -> _Score:
+    return _Score(
+        rank=rank,
+        compute_s=_median(sorted(state.computes)),
+        peer_median_s=_median(sorted(state.peers)),
+        slowdown_ratio=math.exp(_median(sorted(list(state.ratios)[-n:]))),
+        bar_ratio=math.exp(bar),
+    )
+
+
+def _paused(state: _JobState, step: int) -> bool:
+    return any(a <= step < b for a, b in state.paused)
+
+
+def _log_ratios(values: Mapping[int, float], named: set[int]) -> dict[int, tuple[float, float]]:
+    """Each rank's log(value / median of its peers' values), with that median; all
+    values > 0.
+
+    The peers are the ranks not ``named`` stragglers (while at least two are left): with
+    few ranks a straggler would move its peers' reference, and each of its slow spells
+    would look like noise on theirs.
+    """
+    reference = [x for rank, x in values.items() if rank not in named]
+    if len(reference) < 2:
+        reference, named = list(values.values()), set()
+    reference.sort()
+    n = len(reference)
+    whole = _median(reference)
+    # The median of the n - 1 values left when one x (at index i) is taken out: the
+    # j-th of them is reference[j] below i, reference[j + 1] from i on.
+    mid = (n - 1) // 2
+    odd = (n - 1) % 2 == 1
+    log, bisect_left = math.log, bisect.bisect_left
+    out: dict[int, tuple[float, float]] = {}
+    for rank, x in values.items():
+        if rank in named:
+            peers = whole
+        else:
+            i = bisect_left(reference, x)
+            upper = reference[mid] if mid < i else reference[mid + 1]
+            if odd:
+                peers = upper
+            else:
+                lower = reference[mid - 1] if mid - 1 < i else reference[mid]
+                peers = (lower + upper) / 2
+        out[rank] = (log(x / peers), peers)
+    return out
+
+
+def _window_sigma(noise: deque[float]) -> float | None:
+    """Standard deviation of the window statistic when nothing is wrong, from the
+    absolute changes ``noise`` between consecutive windows (a change is the difference
+    of two windows' noise: sqrt(2) times as wide); None with too few samples."""
+    if len(noise) < _MIN_NOISE:
+        return None
+    return _median(sorted(noise)) * _MAD_TO_SIGMA / math.sqrt(2)
 
 
 def _usable(compute_s_by_rank: Mapping[int, float]) -> dict[int, float]:
-    """The finite, non-negative compute times."""
-    return {rank: x for rank, x in compute_s_by_rank.items() if math.isfinite(x) and x >= 0}
-
-
-def _center_spread(values: Iterable[float]) -> tuple[float, float]:
-    """Median and robust standard deviation (1.4826 x MAD) of the values."""
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0, 0.0
-    center = _median(ordered)
-    return center, _MAD_TO_SIGMA * _median(sorted(abs(x - center) for x in ordered))
+    """The finite, positive compute times."""
+    return {rank: x for rank, x in compute_s_by_rank.items() if math.isfinite(x) and x > 0}
 
 
 def _median(ordered: list[float]) -> float:

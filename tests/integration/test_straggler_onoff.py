@@ -1,0 +1,61 @@
+"""An on/off straggler in a real 3-rank gloo DDP job (``torshmon demo``'s system): one
+Straggler alert naming the rank, fired within a few steps of the first slow spell, kept
+firing through the normal spells between, resolved after the fault ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torshmon.demo import DemoConfig, run_system
+from torshmon.faults import parse_fault
+from torshmon.history.query import run_query
+
+pytestmark = pytest.mark.integration
+
+#: Rank 2 computes 2.5x slower (the fault sleeps inside the step, after the optimizer:
+#: compute, not communication) for 15 steps, then 12 normal steps, three times.
+SPELLS = [(45, 60), (72, 87), (99, 114)]
+STEPS = 180
+
+
+async def test_an_on_off_straggler_is_one_alert_from_first_spell_to_after_the_last(
+    tmp_path: Path,
+) -> None:
+    specs = [f"straggler:rank=2,slowdown=1.5,from={a},to={b}" for a, b in SPELLS]
+    config = DemoConfig(
+        world_size=3,
+        steps=STEPS,
+        hidden=512,
+        layers=3,
+        db=tmp_path / "history.db",
+        step_sleep_s=0.1,  # ~115 ms steps, as in test_faults.py
+        faults=tuple(parse_fault(spec) for spec in specs),
+        linger_s=2.0,
+        quiet=True,
+    )
+    result = await run_system(config)
+    events: dict[str, float] = {}
+    for per_rank in result.results:
+        events.update({k: v for k, v in per_rank.items() if k.startswith("fault")})
+    stragglers = [
+        a for a in result.alerts if a["rule"] == "Straggler" and a["fired_at_unix_s"] is not None
+    ]
+    # One alert, naming rank 2: the normal spells between the slow ones did not resolve it.
+    assert [a["rank"] for a in stragglers] == [2], result.alerts
+    (alert,) = stragglers
+    onset = events["fault0_onset_unix_s"]
+    assert alert["fired_at_unix_s"] >= onset
+    # Fired within 10 steps of the first slow step, and a few more for the pipeline
+    # (the agent's flush, the rule evaluation): steps rank 2 ended before it fired.
+    ends = run_query(
+        config.db_url,
+        "SELECT step, end_unix_ns FROM steps WHERE rank = 2 ORDER BY step",
+    ).rows
+    before = [step for step, end_ns in ends if onset < end_ns / 1e9 <= alert["fired_at_unix_s"]]
+    assert len(before) <= 15, before
+    # Still firing when the last spell ended; resolved after it.
+    last_end = events[f"fault{len(SPELLS) - 1}_end_unix_s"]
+    assert alert["state"] == "resolved"
+    assert alert["ends_at_unix_s"] > last_end
