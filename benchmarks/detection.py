@@ -501,8 +501,9 @@ async def run_clean(world_size: int, steps: int, seed: int) -> tuple[list[FiredA
 
 
 async def run_tuning() -> tuple[list[FiredAlert], float, str]:
-    """A fault-free autotune session (3 configs): its alerts (all false)."""
-    result, watch, _, _ = await run_system_once(2, 3000, 0.0, autotune=True)
+    """A fault-free autotune session (3 configs, 2 ranks, ~0.1 s steps as real jobs
+    take): its alerts (all false)."""
+    result, watch, _, _ = await run_system_once(2, 3000, 0.1, autotune=True)
     phase = result.tuning.phase if result.tuning is not None else "none started"
     return fired_alerts(result, watch), result.wall_s, phase
 
