@@ -184,6 +184,15 @@ def test_two_ranks_take_the_higher_pair_floor() -> None:
     assert named[-1] == {1}
 
 
+def test_with_one_straggler_named_of_three_the_other_two_take_the_pair_floor() -> None:
+    """Rank 2 is named (4x); ranks 0 and 1 are left with one peer each, no majority: rank
+    1 at 15 % over rank 0 is under the pair floor (20 %), not a second straggler."""
+    rows = _noisy(3, 40, sigma=0.01) + _noisy(3, 60, sigma=0.01, slow={1: 1.15, 2: 4.0})
+    named = _run(StragglerDetector(), rows)
+    assert named[-1] == {2}
+    assert not any(1 in ranks for ranks in named)
+
+
 def test_on_off_spells_are_one_finding_that_resolves_after_the_fault() -> None:
     det = StragglerDetector(hold_steps=25)
     rows = _noisy(4, 40)

@@ -14,7 +14,7 @@ from torshmon.history.query import run_query
 
 pytestmark = pytest.mark.integration
 
-#: Rank 2 computes 2.5x slower (the fault sleeps inside the step, after the optimizer:
+#: Rank 2 computes 4x slower (the fault sleeps inside the step, after the optimizer:
 #: compute, not communication) for 15 steps, then 12 normal steps, three times.
 SPELLS = [(45, 60), (72, 87), (99, 114)]
 STEPS = 180
@@ -23,7 +23,7 @@ STEPS = 180
 async def test_an_on_off_straggler_is_one_alert_from_first_spell_to_after_the_last(
     tmp_path: Path,
 ) -> None:
-    specs = [f"straggler:rank=2,slowdown=1.5,from={a},to={b}" for a, b in SPELLS]
+    specs = [f"straggler:rank=2,slowdown=3,from={a},to={b}" for a, b in SPELLS]
     config = DemoConfig(
         world_size=3,
         steps=STEPS,

@@ -17,13 +17,14 @@ as the rank is out of line.
   straggler; ``pair_min_slowdown``, 20 %, with two ranks, where one peer is no majority)
   and ``z_threshold`` standard deviations of the window statistic's noise. That noise is
   measured from the peers: the changes of each rank's window statistic from one window
-  to the next (median absolute change), over the ranks not above the bar. A steady
+  to the next (the upper quartile of the absolute changes, which heavy tails such as
+  preempted ranks raise more than the median), over the ranks not above the bar. A steady
   slowdown does not change a rank's ratio from window to window, so a straggler cannot
   raise its own bar; on a busy shared CPU the bar rises with the jitter. Before
   ``noise_samples`` can say anything (16 changes) no rank is named.
 - The peers' median leaves out ranks already named, so with 3 or 4 ranks a straggler
   does not move its peers' reference (and each of its slow spells does not look like
-  noise on theirs).
+  noise on theirs). A rank left with a single peer that way takes the pair floor.
 - A finding clears only after ``hold_steps`` steps in a row without the condition, so a
   straggler that is slow on and off (off spells up to about ``hold_steps`` steps) stays
   one alert, and it resolves once the rank has been back in line with its peers for
@@ -49,8 +50,9 @@ import msgspec
 from torshmon.aggregator.core.findings import Finding
 from torshmon.settings import Section, setting
 
-#: Scales a median absolute deviation to a standard deviation (normal data).
-_MAD_TO_SIGMA: Final = 1.4826
+#: Scales the 75th percentile of |x| to the standard deviation of x (normal data):
+#: higher than the median's scale where the noise has heavy tails (preempted ranks).
+_Q75_TO_SIGMA: Final = 1 / 1.1503
 #: Fewer noise samples than this are no estimate.
 _MIN_NOISE: Final = 16
 #: The noise is sampled from this many ranks a step at most (in turns), so a large job's
@@ -329,10 +331,18 @@ class StragglerDetector:
             return _active_findings(state)
         named = {rank for rank, r in state.ranks.items() if r.active and rank in values}
         ratios = _log_ratios(values, named)
+        # With one peer to compare with (2 ranks, or 3 with one named, for the other two)
+        # there is no majority to say which of the two is normal: the higher floor.
         floor = self._pair_floor if len(values) == 2 else self._floor
+        peer_floor = self._pair_floor if len(values) - len(named) <= 2 else floor
         sigma = _window_sigma(state.noise)
-        bar = None if sigma is None else max(floor, self._z_threshold * sigma)
+        noise_bar = None if sigma is None else self._z_threshold * sigma
+        named_bar = None if noise_bar is None else max(floor, noise_bar)
+        other_bar = None if noise_bar is None else max(peer_floor, noise_bar)
         stride = -(-len(ratios) // _NOISE_RANKS_PER_STEP)
+        # The peers' ratios measure the noise only where a named straggler is not among
+        # their peers; with fewer than two other ranks it is (a pair mirrors it).
+        measures = not named or len(values) - len(named) >= 2
         ranks = state.ranks
         for i, (rank, (ratio, peers_s)) in enumerate(ratios.items()):
             rank_state = ranks.get(rank) or self._new_rank(state, rank)
@@ -341,7 +351,8 @@ class StragglerDetector:
             rank_state.computes.append(compute_s)
             rank_state.peers.append(peers_s)
             rank_state.times.append(ts_unix_s)
-            sampled = (i + step) % stride == 0
+            sampled = measures and (i + step) % stride == 0
+            bar = named_bar if rank in named else other_bar
             if not (sampled or rank_state.active or (bar is not None and ratio > bar)):
                 # A rank is named at one of its slow steps, so one that is neither slow
                 # now nor named has nothing to decide (the common case, kept cheap).
@@ -547,7 +558,8 @@ def _window_sigma(noise: deque[float]) -> float | None:
     of two windows' noise: sqrt(2) times as wide); None with too few samples."""
     if len(noise) < _MIN_NOISE:
         return None
-    return _median(sorted(noise)) * _MAD_TO_SIGMA / math.sqrt(2)
+    ordered = sorted(noise)
+    return ordered[3 * len(ordered) // 4] * _Q75_TO_SIGMA / math.sqrt(2)
 
 
 def _usable(compute_s_by_rank: Mapping[int, float]) -> dict[int, float]:

@@ -57,9 +57,9 @@ _UNIT_SUFFIXES: Final[tuple[tuple[str, str], ...]] = (
 )
 
 _STEP_TIME_ADVICE: Final = (
-    "Step time rose on this rank: check what changed around the start time - a "
-    "communication config switch (autotuner trial), other processes or throttling on the "
-    "rank's node, the input pipeline - and the job's straggler and bottleneck findings."
+    "The job's steps got slower: check what changed around the start time - other "
+    "processes or throttling on its nodes, the input pipeline, the network - and the job's "
+    "straggler and bottleneck findings (a config switch starts the baseline over)."
 )
 _GENERIC_ADVICE: Final = (
     "Look at what changed for this series around the start time: a configuration switch, "
