@@ -119,10 +119,23 @@ def test_a_hang_stops_the_rank_once_before_its_step() -> None:
 def test_a_memory_leak_keeps_written_tensors_until_it_stops() -> None:
     runner = FaultRunner(1, (parse_fault("memory-leak:rank=1,from=2,to=5,mb=1"),))
     _loop(runner, 4)
-    assert len(runner._leaked) == 3
-    assert all(t.numel() == 250_000 and t[0].item() == 1.0 for t in runner._leaked)
+    assert runner.leaked_bytes == 3 * 1_000_000
+    assert all(t[0].item() == 1.0 for t in runner._leaked[0])
     _loop(runner, 5)  # step 5: the leak stops and the tensors go
-    assert runner._leaked == []
+    assert runner.leaked_bytes == 0
+
+
+def test_a_second_leak_grows_after_the_first_one_ended() -> None:
+    # Two leaks in one job (the detection benchmark's sweep): the first one's end frees
+    # only its own tensors, every step, while the second keeps growing.
+    leaks = ("memory-leak:rank=1,from=2,to=4,mb=1", "memory-leak:rank=1,from=6,to=10,mb=2")
+    runner = FaultRunner(1, tuple(parse_fault(s) for s in leaks))
+    held = []
+    for step in range(1, 11):
+        runner.begin_step(step)
+        runner.end_compute(step)
+        held.append(runner.leaked_bytes // 1_000_000)
+    assert held == [0, 1, 2, 0, 0, 2, 4, 6, 8, 0]
 
 
 def test_a_loss_spike_corrupts_only_its_rank_and_its_steps() -> None:
@@ -148,3 +161,15 @@ def test_a_slow_link_leaves_signal_files_for_the_launcher(tmp_path: Path) -> Non
         if step >= 5:
             expected = {"fault0.on", "fault0.off"}
         assert {p.name for p in signal_dir.iterdir()} == expected, step
+
+
+def test_the_normal_step_is_the_latest_fault_free_steps_not_the_first() -> None:
+    # A job whose steps got slower since it started (start-up, or a sweep's earlier
+    # episodes): a straggler later in the job stretches today's step, not the first ones.
+    runner = FaultRunner(1, (parse_fault("straggler:rank=1,slowdown=1,from=200"),))
+    _loop(runner, 50)  # fast steps
+    for step in range(51, 101):
+        runner.begin_step(step)
+        time.sleep(0.01)
+        runner.end_compute(step)
+    assert runner.normal_step_s(0.0) >= 0.01

@@ -9,12 +9,16 @@ exclusive (default: the end of the job).
 Kinds (defaults in brackets):
 
 - ``straggler:rank=R[1],slowdown=F[0.5],from=S[20],to=E``: rank R's compute takes
-  ``1 + F`` times longer: it sleeps F times its own normal compute time (the median
-  of its steps before the fault) inside each step.
+  ``1 + F`` times longer: it sleeps F times its own normal in-step time inside each
+  step (the median over the latest fault-free steps of the time from ``begin_step``
+  to ``end_compute``). That time includes waiting in the gradient all-reduce, so where
+  communication is much of a step, the rank's compute as the probe measures it (step
+  minus communication wait) grows by more than F; the detection benchmark reports the
+  ratio the job's ``steps`` table shows.
 - ``regression:slowdown=F[0.5],from=S[20],to=E``: the whole job's steps take ``1 + F``
   times longer (a bad library upgrade, a slower kernel): every rank sleeps F times the
-  job's normal step time inside the step (the median, before the fault, of the time
-  from ``begin_step`` to ``end_compute``: the same on every rank of a synchronous job,
+  job's normal step time inside the step (the median over the latest fault-free steps
+  of the time from ``begin_step`` to ``end_compute``: the same on every rank of a synchronous job,
   so no rank looks slower than another). Time the job spends between steps (a
   harness's pause) is not a step's and is not stretched.
 - ``hang:rank=R[1],from=S[20],seconds=T[8]``: at the start of step S rank R stops for
@@ -36,6 +40,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -49,6 +54,9 @@ PARAMS: Final[dict[str, frozenset[str]]] = {
     "slow-link": frozenset({"rank", "rate", "from", "to"}),
 }
 KINDS: Final = tuple(PARAMS)
+#: A straggler's or regression's normal step time is the median of this many latest
+#: fault-free steps.
+NORMAL_STEPS: Final = 50
 #: A loss spike without ``to`` lasts this many steps.
 LOSS_SPIKE_STEPS: Final = 5
 
@@ -194,10 +202,13 @@ class FaultRunner:
     #: the ranks (slow links): the launcher watches for them.
     signal_dir: str | None = None
     events: dict[str, float] = field(default_factory=dict)
-    _compute_s: list[float] = field(default_factory=list)
-    _step_s: list[float] = field(default_factory=list)
+    #: In-step times of the latest fault-free steps (no fault of any rank active: in a
+    #: synchronous job a peer's fault slows this rank too); not the first steps of the
+    #: job, which start-up slows, and not stale ones when faults come one after another.
+    _normal_s: deque[float] = field(default_factory=lambda: deque(maxlen=NORMAL_STEPS))
     _step_started: float = 0.0
-    _leaked: list[Any] = field(default_factory=list)
+    #: Each leak's tensors, by the fault's index: one leak ending frees only its own.
+    _leaked: dict[int, list[Any]] = field(default_factory=dict)
 
     def _mine(self, kinds: tuple[str, ...]) -> list[tuple[int, Fault]]:
         return [(i, f) for i, f in enumerate(self.faults) if f.kind in kinds and f.hits(self.rank)]
@@ -248,32 +259,36 @@ class FaultRunner:
         elapsed = time.perf_counter() - self._step_started
         for index, fault in self._mine(("memory-leak",)):
             if self._track(index, fault, step):
-                self._leak(fault.amount)
+                self._leak(index, fault.amount)
             elif step >= (fault.stop_step or step + 1):
-                self._leaked.clear()
-        # A step is normal only if no fault hit it. Any rank's fault counts: in a
-        # synchronous job a peer's fault slows this rank too.
-        if not any(f.active(step) for f in self.faults) and len(self._step_s) < 50:
-            self._step_s.append(elapsed)
+                self._leaked.pop(index, None)
+        normal = self.normal_step_s(elapsed)
+        if not any(f.active(step) for f in self.faults):
+            self._normal_s.append(elapsed)
         slow = [f for i, f in self._mine(("straggler",)) if self._track(i, f, step)]
         if slow:
-            time.sleep(sum(f.amount for f in slow) * _median(self._compute_s, elapsed))
-        elif len(self._compute_s) < 50:
-            self._compute_s.append(elapsed)
+            time.sleep(sum(f.amount for f in slow) * normal)
         job_wide = [f for i, f in self._mine(("regression",)) if self._track(i, f, step)]
         if job_wide:
-            time.sleep(sum(f.amount for f in job_wide) * self.normal_step_s(elapsed))
+            time.sleep(sum(f.amount for f in job_wide) * normal)
+
+    @property
+    def leaked_bytes(self) -> int:
+        """Bytes the memory leaks hold now."""
+        return sum(t.numel() * t.element_size() for ts in self._leaked.values() for t in ts)
 
     def normal_step_s(self, default: float) -> float:
-        """The median time from ``begin_step`` to ``end_compute`` over the first fault-free
-        steps (``default`` before any): what a regression stretches."""
-        return _median(self._step_s, default)
+        """The median time from ``begin_step`` to ``end_compute`` over the latest
+        ``NORMAL_STEPS`` fault-free steps (``default`` before any): what a straggler and a
+        regression stretch."""
+        return _median(list(self._normal_s), default)
 
-    def _leak(self, mb: float) -> None:
+    def _leak(self, index: int, mb: float) -> None:
         import torch
 
         # ones, not empty: untouched pages would not be resident, so RSS would not grow.
-        self._leaked.append(torch.ones(int(mb * 1e6) // 4, dtype=torch.float32))
+        tensor = torch.ones(int(mb * 1e6) // 4, dtype=torch.float32)
+        self._leaked.setdefault(index, []).append(tensor)
 
 
 def _median(values: list[float], default: float) -> float:

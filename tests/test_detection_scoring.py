@@ -1,0 +1,199 @@
+"""The detection benchmark's scoring (benchmarks/_scoring.py) on made-up alert timelines:
+what counts as caught, as excused, as false."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from benchmarks._scoring import (
+    GRACE_S,
+    Episode,
+    FiredAlert,
+    coverage,
+    min_magnitude_detected,
+    score_run,
+    summarize,
+)
+
+T0 = 1_000_000.0  # the fault's onset, Unix seconds
+
+
+def straggler(rank: int = 1, magnitude: float = 1.5, start: float = T0) -> Episode:
+    return Episode(
+        "straggler", "straggler steady 4 ranks", magnitude, rank, 100, ((start, start + 20),)
+    )
+
+
+def test_the_right_rule_naming_the_right_rank_in_the_window_detects() -> None:
+    alert = FiredAlert("Straggler", 1, T0 + 1.5, T0 + 21, first_step=104)
+    run = score_run([straggler()], [alert], run_end_unix_s=T0 + 60)
+    score = run.episodes[0]
+    assert score.detected and score.named is True and score.precise
+    assert score.latency_s == pytest.approx(1.5)
+    assert score.latency_steps == 5  # steps 100..104 seen when it fired
+    assert run.outside == []
+
+
+def test_a_wrong_rank_alert_is_a_miss_and_a_false_alert() -> None:
+    alert = FiredAlert("Straggler", 0, T0 + 1.5, T0 + 21)
+    run = score_run([straggler(rank=1)], [alert], run_end_unix_s=T0 + 60)
+    score = run.episodes[0]
+    assert not score.detected
+    assert score.named is False
+    assert score.wrong_rank == [alert] and not score.precise
+    summary = summarize([run], [], [])
+    assert summary.recall == 0.0
+    assert summary.attribution == 0.0
+    assert summary.precision_runs == 0.0  # one false unit, no true one
+
+
+def test_a_wrong_rank_alert_beside_the_right_one_detects_but_is_not_precise() -> None:
+    right = FiredAlert("Straggler", 1, T0 + 1, T0 + 21)
+    wrong = FiredAlert("Straggler", 2, T0 + 2, T0 + 5)
+    run = score_run([straggler(rank=1)], [right, wrong], run_end_unix_s=T0 + 60)
+    score = run.episodes[0]
+    assert score.detected and score.named is False and not score.precise
+    assert summarize([run], [], []).precision_runs == 0.0
+
+
+def test_a_symptom_is_excused_only_inside_the_window() -> None:
+    inside = FiredAlert("Step Time Anomaly", 3, T0 + 20 + GRACE_S - 1)
+    late = FiredAlert("Step Time Anomaly", 3, T0 + 20 + GRACE_S + 1)
+    early = FiredAlert("Step Time Anomaly", 3, T0 - 5)
+    run = score_run([straggler()], [early, inside, late], run_end_unix_s=T0 + 90)
+    assert run.episodes[0].symptoms == [inside]
+    assert run.outside == [early, late]
+
+
+def test_the_expected_rule_before_the_onset_or_after_the_grace_is_false() -> None:
+    early = FiredAlert("Straggler", 1, T0 - 3, T0 - 1)
+    late = FiredAlert("Straggler", 1, T0 + 20 + GRACE_S + 2)
+    run = score_run([straggler()], [early, late], run_end_unix_s=T0 + 90)
+    assert not run.episodes[0].detected
+    assert run.outside == [early, late]
+    assert summarize([run], [], []).precision_runs == 0.0
+
+
+def test_another_rule_inside_the_window_is_false_for_that_episode() -> None:
+    leak = FiredAlert("Memory Leak", 1, T0 + 3)
+    right = FiredAlert("Straggler", 1, T0 + 1)
+    run = score_run([straggler()], [right, leak], run_end_unix_s=T0 + 60)
+    assert run.episodes[0].detected and run.episodes[0].false == [leak]
+
+
+def test_a_rank_symptom_must_name_the_faulted_rank() -> None:
+    leak = Episode("memory-leak", "memory leak", 4.0, 0, 50, ((T0, T0 + 30),))
+    own = FiredAlert("Straggler", 0, T0 + 10)
+    other = FiredAlert("Straggler", 1, T0 + 12)
+    run = score_run([leak], [own, other], run_end_unix_s=T0 + 60)
+    assert run.episodes[0].symptoms == [own]
+    assert run.episodes[0].false == [other]
+
+
+def test_a_job_wide_fault_takes_any_rank() -> None:
+    regression = Episode("regression", "regression", 2.0, None, 80, ((T0, T0 + 10),))
+    alerts = [FiredAlert("Step Time Anomaly", r, T0 + 2 + r) for r in range(3)]
+    run = score_run([regression], alerts, run_end_unix_s=T0 + 30)
+    score = run.episodes[0]
+    assert score.detected and score.named is None and len(score.right) == 3
+    assert score.latency_s == pytest.approx(2.0)
+
+
+def test_precision_counts_units_not_alerts() -> None:
+    # Episode A: caught, with ten extra right alerts (one per re-fire): one true unit.
+    # Episode B: caught, with one false alert inside its window: one false unit.
+    # A clean job with two alerts: one false unit; a clean job with none: no unit.
+    a = straggler(rank=1, start=T0)
+    b = straggler(rank=2, start=T0 + 100)
+    alerts = [FiredAlert("Straggler", 1, T0 + 1 + i * 0.5, T0 + 1.2 + i * 0.5) for i in range(10)]
+    alerts += [FiredAlert("Straggler", 2, T0 + 101), FiredAlert("Loss Spike", 0, T0 + 105)]
+    run = score_run([a, b], alerts, run_end_unix_s=T0 + 200)
+    clean = [[FiredAlert("Straggler", 0, T0 + 500), FiredAlert("Straggler", 1, T0 + 501)], []]
+    summary = summarize([run], clean, [])
+    assert (summary.true_units, summary.false_units) == (1, 2)
+    assert summary.precision_runs == pytest.approx(1 / 3)
+    # a tuning session's alert is one more false unit
+    assert summarize([run], clean, [[FiredAlert("Memory Leak", 0, T0)]]).false_units == 3
+
+
+def test_false_alerts_between_episodes_count_once_for_the_job() -> None:
+    alerts = [FiredAlert("Straggler", 1, T0 + 1), FiredAlert("Straggler", 0, T0 + 60)]
+    alerts.append(FiredAlert("Step Time Anomaly", 0, T0 + 61))
+    run = score_run([straggler()], alerts, run_end_unix_s=T0 + 90)
+    assert len(run.outside) == 2
+    assert summarize([run], [], []).precision_runs == pytest.approx(1 / 2)
+
+
+def test_coverage_is_the_share_of_acting_time_with_a_right_alert_firing() -> None:
+    # On 0..10 and 20..30 (intermittent); an alert firing 2..25 covers 8 + 5 of 20 s; a
+    # second one from 28 that never resolves covers 2 more (to the run's end).
+    periods = ((T0, T0 + 10), (T0 + 20, T0 + 30))
+    alerts = [FiredAlert("Straggler", 1, T0 + 2, T0 + 25), FiredAlert("Straggler", 1, T0 + 28)]
+    assert coverage(periods, alerts, T0 + 100) == pytest.approx(15 / 20)
+    # overlapping firings are not counted twice
+    twice = [FiredAlert("Straggler", 1, T0, T0 + 10), FiredAlert("Straggler", 1, T0 + 5, T0 + 10)]
+    assert coverage(periods, twice, T0 + 100) == pytest.approx(10 / 20)
+
+
+def test_an_alert_that_resolves_mid_fault_loses_coverage() -> None:
+    ep = straggler()
+    alert = FiredAlert("Straggler", 1, T0 + 2, T0 + 6)
+    run = score_run([ep], [alert], run_end_unix_s=T0 + 60)
+    assert run.episodes[0].coverage == pytest.approx(4 / 20)
+    assert summarize([run], [], []).coverage_median == pytest.approx(0.2)
+
+
+def test_out_of_scope_episodes_stay_out_of_recall() -> None:
+    small = Episode("straggler", "s", 1.1, 1, 10, ((T0, T0 + 20),), in_scope=False)
+    big = Episode("straggler", "s", 2.0, 1, 200, ((T0 + 100, T0 + 120),))
+    run = score_run([small, big], [FiredAlert("Straggler", 1, T0 + 101)], run_end_unix_s=T0 + 200)
+    summary = summarize([run], [], [])
+    assert summary.recall == 1.0
+    assert summary.recall_all == 0.5
+
+
+def test_min_magnitude_needs_every_episode_from_there_up() -> None:
+    def ep(magnitude: float, caught: bool) -> tuple[Episode, list[FiredAlert]]:
+        start = T0 + 1000 * len(timeline)
+        e = Episode("straggler", "s", magnitude, 1, 10, ((start, start + 20),))
+        return e, [FiredAlert("Straggler", 1, start + 1)] if caught else []
+
+    timeline: list[tuple[Episode, list[FiredAlert]]] = []
+    for magnitude, caught in ((1.2, True), (1.3, False), (1.3, True), (1.5, True), (2.0, True)):
+        timeline.append(ep(magnitude, caught))
+    run = score_run(
+        [e for e, _ in timeline], [a for _, al in timeline for a in al], run_end_unix_s=T0 + 9999
+    )
+    # 1.2 was caught, but one of the 1.3 episodes (another seed, or the on/off one) was not
+    assert min_magnitude_detected(run.episodes) == 1.5
+    assert min_magnitude_detected(run.episodes[:1]) == 1.2
+    assert min_magnitude_detected([run.episodes[1]]) is None
+
+
+def test_the_sweep_plans_faults_that_parse_and_do_not_overlap() -> None:
+    from benchmarks.detection import GAP_STEPS, plan_jobs
+    from torshmon.faults import KINDS, parse_fault
+
+    for seed in (0, 1, 100):
+        jobs = plan_jobs(KINDS, seed, quick=False)
+        assert {j.name for j in jobs} >= {"timing-2", "timing-4", "hang", "memory-leak"}
+        for job in jobs:
+            episodes = sorted(job.episodes, key=lambda e: e.onset_step)
+            for before, after in itertools.pairwise(episodes):
+                assert after.onset_step - before.end_step >= GAP_STEPS
+            for ep in episodes:
+                faults = [parse_fault(s) for s in ep.specs]
+                assert all(f.rank is None or f.rank < job.world_size for f in faults)
+                assert faults[0].start_step == ep.onset_step
+                assert job.steps > ep.end_step
+            intermittent = [e for e in episodes if "on/off" in e.label]
+            for ep in intermittent:  # three periods of 10 slow steps, 10 normal between
+                periods = [(f.start_step, f.stop_step or 0) for f in map(parse_fault, ep.specs)]
+                assert [b - a for a, b in periods] == [10, 10, 10]
+                assert periods[1][0] - periods[0][1] == 10
+        timing = {j.name: j for j in jobs}
+        for name in ("timing-2", "timing-4"):
+            ratios = sorted(e.magnitude for e in timing[name].episodes if e.kind == "straggler")
+            assert ratios == sorted([1.1, 1.2, 1.3, 1.5, 2.0, 3.0] * 2)
