@@ -14,7 +14,7 @@ import io
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import matplotlib
 from matplotlib.figure import Figure
@@ -73,7 +73,8 @@ def plots(report: JobReport) -> dict[str, str]:
 
 @contextmanager
 def _style() -> Iterator[None]:
-    with matplotlib.rc_context(dict(_RC)):
+    # cast: matplotlib's stubs type rc keys as a Literal of every rcParam (3.11+).
+    with matplotlib.rc_context(cast(Any, dict(_RC))):
         yield
 
 
