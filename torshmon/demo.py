@@ -62,7 +62,12 @@ class DemoConfig:
     agent_metrics_port: int = 0
     bucket_timing: bool = False
     faults: tuple[Fault, ...] = ()
+    #: A pause between steps (outside ``mon.step()``): the probe measures it as input
+    #: wait, as it would a slow data loader.
     step_sleep_s: float = 0.0
+    #: Work of the job's own inside each step beyond the model's (a sleep after the
+    #: optimizer step): real steps take 0.1-1 s, the demo's model a few ms.
+    step_compute_s: float = 0.0
     linger_s: float = 0.0
     #: When set, the job may end before ``steps``: every 10 steps the ranks agree (an
     #: all-reduce MAX) whether this file exists, and all stop at the same step if it does.
@@ -161,6 +166,8 @@ def train_rank(
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP_NORM)
                 if torch.isfinite(norm):
                     optimizer.step()
+                if config.step_compute_s:
+                    time.sleep(config.step_compute_s)
                 faults.end_compute(step + 1)
                 scope.loss = loss
             if config.step_sleep_s:

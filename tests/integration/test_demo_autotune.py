@@ -121,7 +121,8 @@ async def test_a_fault_free_autotune_session_fires_no_alert(tmp_path: Path) -> N
         db=tmp_path / "h.db",
         # ~115 ms steps, as real jobs take 0.1-1 s (see test_faults.py): on 2 shared
         # cores the aggregator's own bursts would span several 15 ms steps of one rank.
-        step_sleep_s=0.1,
+        # (In the step: a pause between steps is input wait, and leaves 15 ms steps.)
+        step_compute_s=0.1,
         autotune=True,
         tune_max_trials=3,
         linger_s=2.0,

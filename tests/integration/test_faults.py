@@ -23,8 +23,9 @@ async def _run(tmp_path: Path, steps: int, *specs: str, world_size: int = 2) -> 
         layers=3,
         db=tmp_path / "history.db",
         # ~115 ms steps, as real jobs take 0.1-1 s: on 2 shared cores a burst of the
-        # aggregator's own work would span several 15 ms steps and look like a fault.
-        step_sleep_s=0.1,
+        # aggregator's own work would span several 15 ms steps and look like a fault. The
+        # time is in the step (a pause between steps would be input wait).
+        step_compute_s=0.1,
         faults=tuple(parse_fault(spec) for spec in specs),
         linger_s=2.0,
         quiet=True,

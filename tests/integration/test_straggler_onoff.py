@@ -34,7 +34,7 @@ async def test_an_on_off_straggler_is_one_alert_from_first_spell_to_after_the_la
         hidden=512,
         layers=3,
         db=tmp_path / "history.db",
-        step_sleep_s=0.1,  # ~115 ms steps, as in test_faults.py
+        step_compute_s=0.1,  # ~115 ms steps, as in test_faults.py
         faults=tuple(parse_fault(spec) for spec in specs),
         linger_s=2.0,
         quiet=True,
