@@ -457,7 +457,7 @@ def _job_steps(
 def test_a_job_wide_slowdown_is_one_job_level_step_time_anomaly() -> None:
     """Every rank's steps take 3x longer: one Step Time Anomaly for the job, without a
     rank (it used to be one per rank), and no straggler."""
-    live = LiveState(idle_s=60.0)
+    live = LiveState(idle_s=60.0, anomaly_metrics=())  # step time's z-score alone
     _job_steps(live, 3, [0.1] * 40 + [0.3] * 10)
     found = live.findings(1001.0)
     assert [(f.kind, dict(f.labels)) for f in found] == [
@@ -474,7 +474,7 @@ def test_a_config_switch_starts_the_step_time_baseline_over(switch: bool) -> Non
     """An autotuner trial makes steps 1.6x longer (a slower codec) from step 41: with the
     config version rising there, nothing fires; the same change without a switch is a
     Step Time Anomaly."""
-    live = LiveState(idle_s=60.0)
+    live = LiveState(idle_s=60.0, anomaly_metrics=())  # step time's z-score alone
     durations = [0.1] * 40 + [0.16] * 40
     versions = [0] * 40 + ([1] if switch else [0]) * 40
     _job_steps(live, 2, durations, versions=versions)

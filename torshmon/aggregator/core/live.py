@@ -40,7 +40,7 @@ from torshmon.aggregator.core.rules import ANOMALY_METRICS
 from torshmon.aggregator.core.series import SeriesStore
 from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.straggler import StepCollector, StragglerDetector, StragglerSettings
-from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings
+from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings, observe_from
 from torshmon.labels import LabelCap
 from torshmon.wire import (
     STEP_DURATION_BUCKETS_S,
@@ -140,8 +140,14 @@ class LiveState:
         self._running: dict[str, set[tuple[str, int]]] = {}
         # Seconds since each node's agent last POSTed, as of the last ``findings()``.
         self._silence: dict[str, float] = {}
-        z = msgspec.structs.asdict(zscore if zscore is not None else ZScoreSettings())
-        self.step_z = ZScoreDetector(metric="step_duration_seconds", direction="up", **z)
+        z_settings = zscore if zscore is not None else ZScoreSettings()
+        z = z_settings.detector_args()
+        step_floor = max(z_settings.std_floor_ratio, z_settings.step_std_floor_ratio)
+        self.step_z = ZScoreDetector(
+            metric="step_duration_seconds",
+            direction="up",
+            **{**z, "std_floor_ratio": step_floor},
+        )
         self.loss_z = ZScoreDetector(metric="loss", direction="up", **z)
         self.comm_z = ZScoreDetector(metric="comm_wait_seconds", direction="up", **z)
         self.throughput_z = ZScoreDetector(
@@ -373,10 +379,15 @@ class LiveState:
                 # job-level finding, not one per rank.
                 found_at = self.step_z.observe_many(job.labels, job_ts, job_durations)
                 step_found = [(at[j], finding) for j, finding in found_at]
+        # The opt-in z-scores, per rank, past a config switch's settling (as step time).
         if self._comm_z_on:
-            step_found += self.comm_z.observe_many(r.labels, ts, waits)
+            step_found += observe_from(
+                self.comm_z, r.labels, numbers, ts, waits, job.settled_from_step
+            )
         if self._throughput_z_on:
-            step_found += self._observe_throughputs(r, ts, throughputs)
+            step_found += observe_from(
+                self.throughput_z, r.labels, numbers, ts, throughputs, job.settled_from_step
+            )
         if loss_found or step_found or straggler_found:
             # Sorting is stable: within a step, loss before step time before straggler.
             for _, found in sorted(loss_found + step_found + straggler_found, key=_first):
@@ -442,19 +453,6 @@ class LiveState:
                     self.series.add(
                         "collective_duration_seconds", labels, t, c.duration_s / c.count
                     )
-
-    def _observe_throughputs(
-        self, r: RankState, ts: list[float], throughputs: tuple[float | None, ...]
-    ) -> list[tuple[int, Finding]]:
-        """The throughput z-score over the steps that have a throughput; the findings,
-        by step."""
-        if None not in throughputs:
-            return self.throughput_z.observe_many(r.labels, ts, cast(Any, throughputs))
-        at = [i for i, v in enumerate(throughputs) if v is not None]
-        found = self.throughput_z.observe_many(
-            r.labels, [ts[i] for i in at], [cast(float, throughputs[i]) for i in at]
-        )
-        return [(at[j], finding) for j, finding in found]
 
     def _observe_input_waits(
         self,

@@ -27,7 +27,7 @@ import math
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Final, Literal
+from typing import Annotated, Any, Final, Literal, cast
 
 import msgspec
 
@@ -242,10 +242,24 @@ class ZScoreSettings(Section, frozen=True):
     std_floor_ratio: Annotated[
         float, setting("floor of the standard deviation as a fraction of the mean", ge=0)
     ] = 1e-3
+    #: A job's step time is often steadier than the box it runs on: a few steps 7 %
+    #: slower (a config switch's rebuild, a busy neighbour) would be many sigmas of a
+    #: sleep- or GPU-bound step. Its floor makes Step Time Anomaly need a rise of at least
+    #: threshold x this (12.5 % by default) held for ``persistence`` steps.
+    step_std_floor_ratio: Annotated[
+        float,
+        setting("floor of the step time's standard deviation as a fraction of its mean", ge=0),
+    ] = 0.05
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        ZScoreDetector(**msgspec.structs.asdict(self))  # its checks, its messages
+        ZScoreDetector(**self.detector_args())  # its checks, its messages
+
+    def detector_args(self) -> dict[str, Any]:
+        """The arguments every ZScoreDetector takes (step time's floor apart)."""
+        args = msgspec.structs.asdict(self)
+        del args["step_std_floor_ratio"]
+        return args
 
 
 class ZScoreDetector:
@@ -521,3 +535,18 @@ def _where(labels: Mapping[str, str]) -> str:
     if extra:
         text += f" ({', '.join(extra)})"
     return text
+
+
+def observe_from(
+    detector: ZScoreDetector,
+    labels: Mapping[str, str] | SeriesKey,
+    numbers: Sequence[int],
+    ts: Sequence[float],
+    values: Sequence[float | None],
+    first_step: int,
+) -> list[tuple[int, Finding]]:
+    """``detector.observe_many`` over the steps numbered ``first_step`` or later that have
+    a value (a config switch's settling steps are not judged); the findings, by index."""
+    at = [i for i, n in enumerate(numbers) if n >= first_step and values[i] is not None]
+    hits = detector.observe_many(labels, [ts[i] for i in at], [cast(float, values[i]) for i in at])
+    return [(at[j], finding) for j, finding in hits]
