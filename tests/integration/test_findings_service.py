@@ -132,5 +132,6 @@ def test_an_input_bound_job_opens_reports_exports_and_closes_a_finding(
         ),
     )
     assert closed["id"] == row["id"]
-    assert closed["detected_unix_s"] < closed["ended_unix_s"]
+    # An episode seen at one evaluation only (the steps came between two) has no length.
+    assert closed["detected_unix_s"] <= closed["ended_unix_s"]
     assert _rows(url, "SELECT count(*) AS n FROM findings WHERE category = 'input'") == [{"n": 1}]
