@@ -168,7 +168,7 @@ rules:
             ]
             state.observe(Stored(acked_seq=0, batches=[(wf.batch(hello, 9, steps), "node-a")]), T0)
     found = {
-        (f.labels["metric"], f.labels["rank"])
+        (f.labels["metric"], f.labels.get("rank"))
         for f in live.findings(T0 + 30)
         if f.kind == "anomaly"
     }
