@@ -57,6 +57,8 @@ TAG: Final = "torshmon"
 # Label selectors shared by the panels.
 JOB: Final = 'job="$job"'
 RANKS: Final = 'job="$job", rank=~"$rank"'
+#: The ranks chosen, and the job-level series (no rank label: step time's anomaly).
+RANKS_OR_JOB: Final = 'job="$job", rank=~"$rank|"'
 NODES: Final = 'node=~"$node"'
 RATE: Final = "$__rate_interval"
 METRIC_NAME: Final = re.compile(r"\btorshmon_[a-z0-9_]+")
@@ -1088,14 +1090,15 @@ def alerts() -> Dashboard:
             timeline(
                 "Anomalies",
                 q(
-                    f"max by (metric, rank) (torshmon_anomaly_active{{{RANKS}}})",
+                    f"max by (metric, rank) (torshmon_anomaly_active{{{RANKS_OR_JOB}}})",
                     "{{metric}} rank {{rank}}",
                 ),
-                description="Rolling z-score anomalies (step time, loss) per rank.",
+                description="Rolling z-score anomalies: the job's step time (no rank) and "
+                "each rank's loss.",
             ),
             timeseries(
                 "Anomaly z-score",
-                q(f"torshmon_anomaly_zscore{{{RANKS}}}", "{{metric}} rank {{rank}}"),
+                q(f"torshmon_anomaly_zscore{{{RANKS_OR_JOB}}}", "{{metric}} rank {{rank}}"),
                 unit="none",
             ),
             timeseries(
