@@ -114,12 +114,13 @@ class DeviceClock:
         )
 
     @staticmethod
-    def for_torch() -> DeviceClock:
-        """The clock of this process: CUDA events where CUDA is available."""
+    def for_torch() -> DeviceClock | None:
+        """The clock of this process: CUDA events where CUDA is available; None without
+        CUDA, so a CPU job's collectives pay nothing for it (the host clock stands)."""
         import torch
 
         if not torch.cuda.is_available():
-            return DeviceClock(event_factory=None)
+            return None
         return DeviceClock(event_factory=lambda: torch.cuda.Event(enable_timing=True))
 
     def on_device(self, backend: str) -> bool:
