@@ -184,6 +184,22 @@ def test_two_ranks_take_the_higher_pair_floor() -> None:
     assert named[-1] == {1}
 
 
+def test_a_rank_losing_less_than_a_time_slice_is_not_a_straggler() -> None:
+    """On 2 ms steps rank 1 at 1.6x loses 1.2 ms a step, less than one scheduler time
+    slice (min_excess_s, 3 ms): the host clock cannot tell it from the OS, so it is not
+    named; the same 1.6x on 20 ms steps (12 ms a step) is, and so are the short steps
+    once min_excess_s is lowered."""
+    short = [[x / 50 for x in row] for row in _noisy(3, 40, sigma=0.01)]
+    short += [[x / 50 for x in row] for row in _noisy(3, 60, seed=1, slow={1: 1.6})]
+    assert not any(_run(StragglerDetector(), short))
+    assert _run(StragglerDetector(min_excess_s=0.001), short)[-1] == {1}
+    long = [[x / 5 for x in row] for row in _noisy(3, 40, sigma=0.01)]
+    long += [[x / 5 for x in row] for row in _noisy(3, 60, seed=1, slow={1: 1.6})]
+    assert _run(StragglerDetector(), long)[-1] == {1}
+    with pytest.raises(ValueError, match="min_excess_s must be 0 or more seconds, got -1"):
+        StragglerDetector(min_excess_s=-1)
+
+
 def test_with_one_straggler_named_of_three_the_other_two_take_the_pair_floor() -> None:
     """Rank 2 is named (4x); ranks 0 and 1 are left with one peer each, no majority: rank
     1 at 15 % over rank 0 is under the pair floor (20 %), not a second straggler."""

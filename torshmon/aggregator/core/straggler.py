@@ -25,6 +25,11 @@ as the rank is out of line.
 - The peers' median leaves out ranks already named, so with 3 or 4 ranks a straggler
   does not move its peers' reference (and each of its slow spells does not look like
   noise on theirs). A rank left with a single peer that way takes the pair floor.
+- A step counts against a rank only if it also lost at least ``min_excess_s`` (3 ms) of
+  compute to its peers' median. Below that the host clock cannot tell a straggler from
+  the operating system: a process that gives up one scheduler time slice (about 3 ms
+  on Linux with 8 or more cores) to another is 1.5x slower on a 6 ms step, and a rank
+  losing less than that costs the job little. Such steps count as in line.
 - A finding clears only after ``hold_steps`` steps in a row without the condition, so a
   straggler that is slow on and off (off spells up to about ``hold_steps`` steps) stays
   one alert, and it resolves once the rank has been back in line with its peers for
@@ -248,6 +253,14 @@ class StragglerSettings(Section, frozen=True):
     noise_samples: Annotated[
         int, setting("window-to-window changes the noise is estimated from", ge=16)
     ] = 256
+    min_excess_s: Annotated[
+        float,
+        setting(
+            "and only when its compute exceeds that median by at least this many seconds "
+            "(one scheduler time slice: less cannot be told from the operating system)",
+            ge=0,
+        ),
+    ] = 0.003
     warmup_steps: Annotated[int, setting("complete steps not scored at a job's start", ge=0)] = 10
     chronic_steps: Annotated[
         int, setting("steps a finding stays active before it is marked chronic", ge=1)
@@ -275,12 +288,15 @@ class StragglerDetector:
         window_steps: int = 8,
         hold_steps: int = 25,
         noise_samples: int = 256,
+        min_excess_s: float = 0.003,
         warmup_steps: int = 10,
         chronic_steps: int = 500,
     ) -> None:
         """Raises ValueError naming any setting outside its allowed range."""
         if not (math.isfinite(z_threshold) and z_threshold > 0):
             raise ValueError(f"z_threshold must be a positive number, got {z_threshold}")
+        if not (math.isfinite(min_excess_s) and min_excess_s >= 0):
+            raise ValueError(f"min_excess_s must be 0 or more seconds, got {min_excess_s}")
         for name, ratio in (
             ("min_slowdown", min_slowdown),
             ("pair_min_slowdown", pair_min_slowdown),
@@ -307,6 +323,7 @@ class StragglerDetector:
         self._window_steps = window_steps
         self._hold_steps = hold_steps
         self._noise_samples = noise_samples
+        self._min_excess_s = min_excess_s
         self._warmup_steps = warmup_steps
         self._chronic_steps = chronic_steps
         self._jobs: dict[str, _JobState] = {}
@@ -347,6 +364,8 @@ class StragglerDetector:
         for i, (rank, (ratio, peers_s)) in enumerate(ratios.items()):
             rank_state = ranks.get(rank) or self._new_rank(state, rank)
             compute_s = values[rank]
+            if compute_s - peers_s < self._min_excess_s:
+                ratio = min(ratio, 0.0)  # too little time lost to tell from the OS
             rank_state.ratios.append(ratio)
             rank_state.computes.append(compute_s)
             rank_state.peers.append(peers_s)
