@@ -434,6 +434,41 @@ rules:
     assert firing.value == pytest.approx(100.0)
 
 
+def test_increase_fires_on_a_counters_rise_counts_resets_and_resolves_after_the_window() -> None:
+    """A counter written when it changes: 0 then 2 fires with the rise (2); no new rise
+    for a window resolves it; a drop is a reset, counted from 0 (3 after 2 -> 1: +1)."""
+    rules = _rules(
+        """
+rules:
+  - name: Failed
+    kind: increase
+    metric: collective_failures_total
+    op: ">"
+    value: 0
+    window: 30s
+"""
+    )
+    engine = AlertEngine(rules)
+    series = SeriesStore()
+    labels = labelset(job="j", rank="1", op="all_reduce", pg="default")
+    series.add("collective_failures_total", labels, 9.999, 0.0)
+    assert engine.evaluate(9.0, series, []) == []  # one point: no increase yet
+    series.add("collective_failures_total", labels, 10.0, 2.0)
+    [firing] = engine.evaluate(10.5, series, [])
+    assert (firing.state, firing.value, firing.labels["rank"]) == ("firing", 2.0, "1")
+    assert firing.annotations["summary"] == (
+        "Failed: collective_failures_total rose by 2 in the last 30s (> 0) on job=j, "
+        "rank=1, op=all_reduce, pg=default"
+    )
+    assert engine.evaluate(39.0, series, []) == []  # still inside the window: no change
+    [resolved] = engine.evaluate(41.0, series, [])  # the rise left the window
+    assert resolved.state == "resolved"
+    series.add("collective_failures_total", labels, 50.0, 2.0)
+    series.add("collective_failures_total", labels, 51.0, 1.0)  # the rank restarted
+    [again] = engine.evaluate(51.0, series, [])
+    assert (again.state, again.value) == ("firing", 1.0)
+
+
 def test_absent_fires_for_a_silent_series_and_resolves_when_it_returns() -> None:
     rules = _rules(
         """

@@ -34,3 +34,25 @@ def test_ending_an_unknown_token_is_harmless() -> None:
     table = InflightTable()
     table.end(12345)
     assert len(table) == 0
+
+
+def test_a_failed_op_ends_and_is_counted_per_op_and_group_with_its_newest_error() -> None:
+    table = InflightTable()
+    first = table.begin("default", "all_reduce", 16)
+    second = table.begin("default", "all_reduce", 16)
+    other = table.begin("7", "broadcast", 4)
+    table.fail(first, RuntimeError("Timed out waiting 1000ms for recv"))
+    table.fail(second, RuntimeError("Connection closed by peer " + "x" * 1000))
+    table.fail(second, RuntimeError("twice"))  # already ended: not counted again
+    table.end(other)
+    assert len(table) == 0
+    assert table.failure_count() == 2
+    [failed] = table.failures()
+    assert (failed.op, failed.pg, failed.count) == ("all_reduce", "default", 2)
+    assert failed.last_error.startswith("RuntimeError: Connection closed by peer xxx")
+    assert len(failed.last_error) == 500
+    table.count_failure("wait_tensor", "3", TimeoutError())
+    assert sorted((f.op, f.count, f.last_error) for f in table.failures()) == [
+        ("all_reduce", 2, failed.last_error),
+        ("wait_tensor", 1, "TimeoutError: "),
+    ]

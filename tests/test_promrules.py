@@ -375,7 +375,8 @@ SHARED_RULES = [rule for rule in default_rules() if rule.kind != "absent"]
 
 
 def firing_value(rule: Rule) -> float:
-    """A value of ``rule``'s metric that meets its condition (per second for ``rate``)."""
+    """A value of ``rule``'s metric that meets its condition (per second for ``rate``
+    and ``increase``)."""
     if rule.kind == "nonfinite":
         return math.nan
     if rule.kind in FINDING_METRICS:
@@ -413,7 +414,7 @@ def engine_alert(rule: Rule) -> Alert:
     value = firing_value(rule)
     for second in range(int(rule.for_s + rule.window_s) + 10):
         if rule.kind not in FINDING_METRICS:
-            point = value * second if rule.kind == "rate" else value
+            point = value * second if rule.kind in ("rate", "increase") else value
             series.add(rule.metric or "", labels, float(second), point)
         firing = [
             a for a in engine.evaluate(float(second), series, findings) if a.state == "firing"

@@ -47,6 +47,7 @@ def test_default_rules_encode_the_design_table() -> None:
         "Step Time Anomaly",
         "Straggler",
         "Hung Collective",
+        "Collective Failed",
         "Loss Spike",
         "Non-finite Loss",
         "Memory Leak",
@@ -54,6 +55,15 @@ def test_default_rules_encode_the_design_table() -> None:
         "Input Bound",
         "Agent Down",
     ]
+    failed = by_name["Collective Failed"]
+    assert (failed.kind, failed.metric, failed.op, failed.threshold, failed.window_s) == (
+        "increase",
+        "collective_failures_total",
+        ">",
+        0.0,
+        300.0,
+    )
+    assert (failed.severity, failed.for_s, failed.cooldown_s) == ("critical", 0.0, 0.0)
     agent = by_name["Agent Down"]
     assert (agent.kind, agent.metric, agent.op, agent.threshold, agent.severity) == (
         "threshold",
@@ -408,6 +418,7 @@ def test_known_metrics_cover_what_the_aggregator_feeds() -> None:
         "gpu_memory_utilization_ratio",
         "rank_memory_rss_bytes",
         "agent_silence_seconds",
+        "collective_failures_total",
         "collective_duration_seconds",
     } == KNOWN_METRICS
 

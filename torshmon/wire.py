@@ -204,6 +204,22 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     collective_clock: Label = "host"
 
 
+class CollectiveFailures(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Collectives of one (op, process group) on this rank that raised instead of
+    completing (a timeout, a peer that went away, a NCCL error), counted since attach.
+
+    ``count`` is cumulative, so a lost batch loses no failure; ``last_error`` is the
+    newest failure's exception as ``Type: message`` (cut to fit), raised at
+    ``last_unix_ns``.
+    """
+
+    op: Label
+    pg: Label
+    count: Count
+    last_error: Text
+    last_unix_ns: Int64
+
+
 class InflightOp(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A collective this rank entered and has not finished (the oldest per group).
 
@@ -309,6 +325,8 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", ta
     this rank belongs to, with their members; sent when they change, in the first batch
     of each connection, while an op has been in flight for a second or more, and every
     30 s, so an aggregator that restarted learns them again (empty: unchanged).
+    ``collective_failures``: per (op, group), the collectives that raised since attach
+    (cumulative); sent in every batch once one has, so the newest count always arrives.
     ``urgent``: the probe's fast lane is open (a step out of line with the rank's recent
     ones); the agent forwards it without waiting to gather more. ``evidence``: files of an
     evidence capture (at most one per batch, so a frame stays under its limit).
@@ -328,6 +346,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", ta
     urgent: bool = False
     groups: list[ProcessGroupMembers] = []
     evidence: list[EvidenceFile] = []
+    collective_failures: list[CollectiveFailures] = []
 
 
 class Ack(msgspec.Struct, frozen=True, kw_only=True, tag="ack", tag_field="kind"):

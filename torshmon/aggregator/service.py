@@ -41,7 +41,7 @@ from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.live_metrics import LiveCollector
 from torshmon.aggregator.core.memory_report import memory_report
 from torshmon.aggregator.core.rule_file import default_rules, load_rules
-from torshmon.aggregator.core.rules import RuleSet
+from torshmon.aggregator.core.rules import WINDOW_KINDS, RuleSet
 from torshmon.aggregator.core.silences import SilenceBook
 from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.tuner import TunerSettings
@@ -622,17 +622,17 @@ def _series_retention_s(rules: RuleSet, stale_after_s: float) -> float:
     """How long live series must keep points for ``rules``: the longest rate window,
     absent duration or staleness bound, plus a minute. Older points are only in SQL."""
     needed = [stale_after_s]
-    needed += [r.window_s for r in rules if r.kind == "rate"]
+    needed += [r.window_s for r in rules if r.kind in ("rate", "increase")]
     needed += [r.for_s for r in rules if r.kind == "absent"]
     return max(needed) + 60.0
 
 
 def _series_windows_s(rules: RuleSet) -> dict[str, float]:
-    """The metrics whose points ``rules`` read (rate and non-finite rules), each with its
+    """The metrics whose points ``rules`` read (rate, increase and non-finite rules), each with its
     longest window plus a minute; the rules read only the newest point of the others."""
     windows: dict[str, float] = {}
     for rule in rules:
-        if rule.kind in ("rate", "nonfinite") and rule.metric:
+        if rule.kind in WINDOW_KINDS and rule.metric:
             windows[rule.metric] = max(windows.get(rule.metric, 0.0), rule.window_s + 60.0)
     return windows
 

@@ -318,6 +318,12 @@ PROBE_DROPPED_RECORDS_TOTAL: Final = _counter(
 NONFINITE_LOSS_TOTAL: Final = _counter(
     "nonfinite_loss_total", "Steps with a NaN or infinite loss", _RANK
 )
+COLLECTIVE_FAILURES_TOTAL: Final = _counter(
+    "collective_failures_total",
+    "Collectives that raised instead of completing (a timeout, a peer gone, a NCCL "
+    "error), per op and process group, counted by the probe since attach.",
+    ("job", "rank", "op", "pg"),
+)
 INFLIGHT_OLDEST_AGE_SECONDS: Final = _gauge(
     "inflight_oldest_age_seconds",
     "Age of the oldest collective the rank was inside at its latest report (0 when none).",

@@ -174,21 +174,24 @@ class _TimedWork(dist.Work):  # type: ignore[misc]
     when the caller waits on (or polls) the Work.
     """
 
-    def __init__(self, inner: dist.Work, on_done: Callable[[], None]) -> None:
+    def __init__(self, inner: dist.Work, on_done: Callable[[BaseException | None], None]) -> None:
         super().__init__()
         self._inner = inner
-        self._on_done: Callable[[], None] | None = on_done
+        self._on_done: Callable[[BaseException | None], None] | None = on_done
 
-    def _finish(self) -> None:
+    def _finish(self, error: BaseException | None = None) -> None:
         on_done, self._on_done = self._on_done, None
         if on_done is not None:
-            on_done()
+            on_done(error)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         try:
-            return bool(self._inner.wait(timeout))
-        finally:
-            self._finish()
+            done = bool(self._inner.wait(timeout))
+        except Exception as exc:
+            self._finish(exc)
+            raise
+        self._finish()
+        return done
 
     def is_completed(self) -> bool:
         done = bool(self._inner.is_completed())
@@ -213,6 +216,16 @@ class _TimedWork(dist.Work):  # type: ignore[misc]
 
     def get_future(self) -> torch.futures.Future[Any]:
         return self._inner.get_future()
+
+
+def _error_of(future: torch.futures.Future[Any]) -> BaseException | None:
+    """What a completed future failed with; None if it holds a value (``value()`` on a
+    completed future neither blocks nor synchronises a device)."""
+    try:
+        future.value()
+    except Exception as exc:
+        return exc
+    return None
 
 
 class CollectiveTracer:
@@ -321,6 +334,9 @@ class CollectiveTracer:
             _nesting.inside = True
             try:
                 result = original(*args, **kwargs)
+            except Exception as exc:
+                inflight.fail(token, exc)  # a timeout, a lost peer: counted
+                raise
             except BaseException:
                 inflight.end(token)
                 raise
@@ -359,7 +375,10 @@ class CollectiveTracer:
         start: int,
         device: Any = None,
     ) -> Any:
-        def done() -> None:
+        def done(error: BaseException | None = None) -> None:
+            if error is not None:
+                self._inflight.fail(token, error)
+                return
             self._inflight.end(token)
             end = time.perf_counter_ns()
             event = CollectiveEvent(
@@ -369,7 +388,7 @@ class CollectiveTracer:
 
         if op not in _POINT_TO_POINT:
             try:
-                work.get_future().add_done_callback(lambda _fut: done())
+                work.get_future().add_done_callback(lambda fut: done(_error_of(fut)))
                 return work
             except RuntimeError:
                 pass  # this backend's Work has no future: observe completion on wait()

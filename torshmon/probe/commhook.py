@@ -126,8 +126,12 @@ class DispatchingCommHook:
 
         def on_done(future: torch.futures.Future[Any]) -> torch.Tensor:
             done = time.perf_counter_ns()
+            try:
+                value = future.value()
+            except Exception as exc:
+                self._inflight.fail(token, exc)  # DDP raises it from backward
+                raise
             self._inflight.end(token)
-            value = future.value()
             if codec != "none":
                 tensor, stats = value
                 events.buckets.append(

@@ -225,8 +225,11 @@ class FunctionalTracer:
             wait_start = time.perf_counter_ns()
             try:
                 result = op.redispatch(keyset & below, tensor)
+            except Exception as exc:
+                self._inflight.fail(token, exc)
+                raise
             finally:
-                self._inflight.end(token)
+                self._inflight.end(token)  # no-op after fail
             end = time.perf_counter_ns()
             event = CollectiveEvent(
                 launch.op,

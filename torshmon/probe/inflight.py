@@ -2,17 +2,22 @@
 
 Thread safety: ``begin`` and ``end`` are called from the training thread, the
 autograd thread and communication threads; they only use operations that are
-atomic under the GIL (``next`` on a counter, dict item set and pop).
+atomic under the GIL (``next`` on a counter, dict item set and pop). ``fail``, rare,
+counts under a lock.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from torshmon.wire import InflightOp
+from torshmon.wire import TEXT_MAX_CHARS, CollectiveFailures, InflightOp
+
+#: The longest exception text kept of a failed collective.
+_ERROR_MAX_CHARS = min(TEXT_MAX_CHARS, 500)
 
 
 class _Entry(NamedTuple):
@@ -36,6 +41,9 @@ class InflightTable:
         self._tokens = itertools.count()
         self._seqs: dict[tuple[str, int | None], Iterator[int]] = {}
         self._open: dict[int, _Entry] = {}
+        self._failures: dict[tuple[str, str], CollectiveFailures] = {}
+        self._failures_lock = threading.Lock()
+        self._failure_count = 0
 
     def begin(self, pg: str, op: str, size_bytes: int, peer: int | None = None) -> int:
         """Register an op as entered; returns the token to pass to ``end``."""
@@ -52,6 +60,36 @@ class InflightTable:
     def end(self, token: int) -> None:
         """Mark an op as finished (successfully or not); unknown tokens are ignored."""
         self._open.pop(token, None)
+
+    def fail(self, token: int, error: BaseException) -> None:
+        """Mark an op as finished by raising ``error``: counted per (op, group) in
+        ``failures``. Unknown tokens are ignored."""
+        entry = self._open.pop(token, None)
+        if entry is not None:
+            self.count_failure(entry.op, entry.pg, error)
+
+    def count_failure(self, op: str, pg: str, error: BaseException) -> None:
+        """Count one failed ``op`` on group ``pg`` that raised ``error``."""
+        text = f"{type(error).__name__}: {error}"[:_ERROR_MAX_CHARS]
+        with self._failures_lock:
+            before = self._failures.get((op, pg))
+            self._failures[(op, pg)] = CollectiveFailures(
+                op=op,
+                pg=pg,
+                count=1 if before is None else before.count + 1,
+                last_error=text,
+                last_unix_ns=time.time_ns(),
+            )
+            self._failure_count += 1
+
+    def failure_count(self) -> int:
+        """Failed collectives since this table was made, all ops together."""
+        return self._failure_count
+
+    def failures(self) -> list[CollectiveFailures]:
+        """Failed collectives since this table was made, per (op, group)."""
+        with self._failures_lock:
+            return list(self._failures.values())
 
     def __len__(self) -> int:
         return len(self._open)

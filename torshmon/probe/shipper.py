@@ -211,6 +211,7 @@ class Shipper:
         self._sent_seq = 0  # the newest seq ever written to a socket
         self._buffered_steps = 0
         self._dropped_here = 0
+        self._failures_sent = 0  # failed collectives counted in the newest batch
         self._sock: socket.socket | None = None
         self._next_connect = 0.0
         self._connect_failures = 0
@@ -283,7 +284,11 @@ class Shipper:
         if self._sock is None:
             return
         idle = now - self._last_batch >= self._heartbeat_interval_s
-        if not self._unacked and (idle or self.command_acks or self.link_checks):
+        failed = self._inflight.failure_count()
+        if failed != self._failures_sent:
+            # A collective raised: the job may be about to die of it, so say so now.
+            self._enqueue([], urgent=True)
+        elif not self._unacked and (idle or self.command_acks or self.link_checks):
             self._enqueue([])  # heartbeat: carries in-flight ops of a stuck rank
         while self.evidence and len(self._unacked) < 4:
             self._enqueue([], evidence=True)
@@ -304,6 +309,8 @@ class Shipper:
             steps = steps[excess:]
         self._last_batch = time.monotonic()
         inflight = self._inflight.oldest()
+        failures = self._inflight.failures()
+        self._failures_sent = sum(f.count for f in failures)
         groups = self._groups.take(inflight) if self._groups is not None else []
         last = self._unacked[-1] if self._unacked else None
         if (
@@ -324,6 +331,7 @@ class Shipper:
                 link_checks=[*last.link_checks, *self.link_checks.drain()],
                 urgent=last.urgent or urgent,
                 groups=groups or last.groups,
+                collective_failures=failures,
             )
             self._buffered_steps += len(steps)
             return
@@ -342,6 +350,7 @@ class Shipper:
             urgent=urgent,
             groups=groups,
             evidence=self.evidence.take() if evidence else [],
+            collective_failures=failures,
         )
         self._unacked.append(batch)
         self._buffered_steps += len(steps)

@@ -261,9 +261,9 @@ class AlertEngine:
                 for key, nonfinite_s in series.newest_nonfinite(metric).items()
                 if nonfinite_s >= start and (not matchers or matchers.issubset(key))
             }
-        if rule.kind == "rate":
+        if rule.kind in ("rate", "increase"):
             values = self._rates(rule, now, series, fresh_after, matchers)
-            if self._switched:
+            if self._switched and rule.kind == "rate":
                 values = self._settled(values, now - rule.window_s)
         else:
             values = self._fresh_newest(rule, series, fresh_after, matchers)
@@ -367,7 +367,11 @@ class AlertEngine:
         reorder = False
         for serial, (key, last_s) in todo.items():
             ts, vs = series.columns(metric, key, window_start)
-            slope = _steady_slope(ts, vs, min_span_s, rule.steady)
+            slope = (
+                _increase(vs)
+                if rule.kind == "increase"
+                else _steady_slope(ts, vs, min_span_s, rule.steady)
+            )
             due = ts[0] if ts else math.inf  # no point in the window: only new ones count
             if due != due:
                 due = -math.inf  # a NaN time: due at every evaluation
@@ -539,6 +543,19 @@ def _finding_hits(rule: Rule, findings: Iterable[Finding], now: float) -> dict[L
         if key not in hits:
             hits[key] = _Hit(finding.value, min(finding.since_unix_s, now), finding)
     return hits
+
+
+def _increase(values: Sequence[float]) -> float | None:
+    """How much a counter rose over ``values`` (Prometheus' ``increase()`` without the
+    extrapolation): each drop is a reset, after which the counter counts from 0. None with
+    fewer than 2 finite values."""
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) < 2:
+        return None
+    rose = 0.0
+    for before, after in itertools.pairwise(finite):
+        rose += after - before if after >= before else after
+    return rose
 
 
 def _steady_slope(

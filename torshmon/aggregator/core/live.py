@@ -34,6 +34,7 @@ from torshmon.aggregator.core.rank_state import (
     JobState,
     RankState,
     copy_rank,
+    failure_points,
     observe_collectives,
 )
 from torshmon.aggregator.core.rules import ANOMALY_METRICS
@@ -257,13 +258,21 @@ class LiveState:
                 r.urgent_steps_total += len(batch.steps)
         if batch.groups:
             self.hang.observe_groups(batch.job, batch.groups)
+        # When the report was current, on the aggregator's clock: a batch replayed from a
+        # spool is old news, not "now".
+        ts = self.agents.dated(node, batch.sent_unix_ns / 1e9, now_unix_s)
+        if batch.collective_failures:
+            self._observe_failures(batch, r, ts, now_unix_s)
         if job.world_size is None or batch.rank < job.world_size:
-            # When the report was current, on the aggregator's clock: a batch replayed
-            # from a spool is old news, not "now".
-            ts = self.agents.dated(node, batch.sent_unix_ns / 1e9, now_unix_s)
             self.hang.observe(batch.job, batch.rank, ts, batch.inflight, node)
         for result in batch.link_checks:
             self.links.observe_result(result, now_unix_s)
+            self._fresh = True
+
+    def _observe_failures(self, batch: Batch, r: RankState, ts: float, now_unix_s: float) -> None:
+        """The probe's counts of failed collectives into ``r`` and the series."""
+        for labels, t, count in failure_points(r, batch, ts, now_unix_s):
+            self.series.add("collective_failures_total", labels, t, count)
             self._fresh = True
 
     def _observe_steps(self, batch: Batch, job: JobState, r: RankState, now_unix_s: float) -> None:

@@ -124,9 +124,12 @@ class LiveCollector:
         gauges = {spec: spec.gauge() for spec in _RANK_GAUGES}
         counters = {spec: spec.counter() for spec in _RANK_COUNTERS}
         step_h = catalogue.STEP_DURATION_SECONDS.histogram()
+        failures = catalogue.COLLECTIVE_FAILURES_TOTAL.counter()
         for job, (_cap, _codec, ranks) in jobs.items():
             for rank, r in ranks:
                 lv = [job, str(rank)]
+                for (op, pg), failed in r.collective_failures.items():
+                    failures.add_metric([job, str(rank), op, pg], float(failed.count))
                 for spec, value in _rank_gauge_values(r).items():
                     # A NaN loss is exported as NaN (the model diverged); others are skipped.
                     if math.isfinite(value) or (spec is catalogue.LOSS and r.steps_total):
@@ -139,6 +142,7 @@ class LiveCollector:
         yield from gauges.values()
         yield from counters.values()
         yield step_h
+        yield failures
 
     def _collective_families(self, jobs: dict[str, _Job]) -> Iterator[Metric]:
         per_rank = self._per_rank

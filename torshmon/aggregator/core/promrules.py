@@ -13,6 +13,7 @@ expressions over the series the agents and the aggregator export:
 - rate: ``deriv(torshmon_<m>[window]) > v``; with ``steady``, ``and`` the rises
   (``changes - resets``: resets counts every decrease) at least that fraction of the
   window's intervals.
+- increase: ``increase(torshmon_<m>[window]) > v``.
 - nonfinite: ``torshmon_<m> != torshmon_<m>`` (true only for NaN) ``or`` an
   infinite absolute value.
 - anomaly: ``torshmon_anomaly_active{metric="<m>"} > 0``; straggler:
@@ -140,6 +141,10 @@ def expression(rule: Rule) -> str:
         value = _value(rule)
         return f"({value} != {value}) or (abs({value}) == +Inf)"
     comparison = f"{rule.op} {rule.threshold!r}"
+    if rule.kind == "increase":
+        window = prometheus_duration(rule.window_s)
+        inner = f"increase({_PREFIX}{metric}{_matchers(rule.matchers)}[{window}])"
+        return f"{_aggregated(rule, inner)} {comparison}"
     if rule.kind == "rate":
         window = prometheus_duration(rule.window_s)
         if mean is not None:

@@ -16,6 +16,8 @@ from torshmon.wire import (
     DURATION_BUCKETS_S,
     STEP_DURATION_BUCKETS_S,
     AppliedConfig,
+    Batch,
+    CollectiveFailures,
     CollectiveStat,
 )
 
@@ -88,6 +90,8 @@ class RankState:
     collectives: dict[tuple[str, str], Histogram] = field(default_factory=dict)
     busbw: dict[tuple[str, str], float] = field(default_factory=dict)
     collective_bytes_total: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: (op, pg) -> the probe's newest count of collectives that raised
+    collective_failures: dict[tuple[str, str], CollectiveFailures] = field(default_factory=dict)
     recent: Recent = field(default_factory=Recent)
     #: (end time in Unix seconds, step number) of the latest steps, oldest first.
     step_marks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=STEP_MARKS))
@@ -129,6 +133,7 @@ def copy_rank(r: RankState) -> RankState:
         },
         busbw=dict(r.busbw),
         collective_bytes_total=dict(r.collective_bytes_total),
+        collective_failures=dict(r.collective_failures),
         recent=Recent(),
         step_marks=deque(maxlen=STEP_MARKS),
     )
@@ -153,3 +158,36 @@ def observe_collectives(
         hist.count += c.count
         busbw[key] = c.busbw_bytes_per_s
         sizes[key] = sizes.get(key, 0) + c.size_bytes
+
+
+#: A failed collective newer than this (seconds) is news to an aggregator that has not
+#: seen its rank fail before; an older one (the aggregator restarted) is not alerted.
+FAILURE_NEWS_S = 300.0
+
+
+def failure_points(
+    r: RankState, batch: Batch, ts: float, now_unix_s: float
+) -> list[tuple[LabelSet, float, float]]:
+    """The probe's counts of failed collectives in ``batch`` into ``r``; the points of
+    ``collective_failures_total`` (labels, time, count) where one changed. A count first
+    seen here starts from a 0 just before it when its newest failure is recent, so an
+    ``increase`` rule sees the rise; an old count (an aggregator that restarted) is
+    only a level."""
+    known = r.collective_failures
+    points: list[tuple[LabelSet, float, float]] = []
+    for failure in batch.collective_failures:
+        key = (failure.op, failure.pg)
+        before = known.get(key)
+        if before is not None and before.count == failure.count:
+            continue
+        known[key] = failure
+        labels = (
+            ("job", batch.job),
+            ("op", failure.op),
+            ("pg", failure.pg),
+            ("rank", str(batch.rank)),
+        )
+        if before is None and failure.last_unix_ns / 1e9 >= now_unix_s - FAILURE_NEWS_S:
+            points.append((labels, ts - 1e-3, 0.0))
+        points.append((labels, ts, float(failure.count)))
+    return points

@@ -29,6 +29,11 @@ Kinds (what makes the condition true, per series or per ``by`` group):
   is inside the window, so give such rules a ``for`` longer than the window, or
   ``steady``: the fraction of consecutive points in the window that must rise (0.8:
   a steady climb such as a leak, where one jump between flat points rises once).
+- ``increase``: how much the counter ``metric`` rose over ``window`` (default 60s),
+  compared with ``value``, as Prometheus' ``increase()``: a drop is a reset (the
+  process restarted), counted from 0. Needs two points in the window; for a counter
+  that moves rarely (``collective_failures_total``) the aggregator writes a point when
+  it changes, and the alert resolves a window after the last rise.
 - ``nonfinite``: a value of ``metric`` within ``window`` (default 60s) is NaN or
   infinite (a diverged loss; the aggregator stores a non-finite loss as NaN). Any
   value of the window, not only the newest: one ingested batch can hold a NaN step
@@ -89,6 +94,7 @@ from torshmon.aggregator.core.rules import (
     METRIC_KINDS,
     METRIC_LABELS,
     OPS,
+    WINDOW_KINDS,
     Aggregate,
     Op,
     Rule,
@@ -107,6 +113,7 @@ _COMMON_KEYS: Final = frozenset(
 _KIND_KEYS: Final[Mapping[str, frozenset[str]]] = {
     "threshold": frozenset({"metric", "op", "value", "aggregate", "by"}),
     "rate": frozenset({"metric", "op", "value", "window", "steady", "aggregate", "by"}),
+    "increase": frozenset({"metric", "op", "value", "window", "aggregate", "by"}),
     "nonfinite": frozenset({"metric", "window"}),
     "absent": frozenset({"metric"}),
     "anomaly": frozenset({"metric"}),
@@ -119,6 +126,7 @@ _ALL_KIND_KEYS: Final = frozenset(key for keys in _KIND_KEYS.values() for key in
 _REQUIRED_KEYS: Final[Mapping[str, tuple[str, ...]]] = {
     "threshold": ("metric", "op", "value"),
     "rate": ("metric", "op", "value"),
+    "increase": ("metric", "op", "value"),
     "nonfinite": ("metric",),
     "absent": ("metric", "for"),
     "anomaly": ("metric",),
@@ -364,7 +372,7 @@ class _Parser:
             )
         if rule.kind == "absent" and "for" in entries and rule.for_s <= 0:
             self.error(at("for"), f"{path}.for", "an absent rule needs a positive duration")
-        if rule.kind in ("rate", "nonfinite") and "window" in entries and rule.window_s <= 0:
+        if rule.kind in WINDOW_KINDS and "window" in entries and rule.window_s <= 0:
             self.error(at("window"), f"{path}.window", "must be a positive duration")
         if rule.steady is not None and not 0 < rule.steady <= 1:
             self.error(

@@ -16,6 +16,7 @@ from typing import Final, Literal
 RuleKind = Literal[
     "threshold",
     "rate",
+    "increase",
     "nonfinite",
     "absent",
     "anomaly",
@@ -30,6 +31,7 @@ Aggregate = Literal["mean", "max", "min", "sum"]
 KINDS: Final[tuple[str, ...]] = (
     "threshold",
     "rate",
+    "increase",
     "nonfinite",
     "absent",
     "anomaly",
@@ -39,7 +41,9 @@ KINDS: Final[tuple[str, ...]] = (
     "bottleneck",
 )
 #: Kinds evaluated on the live series; the others on detector findings.
-METRIC_KINDS: Final = frozenset({"threshold", "rate", "nonfinite", "absent"})
+METRIC_KINDS: Final = frozenset({"threshold", "rate", "increase", "nonfinite", "absent"})
+#: Kinds whose value is computed over the points of a window (``window``).
+WINDOW_KINDS: Final = frozenset({"rate", "increase", "nonfinite"})
 FINDING_KINDS: Final = frozenset({"anomaly", "straggler", "hang", "slow_link", "bottleneck"})
 #: ``==`` and ``!=`` compare exactly: meant for counts, versions and 0/1 states.
 OPS: Final[tuple[str, ...]] = (">", ">=", "<", "<=", "==", "!=")
@@ -67,6 +71,7 @@ METRIC_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
     "rank_memory_rss_bytes": ("job", "rank", "node"),
     "agent_silence_seconds": ("node",),
     "collective_duration_seconds": ("job", "op", "pg"),
+    "collective_failures_total": ("job", "rank", "op", "pg"),
 }
 KNOWN_METRICS: Final = frozenset(METRIC_LABELS)
 #: The series the rolling z-score detector watches, each in one direction: step time,
@@ -243,6 +248,11 @@ def default_summary(rule: Rule) -> str | None:
             f"{name}: {rule.metric} changes by {{value:.4g}}/s over "
             f"{prometheus_duration(rule.window_s)} ({rule.op} {rule.threshold:g}){where}"
         )
+    if rule.kind == "increase":
+        return (
+            f"{name}: {rule.metric} rose by {{value:.4g}} in the last "
+            f"{prometheus_duration(rule.window_s)} ({rule.op} {rule.threshold:g}){where}"
+        )
     if rule.kind == "nonfinite":
         return f"{name}: {rule.metric} is {{value}}{where}"
     return f"{name}: no {rule.metric} sample for {{value:.0f}} s{where}"
@@ -261,6 +271,7 @@ __all__ = [
     "METRIC_KINDS",
     "METRIC_LABELS",
     "OPS",
+    "WINDOW_KINDS",
     "Aggregate",
     "Op",
     "Rule",

@@ -18,7 +18,8 @@ __all__ = ["config_summary", "job_summary", "rank_summaries"]
 
 def job_summary(state: JobState) -> dict[str, Any]:
     """World size, ranks reporting, last step, recent step time, communication share,
-    throughput and bucket cap of a job."""
+    throughput and bucket cap of a job; the collectives that raised on its ranks (count
+    since each rank attached, with the newest error)."""
     ranks = list(state.ranks.values())
     recent = [x for r in ranks for x in r.recent.rows()]
     return {
@@ -29,6 +30,18 @@ def job_summary(state: JobState) -> dict[str, Any]:
         "communication_time_ratio": _mean([w / d for d, w, _ in recent if d > 0]),
         "throughput_samples_per_s": _sum_finite([r.samples_per_s for r in ranks]),
         "bucket_cap_bytes": state.bucket_cap_bytes,
+        "collective_failures": [
+            {
+                "rank": rank,
+                "op": f.op,
+                "pg": f.pg,
+                "count": f.count,
+                "last_error": f.last_error,
+                "last_unix_s": f.last_unix_ns / 1e9,
+            }
+            for rank, r in sorted(state.ranks.items())
+            for f in sorted(r.collective_failures.values(), key=lambda f: (f.op, f.pg))
+        ],
     }
 
 
