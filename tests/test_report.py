@@ -175,3 +175,25 @@ def test_alerts_link_the_evidence_captured_for_them(db: Path) -> None:
     assert '<a href="/api/v1/evidence/c1/1/profile.json">rank 1 profile.json</a>' in (
         render_page(report)
     )
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(db: Path) -> None:
+    """`torshmon report JOB | true`: the reader is gone before the report writes (python
+    takes far longer to start than `true` to exit), so the write meets a closed pipe;
+    the report stops quietly with the shell's SIGPIPE status, as cat does."""
+    import shlex
+    import subprocess
+    import sys
+
+    script = str(Path(sys.executable).with_name("torshmon"))
+    command = shlex.join([script, "report", h.JOB, "--db", str(db)])
+    done = subprocess.run(
+        f"{command} | true; echo ${{PIPESTATUS[0]}}",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stderr == ""
+    assert done.stdout.strip() == "141"

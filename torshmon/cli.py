@@ -786,6 +786,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Ctrl-C before a daemon installed its own handler (while it imports or starts).
         return 130
+    except BrokenPipeError:
+        # The reader left (`torshmon report JOB | head`): nothing more to say, as cat.
+        # Python would still flush stdout at exit and print its own error: point it at
+        # /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a shell reports for such a reader
     except Exception:
         # A bug: its traceback goes through the scrubbing log handler, not straight out.
         log.exception("torshmon %s failed", args.command)
