@@ -15,8 +15,12 @@ costs more than its steps on two shared cores). The sweep:
 - loss jumps x2/x10 (targets scaled by sqrt(2)/sqrt(10)) and NaN inputs (2 ranks);
 - link cut from 1 Gbit/s to 1/2, 1/5, 1/10 (3 ranks; needs root and ``tc``).
 
+Every job computes inside its steps (``DemoConfig.step_compute_s``: a sleep where a GPU
+kernel would run, 20-100 ms a step for the fault jobs) and waits ``INPUT_WAIT_S`` between
+them, as for a data loader.
+
 Then the fault-free jobs: clean jobs at 2 and 4 ranks (``--clean-steps`` in all, 60/40;
-a 128-wide model at 5 ms between steps, to fit 10 000 steps in minutes) with a
+a 128-wide model computing 5 ms a step, to fit 10 000 steps in minutes) with a
 background process burning CPU on and off, and a fault-free autotune session;
 every alert in them is false.
 
@@ -105,11 +109,18 @@ class EpisodePlan:
     in_scope: bool
 
 
+#: Between two steps each rank waits this long, as for its data loader (and leaves the
+#: CPU to the daemons on a small machine).
+INPUT_WAIT_S = 0.002
+
+
 @dataclass(frozen=True, slots=True)
 class JobPlan:
     name: str
     world_size: int
-    step_sleep_s: float
+    #: time a step spends computing beyond the small model's own (a sleep inside the
+    #: step, as a GPU kernel would take): the compute a straggler multiplies
+    step_compute_s: float
     episodes: tuple[EpisodePlan, ...]
     link_rate: str | None = None
 
@@ -359,7 +370,7 @@ class CpuBurner:
 async def run_system_once(
     world_size: int,
     steps: int,
-    step_sleep_s: float,
+    step_compute_s: float,
     specs: Sequence[str] = (),
     *,
     link_rate: str | None = None,
@@ -384,7 +395,8 @@ async def run_system_once(
                 layers=3,
                 job="bench",
                 db=Path(tmp) / "history.db",
-                step_sleep_s=step_sleep_s,
+                step_compute_s=step_compute_s,
+                step_sleep_s=INPUT_WAIT_S,
                 faults=tuple(parse_fault(s) for s in specs),
                 link_rate=link_rate,
                 linger_s=3.0,
@@ -424,7 +436,7 @@ def fired_alerts(result: Any, watch: FiringWatch) -> list[FiredAlert]:
 async def run_job(plan: JobPlan, seed: int) -> JobOutcome:
     specs = [s for e in plan.episodes for s in e.specs]
     result, watch, receiver, rows = await run_system_once(
-        plan.world_size, plan.steps, plan.step_sleep_s, specs, link_rate=plan.link_rate
+        plan.world_size, plan.steps, plan.step_compute_s, specs, link_rate=plan.link_rate
     )
     events: dict[str, float] = dict(result.fault_events)
     for per_rank in result.results:
