@@ -169,3 +169,83 @@ def test_a_timing_that_never_completes_holds_its_step_at_most_max_wait() -> None
     assert [r.step for r in gate.ready()] == [1]
     gate.add([_raw(2, WorkTiming(FakeWork(1.0)))])
     assert [r.step for r in gate.ready(final=True)] == [2]  # closing sends everything
+
+
+class _Bucket:
+    """What DDP hands a comm hook: the flattened gradients, an index, the parameters."""
+
+    def __init__(self, buffer: Any) -> None:
+        self._buffer = buffer
+
+    def buffer(self) -> Any:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def parameters(self) -> list[Any]:
+        return [self._buffer]
+
+
+class _NcclGroup:
+    """A 2-rank process group whose all-reduce returns a Work NCCL times itself."""
+
+    def __init__(self, duration_ms: float) -> None:
+        import torch
+
+        self.works: list[FakeWork] = []
+        self.futures: list[torch.futures.Future[Any]] = []
+        self._duration_ms = duration_ms
+
+    def size(self) -> int:
+        return 2
+
+    def allreduce(self, tensors: list[Any]) -> FakeWork:
+        import torch
+
+        work = FakeWork(self._duration_ms)
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        work.get_future = lambda: future  # type: ignore[attr-defined]
+        self.works.append(work)
+        self.futures.append(future)
+        return work
+
+
+def test_a_ddp_bucket_on_nccl_takes_nccls_own_timing_of_its_all_reduce() -> None:
+    """The comm hook's plain all-reduce keeps its Work's timing: once NCCL says the
+    kernel took 7 ms, the bucket and its all_reduce last 7 ms from launch, whatever the
+    host saw of the completion (here: much later)."""
+    import time
+
+    import torch
+
+    from torshmon.probe.commhook import DispatchingCommHook
+    from torshmon.probe.inflight import InflightTable
+    from torshmon.probe.timing import resolve_buckets
+
+    events = StepEvents()
+    group = _NcclGroup(duration_ms=7.0)
+    hook = DispatchingCommHook(group, "default", InflightTable(), lambda: events)
+    hook.device_clock = DeviceClock(event_factory=FakeEvent, nccl_timing=True)
+    hook._backend_name = "nccl"  # what dist.get_backend says of a NCCL group
+    buffer = torch.ones(8)
+    reduced = hook(None, _Bucket(buffer))  # type: ignore[arg-type]
+    time.sleep(0.05)  # the host learns of the completion late
+    group.futures[0].set_result([buffer])
+    assert torch.equal(reduced.wait(), torch.full((8,), 0.5))  # the result is untouched
+    [bucket], [collective] = events.buckets, events.collectives
+    assert isinstance(bucket.device, WorkTiming) and collective.device is bucket.device
+    assert (bucket.done_ns - bucket.launch_ns) / 1e9 >= 0.05  # the host's figure, until read
+    assert resolve_buckets([bucket]) == ([bucket._replace(device=None)], 1)  # not ready yet
+    group.works[0].completed = True
+    [timed], unread = resolve_buckets([bucket])
+    assert unread == 0 and timed.device is None
+    assert timed.done_ns - timed.launch_ns == 7_000_000
+    [timed_collective], _ = resolve([collective])
+    assert timed_collective.end_ns - timed_collective.start_ns == 7_000_000
+    # gloo (host clock): no device timing at all.
+    events.buckets.clear()
+    hook._backend_name = "gloo"
+    hook(None, _Bucket(torch.ones(8)))  # type: ignore[arg-type]
+    group.futures[1].set_result([torch.ones(8)])
+    assert events.buckets[0].device is None

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from torshmon.probe.events import BucketEvent, CollectiveEvent, StepEvents
 from torshmon.probe.inflight import InflightTable
+from torshmon.probe.timing import DeviceClock
 from torshmon.ratelog import LogLimiter
 
 if TYPE_CHECKING:
@@ -58,6 +59,11 @@ class DispatchingCommHook:
         self._failure_log = LogLimiter()
         self.enabled = True
         self.measure_error = False  # set per step by the monitor (sampled)
+        #: times plain all-reduce buckets on the device where the group runs there
+        #: (NCCL's own Work timing); codec buckets, several collectives each, keep the
+        #: host's launch-to-completion time
+        self.device_clock: DeviceClock | None = None
+        self._backend_name: str | None = None
 
     def register(self, ddp_module: Any) -> None:
         """Register on a DDP module (possible once per module, before backward)."""
@@ -82,11 +88,14 @@ class DispatchingCommHook:
         codec = self._codec
         if codec is None:
             buffer.mul_(self._scale)
-            future = self.process_group.allreduce([buffer]).get_future()
+            work = self.process_group.allreduce([buffer])
+            future = work.get_future()
             if not self.enabled:
                 return future.then(_first_tensor)
             try:
-                on_done = self._record(bucket, buffer, "none")
+                clock = self.device_clock
+                device = None if clock is None else clock.after_async(self._backend(), work)
+                on_done = self._record(bucket, buffer, "none", device)
             except Exception:
                 self._note_failure()
                 return future.then(_first_tensor)
@@ -102,8 +111,14 @@ class DispatchingCommHook:
         coded = codec.reduce(bucket.index(), buffer, measure_error=self.measure_error)
         return coded.then(on_coded)
 
+    def _backend(self) -> str:
+        backend = self._backend_name
+        if backend is None:
+            backend = self._backend_name = str(dist.get_backend(self.process_group))
+        return backend
+
     def _record(
-        self, bucket: dist.GradBucket, buffer: torch.Tensor, codec: str
+        self, bucket: dist.GradBucket, buffer: torch.Tensor, codec: str, device: Any = None
     ) -> Callable[[torch.futures.Future[Any]], torch.Tensor]:
         launch = time.perf_counter_ns()
         events = self._events()
@@ -138,9 +153,13 @@ class DispatchingCommHook:
                     _codec_event(index, size, parameters, launch, done, codec, stats)
                 )
                 return tensor
-            events.buckets.append(BucketEvent(index, size, parameters, launch, done, codec, size))
+            events.buckets.append(
+                BucketEvent(index, size, parameters, launch, done, codec, size, device=device)
+            )
             events.collectives.append(
-                CollectiveEvent("all_reduce", pg, group_size, dtype, size, launch, done, False)
+                CollectiveEvent(
+                    "all_reduce", pg, group_size, dtype, size, launch, done, False, device=device
+                )
             )
             return value[0]
 

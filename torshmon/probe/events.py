@@ -32,7 +32,9 @@ class CollectiveEvent(NamedTuple):
 
 
 class BucketEvent(NamedTuple):
-    """One DDP bucket reduced by the comm hook (launch and completion times)."""
+    """One DDP bucket reduced by the comm hook (launch and completion times).
+    ``device``: its device timing still to be read (a plain all-reduce on NCCL), as
+    ``CollectiveEvent``'s."""
 
     bucket_index: int
     size_bytes: int
@@ -44,6 +46,7 @@ class BucketEvent(NamedTuple):
     encode_s: float = 0.0
     decode_s: float = 0.0
     relative_error: float | None = None
+    device: Any = None
 
 
 @dataclass(slots=True)

@@ -281,6 +281,7 @@ class Monitor:
         hook = DispatchingCommHook(
             module.process_group, self._ddp_pg_label, self._inflight, self._current_events
         )
+        hook.device_clock = self._tracer.device_clock
         job_hook = _torch_compat.job_comm_hook(module)
         if job_hook is not None:
             # The job's hook stays (torshmon's would replace it and change results):

@@ -38,7 +38,7 @@ from torshmon.probe.fastlane import FastLane
 from torshmon.probe.groups import GroupRegistry
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.summary import summarize_step
-from torshmon.probe.timing import PendingTiming, StepGate, resolve
+from torshmon.probe.timing import PendingTiming, StepGate, resolve, resolve_buckets
 from torshmon.ratelog import LogLimiter
 from torshmon.wire import (
     FRAME_HEADER,
@@ -268,8 +268,11 @@ class Shipper:
 
     def _summarize(self, raw: RawStep) -> StepRecord:
         """The step's record, its collectives' device timings read first (NCCL)."""
-        if any(e.device is not None for e in raw.events.collectives):
-            raw.events.collectives, unread = resolve(raw.events.collectives)
+        events = raw.events
+        if any(e.device is not None for e in events.collectives):
+            events.collectives, unread = resolve(events.collectives)
+            # A bucket's timing is its all-reduce's: counted once, with the collective.
+            events.buckets, _ = resolve_buckets(events.buckets)
             self.device_timings_unread_total += unread
             return replace_clock(summarize_step(raw), "host" if unread else "device")
         return summarize_step(raw)

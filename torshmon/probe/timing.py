@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
-from torshmon.probe.events import CollectiveEvent
+from torshmon.probe.events import BucketEvent, CollectiveEvent
 
 __all__ = [
     "NCCL_TIMING_ENV",
@@ -42,6 +42,7 @@ __all__ = [
     "StepGate",
     "WorkTiming",
     "resolve",
+    "resolve_buckets",
 ]
 
 NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
@@ -160,17 +161,42 @@ def resolve(events: Iterable[CollectiveEvent]) -> tuple[list[CollectiveEvent], i
         if timing is None:
             out.append(event)
             continue
-        try:
-            seconds = timing.seconds() if timing.ready() else None
-        except RuntimeError:
-            seconds = None
-        if seconds is None or not seconds >= 0.0:
+        seconds = _seconds(timing)
+        if seconds is None:
             unread += 1
             out.append(event._replace(device=None))
             continue
         end_ns = event.start_ns + round(seconds * 1e9)
         out.append(event._replace(end_ns=end_ns, device=None))
     return out, unread
+
+
+def resolve_buckets(buckets: Iterable[BucketEvent]) -> tuple[list[BucketEvent], int]:
+    """``resolve`` for DDP buckets: each ready device timing as the bucket's duration
+    from its launch; the count of those that could not be read (host times kept)."""
+    out: list[BucketEvent] = []
+    unread = 0
+    for bucket in buckets:
+        timing = bucket.device
+        if timing is None:
+            out.append(bucket)
+            continue
+        seconds = _seconds(timing)
+        if seconds is None:
+            unread += 1
+            out.append(bucket._replace(device=None))
+            continue
+        out.append(bucket._replace(done_ns=bucket.launch_ns + round(seconds * 1e9), device=None))
+    return out, unread
+
+
+def _seconds(timing: PendingTiming) -> float | None:
+    """A ready timing's seconds; None when not ready or the device cannot say."""
+    try:
+        seconds = timing.seconds() if timing.ready() else None
+    except RuntimeError:
+        return None
+    return seconds if seconds is not None and seconds >= 0.0 else None
 
 
 class StepGate(Generic[T]):
