@@ -130,6 +130,32 @@ def test_a_session_reads_its_evidence_from_the_baseline_and_the_link_check() -> 
     assert _baseline(blind, 0.35, [1.0] * 4).config.codec == "none"
 
 
+def test_a_link_reading_that_comes_during_the_baseline_reaches_the_prior() -> None:
+    """A session begun before the job's first link check (it ends the warm-up) takes the
+    reading that comes while the baseline is measured; after the baseline the prior has
+    read its evidence and a later reading changes nothing."""
+    settings = TunerSettings(warmup_steps=0, window_steps=2, windows=2, min_windows=2)
+    session = TuningSession(settings=settings)
+    assert isinstance(session.start(0.0, DEFAULT), ApplyConfig)
+    assert session.wants_link
+    session.observe_link(None)  # no reading yet
+    session.observe_link(-1.0)  # not a bandwidth
+    assert session.evidence().link_bytes_per_s is None
+    session.on_applied(1, 0, 0.0)
+    decision = None
+    for step in range(4):
+        if step == 2:
+            session.observe_link(3e9)  # 24 Gbit/s: the middle class
+        sample = StepSample(step, 1, 128.0, 0.5, loss=1.0, comm_wait_s=0.35, bucket_count=3)
+        decision = session.on_step(sample, 1.0)
+    assert isinstance(decision, ApplyConfig)
+    assert decision.config.choice.label == "topk(ratio=0.01)"
+    assert "link 24 Gbit/s" in decision.reason
+    assert not session.wants_link
+    session.observe_link(0.12e9)
+    assert session.evidence().link_bytes_per_s == 3e9
+
+
 def test_random_search_proposes_distinct_grid_configs_without_screens() -> None:
     settings = TunerSettings(
         warmup_steps=0, window_steps=2, windows=2, min_windows=2, proposer="random"

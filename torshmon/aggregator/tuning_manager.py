@@ -305,6 +305,8 @@ class TuningManager:
             if entry is None:
                 self._watch_drift(batch.job, batch.steps, now)
                 continue
+            if entry.session.wants_link:
+                entry.session.observe_link(slowest_link(self._jobs.link_reading(batch.job)))
             for record in batch.steps:
                 decision = entry.session.on_step(StepSample.from_record(record), now)
                 if decision is not None or entry.session.done:

@@ -203,6 +203,26 @@ class TuningSession:
         s.trials.append(Trial(0, "baseline", baseline_config, now))
         return self._apply(now, baseline_config, "baseline", 0, "measure the job's own config")
 
+    @property
+    def wants_link(self) -> bool:
+        """Whether a link reading would still reach the prior: none yet, and the baseline
+        (after which the prior reads its evidence) is not over."""
+        s = self._s
+        over = s.phase in ("finished", "aborted")
+        return s.link_bytes_per_s is None and len(s.trials) <= 1 and not over
+
+    def observe_link(self, link_bytes_per_s: float | None) -> None:
+        """A link reading that came while the baseline was measured (the job's first link
+        check often ends its warm-up, after a session began): the prior takes it. Ignored
+        once the prior has read its evidence, or when not a positive bandwidth."""
+        if (
+            self.wants_link
+            and link_bytes_per_s is not None
+            and math.isfinite(link_bytes_per_s)
+            and link_bytes_per_s > 0
+        ):
+            self._s.link_bytes_per_s = link_bytes_per_s
+
     def on_applied(self, version: int, effective_step: int, now: float) -> Decision | None:
         """The awaited config was applied by all ranks from ``effective_step`` on, as
         config ``version``. Ignored when nothing is awaited."""
