@@ -249,3 +249,46 @@ def test_a_ddp_bucket_on_nccl_takes_nccls_own_timing_of_its_all_reduce() -> None
     hook(None, _Bucket(torch.ones(8)))  # type: ignore[arg-type]
     group.futures[1].set_result([torch.ones(8)])
     assert events.buckets[0].device is None
+
+
+def test_step_marks_give_the_step_and_ddps_exposed_wait_once_the_device_is_there() -> None:
+    from torshmon.probe.timing import StepMarks
+
+    def at(ms: float) -> FakeEvent:
+        FakeEvent.stream_ms = ms
+        event = FakeEvent()
+        event.record()
+        return event
+
+    FakeEvent.device_ms = 0.0
+    marks = StepMarks(at(100.0))
+    marks.last_grad = at(130.0)  # backward compute over
+    marks.backward_end = at(142.0)  # the stream waited 12 ms for DDP's last bucket
+    assert not marks.ready() and marks.split() is None  # no end yet
+    marks.end = at(150.0)
+    assert not marks.ready() and marks.split() is None  # the device is not there yet
+    FakeEvent.device_ms = 150.0
+    assert marks.ready()
+    assert marks.split() == pytest.approx((0.05, 0.012))
+    # Without a backward (a step of collectives only): the step alone.
+    bare = StepMarks(at(200.0))
+    bare.end = at(210.0)
+    FakeEvent.device_ms = 210.0
+    assert bare.split() == pytest.approx((0.01, None))
+
+
+def test_a_step_summarised_with_device_marks_takes_their_duration_and_ddp_wait() -> None:
+    from torshmon.probe.summary import summarize_step
+
+    events = StepEvents()
+    events.last_grad_ns, events.backward_end_ns = 1_000, 2_000  # 1 us on the host
+    blocking = _event(3_000, 4_003_000)  # 4 ms, already read from the device
+    events.collectives.append(blocking)
+    raw = RawStep(1, 0, 5_000_000_000, 0, 16, None, events, None)
+    host = summarize_step(raw)
+    assert host.duration_s == 5.0 and host.comm_wait_s == pytest.approx(0.004001)
+    device = summarize_step(raw, (0.05, 0.012))
+    assert device.duration_s == 0.05
+    assert device.comm_wait_s == pytest.approx(0.016)  # 12 ms of DDP + the 4 ms call
+    assert device.compute_s == pytest.approx(0.034)
+    assert device.samples_per_s == pytest.approx(16 / 0.05)

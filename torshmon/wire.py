@@ -199,8 +199,9 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     gpu_memory_allocated_bytes: Count | None = None
     gpu_memory_reserved_bytes: Count | None = None
     gpu_memory_peak_bytes: Count | None = None
-    #: which clock timed the step's collectives: ``host`` (gloo; or NCCL where a
-    #: device timing could not be read) or ``device`` (NCCL, CUDA events / NCCL's own)
+    #: which clock timed the step's collectives, and on NCCL its duration and comm wait:
+    #: ``host`` (gloo; or NCCL where a device timing could not be read) or ``device``
+    #: (NCCL: CUDA events on the training stream / NCCL's own Work timing)
     collective_clock: Label = "host"
 
 

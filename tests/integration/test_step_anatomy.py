@@ -115,3 +115,69 @@ def test_a_slow_loader_shows_as_input_wait_outside_the_step(receiver: ReceiverTh
             # the wait covers the fetch the job timed, and little else
             assert fetched <= step.input_wait_s <= fetched + 0.2, (step.step, fetched)
             assert step.input_wait_s >= LOADER_DELAY_S
+
+
+class _SlowDeviceEvent:
+    """A stand-in CUDA event on a device that runs every step at half the host's speed
+    (its clock reads twice the host's time since the first event): a step's device
+    figures are then twice its host figures, so the record shows which it took."""
+
+    origin: float | None = None
+
+    def __init__(self) -> None:
+        self.at_ms = 0.0
+
+    def record(self) -> None:
+        now = time.perf_counter()
+        if _SlowDeviceEvent.origin is None:
+            _SlowDeviceEvent.origin = now
+        self.at_ms = 2000.0 * (now - _SlowDeviceEvent.origin)
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: _SlowDeviceEvent) -> float:
+        return end.at_ms - self.at_ms
+
+
+def _train_on_a_fake_device(rank: int, world: int, sock: str) -> list[float]:
+    """DDP with the probe's device clock replaced by ``_SlowDeviceEvent`` on gloo (as
+    if it were NCCL): the step marks and the collectives' events go the real path."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import torshmon
+    from torshmon.probe import timing
+
+    clock = timing.DeviceClock(event_factory=_SlowDeviceEvent, nccl_timing=False)
+    clock.on_device = lambda backend: True  # type: ignore[method-assign]
+    timing.DeviceClock.for_torch = staticmethod(lambda: clock)  # type: ignore[method-assign]
+    ddp = DistributedDataParallel(_model())
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    monitor = torshmon.attach(ddp, job="marks", agent_socket=sock, flush_interval_s=0.05)
+    host = []
+    for x, y in _batches(8, rank):
+        started = time.perf_counter()
+        with monitor.step(batch_size=16):
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        host.append(time.perf_counter() - started)
+    monitor.close()
+    return host
+
+
+def test_on_a_device_the_step_and_its_comm_wait_are_the_devices_figures(
+    receiver: ReceiverThread,
+) -> None:
+    results = run_ranks(_train_on_a_fake_device, 2, str(receiver.socket_path), timeout_s=TIMEOUT_S)
+    for rank, host in enumerate(results):
+        steps = receiver.steps(rank)
+        assert [s.step for s in steps] == list(range(1, 9))
+        for step, host_s in zip(steps, host, strict=True):
+            assert step.collective_clock == "device"
+            # The device's figure (twice the host's), not the host's.
+            assert 1.6 * host_s < step.duration_s < 2.2 * host_s, (step.duration_s, host_s)
+            assert step.comm_wait_s + step.compute_s == pytest.approx(step.duration_s)
+            assert 0.0 < step.comm_wait_s < step.duration_s

@@ -60,6 +60,8 @@ class StepEvents:
     last_grad_ns: int | None = None
     backward_end_ns: int | None = None
     backward_hooked: bool = False
+    #: the step's CUDA events on the training stream (``timing.StepMarks``), on NCCL
+    marks: Any = None
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from torshmon.probe.inflight import InflightTable
 from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkCheckRequest
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
 from torshmon.probe.shipper import Outbox, Shipper
-from torshmon.probe.timing import DeviceClock
+from torshmon.probe.timing import DeviceClock, StepMarks
 from torshmon.ratelog import LogLimiter
 from torshmon.version import __version__
 from torshmon.wire import (
@@ -152,6 +152,11 @@ class Monitor:
         self._tracer = CollectiveTracer(self._inflight, self._current_events)
         # NCCL enqueues and returns: its collectives are timed on the GPU (probe.timing).
         self._tracer.device_clock = DeviceClock.for_torch()
+        #: the clock that marks each step on the training stream (NCCL jobs only)
+        self._step_clock: DeviceClock | None = None
+        clock = self._tracer.device_clock
+        if clock is not None and clock.on_device(str(dist.get_backend())):
+            self._step_clock = clock
         self._hook: DispatchingCommHook | None = None
         self._handles: list[Any] = []
         self._grad_hooks: dict[int, Any] = {}
@@ -313,6 +318,8 @@ class Monitor:
         events = self._events
         events.last_grad_ns = time.perf_counter_ns()
         self._last_grad_param = id(param)
+        if events.marks is not None and self._step_clock is not None:
+            events.marks.last_grad = self._step_clock.mark()
         if not events.backward_hooked:
             events.backward_hooked = True
             # DDP reduces in C++, unseen by the collective wrappers: a rank stuck
@@ -327,6 +334,8 @@ class Monitor:
 
     def _on_backward_end(self, events: StepEvents, token: int) -> None:
         events.backward_end_ns = time.perf_counter_ns()
+        if events.marks is not None and self._step_clock is not None:
+            events.marks.backward_end = self._step_clock.mark()
         self._inflight.end(token)
 
     def _on_forward_start(self, _module: Any, _args: Any) -> None:
@@ -369,11 +378,16 @@ class Monitor:
         if last_exit is not None and not self._forward_between_steps:
             self._input_wait_ns = self._step_start_ns - last_exit
         self._forward_between_steps = False
+        if self._step_clock is not None:
+            self._events.marks = StepMarks(self._step_clock.mark())
         self._in_step = True
 
     def _exit_step(self, scope: StepScope, *, failed: bool) -> None:
         end_ns = time.perf_counter_ns()
         self._in_step = False
+        marks = self._events.marks
+        if marks is not None and self._step_clock is not None:
+            marks.end = self._step_clock.mark()
         self._evidence.step_ended()
         # Everything from here to the next step's end belongs to the next step.
         events, self._events = self._events, StepEvents()

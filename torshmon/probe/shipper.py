@@ -269,13 +269,17 @@ class Shipper:
     def _summarize(self, raw: RawStep) -> StepRecord:
         """The step's record, its collectives' device timings read first (NCCL)."""
         events = raw.events
-        if any(e.device is not None for e in events.collectives):
-            events.collectives, unread = resolve(events.collectives)
-            # A bucket's timing is its all-reduce's: counted once, with the collective.
-            events.buckets, _ = resolve_buckets(events.buckets)
-            self.device_timings_unread_total += unread
-            return replace_clock(summarize_step(raw), "host" if unread else "device")
-        return summarize_step(raw)
+        marks = events.marks
+        if marks is None and not any(e.device is not None for e in events.collectives):
+            return summarize_step(raw)
+        events.collectives, unread = resolve(events.collectives)
+        # A bucket's timing is its all-reduce's: counted once, with the collective.
+        events.buckets, _ = resolve_buckets(events.buckets)
+        split = None if marks is None else marks.split()
+        unread += marks is not None and split is None
+        self.device_timings_unread_total += unread
+        record = summarize_step(raw, split)
+        return replace_clock(record, "host" if unread else "device")
 
     def _cycle(self, *, final: bool, urgent: bool = False) -> None:
         steps, self._pending = self._pending, []
@@ -421,7 +425,9 @@ class Shipper:
 
 
 def _device_timings(raw: RawStep) -> Iterator[PendingTiming]:
-    return (e.device for e in raw.events.collectives if e.device is not None)
+    yield from (e.device for e in raw.events.collectives if e.device is not None)
+    if raw.events.marks is not None:
+        yield raw.events.marks
 
 
 def replace_clock(record: StepRecord, clock: str) -> StepRecord:

@@ -16,12 +16,17 @@ log = logging.getLogger(__name__)
 _NS = 1e-9
 
 
-def summarize_step(raw: RawStep) -> StepRecord:
+def summarize_step(raw: RawStep, device: tuple[float, float | None] | None = None) -> StepRecord:
     """The wire record of one step: durations in seconds, collectives aggregated
-    per (op, group, dtype), buckets in index order."""
+    per (op, group, dtype), buckets in index order. ``device``: the step's seconds and
+    DDP's exposed communication as the GPU ran them (``StepMarks.split``), which then
+    stand for the host's (the phases stay host times)."""
     events = raw.events
     duration_s = max(0.0, (raw.end_ns - raw.start_ns) * _NS)
-    comm_wait_s = min(duration_s, communication_wait_s(events, raw.start_ns))
+    ddp_exposed_s = None
+    if device is not None:
+        duration_s, ddp_exposed_s = device
+    comm_wait_s = min(duration_s, communication_wait_s(events, raw.start_ns, ddp_exposed_s))
     forward_s, backward_s, optimizer_s = _phases(events, raw.end_ns)
     samples_per_s = None
     loss = _loss_value(raw.loss)
@@ -69,21 +74,26 @@ def summarize_step(raw: RawStep) -> StepRecord:
     )
 
 
-def communication_wait_s(events: StepEvents, step_start_ns: int) -> float:
+def communication_wait_s(
+    events: StepEvents, step_start_ns: int, ddp_exposed_s: float | None = None
+) -> float:
     """Seconds the step spent waiting for communication.
 
     Blocking collectives count whole, others by the time their caller waited on
     them (functional collectives' ``wait_tensor``). DDP's reduction overlaps backward compute:
     only what follows the last gradient (backward compute over) until backward
-    returns (DDP waited for every bucket) is waiting. Without those marks, the
-    tail from the last bucket's launch to the last bucket's end stands for it.
+    returns (DDP waited for every bucket) is waiting; ``ddp_exposed_s`` is that
+    measured on the device (NCCL). Without those marks, the tail from the last bucket's
+    launch to the last bucket's end stands for it.
     """
     waited_ns = sum(
         e.end_ns - e.start_ns if e.blocking else e.wait_ns
         for e in events.collectives
         if e.start_ns >= step_start_ns
     )
-    if events.last_grad_ns is not None and events.backward_end_ns is not None:
+    if ddp_exposed_s is not None:
+        waited_ns += round(ddp_exposed_s * 1e9)
+    elif events.last_grad_ns is not None and events.backward_end_ns is not None:
         waited_ns += max(0, events.backward_end_ns - events.last_grad_ns)
     elif events.buckets:
         last_launch = max(b.launch_ns for b in events.buckets)

@@ -19,7 +19,9 @@ without ever synchronising the training stream:
 A step leaves the probe once every device timing of it is ready, in order; a timing
 still not ready after ``StepGate.max_wait_s`` keeps its host figure and is counted.
 ``DeviceClock`` decides per call which kind to take; ``resolve`` turns ready timings
-into the events' durations. Both sides are behind the small ``PendingTiming``
+into the events' durations. On NCCL a step also records ``StepMarks`` on the training
+stream, so its duration and its DDP communication wait (compute is the rest) are the
+device's too. Both sides are behind the small ``PendingTiming``
 protocol, so the matching, deferral and reading are tested on CPU with fake events
 (``tests/test_probe_timing.py``).
 """
@@ -40,6 +42,7 @@ __all__ = [
     "DeviceClock",
     "PendingTiming",
     "StepGate",
+    "StepMarks",
     "WorkTiming",
     "resolve",
     "resolve_buckets",
@@ -135,6 +138,14 @@ class DeviceClock:
         start.record()
         return start
 
+    def mark(self) -> Any:
+        """A CUDA event recorded now on the current stream (None without CUDA)."""
+        if self._event is None:
+            return None
+        event = self._event()
+        event.record()
+        return event
+
     def after_blocking(self, start: Any) -> PendingTiming | None:
         """The timing of a blocking call begun with ``start`` (from ``before``)."""
         if start is None or self._event is None:
@@ -148,6 +159,42 @@ class DeviceClock:
         if not self.on_device(backend) or not self.nccl_timing or work is None:
             return None
         return WorkTiming(work)
+
+
+class StepMarks:
+    """CUDA events a step records on the training (current) stream: at its start, after
+    its last gradient (backward compute over), when backward returned (DDP has made the
+    stream wait for its buckets by then) and at its end. Read once ``end`` is done (the
+    last on the stream, so the others are too): the step as the GPU ran it, and DDP's
+    communication exposed after backward compute, however far the host ran ahead."""
+
+    __slots__ = ("backward_end", "end", "last_grad", "start")
+
+    def __init__(self, start: Any) -> None:
+        self.start = start
+        self.last_grad: Any = None
+        self.backward_end: Any = None
+        self.end: Any = None
+
+    def ready(self) -> bool:
+        return self.end is not None and bool(self.end.query())
+
+    def seconds(self) -> float:
+        return float(self.start.elapsed_time(self.end)) / 1000.0
+
+    def split(self) -> tuple[float, float | None] | None:
+        """(the step's seconds on the device, DDP's exposed communication in seconds or
+        None without a backward); None when not ready or the device cannot say."""
+        try:
+            if not self.ready():
+                return None
+            step_s = self.seconds()
+            ddp_s = None
+            if self.last_grad is not None and self.backward_end is not None:
+                ddp_s = max(0.0, float(self.last_grad.elapsed_time(self.backward_end)) / 1000.0)
+        except RuntimeError:
+            return None
+        return (step_s, ddp_s) if step_s >= 0.0 else None
 
 
 def resolve(events: Iterable[CollectiveEvent]) -> tuple[list[CollectiveEvent], int]:
