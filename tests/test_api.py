@@ -33,6 +33,7 @@ NOW = 1_700_000_000.0
 class FakeLive:
     def __init__(self) -> None:
         self.findings: dict[str, list[Finding]] = {}
+        self.tuning: dict[str, bool] = {}
 
     def job_summary(self, job: str) -> dict[str, Any] | None:
         return {"last_step": 7} if job == "j" else None
@@ -48,6 +49,9 @@ class FakeLive:
 
     def link_reading(self, job: str) -> dict[str, Any] | None:
         return None
+
+    def set_tuning(self, job: str, active: bool) -> None:
+        self.tuning[job] = active
 
     def job_kind(self, job: str) -> str | None:
         return "fsdp2" if job == "j" else None

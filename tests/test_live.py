@@ -483,3 +483,20 @@ def test_a_config_switch_starts_the_step_time_baseline_over(switch: bool) -> Non
     assert live.jobs["j"].config_version == (1 if switch else 0)
     # the alert engine's rate rules hear of it (when the aggregator learnt of it)
     assert live.config_switches() == ({"j": 1000.0} if switch else {})
+
+
+def test_a_tuning_session_leaves_step_time_unjudged_until_it_has_settled() -> None:
+    """While the autotuner tries configs the job's step time is not judged (a trial's
+    slow steps are the tuner's to judge); once the session ends, the z-score starts
+    over past the settling steps, so a slowdown then fires again."""
+    live = LiveState(idle_s=60.0, anomaly_metrics=())
+    _job_steps(live, 2, [0.1] * 40)
+    live.set_tuning("j", True)
+    assert live.jobs["j"].judged_from() > 10**18
+    # a 2x slower trial, on the config the job already runs (no version change)
+    _job_steps(live, 2, [0.1] * 40 + [0.2] * 40)
+    assert live.findings(1001.0) == []
+    live.set_tuning("j", False)
+    assert live.jobs["j"].judged_from() == 80 + live.config_settle_steps
+    _job_steps(live, 2, [0.1] * 40 + [0.2] * 40 + [0.1] * 40 + [0.3] * 10)
+    assert [f.labels.get("metric") for f in live.findings(1002.0)] == ["step_duration_seconds"]

@@ -70,6 +70,7 @@ class FakeJobs:
         self.configs: dict[str, dict[str, Any]] = {}
         self.summaries: dict[str, dict[str, Any]] = {}
         self.links: dict[str, dict[str, Any]] = {}
+        self.tuning: dict[str, bool] = {}
 
     def job_config(self, job: str) -> dict[str, Any] | None:
         return self.configs.get(job)
@@ -79,6 +80,9 @@ class FakeJobs:
 
     def link_reading(self, job: str) -> dict[str, Any] | None:
         return self.links.get(job)
+
+    def set_tuning(self, job: str, active: bool) -> None:
+        self.tuning[job] = active
 
 
 class Recorder:
@@ -210,6 +214,7 @@ async def test_a_whole_session_is_stored_notified_and_ends(parts: Parts) -> None
     manager = parts.manager(settings=FAST, seed=1)
     await manager.start()
     session_id = await manager.start_session("j", trigger="test")
+    assert parts.jobs.tuning == {"j": True}  # the live state stops judging its step time
     step = 0
     for version in (1, 2):
         await apply(parts, manager, version, step)
@@ -219,6 +224,7 @@ async def test_a_whole_session_is_stored_notified_and_ends(parts: Parts) -> None
     assert parts.commands.sent[2].command.args == parts.commands.sent[0].command.args
     await apply(parts, manager, 3, step)
     assert manager.active("j") is None
+    assert parts.jobs.tuning == {"j": False}
     session = manager.session("j")
     assert session is not None and session.phase == "finished"
     [row] = await parts.store.rows("tuning_sessions", {"job": "j"}, 10)

@@ -45,7 +45,7 @@ def _promtool_values(rule: Rule) -> str:
     value = firing_value(rule)
     if math.isnan(value):
         return " ".join(["NaN"] * POINTS)  # promtool 2.42 cannot expand NaNxN
-    if rule.kind == "rate":
+    if rule.kind in ("rate", "increase"):  # a counter rising by ``value`` a second
         return f"0+{value * INTERVAL_S!r}x{POINTS}"
     return f"{value!r}x{POINTS}"
 

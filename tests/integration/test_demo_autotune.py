@@ -111,8 +111,9 @@ async def test_on_tick_hands_hooks_the_running_shaper(shaping: None, tmp_path: P
 
 async def test_a_fault_free_autotune_session_fires_no_alert(tmp_path: Path) -> None:
     """Every trial switches the job's config (new buckets, another codec): its step time
-    and memory change with it. The detectors start over after a switch, so a session on a
-    healthy job sets off nothing (it used to fire Memory Leak and Step Time Anomaly)."""
+    and memory change with it. The detectors start over after a switch and step time rests
+    for the whole session, so a session on a healthy job sets off nothing (it used to
+    fire Memory Leak and Step Time Anomaly)."""
     config = DemoConfig(
         world_size=2,
         steps=3000,

@@ -92,6 +92,8 @@ class JobView(Protocol):
 
     def link_reading(self, job: str) -> dict[str, Any] | None: ...
 
+    def set_tuning(self, job: str, active: bool) -> None: ...
+
 
 class AlertSink(Protocol):
     """Takes alerts to notify (``notify.Notifier``); never blocks."""
@@ -254,6 +256,7 @@ class TuningManager:
         now = self._clock()
         entry = _Active(session_id, job, trigger, TuningSession(space, settings, seed=seed), now)
         self._active[job] = entry
+        self._jobs.set_tuning(job, True)
         link = slowest_link(self._jobs.link_reading(job))
         decision = entry.session.start(now, baseline, link_bytes_per_s=link)
         log.info("tuning %s: session %s started (%s)", job, session_id, trigger)
@@ -413,6 +416,7 @@ class TuningManager:
         await self._store.save_tuning(*_rows(entry, session.to_state()))
         if session.done and self._active.get(job) is entry:
             del self._active[job]
+            self._jobs.set_tuning(job, False)
             self._ended[job] = entry
 
     def _start_watch(self, entry: _Active, decision: Finish) -> None:
@@ -517,6 +521,7 @@ class TuningManager:
         entry = _Active(session_id, job, row.trigger, session, row.started_unix_s)
         entry.counted = {t.index for t in session.trials if t.decision is not None}
         self._active[job] = entry
+        self._jobs.set_tuning(job, True)
         log.info("tuning %s: resumed session %s in phase %s", job, session_id, session.phase)
         pending = session.pending
         if pending is not None:

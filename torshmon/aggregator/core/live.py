@@ -378,7 +378,7 @@ class LiveState:
                     complete.job, complete.step, complete.compute_s_by_rank, complete.ts_unix_s
                 ):
                     straggler_found.append((i, found))
-                if complete.step >= job.settled_from_step:
+                if complete.step >= job.judged_from():
                     at.append(i)
                     job_ts.append(complete.ts_unix_s)
                     job_durations.append(complete.duration_s)
@@ -390,12 +390,10 @@ class LiveState:
                 step_found = [(at[j], finding) for j, finding in found_at]
         # The opt-in z-scores, per rank, past a config switch's settling (as step time).
         if self._comm_z_on:
-            step_found += observe_from(
-                self.comm_z, r.labels, numbers, ts, waits, job.settled_from_step
-            )
+            step_found += observe_from(self.comm_z, r.labels, numbers, ts, waits, job.judged_from())
         if self._throughput_z_on:
             step_found += observe_from(
-                self.throughput_z, r.labels, numbers, ts, throughputs, job.settled_from_step
+                self.throughput_z, r.labels, numbers, ts, throughputs, job.judged_from()
             )
         if loss_found or step_found or straggler_found:
             # Sorting is stable: within a step, loss before step time before straggler.
@@ -504,9 +502,12 @@ class LiveState:
         first = next(i for i, v in enumerate(versions) if v > job.config_version)
         job.config_version = versions[-1]
         switch_step = numbers[first]
-        until = switch_step + self.config_settle_steps
-        job.settled_from_step = max(job.settled_from_step, until)
-        self.straggler.pause(name, switch_step, until)
+        self.straggler.pause(name, switch_step, switch_step + self.config_settle_steps)
+        self._settle(name, job, switch_step)
+
+    def _settle(self, name: str, job: JobState, step: int) -> None:
+        """The z-scores judge ``name``'s steps afresh from ``step`` + the settling steps."""
+        job.settled_from_step = max(job.settled_from_step, step + self.config_settle_steps)
         for detector in (self.step_z, self.comm_z, self.throughput_z):
             detector.forget(name)
 
@@ -698,6 +699,15 @@ class LiveState:
             state = self.jobs.get(job)
             return None if state is None else state.kind
 
+    def set_tuning(self, name: str, active: bool) -> None:
+        """An autotuner session on job ``name`` began (``active``) or ended: its trials
+        switch configs every few dozen steps and it judges their step time itself, so the
+        step-time z-scores leave the job alone until past the settling steps after it."""
+        with self._lock:
+            job = self._job(name)
+            job.tuning = active
+            self._settle(name, job, max((r.last_step for r in job.ranks.values()), default=0))
+
     def link_reading(self, job: str) -> dict[str, Any] | None:
         """``job``'s latest link check as JSON (bytes/s; per node pair when ranks share
         hosts), or None before its first."""
@@ -717,11 +727,7 @@ class LiveState:
     def expire(self, now_unix_s: float) -> None:
         """Drop old points, and jobs and nodes idle for ``idle_s`` (they ended)."""
         cutoff = now_unix_s - self.idle_s
-        idle_jobs = [
-            name
-            for name, job in self.jobs.items()
-            if max((r.last_seen_unix_s for r in job.ranks.values()), default=0.0) < cutoff
-        ]
+        idle_jobs = [name for name, job in self.jobs.items() if job.last_seen_unix_s() < cutoff]
         for name in idle_jobs:
             self.forget(name)
         with self._lock:
@@ -742,15 +748,8 @@ class LiveState:
             self.jobs.pop(job, None)
             self._labels.forget(job)
             self.series.forget({"job": job})
-            for detector in (
-                self.step_z,
-                self.loss_z,
-                self.comm_z,
-                self.throughput_z,
-                self.straggler,
-                self.hang,
-                self.links,
-            ):
+            z_scores = (self.step_z, self.loss_z, self.comm_z, self.throughput_z)
+            for detector in (*z_scores, self.straggler, self.hang, self.links):
                 detector.forget(job)
 
     # -- summaries for the API (core.summaries) -----------------------------------------

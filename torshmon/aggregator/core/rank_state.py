@@ -117,6 +117,16 @@ class JobState:
     settled_from_step: int = 0
     #: When the aggregator learnt of the newest config switch (None: never switched).
     config_switched_unix_s: float | None = None
+    #: An autotuner session is trying configs: step time is not judged against the past.
+    tuning: bool = False
+
+    def last_seen_unix_s(self) -> float:
+        """When any of its ranks last reported (0 before any)."""
+        return max((r.last_seen_unix_s for r in self.ranks.values()), default=0.0)
+
+    def judged_from(self) -> int:
+        """The first step the step-time z-scores judge: none while tuning."""
+        return _NEVER if self.tuning else self.settled_from_step
 
 
 def copy_rank(r: RankState) -> RankState:
@@ -159,6 +169,8 @@ def observe_collectives(
         busbw[key] = c.busbw_bytes_per_s
         sizes[key] = sizes.get(key, 0) + c.size_bytes
 
+
+_NEVER = 2**62
 
 #: A failed collective newer than this (seconds) is news to an aggregator that has not
 #: seen its rank fail before; an older one (the aggregator restarted) is not alerted.
