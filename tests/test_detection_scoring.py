@@ -179,6 +179,12 @@ def test_the_sweep_plans_faults_that_parse_and_do_not_overlap() -> None:
     for seed in (0, 1, 100):
         jobs = plan_jobs(KINDS, seed, quick=False)
         assert {j.name for j in jobs} >= {"timing-2", "timing-4", "hang", "memory-leak"}
+        regressions = [e.magnitude for j in jobs for e in j.episodes if e.kind == "regression"]
+        assert sorted(regressions) == [1.3, 2.0]  # each in a job of its own
+        assert {j.name for j in jobs if j.name.startswith("regression")} == {
+            "regression-1.3x",
+            "regression-2x",
+        }
         for job in jobs:
             episodes = sorted(job.episodes, key=lambda e: e.onset_step)
             for before, after in itertools.pairwise(episodes):
