@@ -87,7 +87,7 @@ async def test_slow_link_alert_names_the_rank_and_resolves(
                         _train,
                         agent_settings.socket_path,
                         stop_file,
-                        timeout_s=3 * TIMEOUT_S,
+                        timeout_s=5 * TIMEOUT_S,
                     )
                 )
                 links = aggregator.live.links
@@ -109,9 +109,16 @@ async def test_slow_link_alert_names_the_rank_and_resolves(
 
                     recovery = time.time()
                     await asyncio.to_thread(shaper.set_rate, None, 1)
-                    resolved_at = await _until(
-                        lambda: not _slow_link_alerts(aggregator), "the alert to resolve"
-                    )
+                    try:
+                        # About 5 s as a rule; once, in a fresh-clone CI run, not in 60 s.
+                        resolved_at = await _until(
+                            lambda: not _slow_link_alerts(aggregator),
+                            "the alert to resolve",
+                            timeout_s=2 * TIMEOUT_S,
+                        )
+                    except AssertionError as exc:
+                        latest = links.last(JOB)
+                        raise AssertionError(f"{exc}; latest link check: {latest}") from None
                 finally:
                     Path(stop_file).touch()
                 steps = await job
