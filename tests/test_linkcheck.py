@@ -211,6 +211,23 @@ def test_a_job_that_refuses_checks_is_left_alone() -> None:
     assert checker.due(now) == []
 
 
+def test_checks_that_expire_unanswered_are_no_refusal_and_go_on() -> None:
+    """A busy job lets three checks expire: it is checked again once the interval has
+    passed (refusals stop the checks, expiries do not)."""
+    checker = LinkChecker()
+    checker.set_world("j", 3)
+    _steps(checker, 3, 40, {-1: 0.01})
+    now = 100.0
+    for i in range(3):
+        [(_, reason)] = checker.due(now)
+        checker.sent("j", f"e{i}", reason, now)
+        assert checker.due(now + 1.0) == []  # one at a time
+        checker.command_done("j", f"e{i}", "expired", now + 1.0)
+        assert checker.due(now + 2.0) == []  # and not at once after an expiry
+        now += 20.0
+    assert checker.due(now) != []
+
+
 def test_a_check_missing_a_rank_is_read_after_the_timeout() -> None:
     checker = LinkChecker(LinkCheckSettings(timeout_s=3.0))
     _warm(checker)

@@ -289,7 +289,9 @@ class LinkChecker:
         """The probe's final answer to a link_check command (applied, rejected, expired).
 
         A job whose probe refused three checks in a row (no side group, a single
-        rank) gets no more.
+        rank) gets no more. A check that expired unanswered (a busy job, a slow relay) is
+        no refusal: the next one waits its turn, but comes; else a slow link named before
+        would stay named, its alert firing, long after the link recovered.
         """
         state = self._jobs.get(job)
         if state is None or status == "applied":
@@ -297,7 +299,8 @@ class LinkChecker:
         check = state.checks.pop(check_id, None)
         if check is not None and not check.results:
             state.last_check_s = state.last_triggered_s = now_s
-            state.rejections += 1
+            if status == "rejected":
+                state.rejections += 1
             if check.reason == "reference":
                 state.referenced = False
 
