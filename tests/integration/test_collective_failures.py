@@ -11,15 +11,12 @@ import datetime
 import os
 import time
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.integration.aggregator_thread import AggregatorThread
-from tests.integration.test_agent import AgentProcess
-from torshmon.aggregator.settings import AggregatorSettings
+from tests.integration.test_hang_groups import _Stack, stack  # noqa: F401 (the fixture)
 from torshmon.launch import run_ranks
 
 pytestmark = pytest.mark.integration
@@ -67,23 +64,6 @@ def _fail_and_go_on(rank: int, world: int, sock: str, release: str) -> dict[str,
     return raised
 
 
-@pytest.fixture
-def aggregator(tmp_path: Path) -> Iterator[tuple[AggregatorThread, AgentProcess]]:
-    settings = AggregatorSettings(
-        port=0,
-        db_url=f"sqlite:///{tmp_path / 'history.db'}",
-        token="t",
-        aggregator_id="a1",
-        eval_interval_s=0.2,
-    )
-    with AggregatorThread(settings) as server:
-        agent = AgentProcess(tmp_path, server.url, "t").start()
-        try:
-            yield server, agent
-        finally:
-            agent.stop()
-
-
 def _failed_alerts(server: AggregatorThread) -> list[dict[str, Any]]:
     status, body = server.get(f"/api/v1/alerts?job={JOB}&rule=Collective%20Failed")
     assert status == 200, body
@@ -98,10 +78,9 @@ def _metrics(server: AggregatorThread) -> str:
 
 @pytest.mark.timeout(420)
 def test_a_collective_that_raises_is_counted_exported_and_alerted(
-    aggregator: tuple[AggregatorThread, AgentProcess], tmp_path: Path
+    stack: _Stack,  # noqa: F811 (the fixture imported above)
 ) -> None:
-    server, agent = aggregator
-    release = tmp_path / "release"
+    server, agent, release = stack.aggregator, stack.agent, stack.release
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(
             run_ranks, _fail_and_go_on, 2, str(agent.socket), str(release), timeout_s=TIMEOUT_S

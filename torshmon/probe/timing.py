@@ -201,39 +201,35 @@ def resolve(events: Iterable[CollectiveEvent]) -> tuple[list[CollectiveEvent], i
     """The events with each ready device timing as their duration (from their host
     start), and how many device timings could not be read (not ready, or the device
     said no): those keep their host times."""
-    out: list[CollectiveEvent] = []
-    unread = 0
-    for event in events:
-        timing = event.device
-        if timing is None:
-            out.append(event)
-            continue
-        seconds = _seconds(timing)
-        if seconds is None:
-            unread += 1
-            out.append(event._replace(device=None))
-            continue
-        end_ns = event.start_ns + round(seconds * 1e9)
-        out.append(event._replace(end_ns=end_ns, device=None))
-    return out, unread
+    return _resolved(events, "start_ns", "end_ns")
 
 
 def resolve_buckets(buckets: Iterable[BucketEvent]) -> tuple[list[BucketEvent], int]:
     """``resolve`` for DDP buckets: each ready device timing as the bucket's duration
     from its launch; the count of those that could not be read (host times kept)."""
-    out: list[BucketEvent] = []
+    return _resolved(buckets, "launch_ns", "done_ns")
+
+
+_Timed = TypeVar("_Timed", CollectiveEvent, BucketEvent)
+
+
+def _resolved(items: Iterable[_Timed], start: str, end: str) -> tuple[list[_Timed], int]:
+    """Each item's ``end`` moved to its ``start`` plus its ready device timing (``device``
+    cleared either way); the count of timings that could not be read."""
+    out: list[_Timed] = []
     unread = 0
-    for bucket in buckets:
-        timing = bucket.device
+    for item in items:
+        timing = item.device
         if timing is None:
-            out.append(bucket)
+            out.append(item)
             continue
         seconds = _seconds(timing)
         if seconds is None:
             unread += 1
-            out.append(bucket._replace(device=None))
+            out.append(item._replace(device=None))
             continue
-        out.append(bucket._replace(done_ns=bucket.launch_ns + round(seconds * 1e9), device=None))
+        ends_ns = getattr(item, start) + round(seconds * 1e9)
+        out.append(item._replace(device=None, **{end: ends_ns}))
     return out, unread
 
 
