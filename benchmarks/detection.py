@@ -90,6 +90,9 @@ LEAK_MB_PER_STEP = (0.5, 2.0, 4.0, 8.0)
 LOSS_JUMPS = (2.0, 10.0, math.inf)  # inf: NaN inputs
 LINK_CUTS = (2, 5, 10)  # 1 Gbit/s divided by
 BASE_LINK = "1gbit"
+#: Where each fault job's steps and episodes are written (``--dump``), for replaying
+#: them through the detectors offline; None: nowhere.
+DUMP_DIR: Path | None = None
 #: The clean jobs' model width (the fault jobs' is 512).
 CLEAN_HIDDEN = 128
 #: A leak below this measured rate is out of scope (the rule fires above 10 MB/s).
@@ -473,6 +476,29 @@ async def run_job(plan: JobPlan, seed: int) -> JobOutcome:
             )
         )
     score = score_run(episodes, fired_alerts(result, watch), run_end_unix_s=run_end)
+    if DUMP_DIR is not None:
+        dump = {
+            "plan": [
+                {
+                    "kind": e.kind,
+                    "label": e.label,
+                    "magnitude": _json_float(e.magnitude),
+                    "rank": e.rank,
+                    "onset_step": e.onset_step,
+                    "end_step": e.end_step,
+                }
+                for e in plan.episodes
+            ],
+            "world_size": plan.world_size,
+            "alerts": [
+                [a.rule, a.rank, a.fired_at_unix_s, a.first_step]
+                for a in fired_alerts(result, watch)
+            ],
+            "columns": ["rank", "step", "duration_s", "compute_s"],
+            "rows": rows,
+        }
+        DUMP_DIR.mkdir(parents=True, exist_ok=True)
+        (DUMP_DIR / f"{plan.name}-{seed}.json").write_text(json.dumps(dump))
     outcome = JobOutcome(plan, seed, score, measured, wall_s=result.wall_s)
     for i, ep_score in enumerate(score.episodes):
         first = ep_score.first
@@ -763,7 +789,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-clean", action="store_true", help="skip the clean jobs")
     parser.add_argument("--no-tuning", action="store_true", help="skip the autotune session")
+    parser.add_argument(
+        "--dump", type=Path, default=None, help="write each fault job's steps here (JSON)"
+    )
     args = parser.parse_args(argv)
+    global DUMP_DIR
+    DUMP_DIR = args.dump
     clean_steps = args.clean_steps or (1000 if args.quick else 10_000)
     if os.geteuid() != 0 and "slow-link" in args.kinds:
         print("slow-link needs root (network namespaces); leaving it out", file=sys.stderr)
