@@ -18,7 +18,8 @@ Each alert that fired is, in this order:
 
 An episode is **detected** when a right alert first fired inside its window; its latency
 is that alert's; its **coverage** is the share of the time the fault was acting during
-which a right alert was firing.
+which a right alert was firing. Windows of one job's episodes can overlap (a grace runs
+into the next fault): an alert goes to the latest-started episode it fits.
 
 **precision_runs** counts units, not alerts: each episode is a unit (true if detected
 with no false alert in its window, false if any false alert fired in its window), and so
@@ -169,6 +170,7 @@ def score_run(
     or the run's false ones outside every window; then each episode's coverage."""
     scores = [EpisodeScore(e) for e in episodes]
     run = RunScore(scores)
+    alerts = list(alerts)
     for alert in sorted(alerts, key=lambda a: a.fired_at_unix_s):
         inside = [s for s in scores if s.episode.in_window(alert.fired_at_unix_s, grace_s)]
         if not inside:
@@ -176,16 +178,27 @@ def score_run(
             continue
         _place(alert, inside)
     for score in scores:
-        score.coverage = coverage(score.episode.on_periods, score.right, run_end_unix_s)
+        # Any alert right for the episode covers it while it fires, wherever it was
+        # placed: one that fired for an earlier fault and still fires covers this one.
+        right = [a for a in alerts if _right_for(a, score.episode)]
+        score.coverage = coverage(score.episode.on_periods, right, run_end_unix_s)
     return run
+
+
+def _right_for(alert: FiredAlert, ep: Episode) -> bool:
+    return alert.rule in EXPECTED[ep.kind] and (ep.rank is None or alert.rank == ep.rank)
 
 
 def _place(alert: FiredAlert, inside: list[EpisodeScore]) -> None:
     """Right for any episode it is right for, else a symptom of one, else false (in the
-    latest-started episode whose window holds it)."""
+    latest-started episode whose window holds it).
+
+    Windows overlap: one episode's grace runs into the next one's start. An alert is
+    tried on the latest-started episode first, so an alert that fires while a fault acts
+    is that fault's, not a late answer to an earlier fault of the same rank."""
+    inside = sorted(inside, key=lambda s: s.episode.start_unix_s, reverse=True)
     for score in inside:
-        ep = score.episode
-        if alert.rule in EXPECTED[ep.kind] and (ep.rank is None or alert.rank == ep.rank):
+        if _right_for(alert, score.episode):
             score.right.append(alert)
             return
     for score in inside:

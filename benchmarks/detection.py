@@ -8,7 +8,7 @@ several **episodes**, one fault at one magnitude each, in an order and on ranks 
 from the seed, with at least ``GAP_STEPS`` healthy steps between them (a job's start-up
 costs more than its steps on two shared cores). The sweep:
 
-- straggler 1.1/1.2/1.3/1.5/2/3x compute, steady (30 steps) and intermittent (3 periods
+- straggler 1.1/1.2/1.3/1.5/2/3x compute, steady (60 steps) and intermittent (5 periods
   of 10 slow steps, 10 normal between), in one job at 2 ranks and one at 4;
 - a job-wide regression 1.3/2x of the in-step time, each in a job of its own (2 ranks:
   Step Time Anomaly's cooldown would let one anomaly hide the next);
@@ -78,6 +78,10 @@ from benchmarks._scoring import (
 from benchmarks._table import format_table
 from torshmon.faults import KINDS, parse_fault
 
+#: Steps a steady straggler or a regression lasts (an on/off straggler: as many slow
+#: steps, in periods of 10). Coverage counts from the onset, so the first few steps any
+#: detector needs cost a short fault most of its share: 5 steps are 17 % of 30 steps.
+FAULT_STEPS = 60
 #: Healthy steps between two episodes of a job (plus up to 10 drawn from the seed).
 GAP_STEPS = 50
 #: Healthy steps before the first episode: the detectors' baselines, the faults' own
@@ -172,12 +176,12 @@ def timing_job(world_size: int, seed: int, quick: bool) -> JobPlan:
         slow = ratio - 1
         rank = rng.randrange(world_size)
         if mode == "steady":
-            start, end = timeline.take(30)
+            start, end = timeline.take(FAULT_STEPS)
             specs: tuple[str, ...] = (
                 f"straggler:rank={rank},slowdown={slow:g},from={start},to={end}",
             )
         else:
-            start, end = timeline.take(50)
+            start, end = timeline.take(2 * FAULT_STEPS - 30)
             specs = tuple(
                 f"straggler:rank={rank},slowdown={slow:g},from={s},to={s + 10}"
                 for s in range(start, end, 20)
@@ -194,7 +198,7 @@ def regression_job(ratio: float, seed: int) -> JobPlan:
     5-minute cooldown, so in a job of several episodes an earlier anomaly (a straggler
     slows every rank's step, a symptom excused in its window) hid the regressions."""
     rng = random.Random(f"regression-{ratio:g}-{seed}")
-    start, end = _Timeline(rng).take(30)
+    start, end = _Timeline(rng).take(FAULT_STEPS)
     spec = f"regression:slowdown={ratio - 1:g},from={start},to={end}"
     episode = EpisodePlan("regression", "regression", ratio, (spec,), None, start, end, True)
     return JobPlan(f"regression-{ratio:g}x", 2, 0.02, (episode,))
@@ -494,6 +498,8 @@ async def run_job(plan: JobPlan, seed: int) -> JobOutcome:
                 [a.rule, a.rank, a.fired_at_unix_s, a.first_step]
                 for a in fired_alerts(result, watch)
             ],
+            "fault_events": events,
+            "run_end_unix_s": run_end,
             "columns": ["rank", "step", "duration_s", "compute_s"],
             "rows": rows,
         }

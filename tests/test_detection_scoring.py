@@ -145,6 +145,27 @@ def test_an_alert_that_resolves_mid_fault_loses_coverage() -> None:
     assert summarize([run], [], []).coverage_median == pytest.approx(0.2)
 
 
+def test_an_alert_during_a_later_fault_of_the_same_rank_is_the_later_faults() -> None:
+    """The first fault's grace (10 s) runs into the second one's start: an alert that
+    fires while the second acts detects the second, not the first, late."""
+    first = Episode("straggler", "s", 1.3, 0, 60, ((T0, T0 + 2),))
+    second = Episode("straggler", "s", 2.0, 0, 170, ((T0 + 5, T0 + 7),))
+    alert = FiredAlert("Straggler", 0, T0 + 5.3, T0 + 9, first_step=174)
+    run = score_run([first, second], [alert], run_end_unix_s=T0 + 60)
+    assert not run.episodes[0].detected
+    assert run.episodes[1].detected and run.episodes[1].latency_steps == 5
+    assert run.episodes[1].coverage == pytest.approx(1.7 / 2)
+
+
+def test_an_alert_still_firing_from_an_earlier_fault_covers_the_next() -> None:
+    first = Episode("straggler", "s", 2.0, 0, 60, ((T0, T0 + 2),))
+    second = Episode("straggler", "s", 2.0, 0, 90, ((T0 + 3, T0 + 5),))
+    alert = FiredAlert("Straggler", 0, T0 + 0.5, T0 + 4)  # one alert through both
+    run = score_run([first, second], [alert], run_end_unix_s=T0 + 60)
+    assert run.episodes[0].detected and run.episodes[0].coverage == pytest.approx(0.75)
+    assert run.episodes[1].coverage == pytest.approx(0.5)
+
+
 def test_out_of_scope_episodes_stay_out_of_recall() -> None:
     small = Episode("straggler", "s", 1.1, 1, 10, ((T0, T0 + 20),), in_scope=False)
     big = Episode("straggler", "s", 2.0, 1, 200, ((T0 + 100, T0 + 120),))
@@ -195,9 +216,9 @@ def test_the_sweep_plans_faults_that_parse_and_do_not_overlap() -> None:
                 assert faults[0].start_step == ep.onset_step
                 assert job.steps > ep.end_step
             intermittent = [e for e in episodes if "on/off" in e.label]
-            for ep in intermittent:  # three periods of 10 slow steps, 10 normal between
+            for ep in intermittent:  # five periods of 10 slow steps, 10 normal between
                 periods = [(f.start_step, f.stop_step or 0) for f in map(parse_fault, ep.specs)]
-                assert [b - a for a, b in periods] == [10, 10, 10]
+                assert [b - a for a, b in periods] == [10] * 5
                 assert periods[1][0] - periods[0][1] == 10
         timing = {j.name: j for j in jobs}
         for name in ("timing-2", "timing-4"):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torshmon.aggregator.core.findings import Finding
-from torshmon.aggregator.core.zscore import RollingStats, ZScoreDetector
+from torshmon.aggregator.core.zscore import RollingMedian, RollingStats, ZScoreDetector
 
 LABELS = {"job": "demo", "rank": "1"}
 
@@ -236,11 +236,18 @@ _VALUES = st.one_of(
     direction=st.sampled_from(["up", "down", "both"]),
     persistence=st.integers(1, 4),
     chunks=st.lists(st.lists(_VALUES, min_size=1, max_size=7), max_size=25),
+    robust=st.booleans(),
 )
 def test_observe_many_is_observe_one_by_one(
-    direction: str, persistence: int, chunks: list[list[float]]
+    direction: str, persistence: int, chunks: list[list[float]], robust: bool
 ) -> None:
-    kwargs = {"window": 12, "min_samples": 4, "persistence": persistence, "direction": direction}
+    kwargs = {
+        "window": 12,
+        "min_samples": 4,
+        "persistence": persistence,
+        "direction": direction,
+        "robust": robust,
+    }
     one, many = ZScoreDetector(**kwargs), ZScoreDetector(**kwargs)  # type: ignore[arg-type]
     ts = 0.0
     for chunk in chunks:
@@ -280,6 +287,50 @@ def test_add_in_band_is_add_while_in_band(
             fast.add(values[stop])
             slow.add(values[stop])
         start = stop + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    window=st.integers(min_value=2, max_value=31),
+    values=st.lists(
+        st.floats(min_value=-1e3, max_value=1e3, allow_nan=False), min_size=1, max_size=80
+    ),
+)
+def test_rolling_median_matches_a_brute_force_window(window: int, values: list[float]) -> None:
+    """Below 32 values the MAD is recomputed after every change: exact."""
+    stats = RollingMedian(window)
+    for i, v in enumerate(values):
+        stats.add(v)
+        tail = values[max(0, i + 1 - window) : i + 1]
+        assert len(stats) == len(tail)
+        center = statistics.median(tail)
+        assert stats.center == center
+        expected = 1.4826 * statistics.median(abs(x - center) for x in tail) if i else 0.0
+        assert stats.scale == pytest.approx(expected, rel=1e-12)
+    stats.reset(values[:3])
+    assert stats.center == statistics.median(values[:3][-window:])
+
+
+@pytest.mark.parametrize("robust", [False, True])
+def test_slow_first_steps_hide_a_regression_from_the_mean_not_from_the_median(
+    robust: bool,
+) -> None:
+    """A job's first steps are several times its normal one (start-up, warm-up) and a
+    busy host adds single long steps; the mean and std take them into the band, so a
+    1.4x regression 100 steps later fits inside it. The median and MAD do not."""
+    rng = random.Random(3)
+    start_up = [1.0, 0.6, 0.4, 0.3, 0.25]
+    normal = [0.1 * (1 + rng.uniform(-0.03, 0.03)) for _ in range(100)]
+    for at in (20, 45, 70, 90):
+        normal[at] = 0.5  # preempted once
+    regressed = [0.14 * (1 + rng.uniform(-0.03, 0.03)) for _ in range(10)]
+    det = ZScoreDetector(persistence=3, std_floor_ratio=0.05, robust=robust)
+    found = [f for f in _feed(det, start_up + normal + regressed) if f is not None]
+    if robust:
+        assert found and "sigma above its median 0.1" in found[0].summary
+        assert found[0].details["baseline"] == "median and MAD"
+    else:
+        assert found == []
 
 
 def test_observe_many_refuses_times_and_values_of_different_lengths() -> None:

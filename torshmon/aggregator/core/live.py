@@ -147,7 +147,7 @@ class LiveState:
         self.step_z = ZScoreDetector(
             metric="step_duration_seconds",
             direction="up",
-            **{**z, "std_floor_ratio": step_floor},
+            **{**z, "std_floor_ratio": step_floor, "robust": z_settings.step_robust},
         )
         self.loss_z = ZScoreDetector(metric="loss", direction="up", **z)
         self.comm_z = ZScoreDetector(metric="comm_wait_seconds", direction="up", **z)

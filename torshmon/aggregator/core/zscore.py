@@ -4,7 +4,9 @@ One ``ZScoreDetector`` watches one metric (step time by default) for many series
 series is one label set, e.g. job + rank). Each series keeps the mean and standard
 deviation of its last ``window`` values and flags a value whose z-score against that
 window passes ``threshold`` in the watched direction, once ``persistence`` such values
-came in a row.
+came in a row. With ``robust`` the window's median and scaled median absolute deviation
+take the place of the mean and standard deviation (step time's default): a job's slow
+first steps and a busy host's single long steps then do not widen the band.
 
 Baseline policy (why the window is not simply "the last ``window`` values"):
 
@@ -23,8 +25,11 @@ Baseline policy (why the window is not simply "the last ``window`` values"):
 
 from __future__ import annotations
 
+import bisect
 import math
+import statistics
 from array import array
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal, cast
@@ -101,6 +106,10 @@ class RollingStats:
         """Sample standard deviation of the window (0.0 with fewer than 2 values)."""
         n = len(self._values)
         return math.sqrt(self._m2 / (n - 1)) if n > 1 else 0.0
+
+    #: What ``ZScoreDetector`` judges against: the window's center and spread.
+    center = mean
+    scale = std
 
     def add(self, value: float) -> None:
         """Append one value, evicting the oldest when the window is full."""
@@ -206,12 +215,99 @@ class RollingStats:
         self._m2 = math.fsum((v - self._mean) ** 2 for v in values)
 
 
+#: Scales the median absolute deviation to the standard deviation (normal data).
+_MAD_TO_SIGMA: Final = 1.4826
+
+
+class RollingMedian:
+    """Median and scaled median absolute deviation of the last ``window`` values: a
+    baseline that a few outliers do not move.
+
+    A job's first steps (process start, warm-up, lazy initialisation) are often several
+    times its normal step and a preempted host adds single steps as long: with the mean
+    and standard deviation those few values widen the band until a 1.4x regression is
+    inside it. The median and the MAD ignore them. ``add`` is a binary insertion into a
+    sorted copy of the window (O(window) memory moves, fast for a thousand doubles); the
+    MAD is recomputed when read after the window has changed by ``window / 32`` values,
+    as the spread of a thousand values moves slowly.
+    """
+
+    __slots__ = ("_changes", "_order", "_scale", "_sorted", "_window")
+
+    def __init__(self, window: int) -> None:
+        if window < 2:
+            raise ValueError(f"window must be at least 2 values, got {window}")
+        self._window = window
+        self._order: deque[float] = deque()
+        self._sorted: list[float] = []
+        self._scale = 0.0
+        self._changes = -1  # < 0: the scale must be computed before it is read
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    @property
+    def center(self) -> float:
+        """Median of the window (0.0 when empty)."""
+        ordered = self._sorted
+        n = len(ordered)
+        if n == 0:
+            return 0.0
+        half = n // 2
+        return ordered[half] if n % 2 else (ordered[half - 1] + ordered[half]) / 2
+
+    @property
+    def scale(self) -> float:
+        """1.4826 x the median absolute deviation (0.0 with fewer than 2 values)."""
+        n = len(self._sorted)
+        if n < 2:
+            return 0.0
+        if self._changes < 0 or self._changes >= max(1, n // 32):
+            center = self.center
+            self._scale = _MAD_TO_SIGMA * statistics.median([abs(v - center) for v in self._sorted])
+            self._changes = 0
+        return self._scale
+
+    def add(self, value: float) -> None:
+        """Append one value, evicting the oldest when the window is full."""
+        if len(self._order) == self._window:
+            oldest = self._order.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, oldest)]
+        self._order.append(value)
+        bisect.insort(self._sorted, value)
+        if self._changes >= 0:
+            self._changes += 1
+
+    def add_in_band(
+        self, values: Sequence[float], start: int, threshold: float, floor_ratio: float
+    ) -> int:
+        """As ``RollingStats.add_in_band``, against the median and scaled MAD."""
+        i, end = start, len(values)
+        while i < end:
+            value = values[i]
+            if not math.isfinite(value):
+                break
+            center = self.center
+            scale = max(self.scale, floor_ratio * abs(center), _TINY_STD)
+            if not (value - center) / scale <= threshold:
+                break
+            self.add(value)
+            i += 1
+        return i
+
+    def reset(self, values: Iterable[float]) -> None:
+        """Replace the window by (the last ``window`` of) ``values``."""
+        self._order = deque(list(values)[-self._window :])
+        self._sorted = sorted(self._order)
+        self._changes = -1
+
+
 @dataclass(slots=True)
 class _Series:
     """Mutable state of one series."""
 
     labels: dict[str, str]
-    stats: RollingStats
+    stats: RollingStats | RollingMedian
     out_streak: int = 0
     in_streak: int = 0
     active: bool = False
@@ -250,15 +346,21 @@ class ZScoreSettings(Section, frozen=True):
         float,
         setting("floor of the step time's standard deviation as a fraction of its mean", ge=0),
     ] = 0.05
+    #: Step time is judged against the median and MAD of its window: a job's first steps
+    #: and a preempted host's single long steps would widen a mean-and-std band until a
+    #: 1.4x regression fits inside it.
+    step_robust: Annotated[
+        bool, setting("judge step time against the median and MAD, not the mean and std")
+    ] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         ZScoreDetector(**self.detector_args())  # its checks, its messages
 
     def detector_args(self) -> dict[str, Any]:
-        """The arguments every ZScoreDetector takes (step time's floor apart)."""
+        """The arguments every ZScoreDetector takes (step time's own settings apart)."""
         args = msgspec.structs.asdict(self)
-        del args["step_std_floor_ratio"]
+        del args["step_std_floor_ratio"], args["step_robust"]
         return args
 
 
@@ -280,8 +382,11 @@ class ZScoreDetector:
         metric: str = "step_duration_seconds",
         adapt_after: int | None = None,
         std_floor_ratio: float = 1e-3,
+        robust: bool = False,
     ) -> None:
-        """Raises ValueError naming any setting outside its allowed range."""
+        """``robust``: judge against the window's median and scaled MAD
+        (``RollingMedian``) instead of its mean and standard deviation.
+        Raises ValueError naming any setting outside its allowed range."""
         if not (math.isfinite(threshold) and threshold > 0):
             raise ValueError(f"threshold must be a positive number of sigmas, got {threshold}")
         if window < 2:
@@ -311,6 +416,8 @@ class ZScoreDetector:
         self._metric = metric
         self._adapt_after = adapt_after
         self._std_floor_ratio = std_floor_ratio
+        self._baseline = RollingMedian if robust else RollingStats
+        self._center_name = "median" if robust else "mean"
         self._name, self._unit = _describe(metric)
         self._series: dict[str, dict[SeriesKey, _Series]] = {}
         self._by_key: dict[SeriesKey, _Series] = {}  # the same series, found in one lookup
@@ -389,7 +496,7 @@ class ZScoreDetector:
         if series is None:
             finding_labels = dict(labels)
             finding_labels["metric"] = self._metric
-            series = _Series(finding_labels, RollingStats(self._window))
+            series = _Series(finding_labels, self._baseline(self._window))
             by_job = self._series.get(job)
             if by_job is None:
                 by_job = self._series[job] = {}
@@ -405,8 +512,8 @@ class ZScoreDetector:
         if len(stats) < self._min_samples:
             stats.add(value)
             return None
-        mean = stats.mean
-        std = max(stats.std, self._std_floor_ratio * abs(mean), _TINY_STD)
+        mean = stats.center
+        std = max(stats.scale, self._std_floor_ratio * abs(mean), _TINY_STD)
         z = (value - mean) / std
         if self._direction == "up":
             out = z > self._threshold
@@ -491,7 +598,7 @@ class ZScoreDetector:
         side = "above" if z >= 0 else "below"
         summary = (
             f"{self._name} of {_where(series.labels)} is {value:.3g}{unit}, "
-            f"{abs(z):.1f} sigma {side} its mean {mean:.3g}{unit}"
+            f"{abs(z):.1f} sigma {side} its {self._center_name} {mean:.3g}{unit}"
         )
         advice = _STEP_TIME_ADVICE if self._metric.endswith("step_duration_seconds") else ""
         return Finding(
@@ -506,6 +613,7 @@ class ZScoreDetector:
             details={
                 "mean": mean,
                 "std": std,
+                "baseline": "median and MAD" if self._center_name == "median" else "mean and std",
                 "threshold": self._threshold,
                 "direction": self._direction,
                 "window_samples": len(series.stats),
