@@ -13,7 +13,8 @@ costs more than its steps on two shared cores). The sweep:
 - a job-wide regression 1.3/2x of the in-step time, each in a job of its own (2 ranks:
   Step Time Anomaly's cooldown would let one anomaly hide the next);
 - hang of 1/3/6/10 s (2 ranks); memory leak of 0.5/2/4/8 MB a step at ~0.1 s a step;
-- loss jumps x2/x10 (targets scaled by sqrt(2)/sqrt(10)) and NaN inputs (2 ranks);
+- loss jumps x2/x10 (targets scaled by sqrt(2)/sqrt(10)) and NaN inputs, each in a job
+  of its own (2 ranks: Loss Spike's cooldown would let one jump hide the next);
 - link cut from 1 Gbit/s to 1/2, 1/5, 1/10 (3 ranks; needs root and ``tc``).
 
 Every job computes inside its steps (``DemoConfig.step_compute_s``: a sleep where a GPU
@@ -41,7 +42,7 @@ Prints a curve per kind, a summary, then one JSON object (the last line).
 Usage::
 
     python benchmarks/detection.py --quick --seeds 100     # a few magnitudes, ~6 min
-    python benchmarks/detection.py --seeds 7,8             # the whole sweep
+    python benchmarks/detection.py --seeds 11,12           # the whole sweep
     python benchmarks/detection.py --kinds straggler --seeds 100 --no-clean
 """
 
@@ -237,21 +238,16 @@ def leak_job(seed: int, quick: bool) -> JobPlan:
     return JobPlan("memory-leak", 2, 0.1, tuple(episodes))
 
 
-def loss_job(seed: int, quick: bool) -> JobPlan:
-    rng = random.Random(f"loss-{seed}")
-    jumps = list(LOSS_JUMPS)
-    rng.shuffle(jumps)
-    timeline = _Timeline(rng)
-    episodes = []
-    for jump in jumps:
-        rank = rng.randrange(2)
-        start, end = timeline.take(5)
-        what = "nan=1" if math.isinf(jump) else f"factor={math.sqrt(jump):.4g}"
-        spec = f"loss-spike:rank={rank},from={start},to={end},{what}"
-        episodes.append(
-            EpisodePlan("loss-spike", "loss jump", jump, (spec,), rank, start, end, jump >= 10)
-        )
-    return JobPlan("loss-spike", 2, 0.05, tuple(episodes))
+def loss_job(jump: float, seed: int) -> JobPlan:
+    """One loss jump in a job of its own (2 ranks): Loss Spike has a 5-minute cooldown
+    per rank, so a x2 jump that fired on a rank hid a x10 jump on it 60 steps later."""
+    rng = random.Random(f"loss-{jump:g}-{seed}")
+    rank = rng.randrange(2)
+    start, end = _Timeline(rng).take(5)
+    what = "nan=1" if math.isinf(jump) else f"factor={math.sqrt(jump):.4g}"
+    spec = f"loss-spike:rank={rank},from={start},to={end},{what}"
+    episode = EpisodePlan("loss-spike", "loss jump", jump, (spec,), rank, start, end, jump >= 10)
+    return JobPlan(f"loss-spike-{jump:g}x", 2, 0.05, (episode,))
 
 
 def link_job(seed: int, quick: bool) -> JobPlan:
@@ -277,12 +273,9 @@ def plan_jobs(kinds: Sequence[str], seed: int, quick: bool) -> list[JobPlan]:
         jobs += [timing_job(w, seed, quick) for w in (2, 4)]
     if "regression" in kinds:
         jobs += [regression_job(ratio, seed) for ratio in REGRESSION_RATIOS]
-    builders = {
-        "hang": hang_job,
-        "memory-leak": leak_job,
-        "loss-spike": loss_job,
-        "slow-link": link_job,
-    }
+    if "loss-spike" in kinds:
+        jobs += [loss_job(jump, seed) for jump in LOSS_JUMPS]
+    builders = {"hang": hang_job, "memory-leak": leak_job, "slow-link": link_job}
     jobs += [build(seed, quick) for kind, build in builders.items() if kind in kinds]
     return jobs
 
