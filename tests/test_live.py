@@ -500,3 +500,31 @@ def test_a_tuning_session_leaves_step_time_unjudged_until_it_has_settled() -> No
     assert live.jobs["j"].judged_from() == 80 + live.config_settle_steps
     _job_steps(live, 2, [0.1] * 40 + [0.2] * 40 + [0.1] * 40 + [0.3] * 10)
     assert [f.labels.get("metric") for f in live.findings(1002.0)] == ["step_duration_seconds"]
+
+
+def _contended_job(*, cpu_wait: bool) -> LiveState:
+    """Three ranks, 120 steps of ~0.1 s; from step 60 rank 2 computes 0.2 s longer, all
+    of it (with ``cpu_wait``) time its training thread waited for a CPU."""
+    live = LiveState(idle_s=60.0)
+    hellos = [wf.hello("j", rank, 3) for rank in range(3)]
+    live.observe(Stored(acked_seq=0, hellos=hellos), now_unix_s=1000.0)
+    for h in hellos:
+        steps = []
+        for n in range(1, 121):
+            duration = 0.1 + 0.002 * ((n * (h.rank + 1)) % 5)
+            held = 0.2 if h.rank == 2 and n >= 60 else 0.0
+            step = wf.step(n, duration_s=duration + held, comm_wait_s=0.01, end_unix_ns=n * 10**8)
+            waited = held + 0.001 if cpu_wait else None
+            steps.append(msgspec.structs.replace(step, cpu_wait_s=waited))
+        live.observe(Stored(acked_seq=0, batches=[(wf.batch(h, 1, steps), "n")]), 1000.0)
+    return live
+
+
+def test_a_rank_held_back_by_its_cpu_wait_is_no_straggler() -> None:
+    """The straggler detector compares compute net of the run-queue wait the probe
+    measured: the same slowdown is named when it is the rank's own, not when its node's
+    other work kept the rank's thread from a CPU (as a GPU's kernel times would not
+    show it either)."""
+    own = [f.labels["rank"] for f in _contended_job(cpu_wait=False).straggler.active()]
+    held = [f.labels["rank"] for f in _contended_job(cpu_wait=True).straggler.active()]
+    assert (own, held) == (["2"], [])

@@ -132,3 +132,10 @@ def test_input_wait_is_reported_in_seconds_and_stays_out_of_the_step() -> None:
     assert record.input_wait_s == pytest.approx(0.25)
     assert record.duration_s == pytest.approx(0.1)
     assert summarize_step(_raw(StepEvents())).input_wait_s is None
+
+
+def test_cpu_wait_is_reported_in_seconds_and_none_where_unmeasured() -> None:
+    raw = _raw(StepEvents())
+    raw.cpu_wait_ns = 30 * MS
+    assert summarize_step(raw).cpu_wait_s == pytest.approx(0.03)
+    assert summarize_step(_raw(StepEvents())).cpu_wait_s is None

@@ -77,6 +77,8 @@ class RawStep:
     events: StepEvents
     ddp_logging: dict[str, object] | None
     input_wait_ns: int | None = None
+    #: the training thread's run-queue delay during the step (runqueue.py); None off Linux
+    cpu_wait_ns: int | None = None
     config_version: int = 0
     applied_config: AppliedConfig | None = None
     config_rejections: list[ConfigRejection] = field(default_factory=list)

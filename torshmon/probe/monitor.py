@@ -31,6 +31,7 @@ from torshmon.probe.groups import GroupRegistry
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkCheckRequest
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
+from torshmon.probe.runqueue import RunQueueClock
 from torshmon.probe.shipper import Outbox, Shipper
 from torshmon.probe.timing import DeviceClock, StepMarks
 from torshmon.ratelog import LogLimiter
@@ -146,6 +147,9 @@ class Monitor:
         self._last_exit_ns: int | None = None
         self._forward_between_steps = False
         self._input_wait_ns: int | None = None
+        # The training thread's run-queue delay at the step's start (runqueue.py).
+        self._runqueue = RunQueueClock()
+        self._runqueue_start_ns: int | None = None
         self._closed = False
         self._failure_log = LogLimiter()  # once per kind of record
         self._inflight = InflightTable()
@@ -252,6 +256,7 @@ class Monitor:
             self._hook.enabled = False
         self._remove_hooks()
         self._evidence.close()
+        self._runqueue.close()
         self._shipper.close(timeout_s)
 
     def _remove_hooks(self) -> None:
@@ -373,6 +378,7 @@ class Monitor:
             raise RuntimeError("mon.step() scopes cannot be nested")
         self._evidence.step_started()
         self._step_start_ns = time.perf_counter_ns()
+        self._runqueue_start_ns = self._runqueue.read_ns()
         last_exit, self._last_exit_ns = self._last_exit_ns, None
         self._input_wait_ns = None
         if last_exit is not None and not self._forward_between_steps:
@@ -384,6 +390,11 @@ class Monitor:
 
     def _exit_step(self, scope: StepScope, *, failed: bool) -> None:
         end_ns = time.perf_counter_ns()
+        cpu_wait_ns = None
+        started = self._runqueue_start_ns
+        if started is not None:
+            now = self._runqueue.read_ns()
+            cpu_wait_ns = None if now is None else max(0, now - started)
         self._in_step = False
         marks = self._events.marks
         if marks is not None and self._step_clock is not None:
@@ -424,6 +435,7 @@ class Monitor:
                     events=events,
                     ddp_logging=ddp_logging,
                     input_wait_ns=self._input_wait_ns,
+                    cpu_wait_ns=cpu_wait_ns,
                     config_version=config_version,
                     applied_config=applied,
                     config_rejections=rejections,

@@ -44,6 +44,7 @@ def summarize_step(raw: RawStep, device: tuple[float, float | None] | None = Non
         backward_s=backward_s,
         optimizer_s=optimizer_s,
         input_wait_s=None if raw.input_wait_ns is None else raw.input_wait_ns * _NS,
+        cpu_wait_s=None if raw.cpu_wait_ns is None else raw.cpu_wait_ns * _NS,
         batch_size=raw.batch_size,
         samples_per_s=samples_per_s,
         loss=loss if loss is None or math.isfinite(loss) else None,

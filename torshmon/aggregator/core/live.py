@@ -39,6 +39,7 @@ from torshmon.aggregator.core.rank_state import (
 )
 from torshmon.aggregator.core.rules import ANOMALY_METRICS
 from torshmon.aggregator.core.series import SeriesStore
+from torshmon.aggregator.core.step_series import observe_collective_series, observe_input_waits
 from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.straggler import StepCollector, StragglerDetector, StragglerSettings
 from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings, observe_from
@@ -46,7 +47,6 @@ from torshmon.labels import LabelCap
 from torshmon.wire import (
     STEP_DURATION_BUCKETS_S,
     Batch,
-    CollectiveStat,
     NodeSample,
     StepRecord,
 )
@@ -70,6 +70,7 @@ _STEP_FIELDS = (
     "config_version",
     "input_wait_s",
     "forward_s",
+    "cpu_wait_s",
 )
 #: Those columns out of the ``zip`` of the steps' ``astuple`` (a step's fields in one C
 #: call, cheaper than fetching them one by one).
@@ -300,6 +301,7 @@ class LiveState:
             config_versions,
             input_waits,
             forwards,
+            cpu_waits,
         ) = _STEP_COLUMNS(list(zip(*map(_astuple, steps), strict=True)))
         ts = list(map(operator.truediv, ends, repeat(1e9)))
         hist = r.step_hist
@@ -324,7 +326,7 @@ class LiveState:
         }
         if input_waits.count(None) < n:
             # Efficiency too: the input wait is part of the step period.
-            self._observe_input_waits(r, ts, durations, computes, input_waits)
+            observe_input_waits(self.series, r, ts, durations, computes, input_waits)
         elif all(map(_POSITIVE, durations)):
             columns_by_metric["training_efficiency_ratio"] = list(
                 map(operator.truediv, computes, durations)
@@ -372,7 +374,7 @@ class LiveState:
             job_ts: list[float] = []
             job_durations: list[float] = []
             for i, complete in collector.add_many(
-                batch.job, batch.rank, numbers, computes, ts, durations
+                batch.job, batch.rank, numbers, _own_compute(computes, cpu_waits), ts, durations
             ):
                 for found in self.straggler.observe_step(
                     complete.job, complete.step, complete.compute_s_by_rank, complete.ts_unix_s
@@ -406,7 +408,7 @@ class LiveState:
                 if step_collectives:
                     observe_collectives(r, step_collectives, batch.job, self._labels)
             if self._collective_series:
-                self._observe_collective_series(batch.job, r, ts, collectives)
+                observe_collective_series(self.series, batch.job, r, ts, collectives)
         if any(buckets):
             fold = self._labels.value
             for step_buckets in buckets:
@@ -440,56 +442,6 @@ class LiveState:
             r.gpu_memory_allocated_bytes = float(last.gpu_memory_allocated_bytes or 0)
             r.gpu_memory_reserved_bytes = float(last.gpu_memory_reserved_bytes)
             r.gpu_memory_peak_bytes = float(last.gpu_memory_peak_bytes or 0)
-
-    def _observe_collective_series(
-        self,
-        job: str,
-        r: RankState,
-        ts: list[float],
-        collectives: tuple[list[CollectiveStat], ...],
-    ) -> None:
-        """Each step's mean duration per (op, pg) into ``collective_duration_seconds``
-        (labels job, op, pg: every rank's steps into one series per op and group, as
-        Prometheus sums the histogram over ranks). Pairs folded into ``other`` by the
-        label cap are left out."""
-        kept = r.collectives
-        for t, step_collectives in zip(ts, collectives, strict=True):
-            for c in step_collectives:
-                if c.count and (c.op, c.pg) in kept:
-                    labels = (("job", job), ("op", c.op), ("pg", c.pg))
-                    self.series.add(
-                        "collective_duration_seconds", labels, t, c.duration_s / c.count
-                    )
-
-    def _observe_input_waits(
-        self,
-        r: RankState,
-        ts: list[float],
-        durations: tuple[float, ...],
-        computes: tuple[float, ...],
-        input_waits: tuple[float | None, ...],
-    ) -> None:
-        """Steps with input waits (some may lack one): the input-wait share and the
-        efficiency, both over the step period (input wait plus step time), into the
-        series, ``r``'s totals and recent steps."""
-        measured = [
-            w if w is not None and math.isfinite(w) and w >= 0 else None for w in input_waits
-        ]
-        r.recent.input_wait_s.extend(math.nan if w is None else w for w in measured)
-        kept_ts, shares, kept_eff_ts, efficiencies = [], [], [], []
-        for i, wait in enumerate(measured):
-            period = durations[i] + (wait or 0.0)
-            if wait is not None:
-                r.input_wait_s_total += wait
-                r.input_wait_s = wait
-                if period > 0:
-                    kept_ts.append(ts[i])
-                    shares.append(wait / period)
-            if period > 0:
-                kept_eff_ts.append(ts[i])
-                efficiencies.append(computes[i] / period)
-        self.series.add_many(r.labels, kept_ts, {"input_wait_time_ratio": shares})
-        self.series.add_many(r.labels, kept_eff_ts, {"training_efficiency_ratio": efficiencies})
 
     def _config_switched(
         self, name: str, job: JobState, numbers: Sequence[int], versions: Sequence[int]
@@ -796,3 +748,15 @@ class LiveState:
                 "reports": dict(self._reports),  # lists of frozen findings, replaced whole
                 "labels_folded": self._labels.folded(),
             }
+
+
+def _own_compute(computes: Sequence[float], cpu_waits: Sequence[float | None]) -> Sequence[float]:
+    """Each step's compute less the time its training thread waited for a CPU (where the
+    probe measured it): what the straggler detector compares, so a rank its node's other
+    work held back is not named, as a GPU job's kernel times would not show that wait."""
+    if cpu_waits.count(None) == len(cpu_waits):
+        return computes
+    return [
+        c if w is None or not w > 0 else c - min(w, c)
+        for c, w in zip(computes, cpu_waits, strict=True)
+    ]
