@@ -28,6 +28,7 @@ import msgspec
 from yarl import URL
 
 from torshmon.agent.spool import Spool
+from torshmon.aio import wait_event
 from torshmon.backoff import backoff_s
 from torshmon.redact import Redactor, redact_url, url_secrets
 from torshmon.wire import SCHEMA_VERSION, IngestReply, WireError, decode_json
@@ -246,8 +247,7 @@ class Forwarder:
                 # URGENT_MIN_INTERVAL_S at the least (a node of busy ranks would POST per
                 # step otherwise). A backoff after a failure is never cut short.
                 waited = time.monotonic()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._urgent.wait(), delay)
+                await wait_event(self._urgent, delay)
                 rest = URGENT_MIN_INTERVAL_S - (time.monotonic() - waited)
                 if rest > 0:
                     await asyncio.sleep(rest)
@@ -284,11 +284,7 @@ class Forwarder:
 
     async def _wait_for_wake(self, timeout_s: float) -> bool:
         """True if notify() woke us, False after ``timeout_s``."""
-        try:
-            await asyncio.wait_for(self._wake.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        return await wait_event(self._wake, timeout_s)
 
     def _prepare(self) -> _Prepared:
         """Peek the oldest records and splice them, undecoded, into a gzipped IngestBatch."""

@@ -64,6 +64,7 @@ from torshmon.aggregator.writer import (
     ThreadIngest,
     tune_gc_for_daemon,
 )
+from torshmon.aio import wait_event
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.metrics import MetricSpec, build_info
 from torshmon.history.db import normalize_url, sqlite_path
@@ -467,9 +468,7 @@ class Aggregator:
         settings = self.settings
         gap = 0.0
         while True:
-            with contextlib.suppress(TimeoutError):
-                timeout = max(0.0, settings.eval_interval_s - gap)
-                await asyncio.wait_for(self._eval_wanted.wait(), timeout)
+            await wait_event(self._eval_wanted, max(0.0, settings.eval_interval_s - gap))
             self._eval_wanted.clear()
             started = time.perf_counter()
             try:

@@ -45,6 +45,7 @@ from torshmon.aggregator.notify.targets import (
     Target,
     WebhookTarget,
 )
+from torshmon.aio import wait_event
 from torshmon.backoff import backoff_s
 from torshmon.redact import Redactor
 from torshmon.version import __version__
@@ -537,8 +538,10 @@ class _Worker:
 
 async def _wait(event: asyncio.Event, timeout_s: float | None) -> None:
     """Until ``event`` is set or ``timeout_s`` passed (None: no limit)."""
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout_s)
+    if timeout_s is None:
+        await event.wait()
+    else:
+        await wait_event(event, timeout_s)
 
 
 def _endpoint(target: Target) -> tuple[str, dict[str, str]]:
