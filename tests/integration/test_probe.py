@@ -297,7 +297,13 @@ def test_without_an_agent_training_completes_and_drops_are_counted(tmp_path: Pat
         assert result["reported_dropped"] >= result["dropped_while_absent"]
         # every step is either delivered or counted as dropped: nothing vanishes
         assert len(received) + result["reported_dropped"] == 40
-        assert received[-10:] == list(range(31, 41))
+        # The bound drops the oldest: the steps after the agent came back arrive as one
+        # run ending at the last step. (All ten arrive when the shipper reconnects before
+        # the tenth; on a loaded machine its reconnect can take longer, and the first
+        # ones go, counted above.)
+        back = [s for s in received if s > 30]
+        assert back and back == list(range(41 - len(back), 41)), received
+        assert received == sorted(received)
 
 
 # -- a slow agent never blocks training ----------------------------------------------------

@@ -196,9 +196,12 @@ def run_job(tmp_path: Path, env: dict[str, str], socket_path: Path, prometheus: 
     ]  # fmt: skip
     job_env = {**env, "TORSHMON_AGENT_SOCKET": str(socket_path), "TORSHMON_JOB": JOB}
     log = tmp_path / "torchrun.log"
+    # The agent's series and the aggregator's steps, which check_rank_info joins: the
+    # two daemons are scraped apart, and the join was once empty for want of the latter.
     seen = (
         f'count(torshmon_rank_memory_rss_bytes{{job="{JOB}"}}) == {WORLD_SIZE} '
-        f'and count(torshmon_rank_info{{job="{JOB}"}}) == {WORLD_SIZE}'
+        f'and count(torshmon_rank_info{{job="{JOB}"}}) == {WORLD_SIZE} '
+        f'and count(torshmon_steps_total{{job="{JOB}"}}) == {WORLD_SIZE}'
     )
     with log.open("wb") as out:
         torchrun = subprocess.Popen(argv, env=job_env, stdout=out, stderr=subprocess.STDOUT)
