@@ -61,7 +61,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -98,6 +98,8 @@ BASE_LINK = "1gbit"
 #: Where each fault job's steps and episodes are written (``--dump``), for replaying
 #: them through the detectors offline; None: nowhere.
 DUMP_DIR: Path | None = None
+#: The dumped ``steps`` columns (``--dump``).
+COLUMNS: Final = ["rank", "step", "duration_s", "compute_s", "cpu_wait_s"]
 #: The clean jobs' model width (the fault jobs' is 512).
 CLEAN_HIDDEN = 128
 #: A leak below this measured rate is out of scope (the rule fires above 10 MB/s).
@@ -381,7 +383,7 @@ async def run_system_once(
     hidden: int = 512,
 ) -> tuple[Any, FiringWatch, SlackReceiver, list[tuple[Any, ...]]]:
     """One job through the whole system; the run, its watch, the Slack posts and the
-    job's ``steps`` rows (rank, step, duration_s, compute_s)."""
+    job's ``steps`` rows (rank, step, duration_s, compute_s, cpu_wait_s)."""
     from torshmon.aggregator.notify.targets import SlackTarget
     from torshmon.demo import DemoConfig, run_system
     from torshmon.history.query import run_query
@@ -414,7 +416,7 @@ async def run_system_once(
             )
             rows = run_query(
                 config.db_url,
-                "SELECT rank, step, duration_s, compute_s FROM steps WHERE job = 'bench'",
+                f"SELECT {', '.join(COLUMNS)} FROM steps WHERE job = 'bench'",
                 max_rows=1_000_000,
             ).rows
     finally:
@@ -493,7 +495,7 @@ async def run_job(plan: JobPlan, seed: int) -> JobOutcome:
             ],
             "fault_events": events,
             "run_end_unix_s": run_end,
-            "columns": ["rank", "step", "duration_s", "compute_s"],
+            "columns": COLUMNS,
             "rows": rows,
         }
         DUMP_DIR.mkdir(parents=True, exist_ok=True)
@@ -536,8 +538,20 @@ async def run_clean(world_size: int, steps: int, seed: int) -> tuple[list[FiredA
     smaller model than the fault jobs' (``CLEAN_HIDDEN``): 10 000 steps on two shared
     cores take minutes, not most of an hour."""
     with CpuBurner(seed):
-        result, watch, _, _ = await run_system_once(world_size, steps, 0.005, hidden=CLEAN_HIDDEN)
-    return fired_alerts(result, watch), result.wall_s
+        result, watch, _, rows = await run_system_once(
+            world_size, steps, 0.005, hidden=CLEAN_HIDDEN
+        )
+    alerts = fired_alerts(result, watch)
+    if DUMP_DIR is not None:
+        dump = {
+            "world_size": world_size,
+            "alerts": [[a.rule, a.rank, a.fired_at_unix_s, a.first_step] for a in alerts],
+            "columns": COLUMNS,
+            "rows": rows,
+        }
+        DUMP_DIR.mkdir(parents=True, exist_ok=True)
+        (DUMP_DIR / f"clean-{world_size}-{seed}.json").write_text(json.dumps(dump))
+    return alerts, result.wall_s
 
 
 async def run_tuning() -> tuple[list[FiredAlert], float, str]:

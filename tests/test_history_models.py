@@ -83,6 +83,7 @@ CONTRACT: dict[str, list[str]] = {
         "gpu_memory_allocated_bytes",
         "gpu_memory_reserved_bytes",
         "gpu_memory_peak_bytes",
+        "cpu_wait_s",
     ],
     "collectives": [
         "id",

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from torshmon.probe.events import StepEvents
+from torshmon.probe.monitor import _compute_cpu_wait_ns
 from torshmon.probe.runqueue import RunQueueClock
 
 
@@ -50,3 +52,21 @@ def test_another_thread_reads_nothing() -> None:
     assert seen == [None]
     clock.close()
     assert clock.read_ns() is None  # closed
+
+
+def test_the_wait_for_ddps_reduction_is_not_counted_as_compute_wait() -> None:
+    # A thread woken from its wait for the reduction on a busy node waits for a CPU
+    # first: that delay lengthened the communication wait, not the compute.
+    events = StepEvents(last_grad_ns=100, backward_end_ns=900)
+    events.last_grad_runqueue_ns = 2_000_000
+    events.backward_end_runqueue_ns = 5_000_000
+    assert _compute_cpu_wait_ns(4_000_000, events) == 1_000_000
+    # never below zero (the two readings bracket part of the step's total)
+    assert _compute_cpu_wait_ns(2_000_000, events) == 0
+
+
+def test_without_both_readings_the_whole_step_wait_is_kept() -> None:
+    assert _compute_cpu_wait_ns(4_000_000, StepEvents()) == 4_000_000
+    events = StepEvents(last_grad_ns=100)  # backward never ended inside the step
+    events.last_grad_runqueue_ns = 1_000_000
+    assert _compute_cpu_wait_ns(4_000_000, events) == 4_000_000

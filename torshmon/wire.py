@@ -183,9 +183,9 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     backward_s: float | None = None
     optimizer_s: float | None = None
     input_wait_s: float | None = None
-    #: seconds of the step the training thread was ready to run and waited for a CPU
-    #: (Linux's run-queue delay): the node's other work, not the rank's own; None where
-    #: the kernel does not say
+    #: seconds of the step's compute the training thread was ready to run and waited for
+    #: a CPU (Linux's run-queue delay, outside its wait for DDP's reduction): the node's
+    #: other work, not the rank's own; None where the kernel does not say
     cpu_wait_s: float | None = None
     batch_size: Count | None = None
     samples_per_s: float | None = None

@@ -224,6 +224,12 @@ class Step(Base):
     gpu_memory_peak_bytes: Mapped[int | None] = mapped_column(
         BigInteger, comment="Peak CUDA memory allocated since start or the job's reset, bytes."
     )
+    cpu_wait_s: Mapped[float | None] = mapped_column(
+        Float,
+        comment="Time the training thread was ready to run but waited for a CPU during "
+        "the step's compute (its run-queue delay, /proc/thread-self/schedstat, outside "
+        "its wait for DDP's reduction), seconds; NULL where the kernel does not report it.",
+    )
 
 
 class Collective(Base):

@@ -59,6 +59,10 @@ class StepEvents:
     forward_end_ns: int | None = None
     last_grad_ns: int | None = None
     backward_end_ns: int | None = None
+    #: the training thread's run-queue delay (runqueue.py) at ``last_grad_ns`` and at
+    #: ``backward_end_ns``: what it waited for a CPU while DDP's reduction was awaited
+    last_grad_runqueue_ns: int | None = None
+    backward_end_runqueue_ns: int | None = None
     backward_hooked: bool = False
     #: the step's CUDA events on the training stream (``timing.StepMarks``), on NCCL
     marks: Any = None
@@ -77,7 +81,8 @@ class RawStep:
     events: StepEvents
     ddp_logging: dict[str, object] | None
     input_wait_ns: int | None = None
-    #: the training thread's run-queue delay during the step (runqueue.py); None off Linux
+    #: the training thread's run-queue delay during the step's compute, outside its wait
+    #: for DDP's reduction (runqueue.py); None off Linux
     cpu_wait_ns: int | None = None
     config_version: int = 0
     applied_config: AppliedConfig | None = None

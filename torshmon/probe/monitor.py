@@ -322,6 +322,7 @@ class Monitor:
             return  # a backward pass outside mon.step() belongs to no step
         events = self._events
         events.last_grad_ns = time.perf_counter_ns()
+        events.last_grad_runqueue_ns = self._runqueue.read_ns()
         self._last_grad_param = id(param)
         if events.marks is not None and self._step_clock is not None:
             events.marks.last_grad = self._step_clock.mark()
@@ -339,6 +340,7 @@ class Monitor:
 
     def _on_backward_end(self, events: StepEvents, token: int) -> None:
         events.backward_end_ns = time.perf_counter_ns()
+        events.backward_end_runqueue_ns = self._runqueue.read_ns()
         if events.marks is not None and self._step_clock is not None:
             events.marks.backward_end = self._step_clock.mark()
         self._inflight.end(token)
@@ -396,6 +398,8 @@ class Monitor:
             now = self._runqueue.read_ns()
             cpu_wait_ns = None if now is None else max(0, now - started)
         self._in_step = False
+        if cpu_wait_ns is not None:
+            cpu_wait_ns = _compute_cpu_wait_ns(cpu_wait_ns, self._events)
         marks = self._events.marks
         if marks is not None and self._step_clock is not None:
             marks.end = self._step_clock.mark()
@@ -588,6 +592,17 @@ class Monitor:
     def _note_failure(self, what: str) -> None:
         if self._failure_log.allow(what):
             log.warning("torshmon: recording %s failed; skipping", what, exc_info=True)
+
+
+def _compute_cpu_wait_ns(step_ns: int, events: StepEvents) -> int:
+    """Of the run-queue delay ``step_ns`` of a whole step, the part outside the wait for
+    DDP's reduction: the part that lengthened the step's compute. A thread woken from a
+    wait on a busy node waits for a CPU first; that delay is in the step's communication
+    wait, and a rank whose delays fell there lost no compute to them."""
+    start, end = events.last_grad_runqueue_ns, events.backward_end_runqueue_ns
+    if start is None or end is None or events.backward_end_ns is None:
+        return step_ns
+    return max(0, step_ns - max(0, end - start))
 
 
 def default_job_name(env: Mapping[str, str]) -> str:
