@@ -153,6 +153,17 @@ def test_persistence_is_k_of_the_last_n_steps_not_a_streak() -> None:
     assert {1} in named[40:48]
 
 
+def test_four_slow_steps_in_a_row_name_the_rank_before_five_of_eight_would() -> None:
+    calm = _noisy(3, 40, sigma=0.01)
+    slow = _noisy(3, 8, seed=5, sigma=0.01, slow={1: 1.5})
+    streak = _run(StragglerDetector(), calm + slow)
+    k_of_n = _run(StragglerDetector(streak_steps=0), calm + slow)
+    assert [i - 40 + 1 for i, ranks in enumerate(streak) if ranks][:1] == [4]
+    assert [i - 40 + 1 for i, ranks in enumerate(k_of_n) if ranks][:1] == [5]
+    with pytest.raises(ValueError, match="streak_steps"):
+        StragglerDetector(streak_steps=9, window_steps=8)
+
+
 def test_short_bursts_are_not_a_straggler() -> None:
     """A preempted rank: 2x slower for three steps in a row, now and then."""
     rows = _noisy(3, 300)

@@ -12,7 +12,9 @@ as the rank is out of line.
   slower than its peers by more than a bar (k of n, not an unbroken streak: one lucky
   step does not restart the count; a preempted rank's burst of two or three slow steps
   is not enough). Equivalently, the ``persistence``-th largest ratio of the window, the
-  window statistic, passes the bar.
+  window statistic, passes the bar. A rank whose last ``streak_steps`` steps (4) all
+  passed the bar is named at once: a steady straggler one step sooner, still more
+  than a preemption burst.
 - The bar is the larger of a relative floor (``min_slowdown``, 12 %, so jitter is never a
   straggler; ``pair_min_slowdown``, 20 %, with two ranks, where one peer is no majority)
   and ``z_threshold`` standard deviations of the window statistic's noise. That noise is
@@ -246,6 +248,14 @@ class StragglerSettings(Section, frozen=True):
     window_steps: Annotated[
         int, setting("steps persistence is counted over (>= persistence)", ge=1)
     ] = 8
+    streak_steps: Annotated[
+        int,
+        setting(
+            "or this many slow steps in a row (0: off; more than a preempted process's "
+            "burst of 2-3 steps)",
+            ge=0,
+        ),
+    ] = 4
     hold_steps: Annotated[
         int,
         setting("steps in a row without the condition before a finding clears", ge=1),
@@ -286,6 +296,7 @@ class StragglerDetector:
         z_threshold: float = 4.0,
         persistence: int = 5,
         window_steps: int = 8,
+        streak_steps: int = 4,
         hold_steps: int = 25,
         noise_samples: int = 256,
         min_excess_s: float = 0.003,
@@ -305,6 +316,7 @@ class StragglerDetector:
                 raise ValueError(f"{name} must be a positive fraction (0.1 = 10 %), got {ratio}")
         for name, steps, least in (
             ("persistence", persistence, 1),
+            ("streak_steps", streak_steps, 0),
             ("hold_steps", hold_steps, 1),
             ("noise_samples", noise_samples, _MIN_NOISE),
             ("warmup_steps", warmup_steps, 0),
@@ -316,10 +328,15 @@ class StragglerDetector:
             raise ValueError(
                 f"window_steps must be at least persistence ({persistence}), got {window_steps}"
             )
+        if streak_steps > window_steps:
+            raise ValueError(
+                f"streak_steps must be at most window_steps ({window_steps}), got {streak_steps}"
+            )
         self._floor = math.log1p(min_slowdown)
         self._pair_floor = math.log1p(pair_min_slowdown)
         self._z_threshold = z_threshold
         self._persistence = persistence
+        self._streak_steps = streak_steps
         self._window_steps = window_steps
         self._hold_steps = hold_steps
         self._noise_samples = noise_samples
@@ -379,7 +396,7 @@ class StragglerDetector:
             stat = self._statistic(rank_state, recent=True)
             if stat is None:
                 continue
-            holds = bar is not None and stat > bar
+            holds = bar is not None and (stat > bar or self._streak(rank_state, bar))
             if sampled and not (holds or rank_state.active):
                 before = self._statistic(rank_state, recent=False)
                 if before is not None:
@@ -399,6 +416,14 @@ class StragglerDetector:
         window = list(ratios)[-n:] if recent else list(ratios)[-2 * n : -n]
         window.sort()
         return window[-self._persistence]
+
+    def _streak(self, state: _RankState, bar: float) -> bool:
+        """Whether the last ``streak_steps`` steps all passed ``bar`` (never when 0)."""
+        k = self._streak_steps
+        ratios = state.ratios
+        if k == 0 or len(ratios) < k:
+            return False
+        return all(ratios[-i] > bar for i in range(1, k + 1))
 
     def pause(self, job: str, from_step: int, until_step: int) -> None:
         """Leave ``job``'s steps ``from_step <= step < until_step`` unscored (a config
