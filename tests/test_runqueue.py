@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from torshmon.probe.events import StepEvents
+from torshmon.probe.events import CollectiveEvent, StepEvents
 from torshmon.probe.monitor import _compute_cpu_wait_ns
 from torshmon.probe.runqueue import RunQueueClock
 
@@ -60,13 +60,67 @@ def test_the_wait_for_ddps_reduction_is_not_counted_as_compute_wait() -> None:
     events = StepEvents(last_grad_ns=100, backward_end_ns=900)
     events.last_grad_runqueue_ns = 2_000_000
     events.backward_end_runqueue_ns = 5_000_000
-    assert _compute_cpu_wait_ns(4_000_000, events) == 1_000_000
+    assert _compute_cpu_wait_ns(4_000_000, events, 0) == 1_000_000
     # never below zero (the two readings bracket part of the step's total)
-    assert _compute_cpu_wait_ns(2_000_000, events) == 0
+    assert _compute_cpu_wait_ns(2_000_000, events, 0) == 0
 
 
 def test_without_both_readings_the_whole_step_wait_is_kept() -> None:
-    assert _compute_cpu_wait_ns(4_000_000, StepEvents()) == 4_000_000
+    assert _compute_cpu_wait_ns(4_000_000, StepEvents(), 0) == 4_000_000
     events = StepEvents(last_grad_ns=100)  # backward never ended inside the step
     events.last_grad_runqueue_ns = 1_000_000
-    assert _compute_cpu_wait_ns(4_000_000, events) == 4_000_000
+    assert _compute_cpu_wait_ns(4_000_000, events, 0) == 4_000_000
+
+
+def test_the_wake_up_after_a_blocking_collective_is_communication_wait_too() -> None:
+    def blocking(start_ns: int, cpu_wait_ns: int) -> CollectiveEvent:
+        return CollectiveEvent(
+            "all_reduce",
+            "0",
+            2,
+            "float32",
+            4,
+            start_ns,
+            start_ns + 10,
+            True,
+            cpu_wait_ns=cpu_wait_ns,
+        )
+
+    # The second call began before the step (an eval pass's): not part of its wait.
+    events = StepEvents(collectives=[blocking(500, 1_000_000), blocking(50, 2_000_000)])
+    assert _compute_cpu_wait_ns(4_000_000, events, 100) == 3_000_000
+
+
+_REAL_ALL_REDUCE = """
+import torch, torch.distributed as dist
+from torshmon.probe.collectives import CollectiveTracer
+from torshmon.probe.events import StepEvents
+from torshmon.probe.inflight import InflightTable
+from torshmon.probe.runqueue import RunQueueClock
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+events, clock, reads = StepEvents(), RunQueueClock(), []
+
+def read():
+    reads.append(clock.read_ns())
+    return reads[-1]
+
+tracer = CollectiveTracer(InflightTable(), lambda: events)
+tracer.runqueue = read
+tracer.install()
+dist.all_reduce(torch.ones(4))
+dist.all_reduce(torch.ones(4), async_op=True).wait()
+tracer.uninstall()
+dist.destroy_process_group()
+print(len(reads), events.collectives[0].cpu_wait_ns == reads[1] - reads[0])
+"""
+
+
+def test_a_real_blocking_all_reduce_records_its_callers_run_queue_delay() -> None:
+    """A gloo group of one, in a process of its own: the wrapper reads the clock around
+    the blocking call only, and records the difference."""
+    done = subprocess.run(
+        [sys.executable, "-c", _REAL_ALL_REDUCE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "True"]

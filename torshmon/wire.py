@@ -184,7 +184,7 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     optimizer_s: float | None = None
     input_wait_s: float | None = None
     #: seconds of the step's compute the training thread was ready to run and waited for
-    #: a CPU (Linux's run-queue delay, outside its wait for DDP's reduction): the node's
+    #: a CPU (Linux's run-queue delay, outside its communication waits): the node's
     #: other work, not the rank's own; None where the kernel does not say
     cpu_wait_s: float | None = None
     batch_size: Count | None = None

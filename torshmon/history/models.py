@@ -228,7 +228,7 @@ class Step(Base):
         Float,
         comment="Time the training thread was ready to run but waited for a CPU during "
         "the step's compute (its run-queue delay, /proc/thread-self/schedstat, outside "
-        "its wait for DDP's reduction), seconds; NULL where the kernel does not report it.",
+        "its communication waits), seconds; NULL where the kernel does not report it.",
     )
 
 

@@ -245,6 +245,9 @@ class CollectiveTracer:
         self._failure_log = LogLimiter()  # once per op
         #: times collectives on the device where their backend runs there (NCCL)
         self.device_clock: DeviceClock | None = None
+        #: the training thread's run-queue delay so far (``RunQueueClock.read_ns``): read
+        #: around blocking collectives, whose wake-up delay is communication wait
+        self.runqueue: Callable[[], int | None] | None = None
         self._backends: dict[Any, str] = {}
         # The functional collectives (DTensor, TP, compiled code) bypass the Python
         # functions wrapped here; they are recorded at the dispatcher instead.
@@ -330,6 +333,8 @@ class CollectiveTracer:
                 backend = self.backend(group)
                 if not async_op:
                     device_start = clock.before(backend)
+            runqueue = self.runqueue
+            queued = None if runqueue is None or async_op else runqueue()
             start = time.perf_counter_ns()
             _nesting.inside = True
             try:
@@ -349,13 +354,26 @@ class CollectiveTracer:
                 )
             end = time.perf_counter_ns()
             inflight.end(token)
+            cpu_wait_ns = 0
+            if queued is not None and runqueue is not None:
+                now = runqueue()
+                cpu_wait_ns = 0 if now is None else max(0, now - queued)
             device = (
                 clock.after_blocking(device_start)
                 if clock is not None and device_start is not None
                 else None
             )
             event = CollectiveEvent(
-                name, pg, group_size, dtype_name, size, start, end, True, device=device
+                name,
+                pg,
+                group_size,
+                dtype_name,
+                size,
+                start,
+                end,
+                True,
+                device=device,
+                cpu_wait_ns=cpu_wait_ns,
             )
             self._events().collectives.append(event)
             return result

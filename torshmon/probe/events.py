@@ -17,7 +17,9 @@ class CollectiveEvent(NamedTuple):
     whole; otherwise ``wait_ns`` is how long the caller was blocked waiting on it
     (functional collectives' ``wait_tensor``), where known. ``device``: its device
     timing still to be read (``torshmon.probe.timing``), None where the host's clock
-    times it (gloo) or once read into ``end_ns``."""
+    times it (gloo) or once read into ``end_ns``. ``cpu_wait_ns``: the calling
+    thread's run-queue delay during a blocking call (its wake-up on a busy node), 0
+    where not read."""
 
     op: str
     pg: str
@@ -29,6 +31,7 @@ class CollectiveEvent(NamedTuple):
     blocking: bool
     wait_ns: int = 0
     device: Any = None
+    cpu_wait_ns: int = 0
 
 
 class BucketEvent(NamedTuple):
@@ -81,8 +84,8 @@ class RawStep:
     events: StepEvents
     ddp_logging: dict[str, object] | None
     input_wait_ns: int | None = None
-    #: the training thread's run-queue delay during the step's compute, outside its wait
-    #: for DDP's reduction (runqueue.py); None off Linux
+    #: the training thread's run-queue delay during the step's compute, outside its
+    #: communication waits (runqueue.py); None off Linux
     cpu_wait_ns: int | None = None
     config_version: int = 0
     applied_config: AppliedConfig | None = None

@@ -21,8 +21,8 @@ depends_on: str | Sequence[str] | None = None
 
 _COMMENT = (
     "Time the training thread was ready to run but waited for a CPU during the step's "
-    "compute (its run-queue delay, /proc/thread-self/schedstat, outside its wait for "
-    "DDP's reduction), seconds; NULL where the kernel does not report it."
+    "compute (its run-queue delay, /proc/thread-self/schedstat, outside its "
+    "communication waits), seconds; NULL where the kernel does not report it."
 )
 
 
