@@ -198,7 +198,7 @@ def test_detector_section_defaults_are_the_detectors_own() -> None:
         values = msgspec.structs.asdict(section())
         if section is ZScoreSettings:
             # The step time's own floor is applied by LiveState, not a detector argument.
-            assert values.pop("step_std_floor_ratio") == 0.05
+            assert values.pop("step_std_floor_ratio") == 0.065
             assert values.pop("step_robust") is True
         for name, value in values.items():
             assert signature.parameters[name].default == value, (section, name)
