@@ -11,8 +11,8 @@ import time
 import pytest
 
 from torshmon.probe.events import CollectiveEvent, StepEvents
-from torshmon.probe.monitor import _compute_cpu_wait_ns
 from torshmon.probe.runqueue import RunQueueClock
+from torshmon.probe.summary import compute_cpu_wait_ns
 
 
 def test_a_thread_sharing_its_cpu_with_a_busy_process_waits_for_it() -> None:
@@ -60,16 +60,16 @@ def test_the_wait_for_ddps_reduction_is_not_counted_as_compute_wait() -> None:
     events = StepEvents(last_grad_ns=100, backward_end_ns=900)
     events.last_grad_runqueue_ns = 2_000_000
     events.backward_end_runqueue_ns = 5_000_000
-    assert _compute_cpu_wait_ns(4_000_000, events, 0) == 1_000_000
+    assert compute_cpu_wait_ns(4_000_000, events, 0) == 1_000_000
     # never below zero (the two readings bracket part of the step's total)
-    assert _compute_cpu_wait_ns(2_000_000, events, 0) == 0
+    assert compute_cpu_wait_ns(2_000_000, events, 0) == 0
 
 
 def test_without_both_readings_the_whole_step_wait_is_kept() -> None:
-    assert _compute_cpu_wait_ns(4_000_000, StepEvents(), 0) == 4_000_000
+    assert compute_cpu_wait_ns(4_000_000, StepEvents(), 0) == 4_000_000
     events = StepEvents(last_grad_ns=100)  # backward never ended inside the step
     events.last_grad_runqueue_ns = 1_000_000
-    assert _compute_cpu_wait_ns(4_000_000, events, 0) == 4_000_000
+    assert compute_cpu_wait_ns(4_000_000, events, 0) == 4_000_000
 
 
 def test_the_wake_up_after_a_blocking_collective_is_communication_wait_too() -> None:
@@ -88,7 +88,7 @@ def test_the_wake_up_after_a_blocking_collective_is_communication_wait_too() -> 
 
     # The second call began before the step (an eval pass's): not part of its wait.
     events = StepEvents(collectives=[blocking(500, 1_000_000), blocking(50, 2_000_000)])
-    assert _compute_cpu_wait_ns(4_000_000, events, 100) == 3_000_000
+    assert compute_cpu_wait_ns(4_000_000, events, 100) == 3_000_000
 
 
 _REAL_ALL_REDUCE = """

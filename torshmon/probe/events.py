@@ -84,8 +84,8 @@ class RawStep:
     events: StepEvents
     ddp_logging: dict[str, object] | None
     input_wait_ns: int | None = None
-    #: the training thread's run-queue delay during the step's compute, outside its
-    #: communication waits (runqueue.py); None off Linux
+    #: the training thread's run-queue delay during the whole step (runqueue.py); the
+    #: summary leaves out what fell in its communication waits; None off Linux
     cpu_wait_ns: int | None = None
     config_version: int = 0
     applied_config: AppliedConfig | None = None

@@ -401,8 +401,6 @@ class Monitor:
             now = self._runqueue.read_ns()
             cpu_wait_ns = None if now is None else max(0, now - started)
         self._in_step = False
-        if cpu_wait_ns is not None:
-            cpu_wait_ns = _compute_cpu_wait_ns(cpu_wait_ns, self._events, self._step_start_ns)
         marks = self._events.marks
         if marks is not None and self._step_clock is not None:
             marks.end = self._step_clock.mark()
@@ -595,19 +593,6 @@ class Monitor:
     def _note_failure(self, what: str) -> None:
         if self._failure_log.allow(what):
             log.warning("torshmon: recording %s failed; skipping", what, exc_info=True)
-
-
-def _compute_cpu_wait_ns(step_ns: int, events: StepEvents, step_start_ns: int) -> int:
-    """Of the run-queue delay ``step_ns`` of a whole step (begun at ``step_start_ns``),
-    the part outside its communication waits (DDP's reduction, blocking collectives):
-    the part that lengthened the step's compute. A thread woken from a wait on a busy
-    node waits for a CPU first; that delay is in the step's communication wait, and a
-    rank whose delays fell there lost no compute to them."""
-    waited = sum(e.cpu_wait_ns for e in events.collectives if e.start_ns >= step_start_ns)
-    start, end = events.last_grad_runqueue_ns, events.backward_end_runqueue_ns
-    if start is not None and end is not None and events.backward_end_ns is not None:
-        waited += max(0, end - start)
-    return max(0, step_ns - waited)
 
 
 def default_job_name(env: Mapping[str, str]) -> str:

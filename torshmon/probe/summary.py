@@ -44,7 +44,11 @@ def summarize_step(raw: RawStep, device: tuple[float, float | None] | None = Non
         backward_s=backward_s,
         optimizer_s=optimizer_s,
         input_wait_s=None if raw.input_wait_ns is None else raw.input_wait_ns * _NS,
-        cpu_wait_s=None if raw.cpu_wait_ns is None else raw.cpu_wait_ns * _NS,
+        cpu_wait_s=(
+            None
+            if raw.cpu_wait_ns is None
+            else compute_cpu_wait_ns(raw.cpu_wait_ns, events, raw.start_ns) * _NS
+        ),
         batch_size=raw.batch_size,
         samples_per_s=samples_per_s,
         loss=loss if loss is None or math.isfinite(loss) else None,
@@ -101,6 +105,19 @@ def communication_wait_s(
         last_done = max(b.done_ns for b in events.buckets)
         waited_ns += max(0, last_done - last_launch)
     return waited_ns * _NS
+
+
+def compute_cpu_wait_ns(step_ns: int, events: StepEvents, step_start_ns: int) -> int:
+    """Of the run-queue delay ``step_ns`` of a whole step (begun at ``step_start_ns``),
+    the part outside its communication waits (DDP's reduction, blocking collectives):
+    the part that lengthened the step's compute. A thread woken from a wait on a busy
+    node waits for a CPU first; that delay is in the step's communication wait, and a
+    rank whose delays fell there lost no compute to them."""
+    waited = sum(e.cpu_wait_ns for e in events.collectives if e.start_ns >= step_start_ns)
+    start, end = events.last_grad_runqueue_ns, events.backward_end_runqueue_ns
+    if start is not None and end is not None and events.backward_end_ns is not None:
+        waited += max(0, end - start)
+    return max(0, step_ns - waited)
 
 
 def aggregate_collectives(collectives: list[CollectiveEvent]) -> list[CollectiveStat]:

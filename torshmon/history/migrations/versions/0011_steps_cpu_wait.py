@@ -1,6 +1,6 @@
-"""``steps.cpu_wait_s``: the training thread's run-queue delay during the step (time
-it was ready to run but other processes held the CPUs), so a rank its node kept from
-a CPU can be told from a slow one in the stored history too.
+"""``steps.cpu_wait_s``: the training thread's run-queue delay during the step's
+compute (time it was ready to run but other processes held the CPUs), so a rank its
+node kept from a CPU can be told from a slow one in the stored history too.
 
 Revision ID: 0011
 Revises: 0010
