@@ -99,7 +99,7 @@ BASE_LINK = "1gbit"
 #: them through the detectors offline; None: nowhere.
 DUMP_DIR: Path | None = None
 #: The dumped ``steps`` columns (``--dump``).
-COLUMNS: Final = ["rank", "step", "duration_s", "compute_s", "cpu_wait_s"]
+COLUMNS: Final = ["rank", "step", "duration_s", "compute_s", "cpu_wait_s", "process_cpu_wait_s"]
 #: The clean jobs' model width (the fault jobs' is 512).
 CLEAN_HIDDEN = 128
 #: A leak below this measured rate is out of scope (the rule fires above 10 MB/s).

@@ -84,6 +84,7 @@ CONTRACT: dict[str, list[str]] = {
         "gpu_memory_reserved_bytes",
         "gpu_memory_peak_bytes",
         "cpu_wait_s",
+        "process_cpu_wait_s",
     ],
     "collectives": [
         "id",

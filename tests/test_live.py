@@ -436,11 +436,16 @@ def test_the_last_reports_of_a_job_whose_processes_ended_make_no_hang() -> None:
 
 
 def _job_steps(
-    live: LiveState, world: int, durations: list[float], *, versions: list[int] | None = None
+    live: LiveState,
+    world: int,
+    durations: list[float],
+    *,
+    versions: list[int] | None = None,
+    process_waits: dict[int, list[float]] | None = None,
 ) -> None:
     """Every rank of a ``world``-rank job runs steps 1.. with these step times (the
     same on every rank, as in synchronous training: a step waits for the slowest rank),
-    and these config versions."""
+    these config versions, and per rank its threads' CPU wait in each step."""
     hellos = [wf.hello("j", rank, world) for rank in range(world)]
     live.observe(Stored(acked_seq=0, hellos=hellos), now_unix_s=1000.0)
     for h in hellos:
@@ -450,6 +455,9 @@ def _job_steps(
             step = wf.step(n, duration_s=duration * jitter, comm_wait_s=0.02, end_unix_ns=n * 10**8)
             if versions is not None:
                 step = msgspec.structs.replace(step, config_version=versions[n - 1])
+            if process_waits is not None and h.rank in process_waits:
+                waited = process_waits[h.rank][n - 1]
+                step = msgspec.structs.replace(step, process_cpu_wait_s=waited)
             steps.append(step)
         live.observe(Stored(acked_seq=0, batches=[(wf.batch(h, 1, steps), "n")]), 1000.0)
 
@@ -528,3 +536,15 @@ def test_a_rank_held_back_by_its_cpu_wait_is_no_straggler() -> None:
     own = [f.labels["rank"] for f in _contended_job(cpu_wait=False).straggler.active()]
     held = [f.labels["rank"] for f in _contended_job(cpu_wait=True).straggler.active()]
     assert (own, held) == (["2"], [])
+
+
+@pytest.mark.parametrize("waited", [0.0, 0.0015, 0.15])
+def test_a_slowdown_a_busy_node_explains_is_no_step_time_anomaly(waited: float) -> None:
+    """Steps 2.5x slower while one rank's threads waited 0.15 s for a CPU in each (a busy
+    node held its communication back): no Step Time Anomaly. The same slowdown with no
+    wait, or a wait far short of the rise, is one."""
+    live = LiveState(idle_s=60.0, anomaly_metrics=())
+    waits = [0.0] * 40 + [waited] * 10
+    _job_steps(live, 2, [0.1] * 40 + [0.25] * 10, process_waits={1: waits})
+    found = [f.labels.get("metric") for f in live.findings(1001.0)]
+    assert found == ([] if waited == 0.15 else ["step_duration_seconds"])

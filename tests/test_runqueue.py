@@ -11,7 +11,7 @@ import time
 import pytest
 
 from torshmon.probe.events import CollectiveEvent, StepEvents
-from torshmon.probe.runqueue import RunQueueClock
+from torshmon.probe.runqueue import ProcessRunQueue, RunQueueClock
 from torshmon.probe.summary import compute_cpu_wait_ns
 
 
@@ -96,7 +96,7 @@ import torch, torch.distributed as dist
 from torshmon.probe.collectives import CollectiveTracer
 from torshmon.probe.events import StepEvents
 from torshmon.probe.inflight import InflightTable
-from torshmon.probe.runqueue import RunQueueClock
+from torshmon.probe.runqueue import ProcessRunQueue, RunQueueClock
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 events, clock, reads = StepEvents(), RunQueueClock(), []
@@ -124,3 +124,59 @@ def test_a_real_blocking_all_reduce_records_its_callers_run_queue_delay() -> Non
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["2", "True"]
+
+
+def test_the_process_clock_sees_a_worker_thread_waiting_for_its_cpu() -> None:
+    """``ProcessRunQueue`` sums every thread's delay: a worker thread (as gloo's are)
+    sharing one CPU with a busy process waits about half of its 0.5 s, while the
+    thread that reads the clock sleeps."""
+    cpu = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    burner = subprocess.Popen(
+        [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"]
+    )
+    clock = ProcessRunQueue()
+    go, spun, done = threading.Event(), threading.Event(), threading.Event()
+
+    def spin() -> None:
+        go.wait()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.5:
+            pass
+        spun.set()
+        done.wait()  # a thread that has ended has no schedstat to read
+
+    worker = threading.Thread(target=spin)
+    try:
+        os.sched_setaffinity(0, {cpu})
+        time.sleep(0.2)  # the burner is running on the CPU
+        worker.start()
+        first = clock.read_ns()  # lists the worker
+        go.set()
+        spun.wait()
+        last = clock.read_ns()
+    finally:
+        os.sched_setaffinity(0, before)
+        burner.kill()
+        burner.wait()
+        done.set()
+        worker.join()
+    assert first is not None and last is not None
+    assert 0.1e9 < last - first < 0.6e9
+    clock.close()
+    assert clock.read_ns() is None
+
+
+def test_the_process_clock_forgets_threads_that_ended_and_lists_new_ones() -> None:
+    clock = ProcessRunQueue(refresh_every=1)
+    assert clock.read_ns() is not None
+    listed = len(clock._fds)
+    worker = threading.Thread(target=time.sleep, args=(0.1,))
+    worker.start()
+    clock.read_ns()
+    assert len(clock._fds) == listed + 1
+    worker.join()
+    clock.read_ns()
+    assert len(clock._fds) == listed
+    clock.close()
+    assert clock._fds == {}

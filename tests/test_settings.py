@@ -200,6 +200,7 @@ def test_detector_section_defaults_are_the_detectors_own() -> None:
             # The step time's own floor is applied by LiveState, not a detector argument.
             assert values.pop("step_std_floor_ratio") == 0.065
             assert values.pop("step_robust") is True
+            assert values.pop("step_cpu_wait_share") == 0.5
         for name, value in values.items():
             assert signature.parameters[name].default == value, (section, name)
 
@@ -210,6 +211,8 @@ def test_detector_settings_reach_the_live_state() -> None:
     assert live.straggler._persistence == 7
     assert live.hang._timeout_s == 7.0
     assert live.step_z._threshold == live.loss_z._threshold == 2.5
+    assert live.step_z._explained_share == 0.5
+    assert live.loss_z._explained_share is None
 
 
 SLACK = "https://hooks.slack.com/services/T0/B0/SlackS3cret"

@@ -355,3 +355,43 @@ def test_a_label_set_tuple_is_the_series_of_its_dict() -> None:
     det.forget("demo")
     assert det.active() == []
     assert det.observe(pairs, 300.0, 0.9) is None  # forgotten: a new series, warming up
+
+
+def test_a_rise_its_known_cause_explains_is_not_judged() -> None:
+    """``explained_share``: steps 40 % slower whose threads waited for a CPU for most of
+    the rise (a busy node) set off nothing and do not move the baseline; the same rise
+    with no such wait, or with too little, is an anomaly."""
+    normal = [0.1] * 50
+    slow = [0.14] * 10
+
+    def found(waits: list[float]) -> list[int]:
+        det = ZScoreDetector(persistence=3, std_floor_ratio=0.05, robust=True, explained_share=0.5)
+        values = normal + slow + normal[:5] + slow
+        ts = [float(i) for i in range(len(values))]
+        explained = [0.0] * 50 + waits + [0.0] * 5 + [0.0] * 10
+        return [i for i, _ in det.observe_many(LABELS, ts, values, explained)]
+
+    # held back: nothing during the first slow stretch; the unexplained second one fires
+    assert found([0.03] * 10)[:1] == [67]
+    # half the rise is the bar: 0.019 s of a 0.04 s rise is not enough
+    assert found([0.019] * 10)[:1] == [52]
+
+
+def test_a_cause_that_is_always_there_explains_no_rise() -> None:
+    """A node always busy: every step carries 30 ms of CPU wait. A 40 % rise with the
+    same wait is the job's own and fires; with 20 ms more wait than usual it does not."""
+
+    def found(extra: float) -> list[int]:
+        det = ZScoreDetector(persistence=3, std_floor_ratio=0.05, robust=True, explained_share=0.5)
+        values = [0.1] * 50 + [0.14] * 10
+        explained = [0.03] * 50 + [0.03 + extra] * 10
+        ts = [float(i) for i in range(len(values))]
+        return [i for i, _ in det.observe_many(LABELS, ts, values, explained)]
+
+    assert found(0.0)[:1] == [52]
+    assert found(0.02) == []
+
+
+def test_explained_share_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="explained_share must be a number > 0"):
+        ZScoreDetector(explained_share=0.0)

@@ -187,6 +187,11 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     #: a CPU (Linux's run-queue delay, outside its communication waits): the node's
     #: other work, not the rank's own; None where the kernel does not say
     cpu_wait_s: float | None = None
+    #: seconds all the process's threads together were ready to run and waited for a
+    #: CPU during the step (run-queue delay summed over threads, its communication
+    #: threads' included): how much a busy node held the step back; None where the
+    #: kernel does not say
+    process_cpu_wait_s: float | None = None
     batch_size: Count | None = None
     samples_per_s: float | None = None
     loss: float | None = None

@@ -59,13 +59,14 @@ def test_demo_runs_the_whole_system_and_summarises_from_sql(tmp_path: Path) -> N
         "--format",
         "csv",
         "SELECT rank, count(*), count(DISTINCT step), min(step), max(step), "
-        "count(cpu_wait_s) FROM steps GROUP BY rank ORDER BY rank",
+        "count(cpu_wait_s), count(process_cpu_wait_s) FROM steps GROUP BY rank ORDER BY rank",
         cwd=tmp_path,
     )
     assert query.returncode == 0, query.stderr
     rows = [line.split(",") for line in query.stdout.strip().splitlines()[1:]]
-    # cpu_wait_s: the kernel's run-queue delay, read on every step on Linux.
-    assert rows == [[str(r), "25", "25", "1", "25", "25"] for r in range(3)]
+    # cpu_wait_s, process_cpu_wait_s: the kernel's run-queue delay of the training
+    # thread and of all the rank's threads, known for every step on Linux.
+    assert rows == [[str(r), "25", "25", "1", "25", "25", "25"] for r in range(3)]
 
 
 def test_demo_rejects_bad_flags_clearly(tmp_path: Path) -> None:

@@ -230,6 +230,12 @@ class Step(Base):
         "the step's compute (its run-queue delay, /proc/thread-self/schedstat, outside "
         "its communication waits), seconds; NULL where the kernel does not report it.",
     )
+    process_cpu_wait_s: Mapped[float | None] = mapped_column(
+        Float,
+        comment="Time all the rank's threads together were ready to run but waited for a "
+        "CPU during the step (run-queue delay summed over its threads, communication "
+        "threads included), seconds; NULL where the kernel does not report it.",
+    )
 
 
 class Collective(Base):

@@ -87,6 +87,8 @@ class RawStep:
     #: the training thread's run-queue delay during the whole step (runqueue.py); the
     #: summary leaves out what fell in its communication waits; None off Linux
     cpu_wait_ns: int | None = None
+    #: run-queue delay of all the process's threads from the step's start to its end
+    process_cpu_wait_ns: int | None = None
     config_version: int = 0
     applied_config: AppliedConfig | None = None
     config_rejections: list[ConfigRejection] = field(default_factory=list)

@@ -31,7 +31,7 @@ from torshmon.probe.groups import GroupRegistry
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkCheckRequest
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
-from torshmon.probe.runqueue import RunQueueClock
+from torshmon.probe.runqueue import ProcessRunQueue, RunQueueClock
 from torshmon.probe.shipper import Outbox, Shipper
 from torshmon.probe.timing import DeviceClock, StepMarks
 from torshmon.ratelog import LogLimiter
@@ -150,6 +150,9 @@ class Monitor:
         # The training thread's run-queue delay at the step's start (runqueue.py).
         self._runqueue = RunQueueClock()
         self._runqueue_start_ns: int | None = None
+        # All the process's threads' (runqueue.ProcessRunQueue), at the step's start.
+        self._process_runqueue = ProcessRunQueue()
+        self._process_runqueue_start_ns: int | None = None
         self._closed = False
         self._failure_log = LogLimiter()  # once per kind of record
         self._inflight = InflightTable()
@@ -260,6 +263,7 @@ class Monitor:
         self._remove_hooks()
         self._evidence.close()
         self._runqueue.close()
+        self._process_runqueue.close()
         self._shipper.close(timeout_s)
 
     def _remove_hooks(self) -> None:
@@ -384,6 +388,7 @@ class Monitor:
         self._evidence.step_started()
         self._step_start_ns = time.perf_counter_ns()
         self._runqueue_start_ns = self._runqueue.read_ns()
+        self._process_runqueue_start_ns = self._process_runqueue.read_ns()
         last_exit, self._last_exit_ns = self._last_exit_ns, None
         self._input_wait_ns = None
         if last_exit is not None and not self._forward_between_steps:
@@ -400,6 +405,11 @@ class Monitor:
         if started is not None:
             now = self._runqueue.read_ns()
             cpu_wait_ns = None if now is None else max(0, now - started)
+        process_wait_ns = None
+        process_started = self._process_runqueue_start_ns
+        if process_started is not None:
+            now = self._process_runqueue.read_ns()
+            process_wait_ns = None if now is None else max(0, now - process_started)
         self._in_step = False
         marks = self._events.marks
         if marks is not None and self._step_clock is not None:
@@ -441,6 +451,7 @@ class Monitor:
                     ddp_logging=ddp_logging,
                     input_wait_ns=self._input_wait_ns,
                     cpu_wait_ns=cpu_wait_ns,
+                    process_cpu_wait_ns=process_wait_ns,
                     config_version=config_version,
                     applied_config=applied,
                     config_rejections=rejections,

@@ -10,6 +10,13 @@ detector compares ranks net of it, as a GPU job's kernel times are free of it.
 The file is opened once, by the thread that reads it (``thread-self`` resolves to the
 opening thread), and read with ``pread``: about 2 us. Where the file is missing (not
 Linux, schedstats off) or unreadable, every reading is None and nothing is reported.
+
+``ProcessRunQueue`` sums the same delay over every thread of the process (gloo's and
+NCCL's workers, the data loader's pin thread, the training thread): a busy node holds
+back a job's communication threads as well, and a step then takes longer with its
+compute unchanged. The training thread reads it at each step's start and end, as the
+step's own clock: samples taken elsewhere (the shipper's, 50 ms apart) smeared a
+burst's delay over the steps around it and told too little.
 """
 
 from __future__ import annotations
@@ -52,3 +59,80 @@ class RunQueueClock:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+_TASKS = "/proc/self/task"
+
+
+class ProcessRunQueue:
+    """Cumulative run-queue delay summed over the process's threads, in nanoseconds.
+
+    Each ``read_ns`` preads every known thread's schedstat (about 1.5 us each; a gloo
+    rank has about 7 threads) and adds up what each thread's delay grew since the last
+    read, so a thread that starts or ends moves the total only by what it waited in
+    between (a thread's wait after its last read is lost when it ends). The thread list
+    is read again every ``refresh_every`` reads. Read from one thread at a time.
+    """
+
+    __slots__ = ("_fds", "_last", "_ok", "_refresh_every", "_since_refresh", "_total")
+
+    def __init__(self, *, refresh_every: int = 64) -> None:
+        if refresh_every < 1:
+            raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
+        self._refresh_every = refresh_every
+        self._fds: dict[str, int] = {}
+        self._last: dict[str, int] = {}
+        self._total = 0
+        self._since_refresh = refresh_every  # the first read lists the threads
+        self._ok = os.path.isdir(_TASKS)
+
+    def read_ns(self) -> int | None:
+        """The delay so far, or None (no schedstat)."""
+        if not self._ok:
+            return None
+        self._since_refresh += 1
+        if self._since_refresh >= self._refresh_every:
+            self._since_refresh = 0
+            self._refresh()
+        last = self._last
+        total = self._total
+        for tid, fd in list(self._fds.items()):
+            try:
+                delay = int(os.pread(fd, 96, 0).split()[1])
+            except (OSError, IndexError, ValueError):
+                self._forget(tid)  # the thread ended
+                continue
+            before = last.get(tid)
+            if before is not None and delay > before:
+                total += delay - before
+            last[tid] = delay
+        self._total = total
+        return total if self._fds else None
+
+    def _refresh(self) -> None:
+        try:
+            tids = set(os.listdir(_TASKS))
+        except OSError:
+            self._ok = False
+            self.close()
+            return
+        for tid in set(self._fds) - tids:
+            self._forget(tid)
+        for tid in tids - set(self._fds):
+            try:
+                self._fds[tid] = os.open(f"{_TASKS}/{tid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+
+    def _forget(self, tid: str) -> None:
+        fd = self._fds.pop(tid, None)
+        self._last.pop(tid, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def close(self) -> None:
+        """Close every file; later reads say None."""
+        self._ok = False
+        for tid in list(self._fds):
+            self._forget(tid)

@@ -49,6 +49,9 @@ def summarize_step(raw: RawStep, device: tuple[float, float | None] | None = Non
             if raw.cpu_wait_ns is None
             else compute_cpu_wait_ns(raw.cpu_wait_ns, events, raw.start_ns) * _NS
         ),
+        process_cpu_wait_s=(
+            None if raw.process_cpu_wait_ns is None else raw.process_cpu_wait_ns * _NS
+        ),
         batch_size=raw.batch_size,
         samples_per_s=samples_per_s,
         loss=loss if loss is None or math.isfinite(loss) else None,

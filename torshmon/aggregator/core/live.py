@@ -71,6 +71,7 @@ _STEP_FIELDS = (
     "input_wait_s",
     "forward_s",
     "cpu_wait_s",
+    "process_cpu_wait_s",
 )
 #: Those columns out of the ``zip`` of the steps' ``astuple`` (a step's fields in one C
 #: call, cheaper than fetching them one by one).
@@ -148,7 +149,12 @@ class LiveState:
         self.step_z = ZScoreDetector(
             metric="step_duration_seconds",
             direction="up",
-            **{**z, "std_floor_ratio": step_floor, "robust": z_settings.step_robust},
+            **{
+                **z,
+                "std_floor_ratio": step_floor,
+                "robust": z_settings.step_robust,
+                "explained_share": z_settings.step_cpu_wait_share or None,
+            },
         )
         self.loss_z = ZScoreDetector(metric="loss", direction="up", **z)
         self.comm_z = ZScoreDetector(metric="comm_wait_seconds", direction="up", **z)
@@ -302,6 +308,7 @@ class LiveState:
             input_waits,
             forwards,
             cpu_waits,
+            process_waits,
         ) = _STEP_COLUMNS(list(zip(*map(_astuple, steps), strict=True)))
         ts = list(map(operator.truediv, ends, repeat(1e9)))
         hist = r.step_hist
@@ -373,8 +380,15 @@ class LiveState:
             at: list[int] = []
             job_ts: list[float] = []
             job_durations: list[float] = []
+            job_waits: list[float] = []
             for i, complete in collector.add_many(
-                batch.job, batch.rank, numbers, _own_compute(computes, cpu_waits), ts, durations
+                batch.job,
+                batch.rank,
+                numbers,
+                _own_compute(computes, cpu_waits),
+                ts,
+                durations,
+                process_waits,
             ):
                 for found in self.straggler.observe_step(
                     complete.job, complete.step, complete.compute_s_by_rank, complete.ts_unix_s
@@ -384,11 +398,13 @@ class LiveState:
                     at.append(i)
                     job_ts.append(complete.ts_unix_s)
                     job_durations.append(complete.duration_s)
+                    job_waits.append(complete.cpu_wait_s)
             if at:
                 # The job's step time, one series per job: in synchronous training every
                 # rank's step takes as long as the slowest rank's, so a slowdown is one
-                # job-level finding, not one per rank.
-                found_at = self.step_z.observe_many(job.labels, job_ts, job_durations)
+                # job-level finding, not one per rank. A rise the job's threads spent
+                # waiting for a CPU is the node's, not the job's (step_cpu_wait_share).
+                found_at = self.step_z.observe_many(job.labels, job_ts, job_durations, job_waits)
                 step_found = [(at[j], finding) for j, finding in found_at]
         # The opt-in z-scores, per rank, past a config switch's settling (as step time).
         if self._comm_z_on:

@@ -71,13 +71,18 @@ _NOISE_RANKS_PER_STEP: Final = 16
 class CompleteStep:
     """One step of one job with a compute time from every rank; ``ts_unix_s`` is the
     time of the report that completed it, ``duration_s`` the job's step time (its
-    slowest rank's; NaN where the reports carried none)."""
+    slowest rank's; NaN where the reports carried none), ``cpu_wait_s`` the most any
+    rank's threads together waited for a CPU in it (NaN where none said)."""
 
     job: str
     step: int
     compute_s_by_rank: Mapping[int, float]
     ts_unix_s: float
     duration_s: float = math.nan
+    cpu_wait_s: float = math.nan
+
+
+_Entry = tuple[dict[int, float], dict[int, float], dict[int, float]]
 
 
 class StepCollector:
@@ -98,9 +103,9 @@ class StepCollector:
             raise ValueError(f"max_pending_steps must be at least 1, got {max_pending_steps}")
         self._world_size = world_size
         self._max_pending = max_pending_steps
-        # Per job: step -> (compute_s by rank, step time by rank), in the order steps
-        # were first reported.
-        self._pending: dict[str, dict[int, tuple[dict[int, float], dict[int, float]]]] = {}
+        # Per job: step -> (compute_s by rank, step time by rank, CPU wait by rank), in
+        # the order steps were first reported.
+        self._pending: dict[str, dict[int, _Entry]] = {}
 
     @property
     def world_size(self) -> int:
@@ -125,10 +130,12 @@ class StepCollector:
         compute_s: Sequence[float],
         ts_unix_s: Sequence[float],
         duration_s: Sequence[float] | None = None,
+        cpu_wait_s: Sequence[float | None] | None = None,
     ) -> list[tuple[int, CompleteStep]]:
         """``add`` for consecutive reports of one rank, in order; ``(index, step)`` for
         each report that completed a step (the ingest hot path: one call per batch).
-        ``duration_s``: the reports' step times, for the complete steps' job step time.
+        ``duration_s``: the reports' step times, for the complete steps' job step time;
+        ``cpu_wait_s``: the rank's threads' run-queue delay in each (None: unknown).
 
         Raises ValueError if ``rank`` is outside ``0..world_size-1`` or the lengths differ.
         """
@@ -136,7 +143,9 @@ class StepCollector:
             raise ValueError(f"rank must be in 0..{self._world_size - 1}, got {rank}")
         if duration_s is None:
             duration_s = [math.nan] * len(steps)
-        if not len(steps) == len(compute_s) == len(ts_unix_s) == len(duration_s):
+        if cpu_wait_s is None:
+            cpu_wait_s = [None] * len(steps)
+        if not len(steps) == len(compute_s) == len(ts_unix_s) == len(duration_s) == len(cpu_wait_s):
             raise ValueError(
                 f"{len(steps)} steps, {len(compute_s)} compute times, {len(ts_unix_s)} times"
             )
@@ -150,10 +159,13 @@ class StepCollector:
             if entry is None:
                 if len(pending) >= max_pending:
                     del pending[next(iter(pending))]
-                entry = pending[step] = ({}, {})
-            by_rank, durations = entry
+                entry = pending[step] = ({}, {}, {})
+            by_rank, durations, waits = entry
             by_rank[rank] = compute_s[i]
             durations[rank] = duration_s[i]
+            wait = cpu_wait_s[i]
+            if wait is not None:
+                waits[rank] = wait
             if len(by_rank) < world_size:
                 continue
             del pending[step]
@@ -163,7 +175,8 @@ class StepCollector:
                     break
                 del pending[oldest]
             slowest = max(durations.values())
-            out.append((i, CompleteStep(job, step, by_rank, ts_unix_s[i], slowest)))
+            waited = max(waits.values()) if waits else math.nan
+            out.append((i, CompleteStep(job, step, by_rank, ts_unix_s[i], slowest, waited)))
         return out
 
     def pending_steps(self, job: str) -> int:
