@@ -43,6 +43,15 @@ def test_normal_jitter_does_not_open_it() -> None:
     assert not lane.observe([_step(20, 0.115), _step(21, 0.09)], now=100.0)
 
 
+def test_a_moderate_straggler_opens_it() -> None:
+    """A rank 1.2x slower (the smallest straggler the detector must name at 3+ ranks),
+    and its peers' steps that wait for it, open the lane: the detector names it on its
+    4th slow step, and batches every 0.5 s would bring that news 7-10 steps later."""
+    lane = FastLane()
+    _warm(lane)
+    assert lane.observe([_step(20, 0.1 * 1.2)], now=100.0)
+
+
 @pytest.mark.parametrize("loss", [2.5, math.nan])
 def test_a_loss_jump_or_a_non_finite_loss_opens_it(loss: float) -> None:
     lane = FastLane()

@@ -9,12 +9,16 @@ sending every step at once for ``open_s``, long enough for the aggregator's
 detectors to see the few steps their persistence asks for. The batch is marked
 ``urgent`` and the agent forwards it without its own wait.
 
-A step is notable when its duration or compute time is at least ``time_ratio``
+A step is notable when its duration or compute time is at least ``time_ratio`` (1.15)
 times the median of the rank's last ``window`` steps, or its loss is non-finite or
 at least ``loss_ratio`` times the median of the recent finite losses. The bar is
 deliberately low: a false judgement only costs an early, small batch; the
 aggregator decides what is wrong. Notable steps enter the history too, so a new
-normal (a slower phase of training) stops being notable within half a window.
+normal (a slower phase of training) stops being notable within half a window. At 1.3
+a 1.2x straggler (and its peers' steps, which wait for it) never opened the lane: the
+straggler detector named it on its 4th slow step, and the alert came 7-10 steps later,
+with the next batches. The agent's POSTs stay paced (``URGENT_MIN_INTERVAL_S``), so an
+open lane costs a node at most 10 POSTs a second.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class FastLane:
         open_s: float = 2.0,
         window: int = 32,
         min_history: int = 8,
-        time_ratio: float = 1.3,
+        time_ratio: float = 1.15,
         loss_ratio: float = 2.0,
     ) -> None:
         for name, value in (("open_s", open_s), ("time_ratio", time_ratio)):
