@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,28 +17,35 @@ from torshmon.probe.runqueue import ProcessRunQueue, RunQueueClock
 from torshmon.probe.summary import compute_cpu_wait_ns
 
 
-def test_a_thread_sharing_its_cpu_with_a_busy_process_waits_for_it() -> None:
-    if not os.path.exists("/proc/thread-self/schedstat"):
-        pytest.fail("no /proc/thread-self/schedstat on this machine (Linux with schedstats)")
+@contextlib.contextmanager
+def _sharing_a_cpu_with_a_burner() -> Iterator[None]:
+    """The calling thread pinned to one CPU that a busy process holds too."""
     cpu = min(os.sched_getaffinity(0))
     before = os.sched_getaffinity(0)
     burner = subprocess.Popen(
         [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"]
     )
-    clock = RunQueueClock()
     try:
         os.sched_setaffinity(0, {cpu})
         time.sleep(0.2)  # the burner is running on the CPU
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+        burner.kill()
+        burner.wait()
+
+
+def test_a_thread_sharing_its_cpu_with_a_busy_process_waits_for_it() -> None:
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.fail("no /proc/thread-self/schedstat on this machine (Linux with schedstats)")
+    clock = RunQueueClock()
+    with _sharing_a_cpu_with_a_burner():
         start = clock.read_ns()
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < 0.5:
             pass  # runnable all along, one CPU shared with the burner
         waited = clock.read_ns()
-    finally:
-        os.sched_setaffinity(0, before)
-        burner.kill()
-        burner.wait()
-        clock.close()
+    clock.close()
     assert start is not None and waited is not None
     # Fair sharing gives each about half of the 0.5 s: the wait is most of the other half.
     assert 0.1e9 < waited - start < 0.6e9
@@ -130,11 +139,6 @@ def test_the_process_clock_sees_a_worker_thread_waiting_for_its_cpu() -> None:
     """``ProcessRunQueue`` sums every thread's delay: a worker thread (as gloo's are)
     sharing one CPU with a busy process waits about half of its 0.5 s, while the
     thread that reads the clock sleeps."""
-    cpu = min(os.sched_getaffinity(0))
-    before = os.sched_getaffinity(0)
-    burner = subprocess.Popen(
-        [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"]
-    )
     clock = ProcessRunQueue()
     go, spun, done = threading.Event(), threading.Event(), threading.Event()
 
@@ -148,17 +152,13 @@ def test_the_process_clock_sees_a_worker_thread_waiting_for_its_cpu() -> None:
 
     worker = threading.Thread(target=spin)
     try:
-        os.sched_setaffinity(0, {cpu})
-        time.sleep(0.2)  # the burner is running on the CPU
-        worker.start()
-        first = clock.read_ns()  # lists the worker
-        go.set()
-        spun.wait()
-        last = clock.read_ns()
+        with _sharing_a_cpu_with_a_burner():
+            worker.start()  # on the same CPU (a new thread takes its creator's affinity)
+            first = clock.read_ns()  # lists the worker
+            go.set()
+            spun.wait()
+            last = clock.read_ns()
     finally:
-        os.sched_setaffinity(0, before)
-        burner.kill()
-        burner.wait()
         done.set()
         worker.join()
     assert first is not None and last is not None
@@ -170,13 +170,12 @@ def test_the_process_clock_sees_a_worker_thread_waiting_for_its_cpu() -> None:
 def test_the_process_clock_forgets_threads_that_ended_and_lists_new_ones() -> None:
     clock = ProcessRunQueue(refresh_every=1)
     assert clock.read_ns() is not None
-    listed = len(clock._fds)
     worker = threading.Thread(target=time.sleep, args=(0.1,))
     worker.start()
     clock.read_ns()
-    assert len(clock._fds) == listed + 1
+    assert str(worker.native_id) in clock._fds
     worker.join()
     clock.read_ns()
-    assert len(clock._fds) == listed
+    assert str(worker.native_id) not in clock._fds
     clock.close()
     assert clock._fds == {}
