@@ -52,6 +52,19 @@ async def _until(condition: Any, what: str, timeout_s: float = TIMEOUT_S) -> flo
     return time.time()
 
 
+def _link_state(aggregator: Aggregator) -> str:
+    """Where the job's link checks stand, for a failure's message."""
+    job = aggregator.live.links._jobs.get(JOB)
+    if job is None:
+        return "the link checker knows no such job"
+    checks = {c.id: (c.reason, sorted(c.results)) for c in job.checks.values()}
+    return (
+        f"latest link check: {job.last}; pending: {job.pending}; checks in flight "
+        f"(reason, ranks answered): {checks}; rejections: {job.rejections}; "
+        f"suspects: {sorted(job.suspects)}; findings: {sorted(job.findings)}"
+    )
+
+
 def _slow_link_alerts(aggregator: Aggregator) -> list[Any]:
     return [a for a in aggregator.alerts.active() if a.rule == "Slow Link"]
 
@@ -99,10 +112,15 @@ async def test_slow_link_alert_names_the_rank_and_resolves(
 
                     onset = time.time()
                     await asyncio.to_thread(shaper.set_rate, SLOW_RATE, 1)
-                    fired_at = await _until(
-                        lambda: any(a.state == "firing" for a in _slow_link_alerts(aggregator)),
-                        "the Slow Link alert",
-                    )
+                    try:
+                        # About 1.7 s as a rule; once, in a fresh-clone CI run (stop 29),
+                        # not in 60 s: say where the checks stood.
+                        fired_at = await _until(
+                            lambda: any(a.state == "firing" for a in _slow_link_alerts(aggregator)),
+                            "the Slow Link alert",
+                        )
+                    except AssertionError as exc:
+                        raise AssertionError(f"{exc}; {_link_state(aggregator)}") from None
                     [alert] = _slow_link_alerts(aggregator)
                     seen_ranks.add(alert.labels["rank"])
                     slow = links.last(JOB)
@@ -117,8 +135,7 @@ async def test_slow_link_alert_names_the_rank_and_resolves(
                             timeout_s=2 * TIMEOUT_S,
                         )
                     except AssertionError as exc:
-                        latest = links.last(JOB)
-                        raise AssertionError(f"{exc}; latest link check: {latest}") from None
+                        raise AssertionError(f"{exc}; {_link_state(aggregator)}") from None
                 finally:
                     Path(stop_file).touch()
                 steps = await job
