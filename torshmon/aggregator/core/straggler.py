@@ -23,7 +23,11 @@ as the rank is out of line.
   preempted ranks raise more than the median), over the ranks not above the bar. A steady
   slowdown does not change a rank's ratio from window to window, so a straggler cannot
   raise its own bar; on a busy shared CPU the bar rises with the jitter. Before
-  ``noise_samples`` can say anything (16 changes) no rank is named.
+  ``noise_samples`` can say anything (16 changes) no rank is named. Those changes lag
+  a sudden burst of contention, so with 3 or more ranks the bar also follows the noise
+  of the latest ``step_noise_steps`` steps (16): the upper quartile of the changes of
+  the ranks' ratios from one step to the next (a steady slowdown does not change its
+  rank's ratio either), scaled to the window statistic.
 - The peers' median leaves out ranks already named, so with 3 or 4 ranks a straggler
   does not move its peers' reference (and each of its slow spells does not look like
   noise on theirs). A rank left with a single peer that way takes the pair floor.
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -60,6 +65,11 @@ from torshmon.settings import Section, setting
 #: Scales the 75th percentile of |x| to the standard deviation of x (normal data):
 #: higher than the median's scale where the noise has heavy tails (preempted ranks).
 _Q75_TO_SIGMA: Final = 1 / 1.1503
+#: The node's noise now (``step_noise_steps``) raises the bar only with this many
+#: ranks or more. With two, the pair floor (20 %) already stood above the bursts of a
+#: busy node in the detection benchmark's jobs, and the estimate raised the bar above
+#: a 1.3x straggler's ratio for tens of steps.
+_RECENT_NOISE_MIN_RANKS: Final = 3
 #: Fewer noise samples than this are no estimate.
 _MIN_NOISE: Final = 16
 #: The noise is sampled from this many ranks a step at most (in turns), so a large job's
@@ -210,6 +220,9 @@ class _JobState:
     #: |change of a rank's window statistic from one window to the next|, of ranks
     #: not above the bar.
     noise: deque[float]
+    #: Per scored step, the median over ranks of |change of a rank's ratio from the
+    #: step before|: the node's noise now (``step_noise_steps``).
+    jumps: deque[float] = field(default_factory=deque)
     complete_steps: int = 0
     ranks: dict[int, _RankState] = field(default_factory=dict)
     #: Steps ``[from, until)`` of config switches, not scored.
@@ -288,6 +301,14 @@ class StragglerSettings(Section, frozen=True):
     chronic_steps: Annotated[
         int, setting("steps a finding stays active before it is marked chronic", ge=1)
     ] = 500
+    step_noise_steps: Annotated[
+        int,
+        setting(
+            "with 3 or more ranks, the bar also rises with the noise of the latest this "
+            "many steps (0: off)",
+            ge=0,
+        ),
+    ] = 16
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -315,6 +336,7 @@ class StragglerDetector:
         min_excess_s: float = 0.003,
         warmup_steps: int = 10,
         chronic_steps: int = 500,
+        step_noise_steps: int = 16,
     ) -> None:
         """Raises ValueError naming any setting outside its allowed range."""
         if not (math.isfinite(z_threshold) and z_threshold > 0):
@@ -334,6 +356,7 @@ class StragglerDetector:
             ("noise_samples", noise_samples, _MIN_NOISE),
             ("warmup_steps", warmup_steps, 0),
             ("chronic_steps", chronic_steps, 1),
+            ("step_noise_steps", step_noise_steps, 0),
         ):
             if steps < least:
                 raise ValueError(f"{name} must be at least {least} steps, got {steps}")
@@ -356,6 +379,8 @@ class StragglerDetector:
         self._min_excess_s = min_excess_s
         self._warmup_steps = warmup_steps
         self._chronic_steps = chronic_steps
+        self._step_noise_steps = step_noise_steps
+        self._stat_per_step = _order_statistic_sd(window_steps, persistence)
         self._jobs: dict[str, _JobState] = {}
 
     def observe_step(
@@ -369,7 +394,7 @@ class StragglerDetector:
         """
         state = self._jobs.get(job)
         if state is None:
-            state = self._jobs[job] = _JobState(noise=deque(maxlen=self._noise_samples))
+            state = self._jobs[job] = self._new_job()
         values = _usable(compute_s_by_rank)
         if len(values) < 2 or _paused(state, step):
             return _active_findings(state)
@@ -383,6 +408,8 @@ class StragglerDetector:
         floor = self._pair_floor if len(values) == 2 else self._floor
         peer_floor = self._pair_floor if len(values) - len(named) <= 2 else floor
         sigma = _window_sigma(state.noise)
+        if self._step_noise_steps:
+            sigma = self._with_recent_noise(state, sigma, values, ratios)
         noise_bar = None if sigma is None else self._z_threshold * sigma
         named_bar = None if noise_bar is None else max(floor, noise_bar)
         other_bar = None if noise_bar is None else max(peer_floor, noise_bar)
@@ -418,6 +445,39 @@ class StragglerDetector:
                 self._advance(job, step, ts_unix_s, rank, rank_state, bar, holds=holds)
         return _active_findings(state)
 
+    def _with_recent_noise(
+        self,
+        state: _JobState,
+        sigma: float | None,
+        values: Mapping[int, float],
+        ratios: Mapping[int, tuple[float, float]],
+    ) -> float | None:
+        """``sigma``, or the window statistic's noise as this step and the
+        ``step_noise_steps`` before it show it where that is larger.
+
+        The window-to-window changes ``sigma`` comes from span a few hundred rank-steps
+        and lag a sudden burst of contention on the node, when one rank or another is
+        10-40 % slower for a few steps and a healthy rank was named (4 ranks on the
+        benchmark's two shared cores). The changes of each rank's ratio from one step
+        to the next follow the noise at once and leave a steady slowdown out."""
+        jump = _step_jump(ratios, values, state.ranks, self._min_excess_s)
+        if jump is not None:
+            state.jumps.append(jump)
+            if len(state.jumps) > self._step_noise_steps:
+                state.jumps.popleft()
+        if (
+            sigma is None
+            or len(values) < _RECENT_NOISE_MIN_RANKS
+            or len(state.jumps) < min(self._step_noise_steps, _MIN_NOISE)
+        ):
+            return sigma
+        # A change is the difference of two steps' noise (sqrt(2) times as wide); the
+        # upper quartile, not the median, so a burst raises the bar within a few steps.
+        # The window statistic's noise is a share of a single step's.
+        ordered = sorted(state.jumps)
+        per_step = ordered[3 * len(ordered) // 4] * _Q75_TO_SIGMA / math.sqrt(2)
+        return max(sigma, per_step * self._stat_per_step)
+
     def _statistic(self, state: _RankState, *, recent: bool) -> float | None:
         """The ``persistence``-th largest ratio of the last ``window_steps`` steps
         (``recent``) or of the ``window_steps`` before them; None until there are as
@@ -443,7 +503,7 @@ class StragglerDetector:
         switch and the steps it takes to settle). Ranges overlapping earlier ones merge."""
         state = self._jobs.get(job)
         if state is None:
-            state = self._jobs[job] = _JobState(noise=deque(maxlen=self._noise_samples))
+            state = self._jobs[job] = self._new_job()
         kept = [(a, b) for a, b in state.paused if b >= from_step - 1]
         for a, b in kept:
             if a <= until_step and from_step <= b:
@@ -458,6 +518,9 @@ class StragglerDetector:
     def forget(self, job: str) -> None:
         """Drop all state of a finished job (unknown jobs are ignored)."""
         self._jobs.pop(job, None)
+
+    def _new_job(self) -> _JobState:
+        return _JobState(noise=deque(maxlen=self._noise_samples))
 
     def _new_rank(self, state: _JobState, rank: int) -> _RankState:
         n = self._window_steps
@@ -617,6 +680,38 @@ def _window_sigma(noise: deque[float]) -> float | None:
         return None
     ordered = sorted(noise)
     return ordered[3 * len(ordered) // 4] * _Q75_TO_SIGMA / math.sqrt(2)
+
+
+def _step_jump(
+    ratios: Mapping[int, tuple[float, float]],
+    values: Mapping[int, float],
+    ranks: Mapping[int, _RankState],
+    min_excess_s: float,
+) -> float | None:
+    """The median over ranks of |this step's ratio - the rank's ratio at its previous
+    scored step| (called before this step's are appended; a ratio counts as the
+    detector keeps it, 0 at most where too little time was lost); None when no rank
+    has an earlier one."""
+    jumps = []
+    for rank, (ratio, peers_s) in ratios.items():
+        state = ranks.get(rank)
+        if state is None or not state.ratios:
+            continue
+        if values[rank] - peers_s < min_excess_s:
+            ratio = min(ratio, 0.0)
+        jumps.append(abs(ratio - state.ratios[-1]))
+    jumps.sort()
+    return _median(jumps) if jumps else None
+
+
+def _order_statistic_sd(n: int, k: int) -> float:
+    """Standard deviation of the k-th largest of n independent standard normal values
+    (the large-sample approximation): the window statistic's noise per unit of a
+    single step's."""
+    p = (n - k + 1) / (n + 1)
+    x = statistics.NormalDist().inv_cdf(p)
+    density = statistics.NormalDist().pdf(x)
+    return math.sqrt(p * (1 - p) / n) / density
 
 
 def _usable(compute_s_by_rank: Mapping[int, float]) -> dict[int, float]:
