@@ -24,8 +24,8 @@ as the rank is out of line.
   slowdown does not change a rank's ratio from window to window, so a straggler cannot
   raise its own bar; on a busy shared CPU the bar rises with the jitter. Before
   ``noise_samples`` can say anything (16 changes) no rank is named. Those changes lag
-  a sudden burst of contention, so with 3 or more ranks the bar also follows the noise
-  of the latest ``step_noise_steps`` steps (16): the upper quartile of the changes of
+  a sudden burst of contention, so the bar also follows the noise of the latest
+  ``step_noise_steps`` steps (16): the upper quartile of the changes of
   the ranks' ratios from one step to the next (a steady slowdown does not change its
   rank's ratio either), scaled to the window statistic.
 - The peers' median leaves out ranks already named, so with 3 or 4 ranks a straggler
@@ -65,11 +65,7 @@ from torshmon.settings import Section, setting
 #: Scales the 75th percentile of |x| to the standard deviation of x (normal data):
 #: higher than the median's scale where the noise has heavy tails (preempted ranks).
 _Q75_TO_SIGMA: Final = 1 / 1.1503
-#: The node's noise now (``step_noise_steps``) raises the bar only with this many
-#: ranks or more. With two, the pair floor (20 %) already stood above the bursts of a
-#: busy node in the detection benchmark's jobs, and the estimate raised the bar above
-#: a 1.3x straggler's ratio for tens of steps.
-_RECENT_NOISE_MIN_RANKS: Final = 3
+
 #: Fewer noise samples than this are no estimate.
 _MIN_NOISE: Final = 16
 #: The noise is sampled from this many ranks a step at most (in turns), so a large job's
@@ -304,8 +300,7 @@ class StragglerSettings(Section, frozen=True):
     step_noise_steps: Annotated[
         int,
         setting(
-            "with 3 or more ranks, the bar also rises with the noise of the latest this "
-            "many steps (0: off)",
+            "the bar also rises with the noise of the latest this many steps (0: off)",
             ge=0,
         ),
     ] = 16
@@ -457,19 +452,15 @@ class StragglerDetector:
 
         The window-to-window changes ``sigma`` comes from span a few hundred rank-steps
         and lag a sudden burst of contention on the node, when one rank or another is
-        10-40 % slower for a few steps and a healthy rank was named (4 ranks on the
-        benchmark's two shared cores). The changes of each rank's ratio from one step
-        to the next follow the noise at once and leave a steady slowdown out."""
+        10-40 % slower for a few steps and a healthy rank was named (2 and 4 ranks on
+        the benchmark's two shared cores). The changes of each rank's ratio from one
+        step to the next follow the noise at once and leave a steady slowdown out."""
         jump = _step_jump(ratios, values, state.ranks, self._min_excess_s)
         if jump is not None:
             state.jumps.append(jump)
             if len(state.jumps) > self._step_noise_steps:
                 state.jumps.popleft()
-        if (
-            sigma is None
-            or len(values) < _RECENT_NOISE_MIN_RANKS
-            or len(state.jumps) < min(self._step_noise_steps, _MIN_NOISE)
-        ):
+        if sigma is None or len(state.jumps) < min(self._step_noise_steps, _MIN_NOISE):
             return sigma
         # A change is the difference of two steps' noise (sqrt(2) times as wide); the
         # upper quartile, not the median, so a burst raises the bar within a few steps.
