@@ -51,10 +51,6 @@ log = logging.getLogger(__name__)
 #: (probes flush every 0.5 s and wait up to 2 s for an ack, so 100 ms is invisible
 #: to them; the agent wakes twice per window instead of once per frame).
 GROUP_COMMIT_S = 0.1
-#: The read window while a probe's fast lane is open (its batches are urgent): a
-#: step its detectors wait for reaches the spool, and the shipper its ack, in about
-#: this long rather than a group commit later.
-URGENT_READ_WINDOW_S = 0.005
 #: Where the aggregator takes agent batches, under its base URL.
 INGEST_PATH = "/api/v1/ingest"
 #: Commands kept per job while no rank-0 probe of it is connected.
@@ -86,7 +82,6 @@ class Agent:
             store=self._store,
             commands_for=self._commands_for,
             read_window_s=GROUP_COMMIT_S,
-            urgent_window_s=URGENT_READ_WINDOW_S,
             socket_mode=0o600 if socket_gid is None else 0o660,
             socket_gid=socket_gid,
         )

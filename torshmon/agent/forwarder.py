@@ -37,12 +37,7 @@ log = logging.getLogger(__name__)
 
 _MAX_RECORDS_PER_BATCH: Final = 10_000
 #: The least time between POSTs when urgent records cut the gathering wait short.
-URGENT_MIN_INTERVAL_S: Final = 0.05
-#: After an urgent record, how long the agent still gathers before it POSTs: the
-#: records of the same step from the node's other ranks (their shippers look every
-#: 10 ms while the lane is open) join the batch. Steps are only scored once every
-#: rank's record is in, so without it a step's last record waited for the next POST.
-URGENT_GATHER_S: Final = 0.015
+URGENT_MIN_INTERVAL_S: Final = 0.1
 _MAX_LOGGED_BODY_CHARS: Final = 500
 #: The start of an error body that is scrubbed of secrets before it is cut for a log.
 _SCRUBBED_BODY_BYTES: Final = 8192
@@ -252,12 +247,8 @@ class Forwarder:
                 # URGENT_MIN_INTERVAL_S at the least (a node of busy ranks would POST per
                 # step otherwise). A backoff after a failure is never cut short.
                 waited = time.monotonic()
-                urgent = await wait_event(self._urgent, delay)
+                await wait_event(self._urgent, delay)
                 rest = URGENT_MIN_INTERVAL_S - (time.monotonic() - waited)
-                if urgent:
-                    # The node's other ranks finish the same step within a few ms:
-                    # their records join this POST instead of waiting for the next.
-                    rest = max(rest, URGENT_GATHER_S)
                 if rest > 0:
                     await asyncio.sleep(rest)
             elif delay > 0:

@@ -76,7 +76,6 @@ class ProbeReceiver:
         store: Callable[[ProbeMessage, bytes], Awaitable[None]] | None = None,
         commands_for: Callable[[Hello], list[Command]] | None = None,
         read_window_s: float = 0.0,
-        urgent_window_s: float | None = None,
         socket_mode: int = 0o600,
         socket_gid: int | None = None,
     ) -> None:
@@ -90,7 +89,6 @@ class ProbeReceiver:
         self.socket_mode = socket_mode
         self.socket_gid = socket_gid
         self.read_window_s = read_window_s
-        self.urgent_window_s = read_window_s if urgent_window_s is None else urgent_window_s
         self._out_path = Path(out_path) if out_path is not None else None
         self._on_message = on_message
         self._store = store
@@ -220,14 +218,9 @@ class ProbeReceiver:
         if self.read_window_s <= 0.0:
             self._read_all()
             return
-        # Stop watching until the window closes: the data waits in the sockets. While
-        # a probe sends urgent batches the window is short: a step a detector waits
-        # for should not wait for the group commit too.
+        # Stop watching until the window closes: the data waits in the sockets.
         loop.remove_reader(self._selector_fd)
-        window = self.read_window_s
-        if any(c.urgent for c in self._connections):
-            window = min(window, self.urgent_window_s)
-        self._window = loop.call_later(window, self._close_window)
+        self._window = loop.call_later(self.read_window_s, self._close_window)
 
     def _close_window(self) -> None:
         self._window = None
@@ -351,7 +344,6 @@ class _ProbeConnection:
         "hello",
         "sock",
         "storing",
-        "urgent",
     )
 
     def __init__(self, server: ProbeReceiver, sock: socket.socket) -> None:
@@ -365,9 +357,6 @@ class _ProbeConnection:
         self.hello: Hello | None = None
         #: The store this connection waits for before acking (and reading on).
         self.storing: asyncio.Future[None] | None = None
-        #: Its latest batch was urgent (the probe's fast lane is open): the next
-        #: read window is ``urgent_window_s``.
-        self.urgent = False
 
     def close(self) -> None:
         """Close the socket; safe to call twice. A pending store still completes."""
@@ -456,15 +445,13 @@ class _ProbeConnection:
             return
         if isinstance(message, Hello):
             self.hello = message
-        else:
-            self.urgent = message.urgent
-            if (pending := server._in_flight.get((message.session, message.seq))) is not None:
-                # A resend (after a reconnect) of a batch still being stored: it is
-                # acknowledged when that store is durable, not before.
-                server.duplicates += 1
-                self.storing = pending
-                server._wait_for_store(self, message.seq)
-                return
+        elif (pending := server._in_flight.get((message.session, message.seq))) is not None:
+            # A resend (after a reconnect) of a batch still being stored: it is
+            # acknowledged when that store is durable, not before.
+            server.duplicates += 1
+            self.storing = pending
+            server._wait_for_store(self, message.seq)
+            return
         if server._accept(message, payload) and server._store is not None:
             try:
                 self.storing = asyncio.ensure_future(server._store(message, payload))

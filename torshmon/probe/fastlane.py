@@ -17,11 +17,8 @@ aggregator decides what is wrong. Notable steps enter the history too, so a new
 normal (a slower phase of training) stops being notable within half a window. At 1.3
 a 1.2x straggler (and its peers' steps, which wait for it) never opened the lane: the
 straggler detector named it on its 4th slow step, and the alert came 7-10 steps later,
-with the next batches. While the lane is open the shipper looks every 10 ms
-(``LANE_POLL_S``), the agent reads the probe's frames at once and gathers the node's
-other ranks' records of the same step for a few ms (``URGENT_GATHER_S``); its POSTs stay
-paced (``URGENT_MIN_INTERVAL_S``), so an open lane costs a node at most 20 POSTs a
-second.
+with the next batches. The agent's POSTs stay paced (``URGENT_MIN_INTERVAL_S``), so an
+open lane costs a node at most 10 POSTs a second.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Final, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import msgspec
 
@@ -57,10 +57,6 @@ from torshmon.wire import (
 )
 
 log = logging.getLogger(__name__)
-
-#: How often the shipper looks for new steps while the fast lane is open (otherwise
-#: ``poll_s``): a thread wake-up every 10 ms for the lane's 2 s.
-LANE_POLL_S: Final = 0.01
 
 T = TypeVar("T")
 
@@ -246,11 +242,7 @@ class Shipper:
         failures = 0
         self._next_flush = time.monotonic() + self._flush_interval_s
         while True:
-            # While the fast lane is open the next step goes out within LANE_POLL_S,
-            # so the records of one step from a node's ranks reach the agent together
-            # (it gathers them for URGENT_GATHER_S) rather than a poll apart.
-            lane = self.fast_lane.is_open(time.monotonic())
-            stopping = self._stop.wait(min(self._poll_s, LANE_POLL_S) if lane else self._poll_s)
+            stopping = self._stop.wait(self._poll_s)
             try:
                 self._poll(final=stopping)
             except Exception:
