@@ -65,7 +65,6 @@ from torshmon.settings import Section, setting
 #: Scales the 75th percentile of |x| to the standard deviation of x (normal data):
 #: higher than the median's scale where the noise has heavy tails (preempted ranks).
 _Q75_TO_SIGMA: Final = 1 / 1.1503
-
 #: Fewer noise samples than this are no estimate.
 _MIN_NOISE: Final = 16
 #: The noise is sampled from this many ranks a step at most (in turns), so a large job's
@@ -217,8 +216,8 @@ class _JobState:
     #: not above the bar.
     noise: deque[float]
     #: Per scored step, the median over ranks of |change of a rank's ratio from the
-    #: step before|: the node's noise now (``step_noise_steps``).
-    jumps: deque[float] = field(default_factory=deque)
+    #: step before|: the node's noise now (the last ``step_noise_steps``).
+    jumps: deque[float]
     complete_steps: int = 0
     ranks: dict[int, _RankState] = field(default_factory=dict)
     #: Steps ``[from, until)`` of config switches, not scored.
@@ -458,8 +457,6 @@ class StragglerDetector:
         jump = _step_jump(ratios, values, state.ranks, self._min_excess_s)
         if jump is not None:
             state.jumps.append(jump)
-            if len(state.jumps) > self._step_noise_steps:
-                state.jumps.popleft()
         if sigma is None or len(state.jumps) < min(self._step_noise_steps, _MIN_NOISE):
             return sigma
         # A change is the difference of two steps' noise (sqrt(2) times as wide); the
@@ -511,7 +508,9 @@ class StragglerDetector:
         self._jobs.pop(job, None)
 
     def _new_job(self) -> _JobState:
-        return _JobState(noise=deque(maxlen=self._noise_samples))
+        return _JobState(
+            noise=deque(maxlen=self._noise_samples), jumps=deque(maxlen=self._step_noise_steps)
+        )
 
     def _new_rank(self, state: _JobState, rank: int) -> _RankState:
         n = self._window_steps
