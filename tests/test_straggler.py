@@ -194,18 +194,18 @@ def test_a_sudden_burst_of_noise_raises_the_bar_before_it_names_a_healthy_rank()
         for seed in range(10)
     ]
 
-    def named_in_storms(det: Callable[[], StragglerDetector]) -> int:
-        return sum(any(named[300:]) for named in (_run(det(), rows) for rows in storms))
-
-    assert named_in_storms(lambda: StragglerDetector(step_noise_steps=0)) >= 8
-    assert named_in_storms(StragglerDetector) <= 1
     # Two ranks, 20 % scatter: above the pair floor as often.
-    storms = [
+    pair_storms = [
         _noisy(2, 300, seed=seed, sigma=0.03) + _noisy(2, 120, seed=100 + seed, sigma=0.2)
         for seed in range(10)
     ]
-    assert named_in_storms(lambda: StragglerDetector(step_noise_steps=0)) >= 8
-    assert named_in_storms(StragglerDetector) <= 1
+
+    def named_in(jobs: list[list[list[float]]], det: Callable[[], StragglerDetector]) -> int:
+        return sum(any(named[300:]) for named in (_run(det(), rows) for rows in jobs))
+
+    for jobs in (storms, pair_storms):
+        assert named_in(jobs, lambda: StragglerDetector(step_noise_steps=0)) >= 8
+        assert named_in(jobs, StragglerDetector) <= 1
     latencies = []
     for seed in range(10):
         rows = _noisy(4, 100, seed=seed, sigma=0.05)
