@@ -84,12 +84,32 @@ async def test_a_nan_loss_fires_non_finite_loss_and_training_recovers(tmp_path: 
 async def test_a_memory_leak_fires_memory_leak_naming_the_rank_and_resolves(
     tmp_path: Path,
 ) -> None:
-    # 4 MB a step at ~115 ms a step: ~35 MB/s for ~12 s, then ~12 s flat.
-    result = await _run(tmp_path, 250, "memory-leak:rank=1,from=40,to=140,mb=4")
+    # 4 MB a step at ~115 ms a step: ~35 MB/s for ~20 s, then ~11 s flat. The rule fires
+    # about 8 s into a leak, but one flat second in its 10 s window (the job paused by a
+    # busy box) holds it back until that second leaves the window: the leak outlasts that.
+    result = await _run(tmp_path, 330, "memory-leak:rank=1,from=40,to=230,mb=4")
+    if not [a for a in _fired(result) if a["rule"] == "Memory Leak"]:
+        pytest.fail(f"Memory Leak did not fire; rank 1's RSS: {_rss_rises(result)}")
     alert = _one(result, "Memory Leak")
     assert alert["rank"] == 1
     assert alert["state"] == "resolved"
     assert not [a for a in _fired(result) if a["rule"] == "Memory Leak" and a["rank"] != 1]
+
+
+def _rss_rises(result: DemoResult) -> str:
+    """Rank 1's RSS samples from a second before the onset: seconds after it, MB rise."""
+    import itertools
+    import sqlite3
+
+    onset = _onset(result)
+    with sqlite3.connect(result.db_url.removeprefix("sqlite:///")) as db:
+        rows = db.execute(
+            "SELECT ts_unix_ns, rss_bytes FROM rank_samples WHERE rank = 1 ORDER BY ts_unix_ns"
+        ).fetchall()
+    points = [(ts / 1e9 - onset, rss) for ts, rss in rows if ts / 1e9 > onset - 1]
+    return " ".join(
+        f"{t:.1f}s:{(b - a) / 1e6:+.0f}MB" for (_, a), (t, b) in itertools.pairwise(points)
+    )
 
 
 async def test_a_regression_fires_step_time_anomaly_and_no_straggler(tmp_path: Path) -> None:
