@@ -70,3 +70,23 @@ def test_a_trial_line_carries_the_codec_parameters_and_the_unit() -> None:
         "config": {"codec": "fp16", "bucket_cap_mb": 25},
     }
     assert trial_line(unscored, "steps/s") == "trial 2: fp16, bucket 25 MB: worse"
+
+
+def test_a_missing_dependency_is_named_on_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """An install without its dependencies (``pip install --no-deps``, ``--target``):
+    ``torshmon query`` says which package is missing, not a traceback."""
+    import sys
+
+    from torshmon.cli import main
+
+    for name in list(sys.modules):
+        if name.partition(".")[0] == "sqlalchemy" or name.startswith("torshmon.history"):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # import sqlalchemy now fails
+    code = main(["query", "--db", str(tmp_path / "history.db"), "SELECT 1"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("torshmon query: needs the Python package 'sqlalchemy'"), err

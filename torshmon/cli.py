@@ -794,6 +794,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return 141  # 128 + SIGPIPE, what a shell reports for such a reader
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and exc.name.partition(".")[0] != "torshmon":
+            # A dependency missing (an install with --no-deps or --target): say which.
+            return _fail(
+                args.command,
+                redact,
+                f"needs the Python package {exc.name.partition('.')[0]!r}, which is not "
+                "installed here (pip install torshmon brings it)",
+                1,
+            )
+        log.exception("torshmon %s failed", args.command)  # our own module: a broken install
+        return 1
     except Exception:
         # A bug: its traceback goes through the scrubbing log handler, not straight out.
         log.exception("torshmon %s failed", args.command)
