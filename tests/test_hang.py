@@ -307,6 +307,38 @@ def test_a_quiet_nodes_last_reports_make_no_hang_against_the_healthy_node() -> N
         assert det.evaluate(t, {"a": t, "b": NOW}) == [], t
 
 
+def test_a_probe_catching_up_after_its_agent_came_back_shows_no_hang() -> None:
+    """Node b's agent restarted: it is heard again (its horizon is now), and its ranks'
+    probes resend what they buffered meanwhile, one batch per ack, each arriving
+    seconds after its own time. Rank 3's report from 4 s ago shows it in all_reduce #525,
+    which it has long left (its newer reports are queued behind it): it is not taken as
+    4 s of waiting, so node a's ranks, past #525, are not named as never joining it
+    (a fresh-clone CI run named ranks 0, 1 and 2 so). A report that came on time keeps
+    vouching for the silence after it."""
+    det = HangDetector(timeout_s=5.0, min_timeout_s=2.0, fresh_s=3.0)
+    det.set_world("demo", 4)
+    for _ in range(50):
+        det.observe_step_duration("demo", 0.02)  # short steps: the 2 s floor applies
+    for rank in (0, 1):
+        det.observe("demo", rank, NOW, [], node="a", received_unix_s=NOW)
+    det.observe("demo", 2, NOW - 4.0, [_op(523, 0.01)], node="b", received_unix_s=NOW)
+    det.observe("demo", 3, NOW - 4.0, [_op(525, 0.01)], node="b", received_unix_s=NOW)
+    for t in (NOW, NOW + 0.5):
+        assert det.evaluate(t, {"a": t, "b": t}) == [], t
+    # The same reports, come on time 4 s ago and nothing from those ranks since while
+    # their agent is heard: they did wait (or stopped reporting), and it is a hang.
+    det = HangDetector(timeout_s=5.0, min_timeout_s=2.0, fresh_s=3.0)
+    det.set_world("demo", 4)
+    for _ in range(50):
+        det.observe_step_duration("demo", 0.02)
+    for rank in (0, 1):
+        det.observe("demo", rank, NOW, [], node="a", received_unix_s=NOW)
+    det.observe("demo", 2, NOW - 4.0, [_op(523, 0.01)], node="b", received_unix_s=NOW - 4.0)
+    det.observe("demo", 3, NOW - 4.0, [_op(525, 0.01)], node="b", received_unix_s=NOW - 4.0)
+    found = _by_rank(det.evaluate(NOW, {"a": NOW, "b": NOW}))
+    assert set(found) == {"0", "1", "2"}
+
+
 def test_a_genuine_hang_still_fires_with_fresh_reports_through_live_agents() -> None:
     det = HangDetector(timeout_s=5.0, fresh_s=3.0)
     det.set_world("demo", 4)

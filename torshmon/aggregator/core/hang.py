@@ -59,7 +59,10 @@ instead. A rank named as missing has a fresh report showing it elsewhere, or is
 silent while its node's agent is heard (its process stopped reporting), or has exited
 (its agent listed its process, and lists it no more), or has never reported at all. An
 exited rank waits in nothing: a job's last reports, frozen when its processes end, are
-no hang.
+no hang. A report that arrived late (more than ``LATE_ALLOWANCE_S`` after its own time,
+as a probe's buffered batches do when it catches up after its agent came back)
+vouches for that much less of the time since: the rank's newer reports may be on
+their way just as late.
 """
 
 from __future__ import annotations
@@ -84,6 +87,11 @@ from torshmon.aggregator.core.waits import (
     ranks_text,
 )
 from torshmon.settings import Section, setting
+
+#: How late past its own time a report may arrive and still vouch for the time since:
+#: an agent POSTs at least once a second, so a report on a live channel is in within
+#: about that.
+LATE_ALLOWANCE_S: Final = 1.0
 
 _NEVER_JOINED_ADVICE: Final = (
     "Rank {rank} is the one to look at: dump its Python stacks (py-spy dump --pid) to "
@@ -162,6 +170,10 @@ class _Report:
     ts_unix_s: float
     ops: tuple[_Op, ...]
     node: str | None = None
+    #: How much later than usual it arrived (its receive time less ``ts_unix_s``, less
+    #: ``LATE_ALLOWANCE_S``; 0 on time): a probe replaying the batches it buffered
+    #: while its agent was away delivers each late, and newer ones are still on the way.
+    late_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -270,9 +282,11 @@ class HangDetector:
         ts_unix_s: float,
         inflight: Sequence[InflightLike],
         node: str | None = None,
+        received_unix_s: float | None = None,
     ) -> None:
         """Record a rank's latest in-flight report (an empty list: in no collective),
-        current at ``ts_unix_s``, delivered by the agent of ``node`` (None: unknown).
+        current at ``ts_unix_s``, delivered by the agent of ``node`` (None: unknown) at
+        ``received_unix_s`` (None: at ``ts_unix_s``; see ``_Report.late_s``).
 
         A report older than the one held for the rank is ignored. Raises ValueError if
         ``rank`` is negative or outside a declared world size.
@@ -285,10 +299,13 @@ class HangDetector:
         if held is not None and ts_unix_s < held.ts_unix_s:
             return
         ops = tuple(_Op(o.pg, o.seq, o.op, o.age_s, o.peer) for o in inflight) if inflight else ()
+        late = 0.0
+        if received_unix_s is not None and math.isfinite(received_unix_s):
+            late = max(0.0, received_unix_s - ts_unix_s - LATE_ALLOWANCE_S)
         if held is None:
-            state.reports[rank] = _Report(ts_unix_s, ops, node)
+            state.reports[rank] = _Report(ts_unix_s, ops, node, late)
         else:
-            held.ts_unix_s, held.ops, held.node = ts_unix_s, ops, node
+            held.ts_unix_s, held.ops, held.node, held.late_s = ts_unix_s, ops, node, late
         for op in ops:
             if op.peer is None and op.pg != DEFAULT_PG:
                 state.members.setdefault(op.pg, set()).add(rank)
@@ -367,8 +384,12 @@ class HangDetector:
         pairs: dict[tuple[str, int, int], Entry] = {}
         for rank, report in fresh:
             # Silence after the report is not time spent in the op, unless the node's
-            # agent has delivered newer data without a newer report of this rank.
-            since_report = max(0.0, self._reach(report, now) - report.ts_unix_s)
+            # agent has delivered newer data without a newer report of this rank. A
+            # report that came late vouches that much less: the rank's newer reports
+            # may be on their way as late (a probe catching up after an agent restart
+            # showed an op it had long left, and its peers "never joined" it).
+            reach = self._reach(report, now) - report.late_s
+            since_report = max(0.0, reach - report.ts_unix_s)
             for op in report.ops:
                 entry = Entry(rank, op.seq, op.op, op.age_s + since_report)
                 if op.peer is None:

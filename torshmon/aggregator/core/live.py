@@ -271,7 +271,7 @@ class LiveState:
         if batch.collective_failures:
             self._observe_failures(batch, r, ts, now_unix_s)
         if job.world_size is None or batch.rank < job.world_size:
-            self.hang.observe(batch.job, batch.rank, ts, batch.inflight, node)
+            self.hang.observe(batch.job, batch.rank, ts, batch.inflight, node, now_unix_s)
         for result in batch.link_checks:
             self.links.observe_result(result, now_unix_s)
             self._fresh = True
