@@ -22,6 +22,7 @@ Usage::
     python benchmarks/agent.py --quick          # under a minute
     python benchmarks/agent.py                  # a few minutes
     python benchmarks/agent.py --profile DIR    # also cProfile the agent (slower)
+    python benchmarks/agent.py --urgent --flush-interval-s 0.1   # every fast lane open
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class Plan:
     scrape_interval_s: float
     pin: bool
     profile_dir: Path | None
+    #: Every batch marked urgent: every rank's fast lane open, the agent's worst case
+    #: (short read windows, gathered and paced POSTs).
+    urgent: bool = False
 
 
 QUICK = {"repeats": 1, "warmup_s": 3.0, "window_s": 8.0}
@@ -311,6 +315,7 @@ class SimulatedRank:
             sent_unix_ns=now_ns,
             dropped_records_total=0,
             steps=steps,
+            urgent=self._plan.urgent,
         )
 
 
@@ -640,6 +645,12 @@ def parse_plan(argv: Sequence[str] | None = None) -> Plan:
         "--no-pin", dest="pin", action="store_false", help="do not pin the agent to one CPU"
     )
     parser.add_argument("--profile", type=Path, help="cProfile the agent into this folder")
+    parser.add_argument(
+        "--urgent",
+        action="store_true",
+        help="mark every batch urgent (every fast lane open; with --flush-interval-s 0.1: "
+        "a batch a step, as an open lane sends)",
+    )
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
     if args.profile is not None:
@@ -656,6 +667,7 @@ def parse_plan(argv: Sequence[str] | None = None) -> Plan:
         scrape_interval_s=args.scrape_interval_s,
         pin=args.pin,
         profile_dir=args.profile,
+        urgent=args.urgent,
     )
 
 
@@ -674,6 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         scrape_interval_s=plan.scrape_interval_s,
         pinned=plan.pin,
         profiled=plan.profile_dir is not None,
+        urgent=plan.urgent,
         cpus=os.cpu_count(),
         wall_s=round(time.perf_counter() - started, 1),
     )
