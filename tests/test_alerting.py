@@ -286,6 +286,33 @@ def test_finding_rules_take_labels_value_and_texts_from_the_finding() -> None:
     assert (resolved.rule, resolved.state) == ("Straggler", "resolved")
 
 
+def test_a_straggler_named_again_between_two_evaluations_is_a_new_alert() -> None:
+    """The detector let rank 3 go and named it again within one ingest (a batch of many
+    short steps): no evaluation saw it clear, but the finding's ``since`` is later, so the
+    first alert resolves and the second episode gets an alert of its own (the benchmark
+    saw one alert span two faults 60 steps apart). The same episode stays one alert."""
+    engine = AlertEngine(default_rules())
+    series = SeriesStore()
+
+    def straggler(since: float) -> Finding:
+        return Finding(
+            kind="straggler",
+            labels={"job": "j", "rank": "3"},
+            value=0.8,
+            score=1.5,
+            summary="rank 3 of job j computes 1.50x slower",
+            since_unix_s=since,
+        )
+
+    [first] = engine.evaluate(100.0, series, [straggler(99.0)])
+    assert engine.evaluate(101.0, series, [straggler(99.0)]) == []
+    resolved, fired = engine.evaluate(102.0, series, [straggler(101.5)])
+    assert (resolved.state, resolved.fingerprint) == ("resolved", first.fingerprint)
+    assert resolved.ends_at_unix_s == 102.0
+    assert (fired.state, fired.starts_at_unix_s) == ("firing", 102.0)
+    assert engine.evaluate(103.0, series, [straggler(101.5)]) == []
+
+
 def test_finding_rule_for_counts_from_when_the_finding_began() -> None:
     rules = _rules(
         """

@@ -200,6 +200,15 @@ class AlertEngine:
         pending_for_s = 0.0 if rule.kind == "absent" else rule.for_s
         for key, hit in hits.items():
             instance = instances.get(key)
+            if instance is not None and _new_episode(rule, instance, hit):
+                # The detector let the rank go and named it again between two
+                # evaluations (one ingest carried both): the alert of the first episode
+                # resolves, and the second gets an alert of its own.
+                del instances[key]
+                transitions.append(self._alert(instance, "resolved", now))
+                instance = None
+                if rule.cooldown_s > 0:
+                    self._cooldown_until[(rule.name, key)] = now + rule.cooldown_s
             is_new = instance is None
             if instance is None:
                 if (rule.name, key) in self._cooldown_until:
@@ -556,6 +565,20 @@ def _increase(values: Sequence[float]) -> float | None:
     for before, after in itertools.pairwise(finite):
         rose += after - before if after >= before else after
     return rose
+
+
+def _new_episode(rule: Rule, instance: _Instance, hit: _Hit) -> bool:
+    """Whether ``hit`` is a later episode of a straggler finding than the one ``instance``
+    fires for. A straggler finding's ``since_unix_s`` is set once, when the detector names
+    the rank, so a later one means it was cleared in between. (Other kinds' ``since`` is
+    not kept so strictly: their alerts resolve only when an evaluation sees them gone.)"""
+    return (
+        rule.kind == "straggler"
+        and instance.state == "firing"
+        and hit.finding is not None
+        and instance.finding is not None
+        and hit.finding.since_unix_s > instance.finding.since_unix_s
+    )
 
 
 def _steady_slope(
