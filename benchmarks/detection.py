@@ -320,18 +320,20 @@ class FiringWatch:
 
     def __init__(self, job: str) -> None:
         self.job = job
-        self.firing: set[tuple[str, str | None]] = set()
+        # (rule, rank, starts_at): an alert that resolves and fires again for the same
+        # rank within one evaluation is a new one, though its rule and rank never left.
+        self.firing: set[tuple[str, str | None, float | None]] = set()
         self.started: list[tuple[str, str | None, float, int]] = []
 
     def __call__(self, aggregator: Any, shaper: Any) -> None:
         summary = aggregator.live.job_summary(self.job)
         last = summary["last_step"] if summary else -1
         now = {
-            (a.rule, a.labels.get("rank"))
+            (a.rule, a.labels.get("rank"), a.starts_at_unix_s)
             for a in aggregator.alerts.active()
             if a.state == "firing"
         }
-        for rule, rank in now - self.firing:
+        for rule, rank, _ in now - self.firing:
             self.started.append((rule, rank, time.time(), last))
         self.firing = now
 
