@@ -4,6 +4,9 @@ nothing. (The straggler is covered with Slack in ``test_demo.py``.)"""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -98,11 +101,8 @@ async def test_a_memory_leak_fires_memory_leak_naming_the_rank_and_resolves(
 
 def _rss_rises(result: DemoResult) -> str:
     """Rank 1's RSS samples from a second before the onset: seconds after it, MB rise."""
-    import itertools
-    import sqlite3
-
     onset = _onset(result)
-    with sqlite3.connect(result.db_url.removeprefix("sqlite:///")) as db:
+    with contextlib.closing(sqlite3.connect(result.db_url.removeprefix("sqlite:///"))) as db:
         rows = db.execute(
             "SELECT ts_unix_ns, rss_bytes FROM rank_samples WHERE rank = 1 ORDER BY ts_unix_ns"
         ).fetchall()
