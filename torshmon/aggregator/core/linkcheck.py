@@ -201,7 +201,6 @@ class _Job:
     ranks: dict[int, _RankSteps] = field(default_factory=dict)
     last_check_s: float = -math.inf
     last_triggered_s: float = -math.inf  # the last check a communication rise asked for
-    pending: str | None = None  # a reason: due, not yet sent
     checks: dict[str, _Check] = field(default_factory=dict)
     findings: dict[str, Finding] = field(default_factory=dict)
     healthy_pairs: dict[Pair, deque[float]] = field(default_factory=dict)
