@@ -18,7 +18,9 @@ Each alert that fired is, in this order:
 
 An episode is **detected** when a right alert first fired inside its window; its latency
 is that alert's; its **coverage** is the share of the time the fault was acting during
-which a right alert was firing. Windows of one job's episodes can overlap (a grace runs
+which a right alert was firing, and its **coverage after the alert** the same share of
+the acting time from its first right alert on (how well the alert stays firing through
+the fault, latency left out). Windows of one job's episodes can overlap (a grace runs
 into the next fault): an alert goes to the latest-started episode it fits.
 
 **precision_runs** counts units, not alerts: each episode is a unit (true if detected
@@ -118,6 +120,7 @@ class EpisodeScore:
     symptoms: list[FiredAlert] = field(default_factory=list)
     false: list[FiredAlert] = field(default_factory=list)
     coverage: float | None = None
+    coverage_after_alert: float | None = None
 
     @property
     def detected(self) -> bool:
@@ -182,6 +185,11 @@ def score_run(
         # placed: one that fired for an earlier fault and still fires covers this one.
         right = [a for a in alerts if _right_for(a, score.episode)]
         score.coverage = coverage(score.episode.on_periods, right, run_end_unix_s)
+        first = score.first
+        if first is not None:
+            t0 = first.fired_at_unix_s
+            after = [(max(start, t0), end) for start, end in score.episode.on_periods if end > t0]
+            score.coverage_after_alert = coverage(after, right, run_end_unix_s)
     return run
 
 
@@ -260,6 +268,7 @@ class Summary:
     worst_latency_s: float | None
     coverage_median: float | None
     coverage_median_all: float | None
+    coverage_after_alert_median: float | None
     true_units: int
     false_units: int
 
@@ -289,6 +298,11 @@ def summarize(
         s.coverage for s in detected if s.coverage is not None and s.episode.kind in coverage_kinds
     ]
     covered_all = [s.coverage for s in detected if s.coverage is not None]
+    after = [
+        s.coverage_after_alert
+        for s in detected
+        if s.coverage_after_alert is not None and s.episode.kind in coverage_kinds
+    ]
     return Summary(
         recall=_share(len(detected), len(scoped)),
         recall_all=_share(sum(s.detected for s in episodes), len(episodes)),
@@ -299,6 +313,7 @@ def summarize(
         worst_latency_s=max(latencies_s) if latencies_s else None,
         coverage_median=median(covered),
         coverage_median_all=median(covered_all),
+        coverage_after_alert_median=median(after),
         true_units=true_units,
         false_units=false_units,
     )

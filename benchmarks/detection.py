@@ -8,8 +8,9 @@ several **episodes**, one fault at one magnitude each, in an order and on ranks 
 from the seed, with at least ``GAP_STEPS`` healthy steps between them (a job's start-up
 costs more than its steps on two shared cores). The sweep:
 
-- straggler 1.1/1.2/1.3/1.5/2/3x compute, steady (60 steps) and intermittent (5 periods
-  of 10 slow steps, 10 normal between), in one job at 2 ranks and one at 4;
+- straggler 1.1/1.2/1.3/1.5/2/3x compute, steady (``FAULT_STEPS``, 100 steps) and
+  intermittent (9 periods of 10 slow steps, 10 normal between), in one job at 2 ranks
+  and one at 4;
 - a job-wide regression 1.3/2x of the in-step time, each in a job of its own (2 ranks:
   Step Time Anomaly's cooldown would let one anomaly hide the next);
 - hang of 1/3/6/10 s (2 ranks); memory leak of 0.5/2/4/8 MB a step at ~0.1 s a step;
@@ -79,10 +80,14 @@ from benchmarks._scoring import (
 from benchmarks._table import format_table
 from torshmon.faults import KINDS, parse_fault
 
-#: Steps a steady straggler or a regression lasts (an on/off straggler: as many slow
-#: steps, in periods of 10). Coverage counts from the onset, so the first few steps any
-#: detector needs cost a short fault most of its share: 5 steps are 17 % of 30 steps.
-FAULT_STEPS = 60
+#: Steps a steady straggler or a regression lasts (an on/off straggler: FAULT_STEPS/10 - 1
+#: periods of 10 slow steps, 10 normal between; ``--fault-steps``). Coverage counts
+#: from the onset, so the steps any detector needs before it names a rank cost a short
+#: fault most of its share: 5 steps are 17 % of 30 steps, 8 % of 60. Issue 19's targets
+#: pair "named within 10 steps" with "90 % of the slow steps covered", which only a
+#: fault of 100 steps or more can meet at that latency; real stragglers (a throttled
+#: GPU, a noisy neighbour) last minutes. Figures before 2026-11-29 used 60.
+FAULT_STEPS = 100
 #: Healthy steps between two episodes of a job (plus up to 10 drawn from the seed).
 GAP_STEPS = 50
 #: Healthy steps before the first episode: the detectors' baselines, the faults' own
@@ -591,6 +596,7 @@ class CurvePoint:
             "worst_latency_s": max(secs) if secs else None,
             "median_slack_latency_s": median(self.slack_s),
             "coverage_median": median([s.coverage for s in detected]),
+            "coverage_after_alert_median": median([s.coverage_after_alert for s in detected]),
             "measured_median": median(self.measured),
             "false_alerts": sorted(a.name for s in self.scores for a in (*s.false, *s.wrong_rank)),
         }
@@ -645,12 +651,23 @@ def print_curves(by_label: dict[str, list[CurvePoint]]) -> None:
                     ("lat s med", lambda r: _fmt(r["median_latency_s"])),
                     ("worst", lambda r: _fmt(r["worst_latency_s"])),
                     ("coverage", lambda r: _fmt(r["coverage_median"])),
+                    ("after alert", lambda r: _fmt(r["coverage_after_alert_median"])),
                     ("measured", lambda r: _fmt(r["measured_median"])),
                     ("false", lambda r: ", ".join(r["false_alerts"]) or "-"),
                 ],
                 rows,
             )
         )
+
+
+def _fault_steps(text: str) -> int:
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = 0
+    if steps < 30 or steps % 10:
+        raise argparse.ArgumentTypeError(f"fault steps: a multiple of 10 >= 30, got {text!r}")
+    return steps
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -683,7 +700,9 @@ def run_fault_jobs(kinds: Sequence[str], seeds: Sequence[int], quick: bool) -> l
                     f"  {ep.label} {ep.magnitude:g} rank {ep.rank} step {ep.onset_step}: "
                     f"detected={score.detected} named={score.named} "
                     f"latency={_fmt(score.latency_s)} s/{score.latency_steps} steps "
-                    f"coverage={_fmt(score.coverage)} measured={_fmt(outcome.measured.get(i))} "
+                    f"coverage={_fmt(score.coverage)} "
+                    f"after alert={_fmt(score.coverage_after_alert)} "
+                    f"measured={_fmt(outcome.measured.get(i))} "
                     f"false={[a.name for a in (*score.false, *score.wrong_rank)]} "
                     f"symptoms={[a.name for a in score.symptoms]}",
                     flush=True,
@@ -754,6 +773,8 @@ def build_report(
         **straggler_thresholds(scores, by_label),
         "coverage_median": summary.coverage_median,
         "coverage_median_all_kinds": summary.coverage_median_all,
+        "coverage_after_alert_median": summary.coverage_after_alert_median,
+        "fault_steps": FAULT_STEPS,
         "recall": summary.recall,
         "recall_all": summary.recall_all,
         "attribution": summary.attribution,
@@ -782,6 +803,7 @@ HEADLINE = (
     "attribution",
     "precision_runs",
     "coverage_median",
+    "coverage_after_alert_median",
     "median_latency_steps",
     "clean_false_alerts",
     "tuning_false_alerts",
@@ -790,6 +812,7 @@ HEADLINE = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DUMP_DIR, FAULT_STEPS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few magnitudes, 1 000 clean steps")
     parser.add_argument(
@@ -807,9 +830,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dump", type=Path, default=None, help="write each fault job's steps here (JSON)"
     )
+    parser.add_argument(
+        "--fault-steps",
+        type=_fault_steps,
+        default=FAULT_STEPS,
+        help=f"steps a straggler or regression lasts, a multiple of 10 >= 30 ({FAULT_STEPS})",
+    )
     args = parser.parse_args(argv)
-    global DUMP_DIR
     DUMP_DIR = args.dump
+    FAULT_STEPS = args.fault_steps
     clean_steps = args.clean_steps or (1000 if args.quick else 10_000)
     if os.geteuid() != 0 and "slow-link" in args.kinds:
         print("slow-link needs root (network namespaces); leaving it out", file=sys.stderr)

@@ -145,6 +145,19 @@ def test_an_alert_that_resolves_mid_fault_loses_coverage() -> None:
     assert summarize([run], [], []).coverage_median == pytest.approx(0.2)
 
 
+def test_coverage_after_the_alert_leaves_the_latency_out() -> None:
+    """On 0..10 and 20..30; the alert fires at 4 and resolves at 25: 14 of 20 s from the
+    onset, 11 of the 16 s acting after it fired."""
+    ep = Episode("straggler", "s", 1.5, 1, 100, ((T0, T0 + 10), (T0 + 20, T0 + 30)))
+    alert = FiredAlert("Straggler", 1, T0 + 4, T0 + 25)
+    run = score_run([ep], [alert], run_end_unix_s=T0 + 60)
+    assert run.episodes[0].coverage == pytest.approx(11 / 20)
+    assert run.episodes[0].coverage_after_alert == pytest.approx(11 / 16)
+    assert summarize([run], [], []).coverage_after_alert_median == pytest.approx(11 / 16)
+    missed = score_run([ep], [], run_end_unix_s=T0 + 60)
+    assert missed.episodes[0].coverage_after_alert is None
+
+
 def test_an_alert_during_a_later_fault_of_the_same_rank_is_the_later_faults() -> None:
     """The first fault's grace (10 s) runs into the second one's start: an alert that
     fires while the second acts detects the second, not the first, late."""
@@ -194,7 +207,7 @@ def test_min_magnitude_needs_every_episode_from_there_up() -> None:
 
 
 def test_the_sweep_plans_faults_that_parse_and_do_not_overlap() -> None:
-    from benchmarks.detection import GAP_STEPS, plan_jobs
+    from benchmarks.detection import FAULT_STEPS, GAP_STEPS, plan_jobs
     from torshmon.faults import KINDS, parse_fault
 
     for seed in (0, 1, 100):
@@ -216,9 +229,10 @@ def test_the_sweep_plans_faults_that_parse_and_do_not_overlap() -> None:
                 assert faults[0].start_step == ep.onset_step
                 assert job.steps > ep.end_step
             intermittent = [e for e in episodes if "on/off" in e.label]
-            for ep in intermittent:  # five periods of 10 slow steps, 10 normal between
+            for ep in intermittent:  # periods of 10 slow steps, 10 normal between
                 periods = [(f.start_step, f.stop_step or 0) for f in map(parse_fault, ep.specs)]
-                assert [b - a for a, b in periods] == [10] * 5
+                assert [b - a for a, b in periods] == [10] * (FAULT_STEPS // 10 - 1)
+                assert periods[-1][1] == ep.end_step
                 assert periods[1][0] - periods[0][1] == 10
         timing = {j.name: j for j in jobs}
         for name in ("timing-2", "timing-4"):
