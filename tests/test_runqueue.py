@@ -179,3 +179,54 @@ def test_the_process_clock_forgets_threads_that_ended_and_lists_new_ones() -> No
     assert str(worker.native_id) not in clock._fds
     clock.close()
     assert clock._fds == {}
+
+
+def test_the_process_clock_reads_idle_threads_only_at_a_refresh() -> None:
+    """Between refreshes only threads that ran or waited are read, so 40 sleeping
+    threads cost a step nothing; one of them that then waits for its CPU is counted,
+    with all it waited, at the next refresh."""
+    clock = ProcessRunQueue(refresh_every=4)
+    go, spun, done = threading.Event(), threading.Event(), threading.Event()
+
+    def spin() -> None:
+        go.wait()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.5:
+            pass
+        spun.set()
+        done.wait()
+
+    sleepers = [threading.Thread(target=done.wait) for _ in range(40)]
+    worker = threading.Thread(target=spin)
+    try:
+        with _sharing_a_cpu_with_a_burner():
+            for thread in (*sleepers, worker):
+                thread.start()
+            idle = False
+            for _ in range(40):  # refreshes until the new threads have settled
+                clock.read_ns()
+                while clock._since_refresh:  # 0: that read was a refresh
+                    time.sleep(0.01)
+                    clock.read_ns()
+                if str(worker.native_id) in clock._fds and not any(
+                    tid == str(worker.native_id) for tid, _ in clock._active
+                ):
+                    idle = True
+                    break
+            assert idle, "the waiting worker never counted as idle"
+            assert len(clock._active) < 10 and len(clock._fds) > 40
+            first = clock.read_ns()  # the last read was a refresh: this one is not
+            go.set()
+            spun.wait()
+            between = clock.read_ns()
+            clock.read_ns()
+            at_refresh = clock.read_ns()  # the fourth read since the refresh
+    finally:
+        go.set()
+        done.set()
+        for thread in (*sleepers, worker):
+            thread.join()
+    assert first is not None and between is not None and at_refresh is not None
+    assert between - first < 0.05e9  # the worker's wait is not read yet
+    assert 0.1e9 < at_refresh - first < 0.6e9
+    clock.close()

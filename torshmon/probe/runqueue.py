@@ -67,21 +67,37 @@ _TASKS = "/proc/self/task"
 class ProcessRunQueue:
     """Cumulative run-queue delay summed over the process's threads, in nanoseconds.
 
-    Each ``read_ns`` preads every known thread's schedstat (about 1.5 us each; a gloo
-    rank has about 7 threads) and adds up what each thread's delay grew since the last
-    read, so a thread that starts or ends moves the total only by what it waited in
-    between (a thread's wait after its last read is lost when it ends). The thread list
-    is read again every ``refresh_every`` reads. Read from one thread at a time.
+    Adds up what each thread's delay grew since it was last read, so a thread that
+    starts or ends moves the total only by what it waited in between (a thread's wait
+    after its last read is lost when it ends). Every ``refresh_every`` reads the thread
+    list is read again and every thread's schedstat is read (about 1.5 us each); the
+    reads between touch only the threads that ran or waited since the refresh before.
+    An idle thread (a sleeping OpenMP worker, a finished job's gloo threads) accrues no
+    delay, and one that wakes up is read, with all it waited, at the next refresh: the
+    total stays exact, and a step costs the active threads' reads (a gloo rank has
+    about 7), not the process's every thread. Read from one thread at a time.
     """
 
-    __slots__ = ("_fds", "_last", "_ok", "_refresh_every", "_since_refresh", "_total")
+    __slots__ = (
+        "_active",
+        "_fds",
+        "_last",
+        "_ok",
+        "_refresh_every",
+        "_since_refresh",
+        "_stamp",
+        "_total",
+    )
 
     def __init__(self, *, refresh_every: int = 64) -> None:
         if refresh_every < 1:
             raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
         self._refresh_every = refresh_every
         self._fds: dict[str, int] = {}
-        self._last: dict[str, int] = {}
+        self._last: dict[str, int] = {}  # each thread's delay when last read
+        # Each thread's CPU time plus delay at the last refresh: unchanged means idle.
+        self._stamp: dict[str, int] = {}
+        self._active: list[tuple[str, int]] = []
         self._total = 0
         self._since_refresh = refresh_every  # the first read lists the threads
         self._ok = os.path.isdir(_TASKS)
@@ -94,22 +110,23 @@ class ProcessRunQueue:
         if self._since_refresh >= self._refresh_every:
             self._since_refresh = 0
             self._refresh()
-        last = self._last
-        total = self._total
-        for tid, fd in list(self._fds.items()):
-            try:
-                delay = int(os.pread(fd, 96, 0).split()[1])
-            except (OSError, IndexError, ValueError):
-                self._forget(tid)  # the thread ended
-                continue
-            before = last.get(tid)
-            if before is not None and delay > before:
-                total += delay - before
-            last[tid] = delay
-        self._total = total
-        return total if self._fds else None
+        else:
+            last = self._last
+            total = self._total
+            for tid, fd in self._active:
+                try:
+                    delay = int(os.pread(fd, 96, 0).split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue  # ended: the next refresh forgets it
+                before = last.get(tid)
+                if before is not None and delay > before:
+                    total += delay - before
+                last[tid] = delay
+            self._total = total
+        return self._total if self._fds else None
 
     def _refresh(self) -> None:
+        """List the threads, read every one, and keep those that ran or waited since."""
         try:
             tids = set(os.listdir(_TASKS))
         except OSError:
@@ -123,10 +140,30 @@ class ProcessRunQueue:
                 self._fds[tid] = os.open(f"{_TASKS}/{tid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 continue
+        last, stamp = self._last, self._stamp
+        total = self._total
+        active = []
+        for tid, fd in list(self._fds.items()):
+            try:
+                fields = os.pread(fd, 96, 0).split()
+                ran, delay = int(fields[0]), int(fields[1])
+            except (OSError, IndexError, ValueError):
+                self._forget(tid)  # the thread ended
+                continue
+            before = last.get(tid)
+            if before is not None and delay > before:
+                total += delay - before
+            last[tid] = delay
+            if stamp.get(tid) != ran + delay:
+                stamp[tid] = ran + delay
+                active.append((tid, fd))
+        self._total = total
+        self._active = active
 
     def _forget(self, tid: str) -> None:
         fd = self._fds.pop(tid, None)
         self._last.pop(tid, None)
+        self._stamp.pop(tid, None)
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -134,5 +171,6 @@ class ProcessRunQueue:
     def close(self) -> None:
         """Close every file; later reads say None."""
         self._ok = False
+        self._active = []
         for tid in list(self._fds):
             self._forget(tid)
