@@ -240,8 +240,16 @@ class Reconfigurator:
         return outcome
 
     def close(self) -> None:
-        """Finish a posted exchange (every rank posted it, so it completes)."""
-        self._receive()
+        """Finish a posted exchange (every rank posted it, so it completes), then let
+        the side group go: its gloo threads (one wakes every 10 ms) would otherwise
+        outlive the monitor, a process that attaches again gaining three each time."""
+        try:
+            self._receive()
+        finally:
+            try:
+                dist.destroy_process_group(self._group)
+            except Exception as exc:  # the job destroyed every group first, say
+                log.debug("torshmon: side group not destroyed: %s", exc)
 
     # -- the exchange -----------------------------------------------------------------
     def _post(self) -> None:
