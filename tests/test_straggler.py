@@ -83,6 +83,28 @@ def test_recorded_runs_never_name_a_healthy_rank(path: Path) -> None:
     assert [i for i, ranks in enumerate(named) if ranks & healthy] == []
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known (issue 19): at 2 ranks an on/off straggler the detector does not name "
+    "feeds its window-to-window swings to the noise estimate and raises its own bar; "
+    "leaving windows beyond the floor out of the estimate fixes this run but names a "
+    "healthy rank on a loaded clean run (straggler_pair_clean_loaded)",
+)
+def test_on_off_stragglers_in_a_row_do_not_raise_their_own_bar() -> None:
+    """A recorded 2-rank run (held-out seed 49): an on/off straggler cleared mid-fault
+    fed its swings to the noise estimate, and the next three, 2x included, went unnamed.
+    Each one in scope (1.3x and more at 2 ranks) must be named within 10 steps, the
+    1.2x one at all."""
+    scenario: dict[str, Any] = json.loads((DATA / "straggler_onoff_pair_cascade.json").read_text())
+    named = _run(StragglerDetector(), scenario["steps"])
+    for episode in scenario["episodes"]:
+        first, end = episode["slow_steps"][0][0], episode["slow_steps"][-1][1]
+        hits = [i for i in range(first, end) if episode["rank"] in named[i]]
+        assert hits, episode["magnitude"]
+        if episode["magnitude"] >= 1.3:
+            assert hits[0] - first + 1 <= 10, (episode["magnitude"], hits[0] - first + 1)
+
+
 def test_make_stragglers_writes_the_files_as_committed(tmp_path: Path) -> None:
     """The synthetic scenarios are generated: the generator, run again, gives the same."""
     import importlib.util
