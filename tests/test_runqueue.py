@@ -135,22 +135,24 @@ def test_a_real_blocking_all_reduce_records_its_callers_run_queue_delay() -> Non
     assert done.stdout.split() == ["2", "True"]
 
 
+def _spin(go: threading.Event, spun: threading.Event, done: threading.Event) -> None:
+    """Once ``go``, run 0.5 s on the CPU, say so, and stay alive until ``done`` (a thread
+    that has ended has no schedstat to read)."""
+    go.wait()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.5:
+        pass
+    spun.set()
+    done.wait()
+
+
 def test_the_process_clock_sees_a_worker_thread_waiting_for_its_cpu() -> None:
     """``ProcessRunQueue`` sums every thread's delay: a worker thread (as gloo's are)
     sharing one CPU with a busy process waits about half of its 0.5 s, while the
     thread that reads the clock sleeps."""
     clock = ProcessRunQueue()
     go, spun, done = threading.Event(), threading.Event(), threading.Event()
-
-    def spin() -> None:
-        go.wait()
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 0.5:
-            pass
-        spun.set()
-        done.wait()  # a thread that has ended has no schedstat to read
-
-    worker = threading.Thread(target=spin)
+    worker = threading.Thread(target=_spin, args=(go, spun, done))
     try:
         with _sharing_a_cpu_with_a_burner():
             worker.start()  # on the same CPU (a new thread takes its creator's affinity)
@@ -188,16 +190,8 @@ def test_the_process_clock_reads_idle_threads_only_at_a_refresh() -> None:
     clock = ProcessRunQueue(refresh_every=4)
     go, spun, done = threading.Event(), threading.Event(), threading.Event()
 
-    def spin() -> None:
-        go.wait()
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 0.5:
-            pass
-        spun.set()
-        done.wait()
-
     sleepers = [threading.Thread(target=done.wait) for _ in range(40)]
-    worker = threading.Thread(target=spin)
+    worker = threading.Thread(target=_spin, args=(go, spun, done))
     try:
         with _sharing_a_cpu_with_a_burner():
             for thread in (*sleepers, worker):
