@@ -22,7 +22,12 @@ as the rank is out of line.
   to the next (the upper quartile of the absolute changes, which heavy tails such as
   preempted ranks raise more than the median), over the ranks not above the bar. A steady
   slowdown does not change a rank's ratio from window to window, so a straggler cannot
-  raise its own bar; on a busy shared CPU the bar rises with the jitter. Before
+  raise its own bar; on a busy shared CPU the bar rises with the jitter. An on/off
+  straggler's does change, so a rank whose finding cleared stays out of the estimate
+  (with 2 ranks, its mirror-image peer too) until its window statistic has been under
+  the floor for ``hold_steps`` steps in a row: one that cleared mid-fault (a 1.2x
+  straggler at 2 ranks, at the floor) would otherwise raise the bar above the
+  stragglers after it. Before
   ``noise_samples`` can say anything (16 changes) no rank is named. Those changes lag
   a sudden burst of contention, so the bar also follows the noise of the latest
   ``step_noise_steps`` steps (16): the upper quartile of the changes of
@@ -208,6 +213,10 @@ class _RankState:
     quiet_steps: int = 0
     since_unix_s: float = 0.0
     finding: Finding | None = None
+    #: A cleared finding's rank stays out of the noise estimate until it has been in
+    #: line for ``hold_steps`` steps in a row (counted in ``settled_steps``).
+    unsettled: bool = False
+    settled_steps: int = 0
 
 
 @dataclass(slots=True)
@@ -396,6 +405,7 @@ class StragglerDetector:
         if state.complete_steps <= self._warmup_steps:
             return _active_findings(state)
         named = {rank for rank, r in state.ranks.items() if r.active and rank in values}
+        unsettled = {rank for rank, r in state.ranks.items() if r.unsettled and rank in values}
         ratios = _log_ratios(values, named)
         # With one peer to compare with (2 ranks, or 3 with one named, for the other two)
         # there is no majority to say which of the two is normal: the higher floor.
@@ -410,7 +420,8 @@ class StragglerDetector:
         stride = -(-len(ratios) // _NOISE_RANKS_PER_STEP)
         # The peers' ratios measure the noise only where a named straggler is not among
         # their peers; with fewer than two other ranks it is (a pair mirrors it).
-        measures = not named or len(values) - len(named) >= 2
+        left_out = named | unsettled
+        measures = not left_out or len(values) - len(left_out) >= 2
         ranks = state.ranks
         for i, (rank, (ratio, peers_s)) in enumerate(ratios.items()):
             rank_state = ranks.get(rank) or self._new_rank(state, rank)
@@ -421,8 +432,10 @@ class StragglerDetector:
             rank_state.computes.append(compute_s)
             rank_state.peers.append(peers_s)
             rank_state.times.append(ts_unix_s)
-            sampled = measures and (i + step) % stride == 0
+            sampled = measures and rank not in unsettled and (i + step) % stride == 0
             bar = named_bar if rank in named else other_bar
+            if rank_state.unsettled:
+                self._settle(rank_state, floor)
             if not (sampled or rank_state.active or (bar is not None and ratio > bar)):
                 # A rank is named at one of its slow steps, so one that is neither slow
                 # now nor named has nothing to decide (the common case, kept cheap).
@@ -465,6 +478,17 @@ class StragglerDetector:
         ordered = sorted(state.jumps)
         per_step = ordered[3 * len(ordered) // 4] * _Q75_TO_SIGMA / math.sqrt(2)
         return max(sigma, per_step * self._stat_per_step)
+
+    def _settle(self, state: _RankState, floor: float) -> None:
+        """Count one more step of a cleared rank back in line (its window statistic
+        under ``floor``), or start the count again; ``hold_steps`` in a row settle it."""
+        stat = self._statistic(state, recent=True)
+        if stat is not None and stat < floor:
+            state.settled_steps += 1
+            if state.settled_steps >= self._hold_steps:
+                state.unsettled, state.settled_steps = False, 0
+        else:
+            state.settled_steps = 0
 
     def _statistic(self, state: _RankState, *, recent: bool) -> float | None:
         """The ``persistence``-th largest ratio of the last ``window_steps`` steps
@@ -556,6 +580,7 @@ class StragglerDetector:
             state.active = False
             state.active_steps = state.quiet_steps = 0
             state.finding = None
+            state.unsettled, state.settled_steps = True, 0
         elif state.finding is not None:
             steps, chronic = state.active_steps, self._chronic_steps
             state.finding = _with_steps(state.finding, step, steps, chronic)
