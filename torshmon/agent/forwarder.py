@@ -36,8 +36,9 @@ from torshmon.wire import SCHEMA_VERSION, IngestReply, WireError, decode_json
 log = logging.getLogger(__name__)
 
 _MAX_RECORDS_PER_BATCH: Final = 10_000
-#: The least time between POSTs when urgent records cut the gathering wait short.
-URGENT_MIN_INTERVAL_S: Final = 0.1
+#: The least time between POSTs when urgent records cut the gathering wait short: at
+#: 0.1 s an urgent step of a 60 ms job waited most of a step here on average.
+URGENT_MIN_INTERVAL_S: Final = 0.05
 _MAX_LOGGED_BODY_CHARS: Final = 500
 #: The start of an error body that is scrubbed of secrets before it is cut for a log.
 _SCRUBBED_BODY_BYTES: Final = 8192

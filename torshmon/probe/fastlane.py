@@ -18,7 +18,7 @@ normal (a slower phase of training) stops being notable within half a window. At
 a 1.2x straggler (and its peers' steps, which wait for it) never opened the lane: the
 straggler detector named it on its 4th slow step, and the alert came 7-10 steps later,
 with the next batches. The agent's POSTs stay paced (``URGENT_MIN_INTERVAL_S``), so an
-open lane costs a node at most 10 POSTs a second.
+open lane costs a node at most 20 POSTs a second.
 """
 
 from __future__ import annotations
