@@ -8,8 +8,7 @@ dropped and counted, and the count travels in every later batch.
 
 Steps are summarised every ``poll_s`` and sent every ``flush_interval_s``, or at
 once, marked urgent, while the fast lane is open (``fastlane``: a step out of line
-with the rank's recent ones opens it); while it is open the thread looks every
-``OPEN_POLL_S``, so a slow step waits 10 ms on average, not 25 ms.
+with the rank's recent ones opens it).
 
 The probe sends only to an agent run by its own user, root, or the user named by
 ``$TORSHMON_AGENT_USER`` (an agent shared by the node's training users): whoever
@@ -29,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Final, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import msgspec
 
@@ -56,11 +55,6 @@ from torshmon.wire import (
     encode_frame,
     frame_length,
 )
-
-#: How often the shipper looks for new steps while the fast lane is open (a few
-#: seconds after a notable step): at the usual ``poll_s`` (50 ms) a step of a 60 ms
-#: job waited half a step on average before it left the process.
-OPEN_POLL_S: Final = 0.02
 
 log = logging.getLogger(__name__)
 
@@ -248,10 +242,7 @@ class Shipper:
         failures = 0
         self._next_flush = time.monotonic() + self._flush_interval_s
         while True:
-            poll_s = self._poll_s
-            if self.fast_lane.is_open(time.monotonic()):
-                poll_s = min(poll_s, OPEN_POLL_S)
-            stopping = self._stop.wait(poll_s)
+            stopping = self._stop.wait(self._poll_s)
             try:
                 self._poll(final=stopping)
             except Exception:
