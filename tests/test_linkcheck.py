@@ -182,6 +182,16 @@ def test_a_whole_job_slowdown_in_compute_does_not_trigger() -> None:
     assert checker.due(200.0) == []
 
 
+def test_a_slow_link_that_also_raises_compute_a_little_is_checked() -> None:
+    """A slow link raised every rank's compute 1.2-1.6x (a few ms) while the wait rose
+    tens of ms: the factor alone explained nothing, and no check came."""
+    checker = LinkChecker()
+    _warm(checker)
+    _steps(checker, 3, 10, {-1: 0.1}, computes={0: 0.065, 1: 0.075, 2: 0.07})  # 1.3-1.5x
+    [(_, reason)] = checker.due(200.0)
+    assert "communication rose" in reason
+
+
 def test_a_rise_no_check_explains_becomes_the_new_baseline() -> None:
     settings = LinkCheckSettings(max_unexplained=2)
     checker = LinkChecker(settings)

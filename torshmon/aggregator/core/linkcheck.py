@@ -12,7 +12,8 @@ submits the commands.
 
 When: a job's communication wait rises while its compute does not (the median
 over ranks of recent comm wait at least ``comm_rise`` times its baseline, and
-no rank's compute up by ``compute_flat``), at most once per ``min_interval_s``
+no rank's compute up by ``compute_flat`` and by half that rise in seconds), at
+most once per ``min_interval_s``
 (the reference check does not count); once per job after warm-up as a
 reference; and every ``recheck_s`` while a
 slow-link finding is active, so that the finding clears when the link recovers.
@@ -427,12 +428,18 @@ class LinkChecker:
         if not (ratio >= s.comm_rise and delta >= s.min_comm_rise_s):  # NaN: no rise
             return False
         # Compute is read only now, once communication rose: the rare case.
-        compute_ratios = []
+        # A compute rise explains the wait when it is large in both senses: a factor
+        # (a straggler's peers wait for it) and seconds, at least half the wait's rise.
+        # A slow link raised every rank's compute 1.2-1.6x as well (3 ranks at 100
+        # Mbit/s, a few ms on a 48 ms rise of the wait), and the factor alone kept
+        # every check away while the link stayed slow.
         for steps in ready:
             base_compute = steps.baseline.median_compute()
             compute = statistics.median(c for _, c in steps.recent)
-            compute_ratios.append(compute / base_compute if base_compute > 0 else 1.0)
-        return max(compute_ratios) < s.compute_flat
+            ratio = compute / base_compute if base_compute > 0 else 1.0
+            if ratio >= s.compute_flat and compute - base_compute >= delta / 2:
+                return False
+        return True
 
     def _read(self, job: str, state: _Job, check: _Check, now_s: float) -> None:
         pairs = pair_bandwidths(check.results.values())
