@@ -139,30 +139,35 @@ def test_a_slow_link_is_checked_named_rechecked_and_cleared() -> None:
     checker.sent("j", "c1", reason, 116.0)
     assert checker.due(117.0) == []  # one check at a time
     _answer(checker, "c1", 116.5, frozenset({1}))
+    assert checker.active() == []  # named once: a suspect until a later check agrees
+    assert checker.due(118.9) == []  # confirm_after_s (3 s) after the check: past a burst
+    assert checker.due(119.0) == [("j", "confirm")]
+    checker.sent("j", "c1b", "confirm", 119.0)
+    _answer(checker, "c1b", 119.5, frozenset({1}))
     [finding] = checker.active()
     assert finding.kind == "slow_link"
     assert dict(finding.labels) == {"job": "j", "rank": "1"}
     assert finding.value < 0.5 * FAST and finding.score < 0.5
-    assert finding.since_unix_s == 116.0
+    assert finding.since_unix_s == 119.0
     assert "Slow network link at rank 1 of job j" in finding.summary
     assert "ethtool" in finding.recommendation
-    assert finding.details["check_id"] == "c1" and finding.details["step"] == 7
+    assert finding.details["check_id"] == "c1b" and finding.details["step"] == 7
 
-    assert checker.due(120.0) == []  # rechecks every recheck_s (5 s)
-    assert checker.due(121.5) == [("j", "recheck")]
-    checker.sent("j", "c2", "recheck", 121.5)
-    _answer(checker, "c2", 122.0, frozenset({1}))
+    assert checker.due(123.0) == []  # rechecks every recheck_s (5 s)
+    assert checker.due(124.5) == [("j", "recheck")]
+    checker.sent("j", "c2", "recheck", 124.5)
+    _answer(checker, "c2", 125.0, frozenset({1}))
     [still] = checker.active()
-    assert still.since_unix_s == 116.0  # the same condition, still going
+    assert still.since_unix_s == 119.0  # the same condition, still going
 
-    checker.sent("j", "c3", "recheck", 127.0)
-    _answer(checker, "c3", 127.5, frozenset({2}))  # rank 1 recovered; a noisy rank 2?
+    checker.sent("j", "c3", "recheck", 130.0)
+    _answer(checker, "c3", 130.5, frozenset({2}))  # rank 1 recovered; a noisy rank 2?
     assert checker.active() == []  # a recheck naming a new rank needs a confirmation
-    assert checker.due(127.6) == [("j", "confirm")]
-    checker.sent("j", "c4", "confirm", 127.6)
-    _answer(checker, "c4", 128.0)  # it was noise
+    assert checker.due(133.0) == [("j", "confirm")]
+    checker.sent("j", "c4", "confirm", 133.0)
+    _answer(checker, "c4", 133.5)  # it was noise
     assert checker.active() == []
-    assert checker.due(128.1) == []  # comm still high, but within min_interval_s of c1
+    assert checker.due(133.6) == []  # comm still high, but within min_interval_s of c1
     _steps(checker, 3, 6, {-1: 0.01})
     assert checker.due(140.0) == []  # back to normal
 
@@ -246,7 +251,11 @@ def test_a_check_missing_a_rank_is_read_after_the_timeout() -> None:
         checker.observe_result(result, 200.5)
     checker.evaluate(201.0)
     assert checker.active() == []
-    checker.evaluate(204.0)
+    checker.evaluate(204.0)  # read without rank 2: slow in every pair it answered for
+    assert checker.active() == []
+    assert checker.due(204.0) == [("j", "confirm")]
+    checker.sent("j", "p2", "confirm", 204.0)
+    _answer(checker, "p2", 204.5, frozenset({2}))
     [finding] = checker.active()
     assert finding.labels["rank"] == "2"
 
@@ -280,9 +289,10 @@ def test_world_size_two_names_the_pair_once_a_second_check_agrees() -> None:
     checker.sent("j", "w1", "requested", 200.0)
     _answer2(checker, "w1", 200.0, frozenset({1}))
     assert checker.active() == []
-    assert checker.due(200.1) == [("j", "confirm")]  # at once, no rate limit
-    checker.sent("j", "w2", "confirm", 200.1)
-    _answer2(checker, "w2", 200.5, frozenset({1}))
+    assert checker.due(202.9) == []
+    assert checker.due(203.0) == [("j", "confirm")]  # confirm_after_s, no rate limit
+    checker.sent("j", "w2", "confirm", 203.0)
+    _answer2(checker, "w2", 203.5, frozenset({1}))
     [finding] = checker.active()
     assert finding.labels["rank"] == "0-1"
     assert checker.check_args("j") == {"repeats": 3}  # one pair: best of three
@@ -315,10 +325,11 @@ def test_the_default_slow_link_rule_fires_and_resolves_with_the_finding() -> Non
     series = SeriesStore()
     checker = LinkChecker()
     checker.set_world("j", 3)
-    checker.sent("j", "c", TRIGGERED, 9.0)
-    for result in _results("c", 3, frozenset({1})):
-        checker.observe_result(result, 10.0)
-    checker.evaluate(10.0)
+    for check_id, sent in (("c", 6.0), ("c2", 9.0)):  # named, then confirmed
+        checker.sent("j", check_id, TRIGGERED, sent)
+        for result in _results(check_id, 3, frozenset({1})):
+            checker.observe_result(result, 10.0)
+        checker.evaluate(10.0)
     fired = [a for a in engine.evaluate(10.0, series, checker.active()) if a.rule == "Slow Link"]
     [alert] = fired
     assert alert.state == "firing"
