@@ -650,9 +650,6 @@ class LinkChecker:
         )
 
 
-#: Checks not prompted by the job's timings.
-
-
 def reading_json(reading: Localization) -> dict[str, object]:
     """A check's reading as JSON (bandwidths in bytes/s), for the API's report."""
     out: dict[str, object] = {
