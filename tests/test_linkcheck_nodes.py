@@ -152,6 +152,9 @@ def _answer(
 def test_three_nodes_name_the_slow_node_with_the_healthy_nodes_bandwidth() -> None:
     checker = _checker(3, 2)
     _answer(checker, "c1", TRIGGERED, 120.0, _hosts(3, 2), frozenset({2}))
+    assert checker.active() == []  # a suspect until the check confirm_after_s later
+    assert checker.due(123.0) == [("j", "confirm")]
+    _answer(checker, "c1b", "confirm", 123.0, _hosts(3, 2), frozenset({2}))
     [finding] = checker.active()
     assert dict(finding.labels) == {"job": "j", "node": "node2"}
     assert finding.summary.startswith("Slow network link at node node2 of job j: its link")
@@ -175,8 +178,9 @@ def test_two_nodes_name_their_link_once_a_second_check_agrees() -> None:
     assert checker.check_args("j") == {"repeats": 3}  # one representative pair carries it
     _answer(checker, "c1", TRIGGERED, 120.0, _hosts(2, 2), frozenset({1}))
     assert checker.active() == []
-    assert checker.due(120.1) == [("j", "confirm")]
-    _answer(checker, "c2", "confirm", 120.1, _hosts(2, 2), frozenset({1}))
+    assert checker.due(122.9) == []
+    assert checker.due(123.0) == [("j", "confirm")]
+    _answer(checker, "c2", "confirm", 123.0, _hosts(2, 2), frozenset({1}))
     [finding] = checker.active()
     assert dict(finding.labels) == {"job": "j", "node": "node0-node1"}
     assert "between node node0 and node node1" in finding.summary
@@ -188,6 +192,7 @@ def test_hosts_whose_agent_names_are_not_distinct_are_named_by_host() -> None:
     for rank in range(6):
         checker.set_node("j", rank, "one-agent")
     _answer(checker, "c1", TRIGGERED, 120.0, _hosts(3, 2), frozenset({0}))
+    _answer(checker, "c2", "confirm", 123.0, _hosts(3, 2), frozenset({0}))
     [finding] = checker.active()
     assert finding.labels["node"] == "10.0.0.1"
 
