@@ -462,7 +462,7 @@ class LinkChecker:
         pairs = pair_bandwidths(check.results.values())
         hosts = hosts_of(check.results.values())
         if hosts is not None:
-            reading, named, units = self._read_nodes(state, hosts, pairs)
+            reading, named = self._read_nodes(state, hosts, pairs)
         else:
             reference = {p: statistics.median(v) for p, v in state.healthy_pairs.items() if v}
             reading = localize(
@@ -474,8 +474,7 @@ class LinkChecker:
             if not reading.slow:
                 for pair, bandwidth in pairs.items():
                     state.healthy_pairs.setdefault(pair, deque(maxlen=5)).append(bandwidth)
-            units = state.world_size
-            two = units == 2 and reading.slow
+            two = state.world_size == 2 and reading.slow
             named = ["0-1"] if two else [str(r) for r in reading.slow]
         state.last = replace(reading, duration_s=max(r.duration_s for r in check.results.values()))
         state.rejections = 0
@@ -509,9 +508,9 @@ class LinkChecker:
 
     def _read_nodes(
         self, state: _Job, hosts: dict[int, str], pairs: dict[Pair, float]
-    ) -> tuple[Localization, list[str], int]:
-        """A check of ranks sharing hosts, read node by node: the reading, the labels it
-        names (``node:<name>``, or ``node:<a>-<b>`` at two nodes) and the node count."""
+    ) -> tuple[Localization, list[str]]:
+        """A check of ranks sharing hosts, read node by node: the reading and the labels
+        it names (``node:<name>``, or ``node:<a>-<b>`` at two nodes)."""
         nodes = _node_names(hosts, state.nodes)
         reference = {p: statistics.median(v) for p, v in state.healthy_node_pairs.items() if v}
         reading = localize_nodes(
@@ -523,12 +522,11 @@ class LinkChecker:
         if not by_node.slow:
             for pair, bandwidth in by_node.pairs.items():
                 state.healthy_node_pairs.setdefault(pair, deque(maxlen=5)).append(bandwidth)
-        units = len(by_node.ranks)
-        if units == 2 and by_node.slow:
+        if len(by_node.ranks) == 2 and by_node.slow:
             named = ["node:" + "-".join(by_node.slow)]
         else:
             named = [f"node:{name}" for name in by_node.slow]
-        return reading, named, units
+        return reading, named
 
     def _node_finding(
         self,
