@@ -177,6 +177,9 @@ async def test_slack_gets_grouped_valid_block_kit_once_per_state(receiver: Recei
         assert "RESOLVED" in receiver.bodies[2]["blocks"][0]["text"]["text"]
         assert "job=later-1" in receiver.bodies[3]["text"]
         check_block_kit(receiver.bodies[2])
+        # The receiver holds a body before its reply reaches the notifier, which counts the
+        # delivery only then.
+        await _until(lambda: notifier.stats()["slack"]["sent_total"] == 4)
         stats = notifier.stats()["slack"]
         assert (stats["sent_total"], stats["deduplicated_total"], stats["failed_total"]) == (
             4,
