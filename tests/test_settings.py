@@ -201,6 +201,7 @@ def test_detector_section_defaults_are_the_detectors_own() -> None:
             assert values.pop("step_std_floor_ratio") == 0.065
             assert values.pop("step_robust") is True
             assert values.pop("step_cpu_wait_share") == 0.5
+            assert values.pop("step_min_duration_s") == 0.5
         for name, value in values.items():
             assert signature.parameters[name].default == value, (section, name)
 

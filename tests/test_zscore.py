@@ -1,16 +1,23 @@
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
 import statistics
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torshmon.aggregator.core.findings import Finding
-from torshmon.aggregator.core.zscore import RollingMedian, RollingStats, ZScoreDetector
+from torshmon.aggregator.core.zscore import (
+    RollingMedian,
+    RollingStats,
+    ZScoreDetector,
+    ZScoreSettings,
+)
 
 LABELS = {"job": "demo", "rank": "1"}
 
@@ -218,6 +225,8 @@ def test_labels_without_job_are_rejected() -> None:
         ({"metric": ""}, "metric"),
         ({"adapt_after": 2}, "adapt_after"),
         ({"std_floor_ratio": -1.0}, "std_floor_ratio"),
+        ({"min_duration_s": -0.1}, "min_duration_s"),
+        ({"min_duration_s": math.inf}, "min_duration_s"),
     ],
 )
 def test_bad_settings_are_rejected_by_name(kwargs: dict[str, object], match: str) -> None:
@@ -395,3 +404,55 @@ def test_a_cause_that_is_always_there_explains_no_rise() -> None:
 def test_explained_share_must_be_positive() -> None:
     with pytest.raises(ValueError, match="explained_share must be a number > 0"):
         ZScoreDetector(explained_share=0.0)
+
+
+def test_a_finding_needs_its_rise_to_last_min_duration_s() -> None:
+    """Steps of 10 ms: a rise of 10 steps (0.1 s) fires with the step count alone, not
+    with a 0.5 s floor; a rise that lasts fires once its first and latest out-of-band
+    values are 0.5 s apart (51 steps in)."""
+    values = [0.01] * 100 + [0.02] * 10 + [0.01] * 100 + [0.02] * 100
+    ts = [0.01 * i for i in range(len(values))]
+
+    def found(min_duration_s: float) -> list[int]:
+        det = ZScoreDetector(persistence=3, std_floor_ratio=0.05, min_duration_s=min_duration_s)
+        return [i for i, _ in det.observe_many(LABELS, ts, values)]
+
+    assert found(0.0)[:1] == [102]
+    assert found(0.5)[:1] == [210 + 50]
+
+
+def _hiccups() -> dict[str, list[list[float]]]:
+    path = Path(__file__).parent / "data" / "detection" / "step_time_clean_hiccups.json"
+    runs: dict[str, list[list[float]]] = json.loads(path.read_text())["runs"]
+    return runs
+
+
+def _step_time_detector(settings: ZScoreSettings) -> ZScoreDetector:
+    """Step time's detector as the aggregator builds it (``LiveState``)."""
+    return ZScoreDetector(
+        metric="step_duration_seconds",
+        direction="up",
+        **{
+            **settings.detector_args(),
+            "std_floor_ratio": max(settings.std_floor_ratio, settings.step_std_floor_ratio),
+            "robust": settings.step_robust,
+            "explained_share": settings.step_cpu_wait_share or None,
+            "min_duration_s": settings.step_min_duration_s,
+        },
+    )
+
+
+@pytest.mark.parametrize("run", ["seed30_steps_1_600", "seed53_steps_2000_2450"])
+def test_a_busy_hosts_hiccups_of_a_few_tenths_of_a_second_are_no_anomaly(run: str) -> None:
+    """Recorded clean 2-rank jobs (10 ms steps on two shared cores, a bursty CPU
+    burner): runs of 10-12 steps at 1.5-5x the usual step time, which the CPU wait does
+    not explain, set Step Time Anomaly off live. The default 0.5 s floor keeps them
+    quiet; without it they fire."""
+    rows = _hiccups()[run]
+    ts = [row[1] for row in rows]
+    values = [row[2] for row in rows]
+    waits = [math.nan if row[3] is None else row[3] for row in rows]
+    quiet = _step_time_detector(ZScoreSettings())
+    assert quiet.observe_many(LABELS, ts, values, waits) == []
+    twitchy = _step_time_detector(ZScoreSettings(step_min_duration_s=0.0))
+    assert twitchy.observe_many(LABELS, ts, values, waits) != []

@@ -154,6 +154,7 @@ class LiveState:
                 "std_floor_ratio": step_floor,
                 "robust": z_settings.step_robust,
                 "explained_share": z_settings.step_cpu_wait_share or None,
+                "min_duration_s": z_settings.step_min_duration_s,
             },
         )
         self.loss_z = ZScoreDetector(metric="loss", direction="up", **z)

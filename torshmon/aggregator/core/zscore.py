@@ -374,6 +374,16 @@ class ZScoreSettings(Section, frozen=True):
             ge=0,
         ),
     ] = 0.5
+    #: A slowdown must last this long, not only ``persistence`` steps, to be a Step Time
+    #: Anomaly. A job of 10 ms steps on a busy 2-core box had runs of 10-12 steps (about
+    #: 0.3 s) at 1.5-5x its usual step time that its threads' CPU wait did not explain (a
+    #: hiccup of the host: the hypervisor, the page cache): three of them set the alert
+    #: off in clean jobs of 10 000 steps. A job of 0.1 s steps or longer is not slowed by
+    #: this floor; one of 70 ms steps is told about a 1.3x regression in 6-8 steps.
+    step_min_duration_s: Annotated[
+        float,
+        setting("seconds a step time rise must last before it is an anomaly", ge=0),
+    ] = 0.5
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -382,7 +392,13 @@ class ZScoreSettings(Section, frozen=True):
     def detector_args(self) -> dict[str, Any]:
         """The arguments every ZScoreDetector takes (step time's own settings apart)."""
         args = msgspec.structs.asdict(self)
-        del args["step_std_floor_ratio"], args["step_robust"], args["step_cpu_wait_share"]
+        for own in (
+            "step_std_floor_ratio",
+            "step_robust",
+            "step_cpu_wait_share",
+            "step_min_duration_s",
+        ):
+            del args[own]
         return args
 
 
@@ -406,6 +422,7 @@ class ZScoreDetector:
         std_floor_ratio: float = 1e-3,
         robust: bool = False,
         explained_share: float | None = None,
+        min_duration_s: float = 0.0,
     ) -> None:
         """``robust``: judge against the window's median and scaled MAD
         (``RollingMedian``) instead of its mean and standard deviation.
@@ -413,6 +430,8 @@ class ZScoreDetector:
         (``observe_many``) exceeds its usual level (the median over the latest 256
         in-band values) by at least this share of ``x`` is not judged: neither counted
         toward a finding nor taken into the baseline (None: every value is judged).
+        ``min_duration_s``: a finding also needs its out-of-band values to span at least
+        this many seconds, first to latest (0: ``persistence`` values are enough).
         Raises ValueError naming any setting outside its allowed range."""
         if not (math.isfinite(threshold) and threshold > 0):
             raise ValueError(f"threshold must be a positive number of sigmas, got {threshold}")
@@ -439,6 +458,8 @@ class ZScoreDetector:
             raise ValueError(f"explained_share must be a number > 0, got {explained_share}")
         if not (math.isfinite(std_floor_ratio) and std_floor_ratio >= 0):
             raise ValueError(f"std_floor_ratio must be a number >= 0, got {std_floor_ratio}")
+        if not (math.isfinite(min_duration_s) and min_duration_s >= 0):
+            raise ValueError(f"min_duration_s must be a number >= 0, got {min_duration_s}")
         self._threshold = threshold
         self._min_samples = min_samples
         self._window = window
@@ -448,6 +469,7 @@ class ZScoreDetector:
         self._adapt_after = adapt_after
         self._std_floor_ratio = std_floor_ratio
         self._explained_share = explained_share
+        self._min_duration_s = min_duration_s
         self._baseline = RollingMedian if robust else RollingStats
         self._center_name = "median" if robust else "mean"
         self._name, self._unit = _describe(metric)
@@ -612,7 +634,10 @@ class ZScoreDetector:
         series.out_streak += 1
         series.held.append(value)
         if not series.active:
-            if series.out_streak < self._persistence:
+            if (
+                series.out_streak < self._persistence
+                or ts_unix_s - series.since_unix_s < self._min_duration_s
+            ):
                 return None
             series.active = True
         if len(series.held) >= self._adapt_after:
