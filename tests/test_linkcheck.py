@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from torshmon.aggregator.core.alert_engine import AlertEngine
 from torshmon.aggregator.core.linkcheck import LinkChecker, LinkCheckSettings, _Baseline
-from torshmon.aggregator.core.localization import localize, pair_bandwidths
+from torshmon.aggregator.core.localization import localize, pair_bandwidths, pair_link_bounds
 from torshmon.aggregator.core.promrules import expression, to_prometheus
 from torshmon.aggregator.core.rule_file import default_rules, load_rules_text
 from torshmon.aggregator.core.rules import RuleError
@@ -28,9 +28,16 @@ SLOW = 12e6  # bytes/s through a 100 Mbit/s link
 
 
 def _results(
-    check_id: str, world: int, slow: frozenset[int] = frozenset(), *, step: int = 7
+    check_id: str,
+    world: int,
+    slow: frozenset[int] = frozenset(),
+    *,
+    step: int = 7,
+    wait_share: dict[int, float] | None = None,
 ) -> list[LinkCheckResult]:
-    """Every rank's result of one check in which the ranks in ``slow`` have slow links."""
+    """Every rank's result of one check in which the ranks in ``slow`` have slow links;
+    ``wait_share``: the share of each exchange's time the rank's threads waited for a
+    CPU (none said: 0)."""
     rng = random.Random(check_id)
     out = []
     for rank in range(world):
@@ -40,7 +47,11 @@ def _results(
                 continue
             bandwidth = SLOW if {rank, peer} & slow else FAST
             bandwidth *= rng.uniform(0.8, 1.0)  # noise only ever slows an exchange
-            peers.append(LinkPeerResult(peer=peer, size_bytes=MB, duration_s=MB / bandwidth))
+            duration = MB / bandwidth
+            wait = (wait_share or {}).get(rank, 0.0) * duration
+            peers.append(
+                LinkPeerResult(peer=peer, size_bytes=MB, duration_s=duration, cpu_wait_s=wait)
+            )
         out.append(
             LinkCheckResult(id=check_id, job="j", rank=rank, step=step, duration_s=1, peers=peers)
         )
@@ -95,6 +106,46 @@ def test_at_world_size_two_only_a_slower_pair_than_before_is_named() -> None:
     assert localize(2, pairs).slow == ()  # nothing to compare with
     assert localize(2, pairs, reference_pair={(0, 1): FAST}).slow == (0, 1)
     assert localize(2, {(0, 1): 0.9 * FAST}, reference_pair={(0, 1): FAST}).slow == ()
+
+
+def test_pair_link_bounds_take_the_larger_wait_off_the_faster_time() -> None:
+    def side(rank: int, duration: float, wait: float | None) -> LinkCheckResult:
+        peer = LinkPeerResult(peer=1 - rank, size_bytes=1000, duration_s=duration, cpu_wait_s=wait)
+        return LinkCheckResult(id="c", job="j", rank=rank, step=1, duration_s=1, peers=[peer])
+
+    assert pair_link_bounds([side(0, 2.0, 0.5), side(1, 1.5, 1.0)]) == {(0, 1): 2000.0}
+    assert pair_link_bounds([side(0, 2.0, 2.5), side(1, 2.0, 0.0)]) == {(0, 1): math.inf}
+    # A probe that did not measure its wait: the pair as measured.
+    assert pair_link_bounds([side(0, 2.0, None), side(1, 4.0, 1.0)]) == {(0, 1): 500.0}
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_a_rank_slow_only_while_its_threads_waited_for_a_cpu_is_not_named(world: int) -> None:
+    """A busy host holds up gloo's threads: the exchanges are slow, and the run-queue
+    delay covers the time lost. Such a rank is contended, not slow; with little wait
+    the same timings name it."""
+    results = _results("c", world, frozenset({1}), wait_share={1: 0.99})
+    busy = localize(world, pair_bandwidths(results), bounds=pair_link_bounds(results))
+    assert (busy.slow, busy.contended) == ((), (1,))
+    results = _results("c", world, frozenset({1}), wait_share={1: 0.05, 0: 0.05})
+    link = localize(world, pair_bandwidths(results), bounds=pair_link_bounds(results))
+    assert (link.slow, link.contended) == ((1,), ())
+
+
+def test_at_world_size_two_a_contended_reading_names_nothing_and_is_no_reference() -> None:
+    checker = LinkChecker()
+    _warm(checker, world=2)
+    checker.sent("j", "w1", "requested", 200.0)
+    for result in _results("w1", 2, frozenset({1}), wait_share={0: 0.99}):
+        checker.observe_result(result, 200.0)
+    checker.evaluate(200.0)
+    reading = checker.last("j")
+    assert reading is not None and (reading.slow, reading.contended) == ((), (0, 1))
+    assert checker.active() == [] and checker.due(203.0) == []  # no suspect to confirm
+    # The reference is still the healthy pair's: a slow link is a suspect at once.
+    checker.sent("j", "w2", "requested", 210.0)
+    _answer2(checker, "w2", 210.0, frozenset({1}))
+    assert checker.due(213.0) == [("j", "confirm")]
 
 
 # -- when to check --------------------------------------------------------------------------

@@ -11,7 +11,12 @@ from typing import Any
 import pytest
 
 from torshmon.aggregator.core.linkcheck import LinkChecker, reading_json
-from torshmon.aggregator.core.localization import hosts_of, localize_nodes, pair_bandwidths
+from torshmon.aggregator.core.localization import (
+    hosts_of,
+    localize_nodes,
+    pair_bandwidths,
+    pair_link_bounds,
+)
 from torshmon.probe.linkcheck import host_key, rounds, schedule
 from torshmon.wire import LinkCheckResult, LinkPeerResult
 
@@ -27,9 +32,13 @@ def _hosts(nodes: int, per_node: int) -> list[str]:
 
 
 def _results(
-    check_id: str, hosts: list[str], slow: frozenset[int] = frozenset()
+    check_id: str,
+    hosts: list[str],
+    slow: frozenset[int] = frozenset(),
+    busy: frozenset[int] = frozenset(),
 ) -> list[LinkCheckResult]:
-    """What each rank measures in the probe's schedule: ``slow`` holds slow node indices."""
+    """What each rank measures in the probe's schedule: ``slow`` holds slow node indices;
+    the ranks of ``busy`` nodes report CPU wait covering all but 1 % of each exchange."""
     rng = random.Random(check_id)
     node = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
     peers: dict[int, list[LinkPeerResult]] = {rank: [] for rank in range(len(hosts))}
@@ -38,7 +47,10 @@ def _results(
         bandwidth = LOOPBACK if na == nb else SLOW if {na, nb} & slow else FAST
         for rank, peer in ((a, b), (b, a)):
             duration = MB / (bandwidth * rng.uniform(0.8, 1.0))
-            peers[rank].append(LinkPeerResult(peer=peer, size_bytes=MB, duration_s=duration))
+            wait = 0.99 * duration if node[hosts[rank]] in busy else 0.0
+            peers[rank].append(
+                LinkPeerResult(peer=peer, size_bytes=MB, duration_s=duration, cpu_wait_s=wait)
+            )
     return [
         LinkCheckResult(
             id=check_id, job="j", rank=r, step=9, duration_s=0.5, peers=p, host=hosts[r]
@@ -203,3 +215,15 @@ def test_host_key_is_the_address_towards_the_master(monkeypatch: pytest.MonkeyPa
     assert host_key() == "127.0.0.1"
     monkeypatch.delenv("MASTER_ADDR")
     assert host_key() == socket.gethostname()[:64]
+
+
+def test_a_node_slow_only_while_its_ranks_waited_for_a_cpu_is_contended_not_named() -> None:
+    hosts = _hosts(3, 2)
+    results = _results("c", hosts, frozenset({1}), busy=frozenset({1}))
+    nodes = dict(enumerate(hosts))
+    reading = localize_nodes(nodes, pair_bandwidths(results), bounds=pair_link_bounds(results))
+    assert reading.nodes is not None
+    assert (reading.nodes.slow, reading.nodes.contended) == ((), ("10.0.0.2",))
+    results = _results("c", hosts, frozenset({1}))
+    reading = localize_nodes(nodes, pair_bandwidths(results), bounds=pair_link_bounds(results))
+    assert reading.nodes is not None and reading.nodes.slow == ("10.0.0.2",)

@@ -259,11 +259,14 @@ class ProcessGroupMembers(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 class LinkPeerResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One pair of a link check as one rank timed it: ``size_bytes`` sent each way to
-    and received from ``peer`` at once, in ``duration_s`` (after both were ready)."""
+    and received from ``peer`` at once, in ``duration_s`` (after both were ready).
+    ``cpu_wait_s``: how long this rank's threads waited for a CPU meanwhile (summed over
+    threads; None: not measured, or a probe before it)."""
 
     peer: Rank
     size_bytes: Count
     duration_s: float
+    cpu_wait_s: float | None = None
 
 
 class LinkCheckResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):

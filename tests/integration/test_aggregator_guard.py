@@ -134,7 +134,7 @@ def test_malformed_bodies_are_a_4xx_naming_the_problem_and_log_no_error(
     deep = b"[" * 100_000 + b"]" * 100_000
     cases: list[tuple[bytes, dict[str, str], int, str]] = [
         (b'{"kind": "config", "args": ' + deep + b"}", JSON, 400, "nested too deep"),
-        (b'{"kind": "config", "args": {"codec": "\xff"}}', JSON, 400, "not UTF-8"),
+        (b'{"kind": "config", "args": {"codec": "\xff"}}', JSON, 400, "UTF-8"),
         (b'{"sql": "\\ud800"}', JSON, 400, "not valid JSON"),  # a lone surrogate
         (b'{"sql": NaN}', JSON, 400, "not valid JSON"),
         (b"[1, 2]", JSON, 400, "must be a JSON object"),

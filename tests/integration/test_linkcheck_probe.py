@@ -70,6 +70,8 @@ def test_every_rank_checks_every_peer_at_the_same_step(receiver: ReceiverThread)
         for check in by_id.values():
             assert sorted(p.peer for p in check.peers) == [r for r in range(WORLD) if r != rank]
             assert all(p.duration_s > 0 for p in check.peers)
+            # Linux's schedstat: the run-queue delay of the rank's threads meanwhile.
+            assert all(p.cpu_wait_s is not None and p.cpu_wait_s >= 0 for p in check.peers)
             assert check.duration_s >= sum(p.duration_s for p in check.peers)
         assert {p.size_bytes for p in by_id["lc1"].peers} == {SIZE_BYTES}
         assert {p.size_bytes for p in by_id["lc3"].peers} == {DEFAULT_SIZE_BYTES}

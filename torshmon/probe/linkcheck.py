@@ -35,6 +35,8 @@ from typing import Any, Final
 
 import torch
 
+from torshmon.probe.runqueue import ProcessRunQueue
+
 #: Bytes each rank of a pair sends (and receives) by default: about 9 ms per round
 #: at 1 Gbit/s, 1-2 ms over unshaped local veths, 90 ms at 100 Mbit/s. Rounds run
 #: one after another (``rounds``: 3 at 3 ranks, 7 at 8), each at the pace of its pair.
@@ -70,11 +72,14 @@ class LinkCheckRequest:
 
 @dataclass(frozen=True, slots=True)
 class PeerTiming:
-    """What this rank measured with one peer: bytes sent each way, seconds."""
+    """What this rank measured with one peer: bytes sent each way, seconds, and how long
+    this process's threads waited for a CPU during that exchange (summed over threads;
+    None where Linux's schedstat is not readable)."""
 
     peer: int
     size_bytes: int
     duration_s: float
+    cpu_wait_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +175,10 @@ def run_link_check(
     tournament); see ``schedule``. Collective: every rank must call it with the same
     arguments. Blocks until this rank's rounds are done; raises whatever gloo raises
     for a broken group.
+
+    Each timing carries the run-queue delay of this process's threads during the
+    exchange that counted: a host whose CPUs are busy holds up gloo's threads, and the
+    exchange is then slow with the link as fast as ever.
     """
     ping = torch.zeros(1, dtype=torch.uint8)
     pong = torch.zeros(1, dtype=torch.uint8)
@@ -177,17 +186,29 @@ def run_link_check(
     recv = torch.empty(size_bytes, dtype=torch.uint8)
     timings = []
     plan = schedule(hosts) if hosts is not None else rounds(world_size)
-    for pairs in plan:
-        peer = next((b if a == rank else a for a, b in pairs if rank in (a, b)), None)
-        if peer is None:
-            continue
-        _exchange(group, peer, ping, pong, _SYNC_TAG)
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            _exchange(group, peer, send, recv, _DATA_TAG)
-            best = min(best, time.perf_counter() - start)
-        timings.append(PeerTiming(peer, size_bytes, best))
+    # Every read lists the threads again: gloo's may have started since the last.
+    cpu_wait = ProcessRunQueue(refresh_every=1)
+    try:
+        for pairs in plan:
+            peer = next((b if a == rank else a for a, b in pairs if rank in (a, b)), None)
+            if peer is None:
+                continue
+            _exchange(group, peer, ping, pong, _SYNC_TAG)
+            best, best_wait = float("inf"), None
+            for _ in range(repeats):
+                waited = cpu_wait.read_ns()
+                start = time.perf_counter()
+                _exchange(group, peer, send, recv, _DATA_TAG)
+                took = time.perf_counter() - start
+                if took < best:
+                    after = cpu_wait.read_ns()
+                    best = took
+                    best_wait = None
+                    if waited is not None and after is not None:
+                        best_wait = (after - waited) / 1e9
+            timings.append(PeerTiming(peer, size_bytes, best, best_wait))
+    finally:
+        cpu_wait.close()
     return timings
 
 

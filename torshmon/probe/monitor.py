@@ -516,7 +516,12 @@ class Monitor:
             duration_s=done.duration_s,
             host=done.host,
             peers=[
-                LinkPeerResult(peer=p.peer, size_bytes=p.size_bytes, duration_s=p.duration_s)
+                LinkPeerResult(
+                    peer=p.peer,
+                    size_bytes=p.size_bytes,
+                    duration_s=p.duration_s,
+                    cpu_wait_s=p.cpu_wait_s,
+                )
                 for p in done.peers
             ],
         )

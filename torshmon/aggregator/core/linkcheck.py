@@ -28,7 +28,8 @@ another process's CPU, a straggler burning the cores its peers share) reads slow
 every pair it is in, and two checks sent back to back fell inside one such burst
 (held-out seeds 51 and 52 of benchmarks/detection.py: a clean 2-rank job and a 4-rank
 straggler job each got a Slow Link alert). A recheck of a rank already named needs
-no confirmation.
+no confirmation. A reading whose slowness the ranks' own CPU wait accounts for
+(``localization``: contended) names nothing and sets no reference.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from torshmon.aggregator.core.localization import (
     localize,
     localize_nodes,
     pair_bandwidths,
+    pair_link_bounds,
 )
 from torshmon.settings import setting
 from torshmon.wire import LinkCheckResult
@@ -460,9 +462,10 @@ class LinkChecker:
 
     def _read(self, job: str, state: _Job, check: _Check, now_s: float) -> None:
         pairs = pair_bandwidths(check.results.values())
+        bounds = pair_link_bounds(check.results.values())
         hosts = hosts_of(check.results.values())
         if hosts is not None:
-            reading, named = self._read_nodes(state, hosts, pairs)
+            reading, named = self._read_nodes(state, hosts, pairs, bounds)
         else:
             reference = {p: statistics.median(v) for p, v in state.healthy_pairs.items() if v}
             reading = localize(
@@ -470,8 +473,9 @@ class LinkChecker:
                 pairs,
                 slow_ratio=self.settings.slow_ratio,
                 reference_pair=reference,
+                bounds=bounds,
             )
-            if not reading.slow:
+            if not reading.slow and not reading.contended:
                 for pair, bandwidth in pairs.items():
                     state.healthy_pairs.setdefault(pair, deque(maxlen=5)).append(bandwidth)
             two = state.world_size == 2 and reading.slow
@@ -507,19 +511,27 @@ class LinkChecker:
                 state.unexplained = 0
 
     def _read_nodes(
-        self, state: _Job, hosts: dict[int, str], pairs: dict[Pair, float]
+        self,
+        state: _Job,
+        hosts: dict[int, str],
+        pairs: dict[Pair, float],
+        bounds: dict[Pair, float],
     ) -> tuple[Localization, list[str]]:
         """A check of ranks sharing hosts, read node by node: the reading and the labels
         it names (``node:<name>``, or ``node:<a>-<b>`` at two nodes)."""
         nodes = _node_names(hosts, state.nodes)
         reference = {p: statistics.median(v) for p, v in state.healthy_node_pairs.items() if v}
         reading = localize_nodes(
-            nodes, pairs, slow_ratio=self.settings.slow_ratio, reference_pair=reference
+            nodes,
+            pairs,
+            slow_ratio=self.settings.slow_ratio,
+            reference_pair=reference,
+            bounds=bounds,
         )
         by_node = reading.nodes
         if by_node is None:  # localize_nodes always reads nodes
             raise RuntimeError("localize_nodes returned no node reading")
-        if not by_node.slow:
+        if not by_node.slow and not by_node.contended:
             for pair, bandwidth in by_node.pairs.items():
                 state.healthy_node_pairs.setdefault(pair, deque(maxlen=5)).append(bandwidth)
         if len(by_node.ranks) == 2 and by_node.slow:
@@ -654,6 +666,7 @@ def reading_json(reading: Localization) -> dict[str, object]:
         "duration_s": reading.duration_s,
         "reference_bytes_per_s": reading.reference_bytes_per_s,
         "slow_ranks": list(reading.slow),
+        "contended_ranks": list(reading.contended),
         "bandwidth_by_rank": {str(r): bw for r, bw in sorted(reading.bandwidth_by_rank.items())},
         "pairs": {f"{a}-{b}": bw for (a, b), bw in sorted(reading.pairs.items())},
     }
@@ -668,6 +681,7 @@ def node_details(reading: NodeReading) -> dict[str, object]:
     return {
         "reference_bytes_per_s": reading.reference_bytes_per_s,
         "slow_nodes": list(reading.slow),
+        "contended_nodes": list(reading.contended),
         "bandwidth_by_node": dict(reading.bandwidth_by_node),
         "node_pairs": {f"{a}-{b}": bw for (a, b), bw in reading.pairs.items()},
         "intra_node_pairs": {
