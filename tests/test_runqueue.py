@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -224,3 +225,48 @@ def test_the_process_clock_reads_idle_threads_only_at_a_refresh() -> None:
     assert between - first < 0.05e9  # the worker's wait is not read yet
     assert 0.1e9 < at_refresh - first < 0.6e9
     clock.close()
+
+
+_STEPS_UNDER_LOAD = """
+import os, subprocess, sys
+import torch.distributed as dist
+import torshmon
+from torshmon.probe.runqueue import ProcessRunQueue
+
+os.sched_setaffinity(0, {0})
+HOG = "import os\\nos.sched_setaffinity(0, {0})\\nwhile True: pass"
+hog = subprocess.Popen([sys.executable, "-c", HOG])
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mon = torshmon.attach(None, job="rq", agent_socket=sys.argv[1])
+raws = []
+mon._outbox.put = raws.append
+process = ProcessRunQueue(refresh_every=1)
+before = process.read_ns()
+for _ in range(300):
+    with mon.step():
+        sum(range(20_000))
+after = process.read_ns()
+hog.kill()
+mon.close()
+steps = sum(r.process_cpu_wait_ns for r in raws)
+print(len(raws), after - before, steps)
+"""
+
+
+def test_steps_straight_after_each_other_share_their_readings_and_lose_no_wait(
+    tmp_path: Path,
+) -> None:
+    """A loop with nothing between its steps: each step's start takes the previous
+    end's readings (one read a step), and the steps' run-queue delays add up to the
+    process's over the loop, a CPU hog on the same core making it large."""
+    done = subprocess.run(
+        [sys.executable, "-c", _STEPS_UNDER_LOAD, str(tmp_path / "no-agent.sock")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    count, loop_ns, steps_ns = (int(x) for x in done.stdout.split())
+    assert count == 300
+    assert loop_ns > 50_000_000  # the hog held the core a good part of the loop
+    assert 0.9 * loop_ns <= steps_ns <= loop_ns
