@@ -378,8 +378,8 @@ class ZScoreSettings(Section, frozen=True):
     #: Anomaly. A job of 10 ms steps on a busy 2-core box had runs of 10-12 steps (about
     #: 0.3 s) at 1.5-5x its usual step time that its threads' CPU wait did not explain (a
     #: hiccup of the host: the hypervisor, the page cache): three of them set the alert
-    #: off in clean jobs of 10 000 steps. A job of 0.1 s steps or longer is not slowed by
-    #: this floor; one of 70 ms steps is told about a 1.3x regression in 6-8 steps.
+    #: off in clean jobs of 10 000 steps. Three steps of 0.25 s or longer span it anyway;
+    #: at ~55 ms steps (held-out seed 54) a 1.3x regression was named in 13 steps (0.72 s).
     step_min_duration_s: Annotated[
         float,
         setting("seconds a step time rise must last before it is an anomaly", ge=0),
