@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from torshmon.wire import LinkCheckResult
+from torshmon.wire import LinkCheckResult, LinkPeerResult
 
 __all__ = [
     "Localization",
@@ -87,16 +87,19 @@ class NodeReading:
     contended: tuple[str, ...] = ()
 
 
-def pair_bandwidths(results: Iterable[LinkCheckResult]) -> dict[Pair, float]:
-    """Bytes/s of every pair, from whichever side timed it faster (both timed one exchange)."""
-    out: dict[Pair, float] = {}
+def _pair_timings(results: Iterable[LinkCheckResult]) -> Iterator[tuple[Pair, LinkPeerResult]]:
+    """Every pair's timing as each side took it (both timed one exchange)."""
     for result in results:
         for peer in result.peers:
-            if peer.duration_s <= 0 or peer.peer == result.rank:
-                continue
-            pair = (min(result.rank, peer.peer), max(result.rank, peer.peer))
-            bandwidth = peer.size_bytes / peer.duration_s
-            out[pair] = max(out.get(pair, 0.0), bandwidth)
+            if peer.duration_s > 0 and peer.peer != result.rank:
+                yield (min(result.rank, peer.peer), max(result.rank, peer.peer)), peer
+
+
+def pair_bandwidths(results: Iterable[LinkCheckResult]) -> dict[Pair, float]:
+    """Bytes/s of every pair, from whichever side timed it faster."""
+    out: dict[Pair, float] = {}
+    for pair, peer in _pair_timings(results):
+        out[pair] = max(out.get(pair, 0.0), peer.size_bytes / peer.duration_s)
     return out
 
 
@@ -104,23 +107,16 @@ def pair_link_bounds(results: Iterable[LinkCheckResult]) -> dict[Pair, float]:
     """Bytes/s each pair's link could have had: the faster side's time less the larger
     of the two sides' CPU wait (infinite when the wait covers the whole time). Where
     either side did not report its wait, the pair's measured bandwidth."""
-    timed: dict[Pair, tuple[int, float, float | None]] = {}
-    for result in results:
-        for peer in result.peers:
-            if peer.duration_s <= 0 or peer.peer == result.rank:
-                continue
-            pair = (min(result.rank, peer.peer), max(result.rank, peer.peer))
-            known = timed.get(pair)
-            if known is None:
-                timed[pair] = (peer.size_bytes, peer.duration_s, peer.cpu_wait_s)
-                continue
-            size, duration, wait = known
-            both = None if wait is None or peer.cpu_wait_s is None else max(wait, peer.cpu_wait_s)
-            timed[pair] = (size, min(duration, peer.duration_s), both)
+    sides: dict[Pair, list[LinkPeerResult]] = {}
+    for pair, peer in _pair_timings(results):
+        sides.setdefault(pair, []).append(peer)
     out: dict[Pair, float] = {}
-    for pair, (size, duration, wait) in timed.items():
-        link_s = duration if wait is None else duration - wait
-        out[pair] = size / link_s if link_s > 0 else math.inf
+    for pair, timed in sides.items():
+        link_s = min(p.duration_s for p in timed)
+        waits = [p.cpu_wait_s for p in timed if p.cpu_wait_s is not None]
+        if len(waits) == len(timed):
+            link_s -= max(waits)
+        out[pair] = timed[0].size_bytes / link_s if link_s > 0 else math.inf
     return out
 
 
