@@ -149,7 +149,10 @@ class Reconfigurator:
         self._pending: CommConfig | None = None
         self._pending_check: LinkCheckRequest | None = None
         self._checks_done: list[LinkCheckDone] = []
-        self._posted: tuple[Any, torch.Tensor] | None = None
+        self._posted: Any = None  # the broadcast in flight (its Work)
+        # One buffer for every exchange: each is waited for before the next is posted.
+        self._payload = torch.zeros(PAYLOAD_BYTES, dtype=torch.uint8)
+        self._payload_blank = True  # rank 0's buffer holds nothing to send
         self._rejections: list[Rejected] = []
         self.current = CommConfig(
             version=0,
@@ -253,7 +256,7 @@ class Reconfigurator:
 
     # -- the exchange -----------------------------------------------------------------
     def _post(self) -> None:
-        payload = torch.zeros(PAYLOAD_BYTES, dtype=torch.uint8)
+        payload = self._payload
         if self._rank == 0:
             with self._lock:
                 pending, self._pending = self._pending, None
@@ -261,15 +264,21 @@ class Reconfigurator:
             if pending is not None or check is not None:
                 framed = encode_payload(pending, check)
                 payload[:] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
-        self._posted = (self._group.broadcast(payload, 0), payload)
+                self._payload_blank = False
+            elif not self._payload_blank:
+                payload.zero_()
+                self._payload_blank = True
+        self._posted = self._group.broadcast(payload, 0)
 
     def _receive(self) -> tuple[CommConfig | None, LinkCheckRequest | None]:
-        posted, self._posted = self._posted, None
-        if posted is None:
+        work, self._posted = self._posted, None
+        if work is None:
             return None, None
-        work, payload = posted
         work.wait()
-        return decode_payload(payload.numpy().tobytes())
+        raw = self._payload.numpy()
+        if not raw[:4].any() and not raw[4:8].any():
+            return None, None  # the usual exchange: nothing sent
+        return decode_payload(raw.tobytes())
 
     def _run_check(self, check: LinkCheckRequest, step: int) -> None:
         # Not guarded, like the consensus itself: every rank is inside the same
