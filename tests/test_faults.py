@@ -173,3 +173,61 @@ def test_the_normal_step_is_the_latest_fault_free_steps_not_the_first() -> None:
         time.sleep(0.01)
         runner.end_compute(step)
     assert runner.normal_step_s(0.0) >= 0.01
+
+
+_LEAK_ENDS = """
+import os
+import sys
+
+import torch
+
+from torshmon import faults
+from torshmon.faults import FaultRunner, parse_fault
+
+if sys.argv[1] == "without-trim":
+    faults._return_freed_memory = lambda: None
+page = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
+
+
+# 60 KB tensors come from glibc's heap (under its mmap threshold), each followed by
+# memory the job keeps, so freeing them leaves holes that stay resident.
+runner = FaultRunner(0, (parse_fault("memory-leak:rank=0,from=1,to=1001,mb=0.06"),))
+keep = []
+for step in range(1, 1001):
+    runner.begin_step(step)
+    runner.end_compute(step)
+    keep.append(torch.ones(1000))
+held = runner.leaked_bytes
+before = rss()
+runner.begin_step(1001)
+runner.end_compute(1001)
+print(held, before - rss())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
+def test_a_leak_that_ends_hands_its_pages_back_so_the_next_one_shows_in_rss() -> None:
+    # Seed 57's sweep: after earlier leaks had ended, a 4 MB-a-step leak left RSS flat for
+    # its first 5 s, glibc handing it the earlier leaks' freed, still resident pages.
+    import subprocess
+    import sys
+
+    def released(mode: str) -> float:
+        out = subprocess.run(
+            [sys.executable, "-c", _LEAK_ENDS, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        held, freed = (int(x) for x in out.stdout.split())
+        assert held == 60_000_000
+        return freed / held
+
+    assert released("with-trim") > 0.8
+    assert released("without-trim") < 0.2  # what a later leak would have reused unseen
