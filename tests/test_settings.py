@@ -202,6 +202,7 @@ def test_detector_section_defaults_are_the_detectors_own() -> None:
             assert values.pop("step_robust") is True
             assert values.pop("step_cpu_wait_share") == 0.5
             assert values.pop("step_min_duration_s") == 0.5
+            assert values.pop("step_min_out_share") == 0.7
         for name, value in values.items():
             assert signature.parameters[name].default == value, (section, name)
 
@@ -213,6 +214,7 @@ def test_detector_settings_reach_the_live_state() -> None:
     assert live.hang._timeout_s == 7.0
     assert live.step_z._threshold == live.loss_z._threshold == 2.5
     assert live.step_z._explained_share == 0.5
+    assert live.step_z._min_out_share == 0.7
     assert live.loss_z._explained_share is None
 
 

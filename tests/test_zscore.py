@@ -421,6 +421,30 @@ def test_a_finding_needs_its_rise_to_last_min_duration_s() -> None:
     assert found(0.5)[:1] == [210 + 50]
 
 
+def test_a_rise_with_in_band_steps_between_is_one_finding_until_it_is_over() -> None:
+    """Steps of 10 ms, then 100 steps of which every fourth is back in band: the rise is
+    one finding from 0.5 s in to 0.5 s after its end. Needing the 0.5 s unbroken (a
+    share of 1) finds nothing."""
+    rise = [0.02, 0.02, 0.02, 0.0101] * 25
+    values = [0.01] * 100 + rise + [0.01] * 100
+    ts = [0.01 * i for i in range(len(values))]
+
+    def found(share: float) -> list[int]:
+        det = ZScoreDetector(
+            persistence=3, std_floor_ratio=0.05, min_duration_s=0.5, min_out_share=share
+        )
+        return [i for i, _ in det.observe_many(LABELS, ts, values)]
+
+    firing = found(0.7)
+    assert 150 <= firing[0] <= 152  # the first slow step at least 0.5 s in
+    assert firing == list(range(firing[0], firing[-1] + 1))  # one finding, never cleared
+    end = 100 + len(rise)
+    assert end + 40 <= firing[-1] < end + 60  # back in band for 0.5 s
+    assert found(1.0) == []
+    with pytest.raises(ValueError, match="min_out_share"):
+        ZScoreDetector(min_out_share=0.0)
+
+
 def _hiccups() -> dict[str, list[list[float]]]:
     path = Path(__file__).parent / "data" / "detection" / "step_time_clean_hiccups.json"
     runs: dict[str, list[list[float]]] = json.loads(path.read_text())["runs"]
@@ -438,6 +462,7 @@ def _step_time_detector(settings: ZScoreSettings) -> ZScoreDetector:
             "robust": settings.step_robust,
             "explained_share": settings.step_cpu_wait_share or None,
             "min_duration_s": settings.step_min_duration_s,
+            "min_out_share": settings.step_min_out_share,
         },
     )
 
@@ -456,3 +481,32 @@ def test_a_busy_hosts_hiccups_of_a_few_tenths_of_a_second_are_no_anomaly(run: st
     assert quiet.observe_many(LABELS, ts, values, waits) == []
     twitchy = _step_time_detector(ZScoreSettings(step_min_duration_s=0.0))
     assert twitchy.observe_many(LABELS, ts, values, waits) != []
+
+
+@pytest.mark.parametrize("seed", [57, 58])
+def test_a_1_3x_regression_near_the_top_of_the_band_is_named_and_stays_named(seed: int) -> None:
+    """Recorded 1.3x regressions of benchmarks/detection.py at ~36 ms steps: in-band steps
+    come between the slow ones. Named within 20 steps, firing through at least 80 % of
+    the regression, nothing before it. Needing every step out of band (a share of 1),
+    the live aggregator named seed 57's late and seed 58's never."""
+    path = Path(__file__).parent / "data" / "detection" / "step_time_regression_1.3x.json"
+    run = json.loads(path.read_text())["runs"][f"seed{seed}"]
+    rows = run["steps"]
+    onset, end = run["onset_step"], run["end_step"]
+
+    def firing(settings: ZScoreSettings) -> list[int]:
+        det = _step_time_detector(settings)
+        found = det.observe_many(
+            LABELS,
+            [row[1] for row in rows],
+            [row[2] for row in rows],
+            [math.nan if row[3] is None else row[3] for row in rows],
+        )
+        return sorted({rows[i][0] for i, _ in found})
+
+    steps = firing(ZScoreSettings())
+    assert steps and onset <= steps[0] <= onset + 20
+    inside = [step for step in steps if onset <= step < end]
+    assert len(inside) >= 0.8 * (end - onset)
+    unbroken = firing(ZScoreSettings(step_min_out_share=1.0))
+    assert not unbroken or unbroken[0] >= steps[0] + 5  # later, or never

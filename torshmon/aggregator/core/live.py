@@ -155,6 +155,7 @@ class LiveState:
                 "robust": z_settings.step_robust,
                 "explained_share": z_settings.step_cpu_wait_share or None,
                 "min_duration_s": z_settings.step_min_duration_s,
+                "min_out_share": z_settings.step_min_out_share,
             },
         )
         self.loss_z = ZScoreDetector(metric="loss", direction="up", **z)
