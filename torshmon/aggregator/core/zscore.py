@@ -20,7 +20,9 @@ Baseline policy (why the window is not simply "the last ``window`` values"):
   reported for about ``adapt_after`` samples and the series is then watched at its
   new level.
 - An active anomaly clears after ``persistence`` in-band values in a row (hysteresis);
-  in-band values always join the baseline, the held anomalous ones are dropped.
+  in-band values join the baseline, the held anomalous ones are dropped. With
+  ``min_duration_s`` (step time) the in-band values must span it too, and while a rise
+  is pending or active they are held out of the baseline until it ends.
 """
 
 from __future__ import annotations
