@@ -423,10 +423,11 @@ def test_a_finding_needs_its_rise_to_last_min_duration_s() -> None:
 
 def test_a_rise_with_in_band_steps_between_is_one_finding_until_it_is_over() -> None:
     """Steps of 10 ms, then 100 steps of which every fourth is back in band: the rise is
-    one finding from 0.5 s in to 0.5 s after its end. Needing the 0.5 s unbroken (a
-    share of 1) finds nothing."""
+    one finding from 0.5 s in until shortly after its end, though a single slow step
+    still comes every 0.2 s after it. Needing the 0.5 s unbroken (a share of 1) finds
+    nothing."""
     rise = [0.02, 0.02, 0.02, 0.0101] * 25
-    values = [0.01] * 100 + rise + [0.01] * 100
+    values = [0.01] * 100 + rise + ([0.01] * 19 + [0.02]) * 10
     ts = [0.01 * i for i in range(len(values))]
 
     def found(share: float) -> list[int]:
@@ -439,7 +440,7 @@ def test_a_rise_with_in_band_steps_between_is_one_finding_until_it_is_over() -> 
     assert 150 <= firing[0] <= 152  # the first slow step at least 0.5 s in
     assert firing == list(range(firing[0], firing[-1] + 1))  # one finding, never cleared
     end = 100 + len(rise)
-    assert end + 40 <= firing[-1] < end + 60  # back in band for 0.5 s
+    assert end + 3 <= firing[-1] < end + 40  # under 0.4 s, though a step in 20 is slow
     assert found(1.0) == []
     with pytest.raises(ValueError, match="min_out_share"):
         ZScoreDetector(min_out_share=0.0)

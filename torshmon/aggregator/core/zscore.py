@@ -320,6 +320,9 @@ class _Series:
     held_in: list[float] = field(default_factory=list)
     #: the time of the first of ``in_streak`` in-band values in a row
     in_since_unix_s: float = 0.0
+    #: with ``min_duration_s``, while active: (time, out of band) of the values of the
+    #: latest ``min_duration_s``
+    recent: deque[tuple[float, bool]] = field(default_factory=deque)
     finding: Finding | None = None
     #: the usual ``explained`` amount of in-band values (``explained_share``)
     explained: RollingMedian | None = None
@@ -462,7 +465,9 @@ class ZScoreDetector:
         while at least ``min_out_share`` of the values since its first are out of band
         (and at least ``persistence`` of them); below that share the span ends and its
         values join the baseline, as a short excursion's do. An active finding clears
-        after ``persistence`` in-band values in a row that span ``min_duration_s`` too.
+        after ``persistence`` in-band values in a row that span ``min_duration_s`` too,
+        or after which under half ``min_out_share`` of the latest ``min_duration_s``'s
+        values are out of band.
         Raises ValueError naming any setting outside its allowed range."""
         if not (math.isfinite(threshold) and threshold > 0):
             raise ValueError(f"threshold must be a positive number of sigmas, got {threshold}")
@@ -678,6 +683,8 @@ class ZScoreDetector:
             elif series.out_streak < self._persistence:
                 return None
             series.active = True
+        if self._min_duration_s > 0:
+            series.recent.append((ts_unix_s, True))
         if len(series.held) >= self._adapt_after:
             # The level has held for long enough to be the new normal, not an anomaly.
             series.stats.reset(series.held + series.held_in)
@@ -699,17 +706,13 @@ class ZScoreDetector:
                 # Held like the out-of-band values: in-band values at the new level would
                 # otherwise widen the band until the level fits in it.
                 series.held_in.append(value)
+                series.recent.append((ts_unix_s, False))
             else:
                 series.stats.add(value)
             if series.in_streak == 0:
                 series.in_since_unix_s = ts_unix_s
             series.in_streak += 1
-            # Back in band for as long as it took to go out: ``persistence`` values in a
-            # row, spanning ``min_duration_s``.
-            if (
-                series.in_streak >= self._persistence
-                and ts_unix_s - series.in_since_unix_s >= self._min_duration_s
-            ):
+            if series.in_streak >= self._persistence and self._back_in_band(series, ts_unix_s):
                 self._clear(series, key)
                 return None
             return series.finding
@@ -729,6 +732,20 @@ class ZScoreDetector:
         series.stats.add(value)
         return None
 
+    def _back_in_band(self, series: _Series, ts_unix_s: float) -> bool:
+        """Whether an active series, ``persistence`` values back in band, is over: with
+        ``min_duration_s``, once they span it, or sooner where out-of-band values are
+        under half ``min_out_share`` of the latest ``min_duration_s`` (single slow steps
+        coming back every few tenths of a second do not keep a finding alive)."""
+        span = self._min_duration_s
+        if ts_unix_s - series.in_since_unix_s >= span:
+            return True
+        recent = series.recent
+        while recent and recent[0][0] < ts_unix_s - span:
+            recent.popleft()
+        out = sum(1 for _, was_out in recent if was_out)
+        return out < 0.5 * self._min_out_share * len(recent)
+
     def _clear(self, series: _Series, key: SeriesKey) -> None:
         series.active = False
         series.out_streak = series.in_streak = 0
@@ -736,6 +753,7 @@ class ZScoreDetector:
         for value in series.held_in:  # the values that brought it back in band
             series.stats.add(value)
         series.held_in.clear()
+        series.recent.clear()
         series.finding = None
         active = self._active.get(series.labels["job"])
         if active is not None:
