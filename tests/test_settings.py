@@ -203,6 +203,9 @@ def test_detector_section_defaults_are_the_detectors_own() -> None:
             assert values.pop("step_cpu_wait_share") == 0.5
             assert values.pop("step_min_duration_s") == 0.5
             assert values.pop("step_min_out_share") == 0.7
+            assert values.pop("step_level_window_s") == 1.0  # the detector's is 0: off
+            assert values.pop("step_level_sigmas") == signature.parameters["level_sigmas"].default
+            assert values.pop("step_level_share") == signature.parameters["level_share"].default
         for name, value in values.items():
             assert signature.parameters[name].default == value, (section, name)
 
@@ -215,7 +218,10 @@ def test_detector_settings_reach_the_live_state() -> None:
     assert live.step_z._threshold == live.loss_z._threshold == 2.5
     assert live.step_z._explained_share == 0.5
     assert live.step_z._min_out_share == 0.7
+    assert (live.step_z._level_window_s, live.step_z._level_sigmas) == (1.0, 1.5)
+    assert live.step_z._level_share == 0.6
     assert live.loss_z._explained_share is None
+    assert live.loss_z._level_window_s == 0.0  # the level test is step time's
 
 
 SLACK = "https://hooks.slack.com/services/T0/B0/SlackS3cret"

@@ -145,19 +145,7 @@ class LiveState:
         self._silence: dict[str, float] = {}
         z_settings = zscore if zscore is not None else ZScoreSettings()
         z = z_settings.detector_args()
-        step_floor = max(z_settings.std_floor_ratio, z_settings.step_std_floor_ratio)
-        self.step_z = ZScoreDetector(
-            metric="step_duration_seconds",
-            direction="up",
-            **{
-                **z,
-                "std_floor_ratio": step_floor,
-                "robust": z_settings.step_robust,
-                "explained_share": z_settings.step_cpu_wait_share or None,
-                "min_duration_s": z_settings.step_min_duration_s,
-                "min_out_share": z_settings.step_min_out_share,
-            },
-        )
+        self.step_z = z_settings.step_time_detector()
         self.loss_z = ZScoreDetector(metric="loss", direction="up", **z)
         self.comm_z = ZScoreDetector(metric="comm_wait_seconds", direction="up", **z)
         self.throughput_z = ZScoreDetector(

@@ -71,11 +71,16 @@ class RollingStats:
         self._m2 += delta * (value - self._mean)
 
     def add_in_band(
-        self, values: Sequence[float], start: int, threshold: float, floor_ratio: float
+        self,
+        values: Sequence[float],
+        start: int,
+        threshold: float,
+        floor_ratio: float,
+        stop: int | None = None,
     ) -> int:
-        """``add`` each of ``values[start:]`` in turn while it is finite and at most
+        """``add`` each of ``values[start:stop]`` in turn while it is finite and at most
         ``threshold`` standard deviations above the mean of the window before it; returns
-        the index of the first value not added (``len(values)`` when all were).
+        the index of the first value not added (``stop`` or ``len(values)`` when all were).
 
         The standard deviation is floored at ``floor_ratio * |mean|`` and a tiny
         absolute, as ``ZScoreDetector`` judges. The same arithmetic as ``add``, with the
@@ -92,7 +97,7 @@ class RollingStats:
         n = len(values_in)
         mean, m2, head, removals = self._mean, self._m2, self._head, self._removals
         sqrt, isfinite = math.sqrt, math.isfinite
-        i, end = start, len(values)
+        i, end = start, len(values) if stop is None else stop
         while i < end:
             value = values[i]
             if not isfinite(value):
@@ -222,10 +227,15 @@ class RollingMedian:
             self._changes += 1
 
     def add_in_band(
-        self, values: Sequence[float], start: int, threshold: float, floor_ratio: float
+        self,
+        values: Sequence[float],
+        start: int,
+        threshold: float,
+        floor_ratio: float,
+        stop: int | None = None,
     ) -> int:
         """As ``RollingStats.add_in_band``, against the median and scaled MAD."""
-        i, end = start, len(values)
+        i, end = start, len(values) if stop is None else stop
         while i < end:
             value = values[i]
             if not math.isfinite(value):
