@@ -564,11 +564,14 @@ class ZScoreDetector:
         window = [v for _, v, _ in series.level]
         level = sorted(window)[len(window) // 2]
         finding = self._finding(series, value, mean, std, z)
+        up = level >= mean
+        side, line = ("above", 1.0) if up else ("below", -1.0)
+        line = mean + line * self._level_sigmas * std
         summary = (
-            f"{self._name} of {_where(series.labels)} has risen to {level:.3g}{self._unit} "
-            f"(median of its latest {len(window)} values, {series.level_high} of them above "
-            f"{mean + self._level_sigmas * std:.3g}{self._unit}), "
-            f"{(level - mean) / std:.1f} sigma above its {self._center_name} "
+            f"{self._name} of {_where(series.labels)} has {'risen' if up else 'fallen'} to "
+            f"{level:.3g}{self._unit} (median of its latest {len(window)} values, "
+            f"{series.level_high} of them {side} {line:.3g}{self._unit}), "
+            f"{abs(level - mean) / std:.1f} sigma {side} its {self._center_name} "
             f"{mean:.3g}{self._unit}"
         )
         finding = dataclasses.replace(
