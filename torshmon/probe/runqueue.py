@@ -17,8 +17,9 @@ back a job's communication threads as well, and a step then takes longer with it
 compute unchanged. The training thread reads it at each step's start and end, as the
 step's own clock: samples taken elsewhere (the shipper's, 50 ms apart) smeared a
 burst's delay over the steps around it and told too little. A step that starts within
-0.2 ms of the previous one's end (no input wait between) takes that end's readings of
-both clocks as its own start's (``Monitor``): one read of each a step, not two.
+0.2 ms of the previous scope's exit (no input wait between) takes that step's end
+readings of both clocks as its own start's (``Monitor``): one read of each a step, not
+two.
 """
 
 from __future__ import annotations
