@@ -401,8 +401,9 @@ class Monitor:
         if last_exit is not None and start_ns - last_exit < _REUSE_END_READINGS_NS:
             # Straight on from the previous step (no input wait to speak of): what the
             # clocks said at its end is what they say now, and a step reads each once.
-            # Measured from the scope's exit, after torshmon's own end-of-step work
-            # (0.1-0.3 ms): from the readings, no real loop would ever come this close.
+            # Measured from the scope's exit, after torshmon's own end-of-step work: from
+            # the readings, a step with the config broadcast (0.2-0.5 ms) never came this
+            # close, nor did one preempted on the way (27 % of a 40-bucket DDP job's).
             self._runqueue_start_ns = self._runqueue_end_ns
             self._process_runqueue_start_ns = self._process_runqueue_end_ns
         else:
