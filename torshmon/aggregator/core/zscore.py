@@ -565,8 +565,8 @@ class ZScoreDetector:
         level = sorted(window)[len(window) // 2]
         finding = self._finding(series, value, mean, std, z)
         up = level >= mean
-        side, line = ("above", 1.0) if up else ("below", -1.0)
-        line = mean + line * self._level_sigmas * std
+        side = "above" if up else "below"
+        line = mean + (1.0 if up else -1.0) * self._level_sigmas * std
         summary = (
             f"{self._name} of {_where(series.labels)} has {'risen' if up else 'fallen'} to "
             f"{level:.3g}{self._unit} (median of its latest {len(window)} values, "
