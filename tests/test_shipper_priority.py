@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_shipper import _hello
 from torshmon.probe.events import RawStep
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.shipper import SHIPPER_NICE, Outbox, Shipper, lower_thread_priority
-from torshmon.wire import SCHEMA_VERSION, Hello
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's"
@@ -22,22 +22,6 @@ pytestmark = pytest.mark.skipif(
 
 def _nice(tid: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, tid)
-
-
-def _hello() -> Hello:
-    return Hello(
-        v=SCHEMA_VERSION,
-        session="s",
-        job="j",
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        node="n",
-        pid=os.getpid(),
-        backend="gloo",
-        torch_version="test",
-        probe_version="test",
-    )
 
 
 def test_the_shipper_thread_runs_lower_and_the_training_thread_keeps_its_priority(
