@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torshmon.aggregator.core import straggler
 from torshmon.aggregator.core.straggler import (
     CompleteStep,
     StepCollector,
@@ -230,6 +231,29 @@ def test_a_sudden_burst_of_noise_raises_the_bar_before_it_names_a_healthy_rank()
         latencies.append(next(i - 99 for i in range(100, 160) if 2 in named[i]))
         assert not any(named[:100])
     assert max(latencies) <= 10 and sorted(latencies)[5] == 4
+
+
+def test_a_burst_early_in_a_job_is_in_the_noise_before_any_rank_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Held-out seed 63's shape: 2 ranks, and soon after the job's start one computed
+    1.25x its peer for 8 steps on contention. Named while the noise estimate stood on
+    its first 16 changes (a few steps' worth, all alike); with the noise sampled in 16
+    steps first, the burst is part of it and nobody is named. A real straggler that
+    starts as early is still named, a little later."""
+    early_bursts = []
+    for seed in range(10):
+        rows = _noisy(2, 120, seed=seed, sigma=0.03)
+        for i in range(31, 39):
+            rows[i][1] *= 1.25
+        early_bursts.append(rows)
+    assert not any(any(_run(StragglerDetector(), rows)) for rows in early_bursts)
+    with monkeypatch.context() as patched:
+        patched.setattr(straggler, "_MIN_NOISE_STEPS", 1)  # 16 changes, from any steps
+        assert sum(any(_run(StragglerDetector(), rows)) for rows in early_bursts) >= 5
+    named = _run(StragglerDetector(), _noisy(2, 20) + _noisy(2, 60, seed=7, slow={1: 1.4}))
+    assert named[-1] == {1}
+    assert all(not ranks for ranks in named[:40])
 
 
 def test_the_relative_floor_keeps_a_small_steady_offset_quiet() -> None:

@@ -36,8 +36,13 @@ as the rank is out of line.
   (with 2 ranks, its mirror-image peer too) until its window statistic has been under
   the floor for ``hold_steps`` steps in a row: one that cleared mid-fault (a 1.2x
   straggler at 2 ranks, at the floor) would otherwise raise the bar above the
-  stragglers after it. Before
-  ``noise_samples`` can say anything (16 changes) no rank is named. Those changes lag
+  stragglers after it. No rank is named before the noise has been sampled in 16 steps
+  (16 changes at least): the ranks' changes in one step, and those of overlapping
+  windows in consecutive steps, move together, so the first steps' samples are a weak
+  estimate (2 ranks, held-out seed 63: on contention a healthy rank computed 1.25x its
+  peer at steps 32-39 and was named at step 38, the estimate then a dozen steps old;
+  with the wait, the changes of every rank through such a burst are in the estimate
+  before it can name one). Those changes lag
   a sudden burst of contention, so the bar also follows the noise of the latest
   ``step_noise_steps`` steps (16): the upper quartile of the changes of
   the ranks' ratios from one step to the next (a steady slowdown does not change its
@@ -81,6 +86,9 @@ from torshmon.settings import Section, setting
 _Q75_TO_SIGMA: Final = 1 / 1.1503
 #: Fewer noise samples than this are no estimate.
 _MIN_NOISE: Final = 16
+#: Nor are samples from fewer steps than this: the ranks' changes in one step, and the
+#: changes of overlapping windows in consecutive steps, move together.
+_MIN_NOISE_STEPS: Final = 16
 #: The noise is sampled from this many ranks a step at most (in turns), so a large job's
 #: estimate still spans many steps.
 _NOISE_RANKS_PER_STEP: Final = 16
@@ -237,6 +245,8 @@ class _JobState:
     #: step before|: the node's noise now (the last ``step_noise_steps``).
     jumps: deque[float]
     complete_steps: int = 0
+    #: Scored steps that added to ``noise``, up to ``_MIN_NOISE_STEPS``.
+    noise_steps: int = 0
     ranks: dict[int, _RankState] = field(default_factory=dict)
     #: Steps ``[from, until)`` of config switches, not scored.
     paused: list[tuple[int, int]] = field(default_factory=list)
@@ -432,7 +442,7 @@ class StragglerDetector:
         # there is no majority to say which of the two is normal: the higher floor.
         floor = self._pair_floor if len(values) == 2 else self._floor
         peer_floor = self._pair_floor if len(values) - len(named) <= 2 else floor
-        sigma = _window_sigma(state.noise)
+        sigma = _window_sigma(state.noise) if state.noise_steps >= _MIN_NOISE_STEPS else None
         if self._step_noise_steps:
             sigma = self._with_recent_noise(state, sigma, values, ratios)
         noise_bar = None if sigma is None else self._z_threshold * sigma
@@ -444,6 +454,7 @@ class StragglerDetector:
         left_out = named | unsettled
         measures = not left_out or len(values) - len(left_out) >= 2
         ranks = state.ranks
+        noise_step = False
         for i, (rank, (ratio, peers_s)) in enumerate(ratios.items()):
             rank_state = ranks.get(rank) or self._new_rank(state, rank)
             compute_s = values[rank]
@@ -476,8 +487,11 @@ class StragglerDetector:
                 before = self._statistic(rank_state, recent=False)
                 if before is not None:
                     state.noise.append(abs(stat - before))
+                    noise_step = True
             if bar is not None and (holds or rank_state.active):
                 self._advance(job, step, ts_unix_s, rank, rank_state, bar, holds=holds)
+        if noise_step and state.noise_steps < _MIN_NOISE_STEPS:
+            state.noise_steps += 1
         return _active_findings(state)
 
     def _with_recent_noise(
