@@ -254,7 +254,9 @@ mon._process_runqueue = type("Counted", (), {"read_ns": staticmethod(counted)})(
 before = process.read_ns()
 for _ in range(300):
     with mon.step():
-        sum(range(20_000))
+        # Computing well beyond the 0.5 ms put: otherwise the hog can get its share in
+        # the sleeps and hardly preempt the steps (12-25 ms of wait over the loop).
+        sum(range(100_000))
 after = process.read_ns()
 hog.kill()
 mon._process_runqueue = probe_clock
