@@ -102,7 +102,7 @@ class ModelPlan:
 
 
 # Many short rounds beat a few long ones against bursts of load from elsewhere.
-# The mlp's rounds are 10 steps of about 20 ms, and their medians spread 10-16 %
+# The mlp's rounds are 10 steps of about 47 ms, and their medians spread 10-16 %
 # on this 2-core box; 20 rounds left its paired ratio moving by 0.04 between
 # full runs, 60 rounds steady it for about 4 more minutes.
 # Warm-up covers DDP's bucket rebuild after the first step.
