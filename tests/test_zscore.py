@@ -575,8 +575,42 @@ def test_the_level_test_leaves_a_busy_hosts_hiccups_alone(run: str) -> None:
     assert _firing_steps(rows, ZScoreSettings(step_level_sigmas=0.5)) == []
 
 
-def test_half_a_second_is_too_short_a_level_window_for_a_busy_hosts_hiccups() -> None:
-    """Seed 30's 0.3 s hiccups fill most of a half-second window: at 0.5 s the level
-    test fires in that clean job, at the default 1 s it does not."""
-    rows = _hiccups()["seed30_steps_1_600"]
-    assert _firing_steps(rows, ZScoreSettings(step_level_window_s=0.5)) != []
+def test_a_third_of_a_second_is_too_short_a_level_window_for_a_busy_hosts_hiccups() -> None:
+    """Seed 53's hiccups fill most of a 0.3 s window: at 0.3 s the level test fires in
+    that clean job, at the default 1 s it does not. (Seed 30's set off a 0.5 s window
+    too while the values the CPU wait accounts for stayed out of the level window.)"""
+    rows = _hiccups()["seed53_steps_2000_2450"]
+    assert _firing_steps(rows, ZScoreSettings(step_level_window_s=0.3)) != []
+    assert _firing_steps(rows, ZScoreSettings()) == []
+
+
+def test_a_busy_spell_the_cpu_wait_accounts_for_is_no_anomaly() -> None:
+    """Held-out seed 68's clean 2-rank job: beside a CPU burner, about 70 steps (1 s) ran
+    1.3-2x slower. The CPU wait accounts for most steps' rise, not for a third of them
+    one by one (a rank's wait at the end of its step holds its peer up in the next). The
+    live aggregator named those scattered steps as a rise and fired; replayed from step
+    4400 that code fires at 4842. Values the wait accounts for now count as in band in
+    the span and below the line in the level window: quiet. Without the CPU wait figures
+    the same spell is an anomaly."""
+    path = Path(__file__).parent / "data" / "detection" / "step_time_clean_busy_spell.json"
+    rows = json.loads(path.read_text())["steps"]
+    assert _firing_steps(rows, ZScoreSettings()) == []
+    unknown = [[step, ts, value, None] for step, ts, value, _ in rows]
+    steps = _firing_steps(unknown, ZScoreSettings())
+    assert steps and 4795 <= steps[0] <= 4870
+
+
+def test_scattered_steps_the_known_cause_does_not_explain_are_no_rise() -> None:
+    """A long busy spell: every step 40 % slower, three in four with 30 ms more CPU wait
+    than usual, the fourth with none. The unexplained quarter is no span (0.25 of the
+    judged values, under ``min_out_share``) and does not move the level; with no wait
+    anywhere the same spell fires."""
+
+    def found(waits: list[float]) -> list[int]:
+        det = ZScoreSettings().step_time_detector()
+        values = [0.1] * 300 + [0.14] * 200
+        ts = [0.01 * i for i in range(len(values))]
+        return [i for i, _ in det.observe_many(LABELS, ts, values, [0.0] * 300 + waits)]
+
+    assert found([0.0 if i % 4 == 3 else 0.03 for i in range(200)]) == []
+    assert found([0.0] * 200)[:1] != []
