@@ -581,11 +581,7 @@ class ZScoreDetector:
         judged = len(series.held) + len(series.held_in) + series.held_explained
         if len(series.held) >= self._min_out_share * judged:
             return
-        for value in (*series.held, *series.held_in):
-            series.stats.add(value)
-        series.held.clear()
-        series.held_in.clear()
-        series.held_explained = 0
+        _end_span(series)
         series.out_streak = 0
 
     def _start(self, series: _Series) -> None:
@@ -679,14 +675,7 @@ class ZScoreDetector:
             if len(held) >= self._min_out_share * judged:
                 return None  # still mostly out of band: the span goes on
             series.held_in.pop()  # the span ends: this value joins the baseline below
-        for value_held in held:
-            # A short excursion is part of the series' noise: let it widen the band.
-            series.stats.add(value_held)
-        held.clear()
-        series.held_explained = 0
-        for value_held in series.held_in:
-            series.stats.add(value_held)
-        series.held_in.clear()
+        _end_span(series)
         series.stats.add(value)
         return None
 
@@ -751,6 +740,16 @@ class ZScoreDetector:
 
 #: In-band values whose ``explained`` amount makes its usual level.
 _USUAL_WINDOW = 256
+
+
+def _end_span(series: _Series) -> None:
+    """A pending span that ended was a short excursion, part of the series' noise: its
+    values join the baseline and widen the band."""
+    for value in (*series.held, *series.held_in):
+        series.stats.add(value)
+    series.held.clear()
+    series.held_in.clear()
+    series.held_explained = 0
 
 
 def _add_usual(series: _Series, explained: float) -> None:
