@@ -12,13 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torshmon.aggregator.core import straggler
-from torshmon.aggregator.core.straggler import (
-    CompleteStep,
-    StepCollector,
-    StragglerDetector,
-    _log_ratios,
-    _median,
-)
+from torshmon.aggregator.core.complete_steps import CompleteStep, StepCollector
+from torshmon.aggregator.core.straggler import StragglerDetector, _log_ratios, _median
 
 DATA = Path(__file__).parent / "data" / "detection"
 SYNTHETIC = sorted(DATA.glob("straggler_*_synthetic.json"))

@@ -25,6 +25,7 @@ from torshmon.aggregator.core import summaries
 from torshmon.aggregator.core.agents import Agents
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.bottleneck import Thresholds, bottleneck_report, rank_findings
+from torshmon.aggregator.core.complete_steps import StepCollector
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.hang import HangDetector, HangSettings
 from torshmon.aggregator.core.job_snapshot import job_kind_after, job_snapshot
@@ -41,7 +42,7 @@ from torshmon.aggregator.core.rules import ANOMALY_METRICS
 from torshmon.aggregator.core.series import SeriesStore
 from torshmon.aggregator.core.step_series import observe_collective_series, observe_input_waits
 from torshmon.aggregator.core.stored import Stored
-from torshmon.aggregator.core.straggler import StepCollector, StragglerDetector, StragglerSettings
+from torshmon.aggregator.core.straggler import StragglerDetector, StragglerSettings
 from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings, observe_from
 from torshmon.labels import LabelCap
 from torshmon.wire import (

@@ -9,8 +9,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import compress
 
+from torshmon.aggregator.core.complete_steps import StepCollector
 from torshmon.aggregator.core.series import LabelSet
-from torshmon.aggregator.core.straggler import StepCollector
 from torshmon.labels import LabelCap
 from torshmon.wire import (
     DURATION_BUCKETS_S,
