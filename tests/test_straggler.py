@@ -79,20 +79,44 @@ def test_recorded_runs_never_name_a_healthy_rank(path: Path) -> None:
     assert [i for i, ranks in enumerate(named) if ranks & healthy] == []
 
 
-def test_on_off_stragglers_in_a_row_do_not_raise_their_own_bar() -> None:
-    """A recorded 2-rank run (held-out seed 49): an on/off straggler cleared mid-fault
-    fed its swings to the noise estimate, and the next three, 2x included, went unnamed
-    (the bar rose from 0.21 to 1.9) before a cleared rank was kept out of the estimate.
-    Each one in scope (1.3x and more at 2 ranks) must be named within 10 steps, the
-    1.2x one at all."""
-    scenario: dict[str, Any] = json.loads((DATA / "straggler_onoff_pair_cascade.json").read_text())
+@pytest.mark.parametrize(
+    "name", ["straggler_onoff_pair_cascade", "straggler_onoff_pair_after_a_milder_one"]
+)
+def test_on_off_stragglers_in_a_row_do_not_raise_their_own_bar(name: str) -> None:
+    """Recorded 2-rank runs where an on/off straggler's swings went into the noise
+    estimate as a healthy rank's and hid the ones after it. Held-out seed 49: one was
+    named, cleared mid-fault, and then sampled (the bar rose from 0.21 to 1.9; the next
+    three went unnamed, 2x included) before a cleared rank was kept out of the
+    estimate. Development seed 70: a 1.1x one, under the floor and never named, raised
+    the bar over a 1.2x and a 1.5x one before the window's noise was capped by the
+    step-to-step changes'. Each one in scope (1.3x and more at 2 ranks) must be named
+    within 10 steps, the 1.2x ones at all, and no rank outside its own episodes."""
+    scenario: dict[str, Any] = json.loads((DATA / f"{name}.json").read_text())
     named = _run(StragglerDetector(), scenario["steps"])
+    allowed: dict[int, set[int]] = {rank: set() for rank in range(scenario["world_size"])}
     for episode in scenario["episodes"]:
         first, end = episode["slow_steps"][0][0], episode["slow_steps"][-1][1]
+        # Named from its first slow step until it has been back in line for hold_steps.
+        allowed[episode["rank"]] |= set(range(first, end + 25 + 8))
+        if episode["magnitude"] < 1.2:
+            continue
         hits = [i for i in range(first, end) if episode["rank"] in named[i]]
         assert hits, episode["magnitude"]
         if episode["magnitude"] >= 1.3:
             assert hits[0] - first + 1 <= 10, (episode["magnitude"], hits[0] - first + 1)
+    wrong = [(i, r) for i, ranks in enumerate(named) for r in ranks if i not in allowed[r]]
+    assert wrong == []
+
+
+def test_without_the_cap_a_milder_on_off_straggler_hides_the_next_ones() -> None:
+    """The recorded seed-70 run again, with ``max_window_noise`` off: the 1.1x one's
+    swings raise the bar over the 1.2x and 1.5x on/off ones, as in the benchmark."""
+    name = "straggler_onoff_pair_after_a_milder_one.json"
+    scenario: dict[str, Any] = json.loads((DATA / name).read_text())
+    named = _run(StragglerDetector(max_window_noise=0), scenario["steps"])
+    for episode in scenario["episodes"][-2:]:
+        first, end = episode["slow_steps"][0][0], episode["slow_steps"][-1][1]
+        assert not any(episode["rank"] in named[i] for i in range(first, end))
 
 
 def test_make_stragglers_writes_the_files_as_committed(tmp_path: Path) -> None:
@@ -367,6 +391,8 @@ def test_jobs_are_independent_and_forget_drops_one() -> None:
         ({"window_steps": 2, "persistence": 3}, "window_steps"),
         ({"hold_steps": 0}, "hold_steps"),
         ({"noise_samples": 4}, "noise_samples"),
+        ({"max_window_noise": -1.0}, "max_window_noise"),
+        ({"max_window_noise": math.inf}, "max_window_noise"),
     ],
 )
 def test_bad_settings_are_rejected_by_name(kwargs: dict[str, Any], match: str) -> None:
