@@ -75,6 +75,7 @@ from benchmarks._scoring import (
     median,
     min_magnitude_detected,
     score_run,
+    straggler_in_scope,
     summarize,
 )
 from benchmarks._table import format_table
@@ -179,7 +180,6 @@ def timing_job(world_size: int, seed: int, quick: bool) -> JobPlan:
     rng.shuffle(items)
     timeline = _Timeline(rng)
     episodes = []
-    bar = 1.2 if world_size >= 3 else 1.3
     for mode, ratio in items:
         slow = ratio - 1
         rank = rng.randrange(world_size)
@@ -196,7 +196,16 @@ def timing_job(world_size: int, seed: int, quick: bool) -> JobPlan:
             )
         label = f"straggler {mode} {world_size} ranks"
         episodes.append(
-            EpisodePlan("straggler", label, ratio, specs, rank, start, end, ratio >= bar)
+            EpisodePlan(
+                "straggler",
+                label,
+                ratio,
+                specs,
+                rank,
+                start,
+                end,
+                straggler_in_scope(ratio, world_size),
+            )
         )
     return JobPlan(f"timing-{world_size}", world_size, 0.02, tuple(episodes))
 

@@ -4,6 +4,10 @@ what counts as caught, as excused, as false."""
 from __future__ import annotations
 
 import itertools
+import json
+import math
+import random
+from pathlib import Path
 
 import pytest
 
@@ -238,3 +242,47 @@ def test_the_sweep_plans_faults_that_parse_and_do_not_overlap() -> None:
         for name in ("timing-2", "timing-4"):
             ratios = sorted(e.magnitude for e in timing[name].episodes if e.kind == "straggler")
             assert ratios == sorted([1.1, 1.2, 1.3, 1.5, 2.0, 3.0] * 2)
+
+
+def _dump(world: int, steps: int, slow: dict[int, tuple[int, int, float]]) -> dict[str, object]:
+    """A ``detection.py --dump`` job: compute times around 50 ms with 3 % jitter, rank r
+    ``factor`` times slower over steps [a, b) for ``slow[r] = (a, b, factor)``, and a
+    small CPU wait on every step (left out of the compute, as the aggregator does)."""
+    rng = random.Random(7)
+    rows = []
+    for step in range(1, steps + 1):
+        for rank in range(world):
+            a, b, factor = slow.get(rank, (0, 0, 1.0))
+            compute = 0.05 * (factor if a <= step < b else 1.0) * math.exp(rng.gauss(0, 0.03))
+            rows.append([rank, step, compute + 0.01, compute + 0.001, 0.001, 0.002])
+    columns = ["rank", "step", "duration_s", "compute_s", "cpu_wait_s", "process_cpu_wait_s"]
+    return {"world_size": world, "columns": columns, "rows": rows}
+
+
+def test_the_replay_names_a_planned_straggler_and_flags_an_unplanned_one(tmp_path: Path) -> None:
+    """``detection_replay.py`` on made-up dumps: a planned 1.5x straggler at 2 ranks is
+    named within a few slow steps; the same slowdown in a job without a plan is a
+    wrongly named rank; and ``--set`` reaches the detector (a 2x floor names nothing)."""
+    from benchmarks import detection_replay
+
+    planned = _dump(2, 300, {1: (100, 200, 1.5)})
+    planned["plan"] = [
+        {
+            "kind": "straggler",
+            "label": "straggler steady 2 ranks",
+            "magnitude": 1.5,
+            "rank": 1,
+            "onset_step": 100,
+            "end_step": 200,
+        }
+    ]
+    (tmp_path / "timing-2-0.json").write_text(json.dumps(planned))
+    (tmp_path / "clean-2-0.json").write_text(json.dumps(_dump(2, 300, {0: (150, 200, 1.5)})))
+    summary = detection_replay.main([str(tmp_path)])
+    assert summary["in_scope"] == 1 and summary["missed"] == 0
+    assert summary["worst_named_after_steps"] <= 5
+    assert summary["jobs_with_a_wrong_name"] == 1
+    loose = detection_replay.main([str(tmp_path), "--set", "pair_min_slowdown=1.0"])
+    assert loose["missed"] == 1 and loose["jobs_with_a_wrong_name"] == 0
+    with pytest.raises(SystemExit, match="max_window_noise"):
+        detection_replay.main([str(tmp_path), "--set", "max_window_noise=-1"])
