@@ -203,7 +203,12 @@ class StragglerSettings(Section, frozen=True):
         setting("steps in a row without the condition before a finding clears", ge=1),
     ] = 25
     noise_samples: Annotated[
-        int, setting("window-to-window changes the noise is estimated from", ge=16)
+        int,
+        setting(
+            "window-to-window changes the noise is estimated from, and steps of "
+            "step-to-step changes for max_window_noise",
+            ge=16,
+        ),
     ] = 256
     min_excess_s: Annotated[
         float,
