@@ -124,11 +124,9 @@ class _JobState:
     #: not above the bar.
     noise: deque[float]
     #: Per scored step, the median over ranks of |change of a rank's ratio from the
-    #: step before|: the node's noise now (the last ``step_noise_steps``).
+    #: step before|, the latest last: the node's noise now (the last
+    #: ``step_noise_steps``) and over the last ``noise_samples`` (``max_window_noise``).
     jumps: deque[float]
-    #: The same over the last ``noise_samples`` steps: what the node's noise does to a
-    #: rank's ratio from one step to the next, for ``max_window_noise``.
-    long_jumps: deque[float]
     complete_steps: int = 0
     #: Scored steps that added to ``noise``, up to ``_MIN_NOISE_STEPS``.
     noise_steps: int = 0
@@ -424,16 +422,18 @@ class StragglerDetector:
         jump = _step_jump(ratios, values, state.ranks, self._min_excess_s)
         if jump is not None:
             state.jumps.append(jump)
-            state.long_jumps.append(jump)
         if sigma is None:
             return None
-        if self._max_window_noise and len(state.long_jumps) >= _MIN_NOISE:
-            sigma = min(sigma, self._max_window_noise * self._jump_sigma(state.long_jumps))
-        if not self._step_noise_steps or len(state.jumps) < min(self._step_noise_steps, _MIN_NOISE):
+        jumps = state.jumps
+        if self._max_window_noise and len(jumps) >= _MIN_NOISE:
+            long = list(jumps)[-self._noise_samples :]
+            sigma = min(sigma, self._max_window_noise * self._jump_sigma(long))
+        recent = self._step_noise_steps
+        if not recent or len(jumps) < min(recent, _MIN_NOISE):
             return sigma
-        return max(sigma, self._jump_sigma(state.jumps))
+        return max(sigma, self._jump_sigma(list(jumps)[-recent:]))
 
-    def _jump_sigma(self, jumps: deque[float]) -> float:
+    def _jump_sigma(self, jumps: list[float]) -> float:
         """The window statistic's noise from per-step ``jumps``: a change is the
         difference of two steps' noise (sqrt(2) times as wide); the upper quartile, not
         the median, so a burst raises the bar within a few steps. The window statistic's
@@ -512,8 +512,7 @@ class StragglerDetector:
     def _new_job(self) -> _JobState:
         return _JobState(
             noise=deque(maxlen=self._noise_samples),
-            jumps=deque(maxlen=self._step_noise_steps),
-            long_jumps=deque(maxlen=self._noise_samples),
+            jumps=deque(maxlen=max(self._noise_samples, self._step_noise_steps)),
         )
 
     def _new_rank(self, state: _JobState, rank: int) -> _RankState:
