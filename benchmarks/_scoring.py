@@ -104,8 +104,9 @@ class Episode:
 
 @dataclass(frozen=True, slots=True)
 class FiredAlert:
-    """An alert episode that fired: ``first_step`` is the job's last step the aggregator
-    had seen when it was first seen firing (None if not seen)."""
+    """An alert episode that fired: ``first_step`` is the last step the job had finished
+    when the alert fired, on the job's own clock (``steps.end_unix_ns``; None if
+    unknown): the steps it ran before anyone could be told, transport included."""
 
     rule: str
     rank: int | None

@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
+import itertools
 import json
 import math
 import os
@@ -105,7 +107,15 @@ BASE_LINK = "1gbit"
 #: them through the detectors offline; None: nowhere.
 DUMP_DIR: Path | None = None
 #: The dumped ``steps`` columns (``--dump``).
-COLUMNS: Final = ["rank", "step", "duration_s", "compute_s", "cpu_wait_s", "process_cpu_wait_s"]
+COLUMNS: Final = [
+    "rank",
+    "step",
+    "duration_s",
+    "compute_s",
+    "cpu_wait_s",
+    "process_cpu_wait_s",
+    "end_unix_ns",
+]
 #: The clean jobs' model width (the fault jobs' is 512).
 CLEAN_HIDDEN = 128
 #: A leak below this measured rate is out of scope (the rule fires above 10 MB/s).
@@ -425,8 +435,8 @@ async def run_system_once(
                 autotune=autotune,
                 tune_max_trials=3 if autotune else None,
             )
-            # Look at the alerts every 50 ms: at the default 0.25 s a tick could add
-            # steps to the step latency it reads.
+            # The watch only adds the aggregator's view to --dump (``alert_rows``);
+            # latencies are read on the job's own clock (``JobClock``).
             result = await run_system(
                 config, targets=[SlackTarget(receiver.url)], on_tick=watch, tick_s=0.05
             )
@@ -440,18 +450,53 @@ async def run_system_once(
     return result, watch, receiver, [tuple(r) for r in rows]
 
 
-def fired_alerts(result: Any, watch: FiringWatch) -> list[FiredAlert]:
+def fired_alerts(
+    result: Any, watch: FiringWatch, rows: Sequence[tuple[Any, ...]]
+) -> list[FiredAlert]:
+    """The job's alerts, each with the last step the job had finished when it fired."""
+    job_step = JobClock(rows)
     return [
         FiredAlert(
             a["rule"],
             a["rank"],
             a["fired_at_unix_s"],
             a["ends_at_unix_s"],
-            watch.first_step(a["rule"], a["rank"], a["fired_at_unix_s"]),
+            job_step.at(a["fired_at_unix_s"]),
         )
         for a in result.alerts
         if a["fired_at_unix_s"] is not None
     ]
+
+
+def alert_rows(
+    alerts: Sequence[FiredAlert], watch: FiringWatch
+) -> list[tuple[str, int | None, float, int | None, int | None]]:
+    """The dump's alerts: rule, rank, fired at, the job's step then, and the last step
+    the aggregator had seen when the benchmark's 50 ms watch first saw it firing."""
+    return [
+        (
+            a.rule,
+            a.rank,
+            a.fired_at_unix_s,
+            a.first_step,
+            watch.first_step(a.rule, a.rank, a.fired_at_unix_s),
+        )
+        for a in alerts
+    ]
+
+
+class JobClock:
+    """The last step any rank of the job had finished at a given time (``steps`` rows)."""
+
+    def __init__(self, rows: Sequence[tuple[Any, ...]]) -> None:
+        step_i, end_i = COLUMNS.index("step"), COLUMNS.index("end_unix_ns")
+        ends = sorted((r[end_i], r[step_i]) for r in rows if r[end_i] is not None)
+        self._ends = [end for end, _ in ends]
+        self._last: list[int] = list(itertools.accumulate((s for _, s in ends), max))
+
+    def at(self, t_unix_s: float) -> int | None:
+        i = bisect.bisect_right(self._ends, int(t_unix_s * 1e9))
+        return self._last[i - 1] if i else None
 
 
 async def run_job(plan: JobPlan, seed: int) -> JobOutcome:
@@ -490,7 +535,8 @@ async def run_job(plan: JobPlan, seed: int) -> JobOutcome:
                 ep.kind, ep.label, ep.magnitude, ep.rank, ep.onset_step, tuple(periods), in_scope
             )
         )
-    score = score_run(episodes, fired_alerts(result, watch), run_end_unix_s=run_end)
+    alerts = fired_alerts(result, watch, rows)
+    score = score_run(episodes, alerts, run_end_unix_s=run_end)
     if DUMP_DIR is not None:
         dump = {
             "plan": [
@@ -505,10 +551,7 @@ async def run_job(plan: JobPlan, seed: int) -> JobOutcome:
                 for e in plan.episodes
             ],
             "world_size": plan.world_size,
-            "alerts": [
-                [a.rule, a.rank, a.fired_at_unix_s, a.first_step]
-                for a in fired_alerts(result, watch)
-            ],
+            "alerts": alert_rows(alerts, watch),
             "fault_events": events,
             "run_end_unix_s": run_end,
             "columns": COLUMNS,
@@ -557,11 +600,11 @@ async def run_clean(world_size: int, steps: int, seed: int) -> tuple[list[FiredA
         result, watch, _, rows = await run_system_once(
             world_size, steps, 0.005, hidden=CLEAN_HIDDEN
         )
-    alerts = fired_alerts(result, watch)
+    alerts = fired_alerts(result, watch, rows)
     if DUMP_DIR is not None:
         dump = {
             "world_size": world_size,
-            "alerts": [[a.rule, a.rank, a.fired_at_unix_s, a.first_step] for a in alerts],
+            "alerts": alert_rows(alerts, watch),
             "columns": COLUMNS,
             "rows": rows,
         }
@@ -573,9 +616,9 @@ async def run_clean(world_size: int, steps: int, seed: int) -> tuple[list[FiredA
 async def run_tuning() -> tuple[list[FiredAlert], float, str]:
     """A fault-free autotune session (3 configs, 2 ranks, ~0.1 s steps as real jobs
     take): its alerts (all false)."""
-    result, watch, _, _ = await run_system_once(2, 3000, 0.1, autotune=True)
+    result, watch, _, rows = await run_system_once(2, 3000, 0.1, autotune=True)
     phase = result.tuning.phase if result.tuning is not None else "none started"
-    return fired_alerts(result, watch), result.wall_s, phase
+    return fired_alerts(result, watch, rows), result.wall_s, phase
 
 
 # -- reporting -------------------------------------------------------------------------
