@@ -22,7 +22,7 @@ Usage::
     python benchmarks/agent.py --quick          # under a minute
     python benchmarks/agent.py                  # a few minutes
     python benchmarks/agent.py --profile DIR    # also cProfile the agent (slower)
-    python benchmarks/agent.py --urgent --flush-interval-s 0.1   # every fast lane open
+    python benchmarks/agent.py --urgent --flush-interval-s 0.05 --steps-per-s 20  # lanes open
 """
 
 from __future__ import annotations
@@ -648,8 +648,8 @@ def parse_plan(argv: Sequence[str] | None = None) -> Plan:
     parser.add_argument(
         "--urgent",
         action="store_true",
-        help="mark every batch urgent (every fast lane open; with --flush-interval-s 0.1: "
-        "a batch a step, as an open lane sends)",
+        help="mark every batch urgent (every fast lane open; with --flush-interval-s 0.05: "
+        "a batch per 50 ms, the most an open lane sends)",
     )
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL

@@ -20,7 +20,7 @@ from torshmon.wire import (
 )
 
 
-def _batch(seq: int, session: str = "s1") -> Batch:
+def _batch(seq: int, session: str = "s1", *, urgent: bool = False) -> Batch:
     return Batch(
         v=SCHEMA_VERSION,
         session=session,
@@ -29,6 +29,7 @@ def _batch(seq: int, session: str = "s1") -> Batch:
         rank=0,
         sent_unix_ns=0,
         dropped_records_total=0,
+        urgent=urgent,
     )
 
 
@@ -143,6 +144,34 @@ async def test_read_window_reads_all_connections_at_once_and_acks_once_stored(
         )
         for _, writer in clients:
             writer.close()
+
+
+async def test_after_an_urgent_batch_the_next_window_is_short(tmp_path: Path) -> None:
+    """A probe whose fast lane is open (its batches urgent) is read within
+    ``urgent_window_s``, not a whole group-commit window later; once it sends a batch
+    that is not urgent, windows are long again."""
+    store = _Store()
+    loop = asyncio.get_running_loop()
+    async with ProbeReceiver(
+        tmp_path / "a.sock", store=store, read_window_s=0.4, urgent_window_s=0.01
+    ) as rx:
+        reader, writer = await asyncio.open_unix_connection(str(rx.socket_path))
+
+        async def waited(seq: int, *, urgent: bool) -> float:
+            sent = loop.time()
+            writer.write(encode_frame(_batch(seq, urgent=urgent)))
+            await writer.drain()
+            await _wait_until(store.called(seq))
+            took = loop.time() - sent
+            store.futures[-1].set_result(None)
+            assert await _read_ack(reader) == seq
+            return took
+
+        assert await waited(1, urgent=True) >= 0.35  # nothing said it was urgent yet
+        assert await waited(2, urgent=True) < 0.3
+        assert await waited(3, urgent=False) < 0.3  # still read as the lane's
+        assert await waited(4, urgent=False) >= 0.35
+        writer.close()
 
 
 async def test_frames_sent_ahead_are_stored_and_acked_in_order(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -518,3 +519,58 @@ def _probe_batch(session: str, rank: int) -> Batch:
         dropped_records_total=0,
         steps=[step],
     )
+
+
+async def test_an_urgent_step_is_complete_once_every_rank_here_brought_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent tells its forwarder a step is complete (stop gathering, POST) once
+    every connected probe of the job has brought the job's newest step: a straggler's
+    record, the last of its step, goes out at once."""
+    settings = AgentSettings(
+        socket_path=str(tmp_path / "agent.sock"),
+        metrics_port=0,
+        spool_path=str(tmp_path / "spool.db"),
+        node="n1",
+        sample_interval_s=3600.0,
+    )
+    async with Agent(settings) as agent:
+        said: list[tuple[bool, bool]] = []
+        append = agent._append_raw
+
+        def noted(record: bytes, *, urgent: bool = False, complete: bool = False) -> None:
+            if b'"steps"' in record:
+                said.append((urgent, complete))
+            append(record, urgent=urgent, complete=complete)
+
+        monkeypatch.setattr(agent, "_append_raw", noted)
+        sessions = [f"lane-{rank}-{uuid.uuid4().hex}" for rank in range(2)]
+        clients = [await asyncio.open_unix_connection(settings.socket_path) for _ in range(2)]
+        seqs = [0, 0]
+
+        async def send(rank: int, step: int) -> None:
+            reader, writer = clients[rank]
+            seqs[rank] += 1
+            batch = msgspec.structs.replace(
+                _probe_batch(sessions[rank], rank), seq=seqs[rank], urgent=True
+            )
+            batch = msgspec.structs.replace(
+                batch, steps=[msgspec.structs.replace(batch.steps[0], step=step)]
+            )
+            writer.write(encode_frame(batch))
+            header = await asyncio.wait_for(reader.readexactly(FRAME_HEADER.size), 10)
+            assert decode_ack(await reader.readexactly(frame_length(header))).seq == seqs[rank]
+
+        for rank, (_, writer) in enumerate(clients):
+            writer.write(encode_frame(_hello(sessions[rank], rank)))
+        # Another job's probe that has brought no step: not a rank of this job's steps.
+        _, other = await asyncio.open_unix_connection(settings.socket_path)
+        other.write(encode_frame(msgspec.structs.replace(_hello("other", 0), job="other")))
+        await asyncio.sleep(0.5)  # the hellos read (a window is 0.1 s)
+        await send(0, 5)  # rank 1 has not brought step 5: gather
+        await send(1, 5)  # the step is complete here
+        await send(1, 6)  # the straggler is rank 0 now
+        await send(0, 6)
+        assert said == [(True, False), (True, True), (True, False), (True, True)]
+        for _, writer in [*clients, (None, other)]:
+            writer.close()

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from torshmon.agent import forwarder
 from torshmon.agent.forwarder import Forwarder
 from torshmon.agent.spool import Spool
 from torshmon.wire import (
@@ -304,6 +305,57 @@ async def test_an_urgent_record_skips_the_gathering_wait(
         await wait_until(lambda: len(aggregator.records) == 3, timeout_s=2.0)
         assert loop.time() - started < 1.0
     assert_delivered_exactly(aggregator, 3)
+
+
+async def test_records_right_after_an_urgent_one_go_in_its_post(
+    spool: Spool, aggregator: FakeAggregator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's ranks finish a step within a few ms: the records that arrive within
+    ``URGENT_GATHER_S`` of an urgent one go in the same POST, so the step is complete
+    at the aggregator at once rather than a paced POST later (the gather is widened
+    here, so a slow machine's timer cannot split the batch)."""
+    monkeypatch.setattr(forwarder, "URGENT_GATHER_S", 0.3)
+    spool.append(record(1))
+    async with make_forwarder(spool, aggregator, min_interval_s=5.0) as fwd:
+        await wait_until(lambda: len(aggregator.records) == 1)
+        await asyncio.sleep(0.2)  # past URGENT_MIN_INTERVAL_S: only the gather is left
+        spool.append(record(2))
+        fwd.notify(urgent=True)
+        await asyncio.sleep(0.05)
+        spool.append(record(3))
+        fwd.notify(urgent=True)
+        await wait_until(lambda: len(aggregator.records) == 3, timeout_s=2.0)
+    assert [[item.seq for item in b.records] for b in aggregator.batches] == [[1], [2, 3]]
+    assert_delivered_exactly(aggregator, 3)
+
+
+async def test_a_complete_step_ends_the_gather(
+    spool: Spool, aggregator: FakeAggregator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the node's records of the step are all in (``complete``: a straggler's
+    record, the last of its step) the POST goes at once, not a gather later."""
+    monkeypatch.setattr(forwarder, "URGENT_GATHER_S", 5.0)
+    loop = asyncio.get_running_loop()
+    spool.append(record(1))
+    async with make_forwarder(spool, aggregator, min_interval_s=5.0) as fwd:
+        await wait_until(lambda: len(aggregator.records) == 1)
+        await asyncio.sleep(0.2)  # past URGENT_MIN_INTERVAL_S: only the gather is left
+        started = loop.time()
+        spool.append(record(2))
+        fwd.notify(urgent=True, complete=True)
+        await wait_until(lambda: len(aggregator.records) == 2, timeout_s=4.0)
+        assert loop.time() - started < 2.0
+        started = loop.time()
+        spool.append(record(3))
+        fwd.notify(urgent=True)  # the control: the step is not complete, it gathers
+        await asyncio.sleep(1.0)
+        assert len(aggregator.records) == 2
+        spool.append(record(4))
+        fwd.notify(urgent=True, complete=True)
+        await wait_until(lambda: len(aggregator.records) == 4, timeout_s=4.0)
+        assert loop.time() - started < 4.0
+    assert [[item.seq for item in b.records] for b in aggregator.batches] == [[1], [2], [3, 4]]
+    assert_delivered_exactly(aggregator, 4)
 
 
 async def test_413_halves_the_batch_size(spool: Spool, aggregator: FakeAggregator) -> None:

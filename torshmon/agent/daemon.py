@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 #: (probes flush every 0.5 s and wait up to 2 s for an ack, so 100 ms is invisible
 #: to them; the agent wakes twice per window instead of once per frame).
 GROUP_COMMIT_S = 0.1
+#: The read window while a probe's fast lane is open (its batches are urgent): a
+#: step its detectors wait for reaches the spool, and the shipper its ack, in about
+#: this long rather than a group commit later.
+URGENT_READ_WINDOW_S = 0.005
 #: Where the aggregator takes agent batches, under its base URL.
 INGEST_PATH = "/api/v1/ingest"
 #: Commands kept per job while no rank-0 probe of it is connected.
@@ -82,6 +86,7 @@ class Agent:
             store=self._store,
             commands_for=self._commands_for,
             read_window_s=GROUP_COMMIT_S,
+            urgent_window_s=URGENT_READ_WINDOW_S,
             socket_mode=0o600 if socket_gid is None else 0o660,
             socket_gid=socket_gid,
         )
@@ -105,6 +110,10 @@ class Agent:
         self._fan_out: dict[str, list[tuple[Command, set[str], float]]] = defaultdict(list)
         self._pending: list[bytes] = []
         self._pending_urgent = False
+        #: the jobs of the pending urgent batches
+        self._urgent_jobs: set[str] = set()
+        #: session -> the newest step its batches brought (``_step_complete``)
+        self._newest_step: dict[str, int] = {}
         self._pending_done: asyncio.Future[None] | None = None
         self._commit_handle: asyncio.Handle | None = None
         self._sampler_task: asyncio.Task[None] | None = None
@@ -195,8 +204,12 @@ class Agent:
         record as it came: decoding was needed to validate it, re-encoding is not.
         """
         self._pending.append(payload)
-        if isinstance(message, Batch) and message.urgent:
-            self._pending_urgent = True
+        if isinstance(message, Batch):
+            if message.steps:
+                self._newest_step[message.session] = message.steps[-1].step
+            if message.urgent:
+                self._pending_urgent = True
+                self._urgent_jobs.add(message.job)
         done = self._pending_done
         if done is None:
             loop = asyncio.get_running_loop()
@@ -222,13 +235,18 @@ class Agent:
     def _flush_pending_now(self) -> None:
         messages, self._pending = self._pending, []
         urgent, self._pending_urgent = self._pending_urgent, False
+        jobs, self._urgent_jobs = self._urgent_jobs, set()
         done, self._pending_done = self._pending_done, None
         if not messages:
             if done is not None and not done.done():
                 done.set_result(None)
             return
         try:
-            self._append_raw(b'{"messages":[%s]}' % b",".join(messages), urgent=urgent)
+            self._append_raw(
+                b'{"messages":[%s]}' % b",".join(messages),
+                urgent=urgent,
+                complete=urgent and self._step_complete(jobs),
+            )
         except Exception as exc:
             if done is not None and not done.done():
                 done.set_exception(exc)
@@ -239,12 +257,29 @@ class Agent:
     def _append(self, record: SpoolRecord) -> None:
         self._append_raw(encode_json(record))
 
-    def _append_raw(self, record_json: bytes, *, urgent: bool = False) -> None:
+    def _append_raw(
+        self, record_json: bytes, *, urgent: bool = False, complete: bool = False
+    ) -> None:
         """Append one SpoolRecord's JSON durably and wake the forwarder (at once, not
-        after its gathering wait, when a probe marked a batch urgent)."""
+        after its gathering wait, when a probe marked a batch urgent; ``complete``:
+        without gathering the node's other records of the step either)."""
         self.spool.append(record_json)
         if self.forwarder is not None:
-            self.forwarder.notify(urgent=urgent)
+            self.forwarder.notify(urgent=urgent, complete=complete)
+
+    def _step_complete(self, jobs: set[str]) -> bool:
+        """Whether every connected probe of each of ``jobs`` has brought that job's
+        newest step here: the node's records of it are all spooled, so gathering for
+        more of them would only delay it (a straggler's record comes last, alone)."""
+        probes = self.server.probes
+        connected = {h.session for h in probes}
+        for session in [s for s in self._newest_step if s not in connected]:
+            del self._newest_step[session]
+        newest: dict[str, list[int]] = defaultdict(list)
+        for hello in probes:
+            if hello.job in jobs:
+                newest[hello.job].append(self._newest_step.get(hello.session, 0))
+        return all(min(steps) == max(steps) for steps in newest.values())
 
     def _commands_for(self, hello: Hello) -> list[Command]:
         out = self._fanned_out(hello)

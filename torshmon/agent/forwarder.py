@@ -39,6 +39,13 @@ _MAX_RECORDS_PER_BATCH: Final = 10_000
 #: The least time between POSTs when urgent records cut the gathering wait short: at
 #: 0.1 s an urgent step of a 60 ms job waited most of a step here on average.
 URGENT_MIN_INTERVAL_S: Final = 0.05
+#: After an urgent record, how long the agent still gathers before it POSTs: the
+#: records of the same step from the node's other ranks (their shippers send as the
+#: step ends while the lane is open) join the batch. Steps are only scored once every
+#: rank's record is in, so without it a step's last record waited for the next POST.
+#: The gather ends as soon as the node's records of the step are all in (``notify``'s
+#: ``complete``).
+URGENT_GATHER_S: Final = 0.015
 _MAX_LOGGED_BODY_CHARS: Final = 500
 #: The start of an error body that is scrubbed of secrets before it is cut for a log.
 _SCRUBBED_BODY_BYTES: Final = 8192
@@ -161,6 +168,7 @@ class Forwarder:
         self._rng = rng if rng is not None else random.Random()
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
+        self._complete = asyncio.Event()
         self._pacing = False
         self._closing = False
         self._poll_due = False
@@ -220,12 +228,16 @@ class Forwarder:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def notify(self, *, urgent: bool = False) -> None:
+    def notify(self, *, urgent: bool = False, complete: bool = False) -> None:
         """New records were appended: send now rather than at the next poll, and when
-        ``urgent`` also without waiting out ``min_interval_s`` to gather more."""
+        ``urgent`` also without waiting out ``min_interval_s`` to gather more; when
+        ``complete`` (the node's records of the newest step are all in) without
+        gathering the rest of that step (``URGENT_GATHER_S``) either."""
         self._wake.set()
         if urgent:
             self._urgent.set()
+        if complete:
+            self._complete.set()
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -248,7 +260,10 @@ class Forwarder:
                 # URGENT_MIN_INTERVAL_S at the least (a node of busy ranks would POST per
                 # step otherwise). A backoff after a failure is never cut short.
                 waited = time.monotonic()
-                await wait_event(self._urgent, delay)
+                if await wait_event(self._urgent, delay):
+                    # The node's other ranks finish the same step within a few ms:
+                    # their records join this POST instead of waiting for the next.
+                    await wait_event(self._complete, URGENT_GATHER_S)
                 rest = URGENT_MIN_INTERVAL_S - (time.monotonic() - waited)
                 if rest > 0:
                     await asyncio.sleep(rest)
@@ -259,6 +274,7 @@ class Forwarder:
         """One attempt; the seconds to wait before the next one, or None to stop."""
         self._wake.clear()
         self._urgent.clear()
+        self._complete.clear()
         self._pacing = False
         prepared = await asyncio.to_thread(self._prepare)
         if prepared.count == 0:

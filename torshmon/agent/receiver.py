@@ -10,7 +10,9 @@ opens a window, and when it closes every connection is read in one pass. Probes
 of many ranks send at independent times, so reacting to each frame woke the
 agent about as often as frames came (64 ranks: 128 times a second), and waking
 an idle process costs more than the frame itself; a window of the agent's group
-commit (0.1 s) wakes it twice per window instead, for the same ack latency.
+commit (0.1 s) wakes it twice per window instead, for the same ack latency. While a
+probe's last batch was urgent (its fast lane is open: a step a detector is waiting
+for) the window is ``urgent_window_s`` instead.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class ProbeReceiver:
         store: Callable[[ProbeMessage, bytes], Awaitable[None]] | None = None,
         commands_for: Callable[[Hello], list[Command]] | None = None,
         read_window_s: float = 0.0,
+        urgent_window_s: float | None = None,
         socket_mode: int = 0o600,
         socket_gid: int | None = None,
     ) -> None:
@@ -89,6 +92,7 @@ class ProbeReceiver:
         self.socket_mode = socket_mode
         self.socket_gid = socket_gid
         self.read_window_s = read_window_s
+        self.urgent_window_s = read_window_s if urgent_window_s is None else urgent_window_s
         self._out_path = Path(out_path) if out_path is not None else None
         self._on_message = on_message
         self._store = store
@@ -218,9 +222,14 @@ class ProbeReceiver:
         if self.read_window_s <= 0.0:
             self._read_all()
             return
-        # Stop watching until the window closes: the data waits in the sockets.
+        # Stop watching until the window closes: the data waits in the sockets. While
+        # a probe sends urgent batches the window is short: a step a detector waits
+        # for should not wait for the group commit too.
         loop.remove_reader(self._selector_fd)
-        self._window = loop.call_later(self.read_window_s, self._close_window)
+        window = self.read_window_s
+        if any(c.urgent for c in self._connections):
+            window = min(window, self.urgent_window_s)
+        self._window = loop.call_later(window, self._close_window)
 
     def _close_window(self) -> None:
         self._window = None
@@ -344,6 +353,7 @@ class _ProbeConnection:
         "hello",
         "sock",
         "storing",
+        "urgent",
     )
 
     def __init__(self, server: ProbeReceiver, sock: socket.socket) -> None:
@@ -357,6 +367,9 @@ class _ProbeConnection:
         self.hello: Hello | None = None
         #: The store this connection waits for before acking (and reading on).
         self.storing: asyncio.Future[None] | None = None
+        #: Its latest batch was urgent (the probe's fast lane is open): the next
+        #: read window is ``urgent_window_s``.
+        self.urgent = False
 
     def close(self) -> None:
         """Close the socket; safe to call twice. A pending store still completes."""
@@ -445,13 +458,15 @@ class _ProbeConnection:
             return
         if isinstance(message, Hello):
             self.hello = message
-        elif (pending := server._in_flight.get((message.session, message.seq))) is not None:
-            # A resend (after a reconnect) of a batch still being stored: it is
-            # acknowledged when that store is durable, not before.
-            server.duplicates += 1
-            self.storing = pending
-            server._wait_for_store(self, message.seq)
-            return
+        else:
+            self.urgent = message.urgent
+            if (pending := server._in_flight.get((message.session, message.seq))) is not None:
+                # A resend (after a reconnect) of a batch still being stored: it is
+                # acknowledged when that store is durable, not before.
+                server.duplicates += 1
+                self.storing = pending
+                server._wait_for_store(self, message.seq)
+                return
         if server._accept(message, payload) and server._store is not None:
             try:
                 self.storing = asyncio.ensure_future(server._store(message, payload))

@@ -8,7 +8,10 @@ dropped and counted, and the count travels in every later batch.
 
 Steps are summarised every ``poll_s`` and sent every ``flush_interval_s``, or at
 once, marked urgent, while the fast lane is open (``fastlane``: a step out of line
-with the rank's recent ones opens it).
+with the rank's recent ones opens it). While it is open the end of a step wakes the
+thread, so a step goes out as it ends, not up to a poll later, at most one send per
+``poll_s`` still: a job's ranks end a step together, so their records of it reach the
+agent together.
 
 The thread runs ``SHIPPER_NICE`` steps below the process's scheduling priority (Linux),
 so its work fills the gaps where the training thread waits (for gradients, for the
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import pwd
 import socket
@@ -93,7 +97,9 @@ class Outbox(Generic[T]):
     """Bounded single-producer hand-off; when full, the oldest item is dropped and counted.
 
     ``put`` is called by the training thread, ``drain`` by the shipper; both use
-    deque operations that are atomic under the GIL.
+    deque operations that are atomic under the GIL. While ``wake`` is set (the
+    shipper's fast lane is open), ``put`` also sets it, so the shipper takes the step
+    as it ends rather than at its next poll.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -102,6 +108,7 @@ class Outbox(Generic[T]):
         self._items: deque[T] = deque()
         self._capacity = capacity
         self.dropped = 0
+        self.wake: threading.Event | None = None
 
     def put(self, item: T) -> None:
         if len(self._items) >= self._capacity:
@@ -111,6 +118,9 @@ class Outbox(Generic[T]):
             except IndexError:
                 pass
         self._items.append(item)
+        wake = self.wake
+        if wake is not None:
+            wake.set()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -247,6 +257,9 @@ class Shipper:
         self._was_connected = False
         self._down_log = LogLimiter()  # once per outage
         self._stop = threading.Event()
+        #: Set by close() and, while the fast lane is open, by every step's end.
+        self._wake = threading.Event()
+        self._last_urgent = -math.inf
         self._thread = threading.Thread(target=self._run, name="torshmon-shipper", daemon=True)
 
     @property
@@ -262,6 +275,7 @@ class Shipper:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
@@ -271,7 +285,13 @@ class Shipper:
         failures = 0
         self._next_flush = time.monotonic() + self._flush_interval_s
         while True:
-            stopping = self._stop.wait(self._poll_s)
+            self._wake.wait(self._poll_s)
+            self._wake.clear()
+            # Woken by a step's end (the lane is open): still one send per poll_s.
+            rest = self._last_urgent + self._poll_s - time.monotonic()
+            if rest > 0:
+                self._stop.wait(rest)
+            stopping = self._stop.is_set()
             try:
                 self._poll(final=stopping)
             except Exception:
@@ -280,6 +300,8 @@ class Shipper:
                     log.exception("torshmon: shipper cycle failed; records may be dropped")
             if stopping:
                 break
+            self._outbox.wake = self._wake if self.fast_lane.is_open(time.monotonic()) else None
+        self._outbox.wake = None
         self._disconnect()
 
     def _poll(self, *, final: bool) -> None:
@@ -293,6 +315,8 @@ class Shipper:
         urgent = bool(self._pending) and self.fast_lane.is_open(now)
         if final or urgent or now >= self._next_flush:
             self._next_flush = now + self._flush_interval_s
+            if urgent:
+                self._last_urgent = now
             self._cycle(final=final, urgent=urgent)
 
     def _summarize(self, raw: RawStep) -> StepRecord:
