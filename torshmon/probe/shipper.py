@@ -285,12 +285,7 @@ class Shipper:
         failures = 0
         self._next_flush = time.monotonic() + self._flush_interval_s
         while True:
-            self._wake.wait(self._poll_s)
-            self._wake.clear()
-            # Woken by a step's end (the lane is open): still one send per poll_s.
-            rest = self._last_urgent + self._poll_s - time.monotonic()
-            if rest > 0:
-                self._stop.wait(rest)
+            self._wait()
             stopping = self._stop.is_set()
             try:
                 self._poll(final=stopping)
@@ -300,9 +295,28 @@ class Shipper:
                     log.exception("torshmon: shipper cycle failed; records may be dropped")
             if stopping:
                 break
-            self._outbox.wake = self._wake if self.fast_lane.is_open(time.monotonic()) else None
-        self._outbox.wake = None
         self._disconnect()
+
+    def _wait(self) -> None:
+        """Until the next poll: ``poll_s``; while the fast lane is open, until the next
+        step ends, ``poll_s`` after the last send at the earliest. The training
+        thread's ``put`` sets the event only while it is armed here: once per send."""
+        rest = self._last_urgent + self._poll_s - time.monotonic()
+        if rest > 0 and self._stop.wait(rest):
+            return
+        self._wake.clear()
+        if self._stop.is_set():
+            return
+        if not self.fast_lane.is_open(time.monotonic()):
+            if rest <= 0:
+                self._wake.wait(self._poll_s)
+            return
+        self._outbox.wake = self._wake
+        try:
+            if not len(self._outbox):  # a step that ended meanwhile goes at once
+                self._wake.wait(self._poll_s)
+        finally:
+            self._outbox.wake = None
 
     def _poll(self, *, final: bool) -> None:
         """Summarise new steps; send when the flush is due or the fast lane is open."""
