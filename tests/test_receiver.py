@@ -277,6 +277,8 @@ async def test_close_waits_for_stores_in_progress(tmp_path: Path) -> None:
 def test_negative_read_window_fails_fast(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="read_window_s"):
         ProbeReceiver(tmp_path / "a.sock", read_window_s=-1.0)
+    with pytest.raises(ValueError, match="urgent_window_s"):
+        ProbeReceiver(tmp_path / "a.sock", read_window_s=0.1, urgent_window_s=float("nan"))
 
 
 async def test_a_failing_observer_costs_no_data_and_no_service(tmp_path: Path) -> None:

@@ -84,6 +84,8 @@ class ProbeReceiver:
     ) -> None:
         if not read_window_s >= 0.0:
             raise ValueError(f"read_window_s must be >= 0, got {read_window_s}")
+        if urgent_window_s is not None and not urgent_window_s >= 0.0:
+            raise ValueError(f"urgent_window_s must be >= 0, got {urgent_window_s}")
         if socket_mode & ~0o660:
             raise ValueError(
                 f"socket_mode may grant read/write to owner and group only, got {socket_mode:04o}"
