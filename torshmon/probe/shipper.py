@@ -98,8 +98,8 @@ class Outbox(Generic[T]):
 
     ``put`` is called by the training thread, ``drain`` by the shipper; both use
     deque operations that are atomic under the GIL. While ``wake`` is set (the
-    shipper's fast lane is open), ``put`` also sets it, so the shipper takes the step
-    as it ends rather than at its next poll.
+    shipper armed it: its fast lane is open), ``put`` also sets it, so the shipper
+    takes the step as it ends rather than at its next poll.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -257,7 +257,7 @@ class Shipper:
         self._was_connected = False
         self._down_log = LogLimiter()  # once per outage
         self._stop = threading.Event()
-        #: Set by close() and, while the fast lane is open, by every step's end.
+        #: Set by close() and by a step's end while ``_wait`` has it armed.
         self._wake = threading.Event()
         self._last_urgent = -math.inf
         self._thread = threading.Thread(target=self._run, name="torshmon-shipper", daemon=True)
