@@ -439,16 +439,21 @@ def test_commands_reach_rank_0_and_their_acks_come_back(tmp_path: Path, stub: In
         agent.stop()
 
 
-async def test_acks_wait_for_the_durable_write_and_one_window_shares_one_record(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    settings = AgentSettings(
+def _in_process_settings(tmp_path: Path) -> AgentSettings:
+    """An agent run in the test's own event loop, forwarding nowhere, not sampling."""
+    return AgentSettings(
         socket_path=str(tmp_path / "agent.sock"),
         metrics_port=0,
         spool_path=str(tmp_path / "spool.db"),
         node="n1",
         sample_interval_s=3600.0,
     )
+
+
+async def test_acks_wait_for_the_durable_write_and_one_window_shares_one_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = _in_process_settings(tmp_path)
     async with Agent(settings) as agent:
         appended: list[bytes] = []
         append = agent.spool.append
@@ -527,13 +532,7 @@ async def test_an_urgent_step_is_complete_once_every_rank_here_brought_it(
     """The agent tells its forwarder a step is complete (stop gathering, POST) once
     every connected probe of the job has brought the job's newest step: a straggler's
     record, the last of its step, goes out at once."""
-    settings = AgentSettings(
-        socket_path=str(tmp_path / "agent.sock"),
-        metrics_port=0,
-        spool_path=str(tmp_path / "spool.db"),
-        node="n1",
-        sample_interval_s=3600.0,
-    )
+    settings = _in_process_settings(tmp_path)
     async with Agent(settings) as agent:
         said: list[tuple[bool, bool]] = []
         append = agent._append_raw

@@ -6,7 +6,6 @@ shut) by a FastLane that says so, so the timing is the shipper's alone.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +13,12 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import ReceiverThread
-from torshmon.probe.events import RawStep, StepEvents
+from tests.test_shipper import _hello, _raw_step
+from torshmon.probe.events import RawStep
 from torshmon.probe.fastlane import FastLane
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.shipper import Outbox, Shipper
-from torshmon.wire import SCHEMA_VERSION, Batch, Hello, ProbeMessage
+from torshmon.wire import Batch, ProbeMessage
 
 #: Long, so that a step sent much sooner can only have been sent by its own end.
 POLL_S = 1.0
@@ -54,11 +54,6 @@ class Arrivals(ReceiverThread):
         return self.arrived[step][0]
 
 
-def _step(n: int) -> RawStep:
-    now = time.perf_counter_ns()
-    return RawStep(n, now - 1_000_000, now, time.time_ns(), 4, None, StepEvents(), None)
-
-
 @pytest.fixture
 def shipped(
     tmp_path: Path, request: pytest.FixtureRequest
@@ -68,19 +63,7 @@ def shipped(
     outbox: Outbox[RawStep] = Outbox(100)
     shipper = Shipper(
         socket_path=str(receiver.socket_path),
-        hello=Hello(
-            v=SCHEMA_VERSION,
-            session="s",
-            job="j",
-            rank=0,
-            world_size=1,
-            local_rank=0,
-            node="n",
-            pid=os.getpid(),
-            backend="gloo",
-            torch_version="test",
-            probe_version="test",
-        ),
+        hello=_hello(),
         outbox=outbox,
         inflight=InflightTable(),
         flush_interval_s=30.0,
@@ -100,17 +83,17 @@ def test_while_the_lane_is_open_a_step_goes_out_as_it_ends(
     shipped: tuple[Outbox[RawStep], Arrivals],
 ) -> None:
     outbox, receiver = shipped
-    outbox.put(_step(1))  # taken at the next poll: the lane opens the wake after it
+    outbox.put(_raw_step(1))  # taken at the next poll: the lane opens the wake after it
     receiver.wait_for(1)
     time.sleep(POLL_S + 0.2)  # past the least time between two sends
     put = time.monotonic()
-    outbox.put(_step(2))
+    outbox.put(_raw_step(2))
     second = receiver.wait_for(2)
     assert second - put < POLL_S / 2, f"{second - put:.3f} s: it waited for a poll"
     assert receiver.arrived[2][1], "sent in the lane, so marked urgent"
     # Right after a send the next step's end still wakes the shipper, but it keeps
     # poll_s between sends: an open lane sends no more often than it polls.
-    outbox.put(_step(3))
+    outbox.put(_raw_step(3))
     third = receiver.wait_for(3)
     assert third - second >= POLL_S * 0.8, f"{third - second:.3f} s after the last send"
 
@@ -120,7 +103,7 @@ def test_while_the_lane_is_shut_a_step_end_wakes_nothing(
     shipped: tuple[Outbox[RawStep], Arrivals],
 ) -> None:
     outbox, receiver = shipped
-    outbox.put(_step(1))
+    outbox.put(_raw_step(1))
     assert outbox.wake is None  # the training thread's put sets no event
     time.sleep(POLL_S * 1.5)
     assert 1 not in receiver.arrived, "sent before its flush (30 s) with the lane shut"
