@@ -109,8 +109,7 @@ class Agent:
         #: job -> [(command, sessions that took it, offered until (monotonic s))]
         self._fan_out: dict[str, list[tuple[Command, set[str], float]]] = defaultdict(list)
         self._pending: list[bytes] = []
-        self._pending_urgent = False
-        #: the jobs of the pending urgent batches
+        #: the jobs of the pending urgent batches (none: nothing pending is urgent)
         self._urgent_jobs: set[str] = set()
         #: session -> the newest step its batches brought (``_step_complete``)
         self._newest_step: dict[str, int] = {}
@@ -208,7 +207,6 @@ class Agent:
             if message.steps:
                 self._newest_step[message.session] = message.steps[-1].step
             if message.urgent:
-                self._pending_urgent = True
                 self._urgent_jobs.add(message.job)
         done = self._pending_done
         if done is None:
@@ -234,8 +232,8 @@ class Agent:
 
     def _flush_pending_now(self) -> None:
         messages, self._pending = self._pending, []
-        urgent, self._pending_urgent = self._pending_urgent, False
         jobs, self._urgent_jobs = self._urgent_jobs, set()
+        urgent = bool(jobs)
         done, self._pending_done = self._pending_done, None
         if not messages:
             if done is not None and not done.done():
