@@ -20,7 +20,7 @@ from tests.integration import foreign_agent as foreign
 from tests.integration.foreign_agent import NOBODY, ForeignAgent
 from torshmon.probe.events import RawStep, StepEvents
 from torshmon.probe.inflight import InflightTable
-from torshmon.probe.shipper import Outbox, Shipper
+from torshmon.probe.shipper import Shipper, StepOutbox
 from torshmon.wire import SCHEMA_VERSION, Hello
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="runs a listener as another uid")
@@ -64,7 +64,7 @@ def _raw_step(n: int) -> RawStep:
 
 def _ship(path: Path, steps: int, trusted_uids: frozenset[int] | None = None) -> Shipper:
     """Run a shipper while ``steps`` steps are put, as the training thread does."""
-    outbox: Outbox[RawStep] = Outbox(1000)
+    outbox = StepOutbox(1000)
     # Left out unless given: the default is what a probe gets.
     trusted: dict[str, Any] = {} if trusted_uids is None else {"trusted_uids": trusted_uids}
     shipper = Shipper(

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.test_shipper import _hello
-from torshmon.probe.events import RawStep
 from torshmon.probe.inflight import InflightTable
-from torshmon.probe.shipper import SHIPPER_NICE, Outbox, Shipper, lower_thread_priority
+from torshmon.probe.shipper import SHIPPER_NICE, Shipper, StepOutbox, lower_thread_priority
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's"
@@ -31,7 +30,7 @@ def test_the_shipper_thread_runs_lower_and_the_training_thread_keeps_its_priorit
     shipper = Shipper(
         socket_path=str(tmp_path / "no-agent.sock"),
         hello=_hello(),
-        outbox=Outbox[RawStep](8),
+        outbox=StepOutbox(8),
         inflight=InflightTable(),
     )
     shipper.start()

@@ -1,4 +1,6 @@
-"""The shipper while its fast lane is open: a step's end wakes it, one send per poll_s.
+"""When a step's end wakes the shipper: while its fast lane is open (one send per
+poll_s), when the step is out of line by the lane's bars, and otherwise never before
+the flush (the thread sleeps; it does not poll).
 
 A real receiver on a Unix socket and a real shipper thread; the lane is held open (or
 shut) by a FastLane that says so, so the timing is the shipper's alone.
@@ -17,7 +19,7 @@ from tests.test_shipper import _hello, _raw_step
 from torshmon.probe.events import RawStep
 from torshmon.probe.fastlane import FastLane
 from torshmon.probe.inflight import InflightTable
-from torshmon.probe.shipper import Outbox, Shipper
+from torshmon.probe.shipper import Shipper, StepOutbox
 from torshmon.wire import Batch, ProbeMessage
 
 #: Long, so that a step sent much sooner can only have been sent by its own end.
@@ -57,10 +59,10 @@ class Arrivals(ReceiverThread):
 @pytest.fixture
 def shipped(
     tmp_path: Path, request: pytest.FixtureRequest
-) -> Iterator[tuple[Outbox[RawStep], Arrivals]]:
+) -> Iterator[tuple[StepOutbox, Arrivals]]:
     receiver = Arrivals(tmp_path / "agent.sock")
     receiver.start()
-    outbox: Outbox[RawStep] = Outbox(100)
+    outbox = StepOutbox(100)
     shipper = Shipper(
         socket_path=str(receiver.socket_path),
         hello=_hello(),
@@ -80,7 +82,7 @@ def shipped(
 
 @pytest.mark.parametrize("shipped", [True], indirect=True)
 def test_while_the_lane_is_open_a_step_goes_out_as_it_ends(
-    shipped: tuple[Outbox[RawStep], Arrivals],
+    shipped: tuple[StepOutbox, Arrivals],
 ) -> None:
     outbox, receiver = shipped
     outbox.put(_raw_step(1))  # taken at the next poll: the lane opens the wake after it
@@ -100,10 +102,77 @@ def test_while_the_lane_is_open_a_step_goes_out_as_it_ends(
 
 @pytest.mark.parametrize("shipped", [False], indirect=True)
 def test_while_the_lane_is_shut_a_step_end_wakes_nothing(
-    shipped: tuple[Outbox[RawStep], Arrivals],
+    shipped: tuple[StepOutbox, Arrivals],
 ) -> None:
     outbox, receiver = shipped
     outbox.put(_raw_step(1))
-    assert outbox.wake is None  # the training thread's put sets no event
+    assert not outbox.wake.is_set()  # an ordinary step's end leaves the shipper asleep
     time.sleep(POLL_S * 1.5)
     assert 1 not in receiver.arrived, "sent before its flush (30 s) with the lane shut"
+
+
+def _timed_step(n: int, duration_ms: float, loss: float | None = None) -> RawStep:
+    step = _raw_step(n)
+    step.end_ns = step.start_ns + round(duration_ms * 1e6)
+    step.loss = loss
+    return step
+
+
+@pytest.mark.parametrize(("duration_ms", "loss"), [(50.0, 1.0), (10.0, 9.0), (10.0, float("nan"))])
+def test_a_step_out_of_line_wakes_the_shipper_as_it_ends(
+    tmp_path: Path, duration_ms: float, loss: float
+) -> None:
+    """The lane shut and nothing due for a while: a slow step, or a loss jump, goes
+    out at once, urgent, judged as the step ended and not at the next flush."""
+    receiver = Arrivals(tmp_path / "agent.sock")
+    receiver.start()
+    outbox = StepOutbox(100)
+    flush_s = 1.0
+    shipper = Shipper(
+        socket_path=str(receiver.socket_path),
+        hello=_hello(),
+        outbox=outbox,
+        inflight=InflightTable(),
+        flush_interval_s=flush_s,
+        poll_s=0.05,
+    )
+    shipper.start()
+    try:
+        for n in range(1, 11):  # the lane's history: 10 ms steps, loss 1
+            outbox.put(_timed_step(n, 10.0, 1.0))
+        receiver.wait_for(10)  # at the first flush
+        time.sleep(0.1)  # the shipper is asleep again, its next flush ~0.9 s away
+        put = time.monotonic()
+        outbox.put(_timed_step(11, duration_ms, loss))
+        arrived = receiver.wait_for(11)
+        assert arrived - put < flush_s / 3, f"{arrived - put:.3f} s: it waited for the flush"
+        assert receiver.arrived[11][1], "it opened the fast lane"
+    finally:
+        shipper.close()
+        receiver.stop()
+
+
+def test_the_training_thread_judges_a_step_by_the_bars_the_shipper_left() -> None:
+    outbox = StepOutbox(100)
+    outbox.put(_timed_step(0, 10.0))
+    assert outbox.wake.is_set(), "until the shipper first sleeps, every step wakes it"
+    outbox.wake.clear()
+    # What the shipper leaves when it sleeps with the lane shut: its flush far off.
+    outbox.wake_at = time.monotonic() + 3600.0
+    outbox.slow_ns, outbox.loss_above = 15_000_000, 2.0
+    for step in (_timed_step(1, 10.0, 1.0), _timed_step(2, 10.0, None), _timed_step(3, 14.9)):
+        outbox.put(step)
+        assert not outbox.wake.is_set()
+    for step in (
+        _timed_step(4, 15.0),
+        _timed_step(5, 10.0, 2.0),
+        _timed_step(6, 10.0, float("inf")),
+        _timed_step(7, 10.0, float("nan")),
+    ):
+        outbox.put(step)
+        assert outbox.wake.is_set(), step
+        outbox.wake.clear()
+    outbox.wake_at = time.monotonic()  # the lane is open and poll_s has passed
+    outbox.put(_timed_step(8, 10.0, 1.0))
+    assert outbox.wake.is_set()
+    assert [s.step for s in outbox.drain()] == list(range(9))

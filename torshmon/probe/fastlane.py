@@ -17,8 +17,10 @@ aggregator decides what is wrong. Notable steps enter the history too, so a new
 normal (a slower phase of training) stops being notable within half a window. At 1.3
 a 1.2x straggler (and its peers' steps, which wait for it) never opened the lane: the
 straggler detector named it on its 4th slow step, and the alert came 7-10 steps later,
-with the next batches. While the lane is open a step's end wakes the shipper (one send
-per ``poll_s`` at most), the agent reads the probe's frames within
+with the next batches. The training thread judges a step's duration and a float loss
+against the lane's bars (``bars``) as the step ends, so a step out of line wakes the
+shipper then, and while the lane is open a step's end wakes the shipper (one send
+per ``poll_s`` at most); the agent reads the probe's frames within
 ``URGENT_READ_WINDOW_S`` instead of its group-commit window and gathers the node's
 other ranks' records of the same step for ``URGENT_GATHER_S``; its POSTs stay paced
 (``URGENT_MIN_INTERVAL_S``), so an open lane costs a node at most 20 POSTs a second.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections import deque
 
 from torshmon.wire import StepRecord
@@ -77,6 +80,21 @@ class FastLane:
 
     def is_open(self, now: float) -> bool:
         return now < self._open_until
+
+    def bars(self) -> tuple[int, float]:
+        """What the training thread judges a step's end against (``StepOutbox``): the
+        duration in nanoseconds, and the loss, at or above which a step is out of line,
+        as ``observe`` would judge the next step; out of reach until enough history."""
+        slow_ns = sys.maxsize
+        if len(self._durations) >= self.min_history:
+            median = statistics.median(self._durations)
+            if median > 0.0:
+                slow_ns = math.ceil(self.time_ratio * median * 1e9)
+        loss_above = math.inf
+        if len(self._losses) >= self.min_history:
+            median = statistics.median(self._losses)
+            loss_above = median + (self.loss_ratio - 1.0) * max(abs(median), 1e-12)
+        return slow_ns, loss_above
 
     def _notable(self, s: StepRecord) -> bool:
         notable = self._above(self._durations, s.duration_s, self.time_ratio)

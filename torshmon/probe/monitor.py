@@ -32,7 +32,7 @@ from torshmon.probe.inflight import InflightTable
 from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkCheckRequest
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
 from torshmon.probe.runqueue import ProcessRunQueue, RunQueueClock
-from torshmon.probe.shipper import Outbox, Shipper
+from torshmon.probe.shipper import Shipper, StepOutbox
 from torshmon.probe.timing import DeviceClock, StepMarks
 from torshmon.ratelog import LogLimiter
 from torshmon.version import __version__
@@ -192,7 +192,7 @@ class Monitor:
                 self._tracer.uninstall()
                 self._remove_hooks()
                 raise
-        self._outbox: Outbox[RawStep] = Outbox(max_buffered_steps)
+        self._outbox = StepOutbox(max_buffered_steps)
         self._shipper = Shipper(
             socket_path=self.agent_socket,
             hello=self._hello(),
@@ -454,10 +454,6 @@ class Monitor:
         if self._hook is not None:
             self._hook.measure_error = (self._step + 1) % self._error_sample_every == 0
         try:
-            loss = scope.loss
-            detach = getattr(loss, "detach", None)
-            if detach is not None:
-                loss = detach()  # do not keep the autograd graph alive
             self._outbox.put(
                 RawStep(
                     step=self._step,
@@ -465,7 +461,7 @@ class Monitor:
                     end_ns=end_ns,
                     end_unix_ns=time.time_ns(),
                     batch_size=scope.batch_size,
-                    loss=loss,
+                    loss=_host_loss(scope.loss),
                     events=events,
                     ddp_logging=ddp_logging,
                     input_wait_ns=self._input_wait_ns,
@@ -658,6 +654,20 @@ def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Mon
     already attached in this process, TypeError for a module that is not DDP.
     """
     return Monitor(module, job=job, **options)
+
+
+def _host_loss(loss: object) -> object:
+    """The step's loss as handed to the shipper: a plain CPU tensor's value read now (as
+    cheap as detaching it, and the fast lane can judge a float as the step ends), any
+    other tensor detached (the autograd graph must not live on), read on the shipper's
+    thread later so training never waits on a device; a DTensor is never read here
+    (its value may take a collective)."""
+    if isinstance(loss, torch.Tensor):
+        if type(loss) is torch.Tensor and loss.is_cpu and loss.numel() == 1:
+            return float(loss.item())
+        return loss.detach()
+    detach = getattr(loss, "detach", None)
+    return detach() if detach is not None else loss
 
 
 def _int_arg(command: Command, name: str, default: int) -> int:

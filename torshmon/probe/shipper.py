@@ -6,12 +6,16 @@ daemon thread, so a missing or slow agent can never block training. While the
 agent is away, batches wait in a bounded buffer; past the bound the oldest are
 dropped and counted, and the count travels in every later batch.
 
-Steps are summarised every ``poll_s`` and sent every ``flush_interval_s``, or at
-once, marked urgent, while the fast lane is open (``fastlane``: a step out of line
-with the rank's recent ones opens it). While it is open the end of a step wakes the
-thread, so a step goes out as it ends, not up to a poll later, at most one send per
-``poll_s`` still: a job's ranks end a step together, so their records of it reach the
-agent together.
+Steps are summarised and sent every ``flush_interval_s``, or at once, marked urgent,
+while the fast lane is open (``fastlane``: a step out of line with the rank's recent
+ones opens it), at most one send per ``poll_s`` then: a job's ranks end a step
+together, so their records of it reach the agent together. The thread sleeps between
+those times: a step's end wakes it only when the step is due to go (``StepOutbox``),
+because it is out of line by the lane's bars or because the lane is open and ``poll_s``
+has passed since the last send. Every wake-up costs the training thread on a busy core
+(a context switch, the GIL), so the thread no longer polls every ``poll_s``: on the
+40-bucket model of ``benchmarks/overhead.py`` the 20 polls a second cost the shipper
+about 30 us a step with the lane shut.
 
 The thread runs ``SHIPPER_NICE`` steps below the process's scheduling priority (Linux),
 so its work fills the gaps where the training thread waits (for gradients, for the
@@ -97,9 +101,7 @@ class Outbox(Generic[T]):
     """Bounded single-producer hand-off; when full, the oldest item is dropped and counted.
 
     ``put`` is called by the training thread, ``drain`` by the shipper; both use
-    deque operations that are atomic under the GIL. While ``wake`` is set (the
-    shipper armed it: its fast lane is open), ``put`` also sets it, so the shipper
-    takes the step as it ends rather than at its next poll.
+    deque operations that are atomic under the GIL.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -108,7 +110,6 @@ class Outbox(Generic[T]):
         self._items: deque[T] = deque()
         self._capacity = capacity
         self.dropped = 0
-        self.wake: threading.Event | None = None
 
     def put(self, item: T) -> None:
         if len(self._items) >= self._capacity:
@@ -118,9 +119,6 @@ class Outbox(Generic[T]):
             except IndexError:
                 pass
         self._items.append(item)
-        wake = self.wake
-        if wake is not None:
-            wake.set()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -139,6 +137,40 @@ class Outbox(Generic[T]):
                 out.append(self._items.popleft())
         except IndexError:
             return out
+
+
+class StepOutbox(Outbox[RawStep]):
+    """The steps' outbox, which also wakes the shipper when a step's end calls for it.
+
+    Before it sleeps the shipper sets ``wake_at`` (a monotonic time: a step that ends
+    from then on wakes it; its next flush, or while the fast lane is open ``poll_s``
+    after its last send) and the lane's bars (``FastLane.bars``): ``slow_ns``, a step
+    lasting this long wakes it, and ``loss_above``, a float loss this high, or not a
+    number, does. So a step out of line opens the lane as it ends, as the shipper's
+    own judgement at a poll would have. The check costs the training thread a few
+    comparisons. A loss that is not a float (a GPU tensor, which only the shipper
+    reads, so training never waits on the device) and compute time are judged when
+    the shipper next summarises, at the latest at its flush.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.wake = threading.Event()
+        self.wake_at = -math.inf  # until the shipper first sleeps, every step wakes it
+        self.slow_ns = sys.maxsize
+        self.loss_above = math.inf
+
+    def put(self, item: RawStep) -> None:
+        super().put(item)
+        if self.wake.is_set():
+            return
+        loss = item.loss
+        if (
+            item.end_ns - item.start_ns >= self.slow_ns
+            or time.monotonic() >= self.wake_at
+            or (type(loss) is float and not loss < self.loss_above)
+        ):
+            self.wake.set()
 
 
 #: ``struct ucred`` (pid, uid, gid), as SO_PEERCRED returns it.
@@ -206,7 +238,7 @@ class Shipper:
         *,
         socket_path: str,
         hello: Hello,
-        outbox: Outbox[RawStep],
+        outbox: StepOutbox,
         inflight: InflightTable,
         flush_interval_s: float = 0.5,
         poll_s: float = 0.05,
@@ -257,8 +289,6 @@ class Shipper:
         self._was_connected = False
         self._down_log = LogLimiter()  # once per outage
         self._stop = threading.Event()
-        #: Set by close() and by a step's end while ``_wait`` has it armed.
-        self._wake = threading.Event()
         self._last_urgent = -math.inf
         self._thread = threading.Thread(target=self._run, name="torshmon-shipper", daemon=True)
 
@@ -275,7 +305,7 @@ class Shipper:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._wake.set()
+        self._outbox.wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
@@ -298,25 +328,31 @@ class Shipper:
         self._disconnect()
 
     def _wait(self) -> None:
-        """Until the next poll: ``poll_s``; while the fast lane is open, until the next
-        step ends, ``poll_s`` after the last send at the earliest. The training
-        thread's ``put`` sets the event only while it is armed here: once per send."""
-        rest = self._last_urgent + self._poll_s - time.monotonic()
-        if rest > 0 and self._stop.wait(rest):
-            return
-        self._wake.clear()
-        if self._stop.is_set():
-            return
-        if not self.fast_lane.is_open(time.monotonic()):
-            if rest <= 0:
-                self._wake.wait(self._poll_s)
-            return
-        self._outbox.wake = self._wake
-        try:
-            if not len(self._outbox):  # a step that ended meanwhile goes at once
-                self._wake.wait(self._poll_s)
-        finally:
-            self._outbox.wake = None
+        """Until a step's end calls for it (``StepOutbox``), the next flush, or close().
+
+        While the lane is open the thread also wakes ``poll_s`` after its last send, to
+        send what ended since; past that, the next step's end wakes it. Until the lane
+        has the history for a bar, it wakes every ``poll_s`` to summarise."""
+        outbox = self._outbox
+        now = time.monotonic()
+        deadline = self._next_flush
+        if self.fast_lane.is_open(now):
+            floor = self._last_urgent + self._poll_s
+            outbox.wake_at = floor
+            if floor > now:  # then whatever ended meanwhile goes
+                deadline = min(deadline, floor)
+        else:
+            outbox.wake_at = self._next_flush
+        outbox.slow_ns, outbox.loss_above = self.fast_lane.bars()
+        if outbox.slow_ns == sys.maxsize:
+            # Too few steps judged for a bar: summarise every poll_s, as they come.
+            deadline = min(deadline, now + self._poll_s)
+        if not (len(outbox) and now >= outbox.wake_at):  # else one came meanwhile: at once
+            outbox.wake.wait(max(0.0, deadline - now))
+        # Until the next wait only the bars wake it: a step that ends while this
+        # thread works is judged as it ends, so none is left waiting for a flush.
+        outbox.wake_at = math.inf
+        outbox.wake.clear()
 
     def _poll(self, *, final: bool) -> None:
         """Summarise new steps; send when the flush is due or the fast lane is open."""
@@ -326,7 +362,11 @@ class Shipper:
         if steps:
             self._pending += steps
             self.fast_lane.observe(steps, now)
-        urgent = bool(self._pending) and self.fast_lane.is_open(now)
+        urgent = (
+            bool(self._pending)
+            and self.fast_lane.is_open(now)
+            and now >= self._last_urgent + self._poll_s
+        )
         if final or urgent or now >= self._next_flush:
             self._next_flush = now + self._flush_interval_s
             if urgent:
