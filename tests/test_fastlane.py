@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import msgspec
 import pytest
@@ -84,3 +85,21 @@ def test_bad_settings_are_named() -> None:
         FastLane(window=4, min_history=8)
     with pytest.raises(ValueError, match="open_s must be > 0"):
         FastLane(open_s=0)
+
+
+def test_the_bars_say_what_the_next_observe_would_judge_notable() -> None:
+    """What the training thread holds a step's end against (``StepOutbox``) agrees
+    with the lane's own judgement, on both sides of each bar."""
+    lane = FastLane(min_history=8)
+    assert lane.bars() == (sys.maxsize, math.inf)  # no history: nothing can be judged
+    _warm(lane)
+    slow_ns, loss_above = lane.bars()
+    assert loss_above == pytest.approx(2.0)  # a doubled loss (median 1.0)
+    for duration_ns, notable in ((slow_ns, True), (slow_ns - 1_000, False)):
+        probe = FastLane(min_history=8)
+        _warm(probe)
+        assert probe.observe([_step(99, duration_ns * 1e-9)], now=50.0) is notable
+    for loss, notable in ((loss_above, True), (loss_above - 1e-6, False)):
+        probe = FastLane(min_history=8)
+        _warm(probe)
+        assert probe.observe([_step(99, 0.1, loss=loss)], now=50.0) is notable
