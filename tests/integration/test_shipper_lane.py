@@ -8,6 +8,8 @@ shut) by a FastLane that says so, so the timing is the shipper's alone.
 
 from __future__ import annotations
 
+import itertools
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,3 +178,50 @@ def test_the_training_thread_judges_a_step_by_the_bars_the_shipper_left() -> Non
     outbox.put(_timed_step(8, 10.0, 1.0))
     assert outbox.wake.is_set()
     assert [s.step for s in outbox.drain()] == list(range(9))
+
+
+class SlowAcks(Arrivals):
+    """Reads frames, and acks them, once per ACK_WINDOW_S (as an agent's group commit
+    does), and keeps when the shipper stamped each batch of steps."""
+
+    ACK_WINDOW_S = 0.09
+
+    def __init__(self, socket_path: Path) -> None:
+        self.stamped: list[int] = []
+        super().__init__(socket_path)
+        self.receiver.read_window_s = self.receiver.urgent_window_s = self.ACK_WINDOW_S
+
+    def _observe(self, message: ProbeMessage) -> None:
+        super()._observe(message)
+        if isinstance(message, Batch) and message.steps:
+            self.stamped.append(message.sent_unix_ns)
+
+
+def test_an_urgent_send_does_not_wait_for_its_ack(tmp_path: Path) -> None:
+    """With the lane open and acks coming 0.09 s after a frame, the shipper still sends
+    every poll_s (0.05 s): it takes an urgent batch's ack at its next send instead of
+    waking for it (blocking on each ack, its sends came 0.09 s apart or more). Every
+    step arrives once."""
+    receiver = SlowAcks(tmp_path / "agent.sock")
+    receiver.start()
+    outbox = StepOutbox(1000)
+    shipper = Shipper(
+        socket_path=str(receiver.socket_path),
+        hello=_hello(),
+        outbox=outbox,
+        inflight=InflightTable(),
+        flush_interval_s=30.0,
+        poll_s=0.05,
+        fast_lane=HeldLane(True),
+    )
+    shipper.start()
+    try:
+        for n in range(1, 101):
+            outbox.put(_raw_step(n))
+            time.sleep(0.01)
+    finally:
+        shipper.close()
+        receiver.stop()
+    assert sorted(receiver.arrived) == list(range(1, 101))
+    gaps_s = [(b - a) * 1e-9 for a, b in itertools.pairwise(receiver.stamped)]
+    assert gaps_s and statistics.median(gaps_s) < 0.075, gaps_s

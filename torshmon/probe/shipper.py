@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import pwd
+import select
 import socket
 import struct
 import sys
@@ -173,6 +174,10 @@ class StepOutbox(Outbox[RawStep]):
             self.wake.set()
 
 
+#: Batches an urgent send leaves awaiting their acks at most (the last urgent one and the
+#: one before it, whose ack the agent is about to write).
+_MAX_AWAITING_ACK = 2
+
 #: ``struct ucred`` (pid, uid, gid), as SO_PEERCRED returns it.
 _UCRED = struct.Struct("3i")
 
@@ -279,6 +284,7 @@ class Shipper:
         self._seq = itertools.count(1)
         self._unacked: deque[Batch] = deque()
         self._sent_seq = 0  # the newest seq ever written to a socket
+        self._written_here = 0  # the newest seq written on the present connection
         self._buffered_steps = 0
         self._dropped_here = 0
         self._failures_sent = 0  # failed collectives counted in the newest batch
@@ -395,6 +401,7 @@ class Shipper:
         now = time.monotonic()
         if self._sock is None and (final or now >= self._next_connect):
             self._connect()
+        self._take_acks_here()  # what still awaits an ack decides the heartbeat below
         if self._sock is None:
             return
         idle = now - self._last_batch >= self._heartbeat_interval_s
@@ -406,7 +413,7 @@ class Shipper:
             self._enqueue([])  # heartbeat: carries in-flight ops of a stuck rank
         while self.evidence and len(self._unacked) < 4:
             self._enqueue([], evidence=True)
-        self._send_unacked()
+        self._send_unacked(wait=final or not urgent)
 
     def _enqueue(
         self, steps: list[StepRecord], *, urgent: bool = False, evidence: bool = False
@@ -481,6 +488,7 @@ class Shipper:
             self._schedule_reconnect(exc)
             return
         self._sock = sock
+        self._written_here = 0  # a new connection: every unacknowledged batch again
         if self._groups is not None:
             self._groups.resend()
         self._connect_failures = 0
@@ -493,22 +501,64 @@ class Shipper:
             )
         self._was_connected = True
 
-    def _send_unacked(self) -> None:
+    def _send_unacked(self, *, wait: bool = True) -> None:
+        """Send what awaits an ack: one batch at a time, each after the ack of the one
+        before (``wait``), or every batch this connection has not had, taking only the
+        acks already here. An urgent send does not wait: the next one, ``poll_s`` later,
+        takes its ack, and the thread sleeps until then instead of waking once more for
+        it (on a busy core a wake-up is what the shipper costs the training thread). A
+        backlog (after an outage) goes one batch at a time, as the agent stores them."""
         sock = self._sock
         if sock is None:
             return
         try:
-            while self._unacked:
-                batch = self._unacked[0]
-                # Frozen from the first try: the agent may store what it got of it.
-                self._sent_seq = max(self._sent_seq, batch.seq)
-                sock.sendall(encode_frame(batch))
-                ack = decode_ack(_recv_frame(sock))
-                if ack.commands and self._on_commands is not None:
-                    self._on_commands(ack.commands)
-                while self._unacked and self._unacked[0].seq <= ack.seq:
-                    done = self._unacked.popleft()
-                    self._buffered_steps -= len(done.steps)
+            if wait:
+                while self._unacked:
+                    self._write(sock, self._unacked[0])
+                    self._take_acks(sock, wait=True, until=self._unacked[0].seq)
+            else:
+                self._take_acks(sock, wait=False)
+                awaiting = sum(b.seq <= self._written_here for b in self._unacked)
+                for batch in self._unacked:
+                    if awaiting >= _MAX_AWAITING_ACK:
+                        break  # a backlog goes as its acks come
+                    if batch.seq > self._written_here:
+                        self._write(sock, batch)
+                        awaiting += 1
+        except (OSError, WireError) as exc:
+            self._disconnect()
+            self._schedule_reconnect(exc)
+
+    def _write(self, sock: socket.socket, batch: Batch) -> None:
+        """Write a batch unless this connection has had it."""
+        if batch.seq <= self._written_here:
+            return
+        # Frozen from the first try: the agent may store what it got of it.
+        self._sent_seq = max(self._sent_seq, batch.seq)
+        self._written_here = batch.seq
+        sock.sendall(encode_frame(batch))
+
+    def _take_acks(self, sock: socket.socket, *, wait: bool, until: int = 0) -> None:
+        """Read acks: until ``until`` is acknowledged (``wait``), or those already here."""
+        while self._unacked:
+            if wait and self._unacked[0].seq > until:
+                return
+            if not wait and not select.select([sock], [], [], 0.0)[0]:
+                return
+            ack = decode_ack(_recv_frame(sock))
+            if ack.commands and self._on_commands is not None:
+                self._on_commands(ack.commands)
+            while self._unacked and self._unacked[0].seq <= ack.seq:
+                done = self._unacked.popleft()
+                self._buffered_steps -= len(done.steps)
+
+    def _take_acks_here(self) -> None:
+        """Take the acks that came since an urgent send, if connected."""
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            self._take_acks(sock, wait=False)
         except (OSError, WireError) as exc:
             self._disconnect()
             self._schedule_reconnect(exc)
