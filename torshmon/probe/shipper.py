@@ -347,12 +347,16 @@ class Shipper:
             outbox.wake_at = floor
             if floor > now:  # then whatever ended meanwhile goes
                 deadline = min(deadline, floor)
+            # Open, every step goes at the next send anyway: a step out of line only
+            # keeps the lane open, which the next summary sees. Waking for it early
+            # would only wake the thread twice per send.
+            outbox.slow_ns, outbox.loss_above = sys.maxsize, math.inf
         else:
             outbox.wake_at = self._next_flush
-        outbox.slow_ns, outbox.loss_above = self.fast_lane.bars()
-        if outbox.slow_ns == sys.maxsize:
-            # Too few steps judged for a bar: summarise every poll_s, as they come.
-            deadline = min(deadline, now + self._poll_s)
+            outbox.slow_ns, outbox.loss_above = self.fast_lane.bars()
+            if outbox.slow_ns == sys.maxsize:
+                # Too few steps judged for a bar: summarise every poll_s, as they come.
+                deadline = min(deadline, now + self._poll_s)
         if not (len(outbox) and now >= outbox.wake_at):  # else one came meanwhile: at once
             outbox.wake.wait(max(0.0, deadline - now))
         # Until the next wait only the bars wake it: a step that ends while this
