@@ -227,7 +227,8 @@ class Shipper:
     """The background thread that batches step records and sends them to the agent.
 
     Protocol: ``hello`` on every new connection, then each batch is sent and
-    answered by an ``ack``; unacknowledged batches are resent after a reconnect.
+    answered by an ``ack`` (an urgent send takes its ack at the next send, at most two
+    batches awaiting one); unacknowledged batches are resent after a reconnect.
     While no agent is there, new steps join the newest batch that was never sent (up
     to ``max_steps_per_batch``), so an outage leaves a few full batches to resend, not
     one per flush: the backlog drains in a few round trips once the agent is back,
