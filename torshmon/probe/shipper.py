@@ -508,8 +508,9 @@ class Shipper:
 
     def _send_unacked(self, *, wait: bool = True) -> None:
         """Send what awaits an ack: one batch at a time, each after the ack of the one
-        before (``wait``), or every batch this connection has not had, taking only the
-        acks already here. An urgent send does not wait: the next one, ``poll_s`` later,
+        before (``wait``), or, taking only the acks already here, the batches this
+        connection has not had while fewer than ``_MAX_AWAITING_ACK`` await an ack.
+        An urgent send does not wait: the next one, ``poll_s`` later,
         takes its ack, and the thread sleeps until then instead of waking once more for
         it (on a busy core a wake-up is what the shipper costs the training thread). A
         backlog (after an outage) goes one batch at a time, as the agent stores them."""
