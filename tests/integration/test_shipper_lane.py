@@ -58,6 +58,26 @@ class Arrivals(ReceiverThread):
         return self.arrived[step][0]
 
 
+def _start_shipper(
+    receiver: Arrivals,
+    outbox: StepOutbox,
+    flush_interval_s: float,
+    poll_s: float,
+    fast_lane: FastLane | None = None,
+) -> Shipper:
+    shipper = Shipper(
+        socket_path=str(receiver.socket_path),
+        hello=_hello(),
+        outbox=outbox,
+        inflight=InflightTable(),
+        flush_interval_s=flush_interval_s,
+        poll_s=poll_s,
+        fast_lane=fast_lane,
+    )
+    shipper.start()
+    return shipper
+
+
 @pytest.fixture
 def shipped(
     tmp_path: Path, request: pytest.FixtureRequest
@@ -65,16 +85,7 @@ def shipped(
     receiver = Arrivals(tmp_path / "agent.sock")
     receiver.start()
     outbox = StepOutbox(100)
-    shipper = Shipper(
-        socket_path=str(receiver.socket_path),
-        hello=_hello(),
-        outbox=outbox,
-        inflight=InflightTable(),
-        flush_interval_s=30.0,
-        poll_s=POLL_S,
-        fast_lane=HeldLane(request.param),
-    )
-    shipper.start()
+    shipper = _start_shipper(receiver, outbox, 30.0, POLL_S, HeldLane(request.param))
     try:
         yield outbox, receiver
     finally:
@@ -130,15 +141,7 @@ def test_a_step_out_of_line_wakes_the_shipper_as_it_ends(
     receiver.start()
     outbox = StepOutbox(100)
     flush_s = 1.0
-    shipper = Shipper(
-        socket_path=str(receiver.socket_path),
-        hello=_hello(),
-        outbox=outbox,
-        inflight=InflightTable(),
-        flush_interval_s=flush_s,
-        poll_s=0.05,
-    )
-    shipper.start()
+    shipper = _start_shipper(receiver, outbox, flush_s, 0.05)
     try:
         for n in range(1, 11):  # the lane's history: 10 ms steps, loss 1
             outbox.put(_timed_step(n, 10.0, 1.0))
@@ -205,16 +208,7 @@ def test_an_urgent_send_does_not_wait_for_its_ack(tmp_path: Path) -> None:
     receiver = SlowAcks(tmp_path / "agent.sock")
     receiver.start()
     outbox = StepOutbox(1000)
-    shipper = Shipper(
-        socket_path=str(receiver.socket_path),
-        hello=_hello(),
-        outbox=outbox,
-        inflight=InflightTable(),
-        flush_interval_s=30.0,
-        poll_s=0.05,
-        fast_lane=HeldLane(True),
-    )
-    shipper.start()
+    shipper = _start_shipper(receiver, outbox, 30.0, 0.05, HeldLane(True))
     try:
         for n in range(1, 101):
             outbox.put(_raw_step(n))
