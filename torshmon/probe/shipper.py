@@ -406,7 +406,8 @@ class Shipper:
         now = time.monotonic()
         if self._sock is None and (final or now >= self._next_connect):
             self._connect()
-        self._take_acks_here()  # what still awaits an ack decides the heartbeat below
+        # The steps go now, and the acks that came: what awaits one decides the heartbeat.
+        self._send_unacked(wait=False)
         if self._sock is None:
             return
         idle = now - self._last_batch >= self._heartbeat_interval_s
@@ -557,17 +558,6 @@ class Shipper:
             while self._unacked and self._unacked[0].seq <= ack.seq:
                 done = self._unacked.popleft()
                 self._buffered_steps -= len(done.steps)
-
-    def _take_acks_here(self) -> None:
-        """Take the acks that came since an urgent send, if connected."""
-        sock = self._sock
-        if sock is None:
-            return
-        try:
-            self._take_acks(sock, wait=False)
-        except (OSError, WireError) as exc:
-            self._disconnect()
-            self._schedule_reconnect(exc)
 
     def _schedule_reconnect(self, exc: Exception) -> None:
         if self._down_log.allow():
