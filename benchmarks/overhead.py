@@ -12,7 +12,9 @@ One run interleaves four configurations in every rank process:
 on two models: ``small`` (many small parameters, 40 DDP buckets per step, the
 worst case for per-collective cost) and ``mlp`` (~7.3 M float32 parameters,
 ~29 MB, DDP's default bucket cap). Prints a table of step times and ratios to
-``bare``; the last line of stdout is one JSON object.
+``bare``, each paired ratio with a 95 % interval over rounds (``ratio_interval``), and
+whether the probe is within its target (``TARGET_RATIO``, 1.01) on each model: met, not
+met, or not resolved by this run's rounds; the last line of stdout is one JSON object.
 
 Usage::
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import json
 import os
 import statistics
@@ -37,9 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import _table  # benchmarks/ is the script's own folder, first on sys.path
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from scipy import stats as scipy_stats
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
@@ -369,9 +374,35 @@ def paired_ratio(rounds: list[list[float]], bare: list[list[float]]) -> float:
     other programs, which comes and goes over tens of seconds on a shared
     machine, mostly cancels; a ratio of overall medians does not pair them.
     """
-    return statistics.median(
-        statistics.median(r) / statistics.median(b) for r, b in zip(rounds, bare, strict=True)
+    return statistics.median(round_ratios(rounds, bare))
+
+
+def round_ratios(rounds: list[list[float]], bare: list[list[float]]) -> list[float]:
+    """Per round, this config's median step over bare's (what ``paired_ratio`` takes the
+    median of)."""
+    return [statistics.median(r) / statistics.median(b) for r, b in zip(rounds, bare, strict=True)]
+
+
+def ratio_interval(ratios: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A ``confidence`` interval of the median of ``ratios`` (percentile bootstrap over
+    rounds, fixed seed: the same rounds give the same interval).
+
+    What a full run can say about the probe's cost on this machine: a round's ratio
+    spreads 5-10 % (IQR) on a loaded 2-core box, so the median of 20 rounds moves by a
+    few percent between runs of the same code (two bare arms, 24 rounds, read
+    0.970-1.024 in four runs). An interval that holds 1.01 has not shown the probe
+    costs more than that; one entirely above it has."""
+    if len(ratios) < 2 or min(ratios) == max(ratios):
+        middle = statistics.median(ratios)
+        return middle, middle
+    options: dict[str, Any] = {"confidence_level": confidence, "method": "percentile"}
+    # scipy 1.15 renamed the seed argument (random_state -> rng).
+    seed_name = (
+        "rng" if "rng" in inspect.signature(scipy_stats.bootstrap).parameters else "random_state"
     )
+    options[seed_name] = np.random.default_rng(0)
+    result = scipy_stats.bootstrap((np.asarray(ratios),), np.median, n_resamples=4000, **options)
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
 def round_spread(rounds: list[list[float]]) -> float:
@@ -396,6 +427,8 @@ class ConfigStats:
     median_step_s: float
     round_iqr: float
     ratio: float  # paired_ratio: the headline
+    ratio_low: float  # its 95 % interval (ratio_interval)
+    ratio_high: float
     unpaired_ratio: float  # typical_step_s over bare's
     mean_ratio: float
     cpu_s_per_step: float  # all ranks together, median over rounds
@@ -405,6 +438,9 @@ class ConfigStats:
 
 def config_stats(model: str, job: Rounds) -> list[ConfigStats]:
     bare, bare_cpu = job.step_s["bare"], job.cpu_s_per_step["bare"]
+    interval = {
+        config: ratio_interval(round_ratios(rounds, bare)) for config, rounds in job.step_s.items()
+    }
     return [
         ConfigStats(
             model=model,
@@ -412,6 +448,8 @@ def config_stats(model: str, job: Rounds) -> list[ConfigStats]:
             median_step_s=typical_step_s(rounds),
             round_iqr=round_spread(rounds),
             ratio=paired_ratio(rounds, bare),
+            ratio_low=interval[config][0],
+            ratio_high=interval[config][1],
             unpaired_ratio=typical_step_s(rounds) / typical_step_s(bare),
             mean_ratio=mean_step_s(rounds) / mean_step_s(bare),
             cpu_s_per_step=statistics.median(job.cpu_s_per_step[config]),
@@ -431,6 +469,7 @@ COLUMNS: tuple[tuple[str, Callable[[ConfigStats], str]], ...] = (
     ("median ms", lambda s: f"{s.median_step_s * 1e3:.3f}"),
     ("round IQR", lambda s: f"{s.round_iqr:.1%}"),
     ("ratio", lambda s: f"{s.ratio:.4f}"),
+    ("95% interval", lambda s: f"{s.ratio_low:.3f}-{s.ratio_high:.3f}"),
     ("unpaired", lambda s: f"{s.unpaired_ratio:.4f}"),
     ("mean ratio", lambda s: f"{s.mean_ratio:.4f}"),
     ("cpu ms/step", lambda s: f"{s.cpu_s_per_step * 1e3:.3f}"),
@@ -453,10 +492,25 @@ def summary_json(stats: Sequence[ConfigStats]) -> dict[str, Any]:
         out[f"steps_{s.model}_{s.config}"] = s.steps
         if s.config != "bare":
             out[f"{s.config}_ratio_{s.model}"] = s.ratio
+            out[f"{s.config}_ratio_interval_{s.model}"] = [s.ratio_low, s.ratio_high]
             out[f"{s.config}_unpaired_ratio_{s.model}"] = s.unpaired_ratio
             out[f"{s.config}_mean_ratio_{s.model}"] = s.mean_ratio
             out[f"{s.config}_cpu_ratio_{s.model}"] = s.cpu_ratio
     return out
+
+
+#: The probe's target: at most this times bare's step time, on both models.
+TARGET_RATIO = 1.01
+
+
+def target_verdict(cell: ConfigStats, target: float = TARGET_RATIO) -> str:
+    """``met`` if the whole interval is at or below ``target``, ``not met`` if it is all
+    above, else ``not resolved`` (this run cannot tell)."""
+    if cell.ratio_high <= target:
+        return "met"
+    if cell.ratio_low > target:
+        return "not met"
+    return "not resolved"
 
 
 # -- the command line -----------------------------------------------------------------
@@ -528,6 +582,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         pinned=plan.pin,
     )
     print(format_table(stats))
+    for cell in stats:
+        if cell.config == "probe":
+            summary[f"probe_target_{cell.model}"] = verdict = target_verdict(cell)
+            print(
+                f"probe <= {TARGET_RATIO} on {cell.model}: {verdict} (ratio {cell.ratio:.3f}, "
+                f"95% interval {cell.ratio_low:.3f}-{cell.ratio_high:.3f})"
+            )
     print(
         f"probe's own cost per step, measured directly: {scope_s * 1e6:.1f} us ("
         + ", ".join(

@@ -1,0 +1,84 @@
+"""The overhead benchmark's verdict (benchmarks/overhead.py): the interval of its paired
+ratio over rounds, and what that interval says about the probe's 1.01 target."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import statistics
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location("overhead_bench", BENCHMARKS / "overhead.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["overhead_bench"] = module
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _noisy_rounds(rng: random.Random, n: int, cost: float) -> tuple[list[list[float]], ...]:
+    """``n`` rounds of 20 steps, each round at its own machine speed (what pairing removes)
+    with 8 % noise a step; the probe's steps take ``cost`` times bare's."""
+    bare, probe = [], []
+    for _ in range(n):
+        speed = rng.uniform(0.8, 1.2)
+        bare.append([speed * rng.gauss(1.0, 0.08) for _ in range(20)])
+        probe.append([cost * speed * rng.gauss(1.0, 0.08) for _ in range(20)])
+    return bare, probe
+
+
+def test_the_interval_holds_the_true_cost_and_narrows_with_rounds(bench: ModuleType) -> None:
+    rng = random.Random(3)
+    widths = []
+    for n in (10, 160):
+        bare, probe = _noisy_rounds(rng, n, cost=1.04)
+        ratios = bench.round_ratios(probe, bare)
+        low, high = bench.ratio_interval(ratios)
+        assert low <= statistics.median(ratios) <= high
+        assert low <= 1.04 <= high
+        widths.append(high - low)
+    assert widths[1] < widths[0] / 2
+
+
+def test_the_interval_is_reproducible_and_a_point_without_spread(bench: ModuleType) -> None:
+    ratios = [1.0, 1.03, 0.98, 1.06, 1.01, 0.99, 1.02]
+    assert bench.ratio_interval(ratios) == bench.ratio_interval(list(ratios))
+    assert bench.ratio_interval([1.02, 1.02, 1.02]) == (1.02, 1.02)
+    assert bench.ratio_interval([1.05]) == (1.05, 1.05)
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "verdict"),
+    [(0.99, 1.01, "met"), (1.011, 1.05, "not met"), (0.995, 1.03, "not resolved")],
+)
+def test_the_verdict_needs_the_whole_interval_on_one_side(
+    bench: ModuleType, low: float, high: float, verdict: str
+) -> None:
+    cell = bench.ConfigStats(
+        model="small",
+        config="probe",
+        median_step_s=0.015,
+        round_iqr=0.07,
+        ratio=(low + high) / 2,
+        ratio_low=low,
+        ratio_high=high,
+        unpaired_ratio=1.0,
+        mean_ratio=1.0,
+        cpu_s_per_step=0.02,
+        cpu_ratio=1.0,
+        steps=1200,
+    )
+    assert bench.target_verdict(cell) == verdict
