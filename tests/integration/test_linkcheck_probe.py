@@ -94,3 +94,25 @@ def test_every_rank_checks_every_peer_at_the_same_step(receiver: ReceiverThread)
     # The config of the same broadcast was applied at the very step the check ran.
     applied = [a for a in acks["cfg"] if a.status == "applied"]
     assert applied and applied[0].effective_step == checks[0]["lc1"].step + 1
+
+
+def _gathered(rank: int, world: int, values: list[str]) -> list[str]:
+    from torch.distributed import distributed_c10d as c10d
+
+    from torshmon.probe import _torch_compat
+    from torshmon.probe.linkcheck import gather_strings
+
+    group = _torch_compat.side_group()
+    try:
+        return gather_strings(group, values[rank])
+    finally:
+        _torch_compat.release_side_group(group)
+        assert c10d._get_default_group() is not None  # the job's group is left alone
+
+
+def test_each_ranks_host_key_reaches_every_rank_in_rank_order() -> None:
+    """The side group is not in torch's registry, so the host keys go through one
+    all-gather of fixed slots: empty, non-ASCII and over-long (cut at 255 bytes) alike."""
+    values = ["", "hôte-1", "x" * 300]
+    for gathered in run_ranks(_gathered, WORLD, values, timeout_s=TIMEOUT_S):
+        assert gathered == ["", "hôte-1", "x" * 255]

@@ -253,8 +253,77 @@ def _attach_close_cycles(rank: int, world: int, cycles: int) -> list[int]:
 
 
 def test_a_closed_monitor_lets_its_side_group_go() -> None:
-    """Each attach creates a gloo side group (the consensus's) with three threads, one
-    of which wakes every 10 ms; close destroys it, so a process that attaches again
-    (a notebook, a benchmark) does not pile them up. Before: three more threads a cycle."""
+    """Each attach creates a gloo side group (the consensus's) with a thread of its own;
+    close ends it, so a process that attaches again (a notebook, a benchmark) does not
+    pile them up. Before: three more threads a cycle."""
     for counts in run_ranks(_attach_close_cycles, 2, 6, timeout_s=TIMEOUT_S):
         assert counts[-1] <= counts[1], counts
+
+
+def _threads_by_name() -> dict[str, int]:
+    import os
+
+    names: dict[str, int] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                name = comm.read().strip()
+        except FileNotFoundError:
+            continue
+        names[name] = names.get(name, 0) + 1
+    return names
+
+
+def _side_group_footprint(rank: int, world: int, fallback: bool) -> dict[str, Any]:
+    """What attach adds to the process and to torch's registry of groups, whether the
+    consensus still applies a change, and the name of a group the job makes after it."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.nn.parallel import DistributedDataParallel
+
+    import torshmon
+
+    if fallback:  # as where the default group has no gloo backend to build on
+        c10d._get_default_store = _raise_runtime_error
+    ddp = DistributedDataParallel(_model(), bucket_cap_mb=0.01)
+    before, registered = _threads_by_name(), len(c10d._world.pg_group_ranks)
+    monitor = torshmon.attach(ddp, agent_socket="/nonexistent/agent.sock", sync_every=1)
+    registered = len(c10d._world.pg_group_ranks) - registered
+    added = {
+        name: count - before.get(name, 0)
+        for name, count in _threads_by_name().items()
+        if count != before.get(name, 0)
+    }
+    if rank == 0:
+        monitor.request_config(bucket_cap_mb=0.05, codec="fp16")
+    _train(ddp, 3, rank, monitor)
+    config = monitor.config
+    job_group = dist.new_group([0, 1])
+    monitor.close()
+    return {
+        "added": added,
+        "registered": registered,
+        "codec": None if config is None else config.codec,
+        "job_group_name": job_group.group_name,
+    }
+
+
+def _raise_runtime_error() -> None:
+    raise RuntimeError("no default store")
+
+
+def test_on_a_gloo_job_the_side_group_shares_the_jobs_network_thread() -> None:
+    """A gloo device's loop thread wakes every 10 ms: the side group builds on the
+    job's own device and adds one worker thread, none of gloo's loops; it is not in
+    torch's registry, so a group the job makes after attach gets the name it would get
+    without torshmon ("1", the first after the world group). Where it cannot build on
+    the job's device it is a new_group with a device of its own, and works the same."""
+    for result in run_ranks(_side_group_footprint, 2, False, timeout_s=TIMEOUT_S):
+        assert "gloo_tcp_loop" not in result["added"], result
+        assert result["added"].get("pt_gloo_runloop") == 1, result
+        assert result["registered"] == 0 and result["job_group_name"] == "1", result
+        assert result["codec"] == "fp16"
+    for result in run_ranks(_side_group_footprint, 2, True, timeout_s=TIMEOUT_S):
+        assert result["added"].get("gloo_tcp_loop") == 1, result
+        assert result["registered"] == 1 and result["job_group_name"] == "2", result
+        assert result["codec"] == "fp16"

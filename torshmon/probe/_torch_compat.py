@@ -6,6 +6,7 @@ Checked against torch 2.4 to 2.13. Every helper degrades to "not available"
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -209,3 +210,58 @@ def process_groups() -> list[tuple[Any, list[int]]] | None:
         if isinstance(pg, kind) and isinstance(ranks, dict):
             out.append((pg, [g for g, _ in sorted(ranks.items(), key=lambda item: item[1])]))
     return out
+
+
+# Numbers the side groups a process builds: every rank builds the same ones in the same
+# order (attach is collective), so the same number names the same group's store keys.
+_side_groups = itertools.count()
+
+
+def side_group() -> Any:
+    """A gloo process group over the whole job for torshmon's own exchanges (the config
+    consensus, link checks). Collective: every rank calls it, at attach, in the same order.
+
+    Where the job's default group has a gloo backend (a gloo job, or
+    ``cpu:gloo,cuda:nccl``), the group is a ``ProcessGroupGloo`` built on that backend's
+    transport device (``options._devices``), with one worker thread: a gloo device's
+    network loop thread wakes every 10 ms, so a group with its own device cost each rank
+    a thread waking 100 times a second (1.8 context switches and 25 us of CPU a step of
+    ``benchmarks/overhead.py``'s 40-bucket model) besides two idle workers. It is built
+    outside torch's registry of groups: it is not the job's, so the job's later groups
+    keep the names they would have without torshmon and the hang detector's list of the
+    job's groups leaves it out. Elsewhere (NCCL alone; a torch without these attributes)
+    it is ``new_group(backend="gloo")``, with a device of its own. Every rank takes the
+    same branch: it depends on the default group's backend only.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        backend = c10d._get_default_group()._get_backend(torch.device("cpu"))
+        if not isinstance(backend, dist.ProcessGroupGloo):
+            raise TypeError(type(backend).__name__)
+        devices = list(backend.options._devices)
+        if not devices:
+            raise ValueError("the job's gloo backend has no device")
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = devices
+        options._threads = 1
+        options._timeout = backend.options._timeout
+        store = c10d._get_default_store()
+    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
+        log.debug("torshmon: side group on a device of its own: %s", exc)
+        return dist.new_group(backend="gloo")
+    prefix = f"torshmon/side-group/{next(_side_groups)}/"
+    return dist.ProcessGroupGloo(
+        dist.PrefixStore(prefix, store), dist.get_rank(), dist.get_world_size(), options
+    )
+
+
+def release_side_group(group: Any) -> None:
+    """Let a ``side_group`` go: its worker thread ends (and a ``new_group``'s loop)."""
+    import torch.distributed as dist
+
+    if isinstance(group, dist.ProcessGroupGloo):
+        group.shutdown()
+    else:
+        dist.destroy_process_group(group)

@@ -160,6 +160,24 @@ def host_key() -> str:
     return socket.gethostname()[:64]
 
 
+#: Bytes of one rank's string in ``gather_strings``: a length byte and up to 255 bytes.
+_STRING_SLOT = 256
+
+
+def gather_strings(group: Any, value: str) -> list[str]:
+    """Every rank's ``value`` (UTF-8, at most 255 bytes kept), in group-rank order: one
+    all-gather on ``group`` (a gloo backend; collective). ``all_gather_object`` would need
+    a group in torch's registry, which the side group is not."""
+    data = value.encode()[: _STRING_SLOT - 1]
+    mine = torch.zeros(_STRING_SLOT, dtype=torch.uint8)
+    mine[0] = len(data)
+    if data:
+        mine[1 : 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    slots = [torch.zeros(_STRING_SLOT, dtype=torch.uint8) for _ in range(group.size())]
+    group.allgather([slots], [mine]).wait()
+    return [bytes(slot[1 : 1 + int(slot[0])].tolist()).decode(errors="replace") for slot in slots]
+
+
 def run_link_check(
     group: Any,
     rank: int,

@@ -330,8 +330,8 @@ class Monitor:
                 job_hook=job_hook,
             )
         else:
-            # new_group() is collective over the whole job; with DDP on a
-            # subgroup we cannot know every rank creates the same groups.
+            # The side group is built collectively over the whole job; with DDP on
+            # a subgroup we cannot know every rank attaches.
             log.warning("torshmon: DDP on a subgroup: live reconfiguration is off")
 
     def _on_grad(self, param: Any) -> None:

@@ -2,8 +2,8 @@
 
 Only rank 0 takes requests. Every ``sync_every`` steps, at the end of the
 step, all ranks post one broadcast of a small fixed-size buffer from rank 0 on
-a separate gloo group (so it never touches NCCL streams); empty means "no
-change". The broadcast completes in the background and is read at the end of
+a separate gloo group (so it never touches NCCL streams; on a gloo job built on the
+job's own device, ``_torch_compat.side_group``); empty means "no change". The broadcast completes in the background and is read at the end of
 the next step, so no rank ever waits for it. A change is then applied in three
 phases, so that ranks can never end up on different configs (which would hang
 the job):
@@ -42,7 +42,13 @@ from torshmon.probe import _torch_compat
 from torshmon.probe.codecs import Codec, make_codec
 from torshmon.probe.commhook import DispatchingCommHook
 from torshmon.probe.config import MIB, CommConfig, ConfigError, next_config
-from torshmon.probe.linkcheck import LinkCheckDone, LinkCheckRequest, host_key, run_link_check
+from torshmon.probe.linkcheck import (
+    LinkCheckDone,
+    LinkCheckRequest,
+    gather_strings,
+    host_key,
+    run_link_check,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +147,7 @@ class Reconfigurator:
         self._hook_always = hook_always
         self._hook_installed = hook_always
         # Collective: every rank creates it at attach, in the same order.
-        self._group = dist.new_group(backend="gloo")
+        self._group = _torch_compat.side_group()
         self._rank = self._group.rank()
         self._hosts: list[str] | None = None  # each rank's host_key, at the first link check
         self._rebuild_unavailable = _torch_compat.reducer_rebuild_unavailable(module)
@@ -244,15 +250,15 @@ class Reconfigurator:
 
     def close(self) -> None:
         """Finish a posted exchange (every rank posted it, so it completes), then let
-        the side group go: its gloo threads (one wakes every 10 ms) would otherwise
-        outlive the monitor, a process that attaches again gaining three each time."""
+        the side group go: its gloo threads would otherwise outlive the monitor, a
+        process that attaches again gaining more each time."""
         try:
             self._receive()
         finally:
             try:
-                dist.destroy_process_group(self._group)
+                _torch_compat.release_side_group(self._group)
             except Exception as exc:  # the job destroyed every group first, say
-                log.debug("torshmon: side group not destroyed: %s", exc)
+                log.debug("torshmon: side group not released: %s", exc)
 
     # -- the exchange -----------------------------------------------------------------
     def _post(self) -> None:
@@ -286,9 +292,7 @@ class Reconfigurator:
         started = time.perf_counter()
         if self._hosts is None:
             # Once per job: which ranks share a host (and so a NIC) does not change.
-            hosts: list[Any] = [None] * self._group.size()
-            dist.all_gather_object(hosts, host_key(), group=self._group)
-            self._hosts = [str(h) for h in hosts]
+            self._hosts = gather_strings(self._group, host_key())
         timings = run_link_check(
             self._group,
             self._rank,
