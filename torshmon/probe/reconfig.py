@@ -2,9 +2,10 @@
 
 Only rank 0 takes requests. Every ``sync_every`` steps, at the end of the
 step, all ranks post one broadcast of a small fixed-size buffer from rank 0 on
-a separate gloo group (so it never touches NCCL streams; on a gloo job built on the
-job's own device, ``_torch_compat.side_group``); empty means "no change". The broadcast completes in the background and is read at the end of
-the next step, so no rank ever waits for it. A change is then applied in three
+a separate gloo group (so it never touches NCCL streams; on a gloo job built on
+the job's own device, ``_torch_compat.side_group``); empty means "no change".
+The broadcast completes in the background and is read at the end of the next
+step, so no rank ever waits for it. A change is then applied in three
 phases, so that ranks can never end up on different configs (which would hang
 the job):
 
