@@ -164,6 +164,7 @@ class JobOutcome:
     measured: dict[int, float | None] = field(default_factory=dict)  # episode index ->
     slack_latency_s: dict[int, float | None] = field(default_factory=dict)
     wall_s: float = 0.0
+    urgent_share: float | None = None  # FiringWatch.urgent_share
 
 
 # -- plans -----------------------------------------------------------------------------
@@ -340,10 +341,13 @@ class SlackReceiver:
 
 class FiringWatch:
     """``run_system``'s tick hook: for each alert that starts firing, the time and the
-    job's last step the aggregator had seen."""
+    job's last step the aggregator had seen; and how many of the job's steps came
+    through the probes' fast lane (``urgent_share``)."""
 
     def __init__(self, job: str) -> None:
         self.job = job
+        self.steps = 0
+        self.urgent_steps = 0
         # (rule, rank, starts_at): an alert that resolves and fires again for the same
         # rank within one evaluation is a new one, though its rule and rank never left.
         self.firing: set[tuple[str, str | None, float | None]] = set()
@@ -360,6 +364,14 @@ class FiringWatch:
         for rule, rank, _ in now - self.firing:
             self.started.append((rule, rank, time.time(), last))
         self.firing = now
+        ranks = aggregator.live.rank_summaries(self.job).values()
+        self.steps = sum(r["steps_total"] for r in ranks)
+        self.urgent_steps = sum(r["urgent_steps_total"] for r in ranks)
+
+    @property
+    def urgent_share(self) -> float | None:
+        """The share of the job's steps its probes sent at once (the fast lane open)."""
+        return self.urgent_steps / self.steps if self.steps else None
 
     def first_step(self, rule: str, rank: int | None, fired_at_unix_s: float) -> int | None:
         label = None if rank is None else str(rank)
@@ -559,7 +571,9 @@ async def run_job(plan: JobPlan, seed: int) -> JobOutcome:
         }
         DUMP_DIR.mkdir(parents=True, exist_ok=True)
         (DUMP_DIR / f"{plan.name}-{seed}.json").write_text(json.dumps(dump))
-    outcome = JobOutcome(plan, seed, score, measured, wall_s=result.wall_s)
+    outcome = JobOutcome(
+        plan, seed, score, measured, wall_s=result.wall_s, urgent_share=watch.urgent_share
+    )
     for i, ep_score in enumerate(score.episodes):
         first = ep_score.first
         posts = (
@@ -592,10 +606,13 @@ def _measured(ep: EpisodePlan, rows: list[tuple[Any, ...]], world_size: int) -> 
     return None
 
 
-async def run_clean(world_size: int, steps: int, seed: int) -> tuple[list[FiredAlert], float]:
-    """A fault-free job under bursty background CPU load: its alerts (all false). A
-    smaller model than the fault jobs' (``CLEAN_HIDDEN``): 10 000 steps on two shared
-    cores take minutes, not most of an hour."""
+async def run_clean(
+    world_size: int, steps: int, seed: int
+) -> tuple[list[FiredAlert], float, float | None]:
+    """A fault-free job under bursty background CPU load: its alerts (all false), wall
+    time, and the share of its steps sent urgent (every one on noise). A smaller model
+    than the fault jobs' (``CLEAN_HIDDEN``): 10 000 steps on two shared cores take
+    minutes, not most of an hour."""
     with CpuBurner(seed):
         result, watch, _, rows = await run_system_once(
             world_size, steps, 0.005, hidden=CLEAN_HIDDEN
@@ -610,7 +627,7 @@ async def run_clean(world_size: int, steps: int, seed: int) -> tuple[list[FiredA
         }
         DUMP_DIR.mkdir(parents=True, exist_ok=True)
         (DUMP_DIR / f"clean-{world_size}-{seed}.json").write_text(json.dumps(dump))
-    return alerts, result.wall_s
+    return alerts, result.wall_s, watch.urgent_share
 
 
 async def run_tuning() -> tuple[list[FiredAlert], float, str]:
@@ -743,7 +760,8 @@ def run_fault_jobs(kinds: Sequence[str], seeds: Sequence[int], quick: bool) -> l
             outside = [a.name for a in outcome.score.outside]
             print(
                 f"{plan.name} seed {seed}: {found}/{len(plan.episodes)} episodes detected, "
-                f"false alerts outside episodes: {outside or 'none'} ({outcome.wall_s:.0f} s)",
+                f"false alerts outside episodes: {outside or 'none'}, "
+                f"steps sent urgent: {_fmt(outcome.urgent_share)} ({outcome.wall_s:.0f} s)",
                 flush=True,
             )
             for i, score in enumerate(outcome.score.episodes):
@@ -762,19 +780,24 @@ def run_fault_jobs(kinds: Sequence[str], seeds: Sequence[int], quick: bool) -> l
     return outcomes
 
 
-def run_clean_jobs(clean_steps: int, seed: int) -> list[list[FiredAlert]]:
-    """The clean jobs, 60% of the steps at 2 ranks and 40% at 4: the alerts of each."""
-    jobs = []
+def run_clean_jobs(
+    clean_steps: int, seed: int
+) -> tuple[list[list[FiredAlert]], list[float | None]]:
+    """The clean jobs, 60% of the steps at 2 ranks and 40% at 4: the alerts of each, and
+    the share of each one's steps sent urgent."""
+    jobs, urgent = [], []
     for world_size, share in ((2, 0.6), (4, 0.4)):
         steps = int(clean_steps * share)
-        alerts, wall_s = asyncio.run(run_clean(world_size, steps, seed))
+        alerts, wall_s, urgent_share = asyncio.run(run_clean(world_size, steps, seed))
         jobs.append(alerts)
+        urgent.append(urgent_share)
         print(
             f"clean {world_size} ranks, {steps} steps, bursty CPU load: "
-            f"alerts: {[a.name for a in alerts] or 'none'} ({wall_s:.0f} s)",
+            f"alerts: {[a.name for a in alerts] or 'none'}, "
+            f"steps sent urgent: {_fmt(urgent_share)} ({wall_s:.0f} s)",
             flush=True,
         )
-    return jobs
+    return jobs, urgent
 
 
 def run_tuning_job() -> list[FiredAlert]:
@@ -809,6 +832,7 @@ def build_report(
     clean_jobs: Sequence[Sequence[FiredAlert]],
     tuning_jobs: Sequence[Sequence[FiredAlert]],
     by_label: dict[str, list[CurvePoint]],
+    clean_urgent: Sequence[float | None] = (),
 ) -> dict[str, Any]:
     scores = [s for o in outcomes for s in o.score.episodes]
     summary = summarize([o.score for o in outcomes], clean_jobs, tuning_jobs)
@@ -841,6 +865,10 @@ def build_report(
         "clean_alerts": [a.name for j in clean_jobs for a in j],
         "tuning_false_alerts": sum(len(j) for j in tuning_jobs) if tuning_jobs else None,
         "tuning_alerts": [a.name for j in tuning_jobs for a in j],
+        # How much of each job went through the fast lane: on a fault job both the faults
+        # and noise open it; on a clean job only noise does.
+        "urgent_share_fault_jobs": [o.urgent_share for o in outcomes],
+        "urgent_share_clean_jobs": list(clean_urgent),
         "curves": {label: [p.as_json() for p in points] for label, points in by_label.items()},
     }
 
@@ -898,7 +926,9 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     outcomes = run_fault_jobs(args.kinds, args.seeds, args.quick)
-    clean_jobs = [] if args.no_clean else run_clean_jobs(clean_steps, args.seeds[0])
+    clean_jobs, clean_urgent = (
+        ([], []) if args.no_clean else run_clean_jobs(clean_steps, args.seeds[0])
+    )
     tuning_jobs = [] if args.no_tuning else [run_tuning_job()]
     by_label = curves(outcomes)
     print_curves(by_label)
@@ -907,7 +937,7 @@ def main(argv: list[str] | None = None) -> int:
         "kinds": args.kinds,
         "quick": args.quick,
         "clean_steps": clean_steps if clean_jobs else 0,
-        **build_report(outcomes, clean_jobs, tuning_jobs, by_label),
+        **build_report(outcomes, clean_jobs, tuning_jobs, by_label, clean_urgent),
         "wall_s": time.monotonic() - started,
     }
     print()

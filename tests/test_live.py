@@ -290,6 +290,9 @@ def test_the_rank_counters_add_every_step_so_rates_give_shares() -> None:
     assert value("torshmon_probe_urgent_steps_total", r1) == 3
     assert value("torshmon_probe_urgent_steps_total", {"job": "j", "rank": "0"}) == 0
     assert value("torshmon_inflight_oldest_age_seconds", r1) == 1.5
+    # The API's ranks (and the detection benchmark's urgent share) read the same counts.
+    ranks = live.rank_summaries("j")
+    assert [(r["steps_total"], r["urgent_steps_total"]) for r in ranks.values()] == [(3, 0), (3, 3)]
     # The training series only: node series are the agents' to export.
     assert value("torshmon_cpu_utilization_ratio", {"node": "node-a"}) is None
 

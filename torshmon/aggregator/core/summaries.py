@@ -64,6 +64,7 @@ def rank_summaries(state: JobState) -> dict[int, dict[str, Any]]:
             "node": r.node,
             "last_step": r.last_step,
             "steps_total": r.steps_total,
+            "urgent_steps_total": r.urgent_steps_total,
             "step_duration_s": _nan_none(r.duration_s),
             "compute_s": _nan_none(r.compute_s),
             "comm_wait_s": _nan_none(r.comm_wait_s),
