@@ -3,14 +3,12 @@ running a job: the turn driver against a scripted rank 0, break-even, fractions,
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.benchmark_loader import load_benchmark
 from torshmon.aggregator.core.tuner import (
     SearchSpace,
     StepSample,
@@ -19,21 +17,10 @@ from torshmon.aggregator.core.tuner import (
     TuningSession,
 )
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("autotune_bench", BENCHMARKS / "autotune.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["autotune_bench"] = module
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return load_benchmark("autotune.py", "autotune_bench")
 
 
 def test_break_even_counts_the_steps_that_win_back_the_trials(bench: ModuleType) -> None:

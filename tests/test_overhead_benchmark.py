@@ -3,30 +3,18 @@ ratio over rounds, and what that interval says about the probe's 1.01 target."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import statistics
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.benchmark_loader import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("overhead_bench", BENCHMARKS / "overhead.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["overhead_bench"] = module
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return load_benchmark("overhead.py", "overhead_bench")
 
 
 def _noisy_rounds(rng: random.Random, n: int, cost: float) -> tuple[list[list[float]], ...]:
