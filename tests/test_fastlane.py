@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+import random
+import statistics
 import sys
+from collections import deque
 
 import msgspec
 import pytest
 
 from tests.integration import wire_factory as wf
-from torshmon.probe.fastlane import FastLane
+from torshmon.probe.fastlane import FastLane, RollingMedian
 from torshmon.wire import StepRecord
 
 
@@ -103,3 +106,21 @@ def test_the_bars_say_what_the_next_observe_would_judge_notable() -> None:
         probe = FastLane(min_history=8)
         _warm(probe)
         assert probe.observe([_step(99, 0.1, loss=loss)], now=50.0) is notable
+
+
+def test_the_rolling_median_is_the_windows_median_as_values_come_and_go() -> None:
+    """Against statistics.median over the same window: ties, repeats, a window that
+    fills and then slides, and values that are not finite left out."""
+    rng = random.Random(7)
+    window = RollingMedian(5)
+    kept: deque[float] = deque(maxlen=5)
+    with pytest.raises(ValueError, match="empty"):
+        window.median()
+    for _ in range(2_000):
+        value = rng.choice([rng.random(), float(rng.randint(0, 3)), math.nan, math.inf])
+        window.append(value)
+        if math.isfinite(value):
+            kept.append(value)
+        assert len(window) == len(kept)
+        if kept:
+            assert window.median() == statistics.median(kept)
