@@ -37,6 +37,7 @@ def _stuck(age_s: float) -> InflightOp:
 def table(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, list[int]]]:
     groups: list[tuple[Any, list[int]]] = [(WORLD, [0, 1, 2, 3]), (PAIR, [2, 3])]
     monkeypatch.setattr(_torch_compat, "process_groups", lambda: list(groups))
+    monkeypatch.setattr(_torch_compat, "process_group_count", lambda: len(groups))
     return groups
 
 
@@ -60,6 +61,12 @@ def test_groups_go_first_then_on_change_resend_stale_ops_and_every_resend_s(
     assert registry.take([]) == []
     clock.now_s += 30.0
     assert len(registry.take([])) == 3
+    # A group destroyed and another made in its place: the registry's size is the same,
+    # so it is read again only a second after the last look; then the change goes.
+    table[-1] = (_Group("3"), [0, 1])
+    assert registry.take([]) == []
+    clock.now_s += 1.0
+    assert [g.pg for g in registry.take([])] == ["1", "3", "default"]
 
 
 def test_an_unreadable_registry_reports_the_world_group_only(

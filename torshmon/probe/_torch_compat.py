@@ -212,6 +212,17 @@ def process_groups() -> list[tuple[Any, list[int]]] | None:
     return out
 
 
+def process_group_count() -> int | None:
+    """How many groups torch's registry holds (``process_groups`` lists them); None
+    where it cannot be read. A dictionary's length: cheap enough for every send."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return len(c10d._world.pg_group_ranks)
+    except (AttributeError, ImportError, RuntimeError, TypeError):
+        return None
+
+
 # Numbers the side groups a process builds: every rank builds the same ones in the same
 # order (attach is collective), so the same number names the same group's store keys.
 _side_groups = itertools.count()

@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 #: An op in flight this long may be a hang: its batch carries the groups, so an
 #: aggregator that restarted during a hang judges it with the members.
 _STALE_OP_S = 1.0
+#: While torch's registry holds as many groups as at the last look, it is read again
+#: only this often: a group destroyed and another made in its place between two sends
+#: is sent this late at most. Reading and comparing every group at each send was a
+#: tenth of an urgent send's work.
+_RECHECK_S = 1.0
 #: At most this many ranks listed per batch (about 8 bytes each on the wire); groups
 #: past it are left out, so a batch never exceeds the frame limit.
 MAX_LISTED_RANKS = 200_000
@@ -59,6 +64,8 @@ class GroupRegistry:
         self._cache: dict[Any, ProcessGroupMembers] = {}
         self._sent: list[ProcessGroupMembers] | None = None
         self._next_s = 0.0
+        self._count: int | None = None  # the registry's size at the last look
+        self._recheck_s = 0.0
         self._failure_log = LogLimiter()
 
     def snapshot(self) -> list[ProcessGroupMembers]:
@@ -117,13 +124,24 @@ class GroupRegistry:
         go when they changed, after ``resend``, every ``resend_s``, and while an op of
         ``inflight`` has been in flight for a second or more."""
         now = self._clock()
+        stale = any(op.age_s >= _STALE_OP_S for op in inflight)
+        count = _torch_compat.process_group_count()
+        if (
+            self._sent is not None
+            and not stale
+            and now < self._next_s
+            and now < self._recheck_s
+            and count is not None
+            and count == self._count
+        ):
+            return []  # nothing made or destroyed since the last look
         try:
             current = self.snapshot()
         except Exception:  # telemetry never breaks the shipper's cycle
             if self._failure_log.allow("snapshot"):
                 log.warning("torshmon: could not list the process groups", exc_info=True)
             return []
-        stale = any(op.age_s >= _STALE_OP_S for op in inflight)
+        self._count, self._recheck_s = count, now + _RECHECK_S
         if current == self._sent and now < self._next_s and not stale:
             return []
         self._sent = current

@@ -412,6 +412,7 @@ class Shipper:
             return
         idle = now - self._last_batch >= self._heartbeat_interval_s
         failed = self._inflight.failure_count()
+        tail = self._unacked[-1] if self._unacked else None
         if failed != self._failures_sent:
             # A collective raised: the job may be about to die of it, so say so now.
             self._enqueue([], urgent=True)
@@ -419,7 +420,11 @@ class Shipper:
             self._enqueue([])  # heartbeat: carries in-flight ops of a stuck rank
         while self.evidence and len(self._unacked) < 4:
             self._enqueue([], evidence=True)
-        self._send_unacked(wait=final or not urgent)
+        if final or not urgent or (self._unacked[-1] if self._unacked else None) is not tail:
+            # An urgent send with nothing new since the first call has sent all it
+            # may: a second call would only look for acks again (a select on the
+            # socket), which the next send does anyway.
+            self._send_unacked(wait=final or not urgent)
 
     def _enqueue(
         self, steps: list[StepRecord], *, urgent: bool = False, evidence: bool = False
