@@ -1,0 +1,282 @@
+"""Where the probe's cost goes on a real 2-rank gloo DDP job, part by part.
+
+``overhead.py`` says how much slower a step is with the probe; this script says what
+the probe spends, per step and rank, on each of its paths, with the fast lane as it is
+and forced shut, alternated in one run on the same job (``overhead.py``'s models and
+steps, one core per rank):
+
+- the training thread: each of the probe's entry points (step enter and exit, the
+  forward hooks, the last gradient's hook, the end of backward) and the parts of them
+  that cost most (the run-queue clocks, the config consensus, reading the loss): the
+  median wall time of a call, and the thread's CPU time in it per step. Wall time on a
+  rank's one core includes the job's other threads (gloo's) running meanwhile; CPU time
+  is what the probe spends. The timing wrapper's own cost (two clock reads a call) is
+  printed, measured in a tight loop; in the training loop everything costs several
+  times what it does there (caches the step's compute evicted);
+- the shipper thread: its CPU time per step (``pthread_getcpuclockid``);
+- the share of steps the fast lane sent urgent (as the agent's stand-in counted them).
+
+Prints one table per arm, then a JSON object (the last line).
+
+Usage::
+
+    python benchmarks/probe_cost.py --quick          # small model, ~15 s (2 cores)
+    python benchmarks/probe_cost.py                  # small model, ~1 min
+    python benchmarks/probe_cost.py --model mlp --steps 300     # ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import _table  # benchmarks/ is the script's own folder, first on sys.path
+import overhead
+import torch.distributed as dist
+
+import torshmon
+from torshmon.agent.receiver import ThreadedReceiver
+from torshmon.launch import run_ranks
+from torshmon.probe import monitor as monitor_module
+from torshmon.probe import runqueue
+from torshmon.probe.fastlane import FastLane
+from torshmon.wire import Batch, ProbeMessage
+
+ARMS = ("lane", "lane_shut")
+
+#: The probe's entry points on the training thread: what a step pays in all.
+ENTRY_POINTS = (
+    "_enter_step",
+    "_exit_step",
+    "_on_forward_start",
+    "_on_forward_end",
+    "_on_grad",
+    "_on_backward_end",
+)
+#: Parts inside them, reported on their own (already counted in the entry points).
+PARTS = ("thread run-queue clock", "process run-queue clock", "_sync_config", "_host_loss")
+
+#: Each timed call's (wall, CPU) nanoseconds, by name (the rank's training thread only).
+_CALLS: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+
+
+def _timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    calls = _CALLS[name]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            calls.append((time.perf_counter_ns() - wall, time.thread_time_ns() - cpu))
+
+    return wrapper
+
+
+def wrapper_cost_us(calls: int = 20_000) -> float:
+    """What the timing wrapper itself adds to a call, in a tight loop (us)."""
+    noop = _timed("wrapper", lambda: None)
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        noop()
+    cost = (time.perf_counter_ns() - start) / calls / 1e3
+    del _CALLS["wrapper"]
+    return cost
+
+
+def _instrument() -> None:
+    """Wrap the probe's entry points and parts (before ``attach``, which binds the hooks)."""
+    for name in (*ENTRY_POINTS, "_sync_config"):
+        setattr(monitor_module.Monitor, name, _timed(name, getattr(monitor_module.Monitor, name)))
+    monitor_module._host_loss = _timed("_host_loss", monitor_module._host_loss)
+    clocks = (
+        (runqueue.RunQueueClock, "thread run-queue clock"),
+        (runqueue.ProcessRunQueue, "process run-queue clock"),
+    )
+    for cls, name in clocks:
+        cls.read_ns = _timed(name, cls.read_ns)  # type: ignore[method-assign]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    model: str
+    steps: int
+    rounds: int
+    agent_socket: str
+
+
+def _shipper_cpu_s() -> float:
+    for thread in threading.enumerate():
+        if thread.name == "torshmon-shipper" and thread.ident is not None:
+            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    raise RuntimeError("no shipper thread")
+
+
+def _rotated(round_index: int) -> Iterator[str]:
+    shift = round_index % len(ARMS)
+    yield from ARMS[shift:] + ARMS[:shift]
+
+
+def rank_main(rank: int, world_size: int, plan: Plan) -> dict[str, Any]:
+    """Per arm: each round's per-call timings, shipper CPU and step counts."""
+    os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    _instrument()
+    spec = overhead.MODELS[plan.model]
+    x, y = overhead._batch(spec, seed=1 + rank)
+    out: dict[str, Any] = {
+        arm: {"calls": collections.defaultdict(list), "shipper_s": []} for arm in ARMS
+    }
+    for round_index in range(plan.rounds):
+        for arm in _rotated(round_index):
+            ddp, optimizer = overhead._build(spec, seed=0)
+            dist.barrier()
+            mon = torshmon.attach(ddp, job=f"cost-{arm}", agent_socket=plan.agent_socket)
+            if arm == "lane_shut":
+                mon._shipper.fast_lane = FastLane(time_ratio=1e9, loss_ratio=1e9)
+            step = overhead._train_step(ddp, optimizer, x, y)
+            for index in range(20 + plan.steps):
+                if index == 20:  # past DDP's bucket rebuild and the lane's history
+                    for calls in _CALLS.values():
+                        calls.clear()
+                    shipper_start = _shipper_cpu_s()
+                with mon.step(batch_size=spec.batch_size) as scope:
+                    scope.loss = step()
+            out[arm]["shipper_s"].append((_shipper_cpu_s() - shipper_start) / plan.steps)
+            for name, timed in _CALLS.items():
+                out[arm]["calls"][name].extend(timed)
+            mon.close()
+    for arm in ARMS:
+        out[arm]["calls"] = dict(out[arm]["calls"])
+    return out
+
+
+class UrgentCounter:
+    """Steps received per job, and how many came urgent (receiver's thread)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, int] = collections.Counter()
+        self.urgent: dict[str, int] = collections.Counter()
+
+    def __call__(self, message: ProbeMessage) -> None:
+        if isinstance(message, Batch):
+            self.steps[message.job] += len(message.steps)
+            if message.urgent:
+                self.urgent[message.job] += len(message.steps)
+
+
+def summarize(results: list[dict[str, Any]], plan: Plan, counter: UrgentCounter) -> dict[str, Any]:
+    """Per arm and rank: per part, calls a step, median us a call, mean us a step."""
+    total_steps = plan.steps * plan.rounds
+    summary: dict[str, Any] = {
+        "model": plan.model,
+        "steps": plan.steps,
+        "rounds": plan.rounds,
+        "wrapper_cost_us": wrapper_cost_us(),
+    }
+    for arm in ARMS:
+        ranks = []
+        for result in results:
+            calls = result[arm]["calls"]
+            parts = {}
+            for name in (*ENTRY_POINTS, *PARTS):
+                timed = calls.get(name) or [(0, 0)]
+                parts[name] = {
+                    "calls_per_step": len(calls.get(name, [])) / total_steps,
+                    "median_wall_us": statistics.median(w for w, _ in timed) / 1e3,
+                    "cpu_us_per_step": sum(c for _, c in timed) / total_steps / 1e3,
+                }
+            ranks.append(
+                {
+                    "parts": parts,
+                    "training_thread_cpu_us_per_step": sum(
+                        parts[n]["cpu_us_per_step"] for n in ENTRY_POINTS
+                    ),
+                    "shipper_cpu_us_per_step": statistics.median(result[arm]["shipper_s"]) * 1e6,
+                }
+            )
+        job = f"cost-{arm}"
+        summary[arm] = {
+            "ranks": ranks,
+            "urgent_share": counter.urgent[job] / counter.steps[job]
+            if counter.steps[job]
+            else None,
+        }
+    return summary
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    for arm in ARMS:
+        rows = [
+            (name, [r["parts"][name] for r in summary[arm]["ranks"]])
+            for name in (*ENTRY_POINTS, *PARTS)
+        ]
+        print(
+            f"\n{arm} ({summary['model']}, {summary['steps']} steps x {summary['rounds']}"
+            " rounds; rank 0 | rank 1)"
+        )
+        print(
+            _table.format_table(
+                [
+                    ("part", lambda row: row[0]),
+                    ("calls/step", lambda row: f"{row[1][0]['calls_per_step']:.2f}"),
+                    (
+                        "median wall us/call",
+                        lambda row: " | ".join(f"{p['median_wall_us']:.1f}" for p in row[1]),
+                    ),
+                    (
+                        "CPU us/step",
+                        lambda row: " | ".join(f"{p['cpu_us_per_step']:.1f}" for p in row[1]),
+                    ),
+                ],
+                rows,
+            )
+        )
+        ranks = summary[arm]["ranks"]
+        print(
+            "training thread's CPU in the probe, us/step: "
+            + " | ".join(f"{r['training_thread_cpu_us_per_step']:.1f}" for r in ranks)
+            + "; shipper CPU, us/step: "
+            + " | ".join(f"{r['shipper_cpu_us_per_step']:.1f}" for r in ranks)
+            + f"; steps sent urgent: {summary[arm]['urgent_share']:.2f}"
+        )
+    print(
+        "\nthe timing wrapper's own cost, in a tight loop: "
+        f"{summary['wrapper_cost_us']:.2f} us a call"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(overhead.MODELS), default="small")
+    parser.add_argument("--quick", action="store_true", help="200 steps, one round")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per arm and round")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (each runs every arm)")
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (200 if args.quick else 1000)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be >= 1")
+    counter = UrgentCounter()
+    with tempfile.TemporaryDirectory(prefix="torshmon-cost-") as tmp:
+        plan = Plan(args.model, args.steps, args.rounds, str(Path(tmp) / "agent.sock"))
+        with ThreadedReceiver(plan.agent_socket, on_message=counter):
+            results = run_ranks(rank_main, overhead.WORLD_SIZE, plan, timeout_s=3600)
+    summary = summarize(results, plan, counter)
+    print_summary(summary)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The probe-cost benchmark (benchmarks/probe_cost.py) runs a real 2-rank job and says,
+per arm, what each of the probe's paths cost: every entry point timed once a step, the
+thread clock three or four times, and the lane forced shut sending nothing urgent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.benchmark_loader import BENCHMARKS
+
+
+def test_a_short_run_reports_every_part_of_both_arms() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "probe_cost.py"), "--steps", "20", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["model"] == "small" and summary["steps"] == 20
+    assert 0 < summary["wrapper_cost_us"] < 50
+    for arm in ("lane", "lane_shut"):
+        ranks = summary[arm]["ranks"]
+        assert len(ranks) == 2
+        for rank in ranks:
+            parts = rank["parts"]
+            for entry in ("_enter_step", "_exit_step", "_on_grad", "_on_backward_end"):
+                assert parts[entry]["calls_per_step"] == 1.0, (arm, entry)
+                assert parts[entry]["cpu_us_per_step"] > 0.0, (arm, entry)
+            # Last gradient, end of backward, step end; a step's start too where it did
+            # not follow the last one at once (runqueue.py).
+            assert 3.0 <= parts["thread run-queue clock"]["calls_per_step"] <= 4.0
+            assert rank["training_thread_cpu_us_per_step"] >= parts["_exit_step"]["cpu_us_per_step"]
+            assert rank["shipper_cpu_us_per_step"] > 0.0
+    assert summary["lane_shut"]["urgent_share"] == 0.0
+    assert "training thread's CPU in the probe" in done.stdout
