@@ -41,10 +41,37 @@ def test_a_slow_step_opens_the_lane_for_open_s() -> None:
     assert lane.is_open(102.5) and lane.opened_total == 1
 
 
-def test_normal_jitter_does_not_open_it() -> None:
+def _noisy(lane: FastLane, n: int = 32, spread: float = 0.1) -> None:
+    """Steps spread +-``spread`` around 0.1 s, evenly (interquartile range ~``spread``)."""
+    for i in range(n):
+        duration = 0.1 * (1 + spread * ((i * 7) % n / (n - 1) * 2 - 1))
+        lane.observe([_step(i, duration)], now=float(i))
+
+
+def test_jitter_within_the_ranks_own_spread_does_not_open_it() -> None:
     lane = FastLane()
-    _warm(lane)
-    assert not lane.observe([_step(20, 0.115), _step(21, 0.09)], now=100.0)
+    _warm(lane)  # steps within 4 %
+    assert not lane.observe([_step(20, 0.105), _step(21, 0.09)], now=100.0)
+    lane = FastLane()
+    _noisy(lane)  # steps within +-10 %: the bar stays at 1.15x
+    assert not lane.observe([_step(40, 0.114), _step(41, 0.085)], now=100.0)
+    assert lane.observe([_step(42, 0.116)], now=101.0)
+
+
+def test_on_steady_ranks_a_smaller_change_opens_it() -> None:
+    """A straggler's peers only wait for it: with communication a large part of their
+    step, a 1.2x straggler lengthens their steps by less than 1.15x (1.12 here). On a
+    rank whose steps are steady (a GPU job) that is far outside its noise, and the bar
+    comes down to meet it (to ``min_time_ratio``, 1.05, at the lowest); on a noisy rank
+    it stays at 1.15x, where only noise would pass a lower one."""
+    steady = FastLane()
+    for i in range(32):
+        steady.observe([_step(i, 0.1 * (1 + 0.002 * (i % 5)))], now=float(i))
+    assert steady.observe([_step(40, 0.112)], now=100.0)
+    assert not steady.observe([_step(41, 0.1), _step(42, 0.104)], now=101.0)  # under 1.05x
+    noisy = FastLane()
+    _noisy(noisy)
+    assert not noisy.observe([_step(40, 0.112)], now=100.0)
 
 
 def test_a_moderate_straggler_opens_it() -> None:
@@ -88,6 +115,8 @@ def test_bad_settings_are_named() -> None:
         FastLane(window=4, min_history=8)
     with pytest.raises(ValueError, match="open_s must be > 0"):
         FastLane(open_s=0)
+    with pytest.raises(ValueError, match="1 < min_time_ratio <= time_ratio"):
+        FastLane(min_time_ratio=1.2)
 
 
 def test_the_bars_say_what_the_next_observe_would_judge_notable() -> None:

@@ -17,7 +17,16 @@ aggregator decides what is wrong. Notable steps enter the history too, so a new
 normal (a slower phase of training) stops being notable within half a window. At 1.3
 a 1.2x straggler (and its peers' steps, which wait for it) never opened the lane: the
 straggler detector named it on its 4th slow step, and the alert came 7-10 steps later,
-with the next batches. The training thread judges a step's duration and a float loss
+with the next batches.
+
+On a rank whose steps are steady the time bar comes down, to ``noise_iqrs`` (3)
+interquartile ranges of the window above its median, but never under
+``min_time_ratio`` (1.05). A straggler's peers only wait for it: where communication is
+a large part of their step, a 1.2x straggler lengthens it by less than 1.15x, and a
+peer's lane stayed shut while its records were the ones the straggler detector
+compares the slow rank with. On two shared cores (where 8-30 % of steps are 1.15x
+their median by noise) the bar stays at 1.15x, and noise keeps the lanes open anyway.
+The training thread judges a step's duration and a float loss
 against the lane's bars (``bars``) as the step ends, so a step out of line wakes the
 shipper then, and while the lane is open a step's end wakes the shipper (one send
 per ``poll_s`` at most); the agent reads the probe's frames within
@@ -72,6 +81,13 @@ class RollingMedian:
         mid = n // 2
         return values[mid] if n % 2 else (values[mid - 1] + values[mid]) / 2.0
 
+    def quantile(self, q: float) -> float:
+        """The window's value at rank ``q`` (0..1, nearest rank); ValueError when empty."""
+        values = self._sorted
+        if not values:
+            raise ValueError("quantile of an empty window")
+        return values[round(q * (len(values) - 1))]
+
 
 class FastLane:
     """Judges summarised steps and says whether the lane is open (shipper thread only)."""
@@ -83,11 +99,17 @@ class FastLane:
         window: int = 32,
         min_history: int = 8,
         time_ratio: float = 1.15,
+        min_time_ratio: float = 1.05,
+        noise_iqrs: float = 3.0,
         loss_ratio: float = 2.0,
     ) -> None:
-        for name, value in (("open_s", open_s), ("time_ratio", time_ratio)):
+        for name, value in (("open_s", open_s), ("noise_iqrs", noise_iqrs)):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if not 1.0 < min_time_ratio <= time_ratio:
+            raise ValueError(
+                f"need 1 < min_time_ratio <= time_ratio, got {min_time_ratio} and {time_ratio}"
+            )
         if loss_ratio <= 1:
             raise ValueError(f"loss_ratio must be > 1, got {loss_ratio}")
         if not 1 <= min_history <= window:
@@ -95,6 +117,8 @@ class FastLane:
         self.open_s = open_s
         self.min_history = min_history
         self.time_ratio = time_ratio
+        self.min_time_ratio = min_time_ratio
+        self.noise_iqrs = noise_iqrs
         self.loss_ratio = loss_ratio
         self._durations = RollingMedian(window)
         self._computes = RollingMedian(window)
@@ -121,10 +145,9 @@ class FastLane:
         duration in nanoseconds, and the loss, at or above which a step is out of line,
         as ``observe`` would judge the next step; out of reach until enough history."""
         slow_ns = sys.maxsize
-        if len(self._durations) >= self.min_history:
-            median = self._durations.median()
-            if median > 0.0:
-                slow_ns = math.ceil(self.time_ratio * median * 1e9)
+        bar = self._bar(self._durations)
+        if bar is not None:
+            slow_ns = math.ceil(bar * 1e9)
         loss_above = math.inf
         if len(self._losses) >= self.min_history:
             median = self._losses.median()
@@ -132,8 +155,8 @@ class FastLane:
         return slow_ns, loss_above
 
     def _notable(self, s: StepRecord) -> bool:
-        notable = self._above(self._durations, s.duration_s, self.time_ratio)
-        notable = self._above(self._computes, s.compute_s, self.time_ratio) or notable
+        notable = self._above(self._durations, s.duration_s)
+        notable = self._above(self._computes, s.compute_s) or notable
         if s.loss_nonfinite:
             notable = True
         elif s.loss is not None and math.isfinite(s.loss):
@@ -142,13 +165,23 @@ class FastLane:
             self._losses.append(s.loss)
         return notable
 
-    def _above(self, history: RollingMedian, value: float, ratio: float) -> bool:
-        out = False
-        if len(history) >= self.min_history:
-            median = history.median()
-            out = median > 0.0 and value >= ratio * median
+    def _bar(self, history: RollingMedian) -> float | None:
+        """The time at or above which the next value of ``history`` is slow: ``noise_iqrs``
+        interquartile ranges above the median, kept within ``min_time_ratio`` and
+        ``time_ratio`` times it; None until there is history enough (or a median of 0)."""
+        if len(history) < self.min_history:
+            return None
+        median = history.median()
+        if median <= 0.0:
+            return None
+        spread = (history.quantile(0.75) - history.quantile(0.25)) / median
+        ratio = min(self.time_ratio, max(self.min_time_ratio, 1.0 + self.noise_iqrs * spread))
+        return ratio * median
+
+    def _above(self, history: RollingMedian, value: float) -> bool:
+        bar = self._bar(history)
         history.append(value)
-        return out
+        return bar is not None and value >= bar
 
     def _loss_jumped(self, loss: float) -> bool:
         if len(self._losses) < self.min_history:
