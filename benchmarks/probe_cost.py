@@ -143,7 +143,10 @@ def rank_main(rank: int, world_size: int, plan: Plan) -> dict[str, Any]:
             dist.barrier()
             mon = torshmon.attach(ddp, job=f"cost-{arm}", agent_socket=plan.agent_socket)
             if arm == "lane_shut":
-                mon._shipper.fast_lane = FastLane(time_ratio=1e9, loss_ratio=1e9)
+                never = 1e9  # every bar out of reach: the lane never opens
+                mon._shipper.fast_lane = FastLane(
+                    time_ratio=never, min_time_ratio=never, loss_ratio=never
+                )
             step = overhead._train_step(ddp, optimizer, x, y)
             for index in range(20 + plan.steps):
                 if index == 20:  # past DDP's bucket rebuild and the lane's history
