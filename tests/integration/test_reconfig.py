@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import pytest
@@ -289,11 +290,18 @@ def _side_group_footprint(rank: int, world: int, fallback: bool) -> dict[str, An
     before, registered = _threads_by_name(), len(c10d._world.pg_group_ranks)
     monitor = torshmon.attach(ddp, agent_socket="/nonexistent/agent.sock", sync_every=1)
     registered = len(c10d._world.pg_group_ranks) - registered
-    added = {
-        name: count - before.get(name, 0)
-        for name, count in _threads_by_name().items()
-        if count != before.get(name, 0)
-    }
+    # A new native thread is "python" until it names itself (gloo's do, at their start);
+    # the shipper, a Python thread, stays "python". Wait for the others to say their names.
+    deadline = time.monotonic() + 5.0
+    while True:
+        added = {
+            name: count - before.get(name, 0)
+            for name, count in _threads_by_name().items()
+            if count != before.get(name, 0)
+        }
+        if added.get("python", 0) <= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     if rank == 0:
         monitor.request_config(bucket_cap_mb=0.05, codec="fp16")
     _train(ddp, 3, rank, monitor)
