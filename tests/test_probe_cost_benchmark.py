@@ -1,6 +1,6 @@
 """The probe-cost benchmark (benchmarks/probe_cost.py) runs a real 2-rank job and says,
 per arm, what each of the probe's paths cost: every entry point timed once a step, the
-thread clock three or four times, and the lane forced shut sending nothing urgent."""
+thread clock twice, and the lane forced shut sending nothing urgent."""
 
 from __future__ import annotations
 
@@ -30,10 +30,13 @@ def test_a_short_run_reports_every_part_of_both_arms() -> None:
             for entry in ("_enter_step", "_exit_step", "_on_grad", "_on_backward_end"):
                 assert parts[entry]["calls_per_step"] == 1.0, (arm, entry)
                 assert parts[entry]["cpu_us_per_step"] > 0.0, (arm, entry)
-            # Last gradient, end of backward, step end; a step's start too where it did
-            # not follow the last one at once (runqueue.py).
-            assert 3.0 <= parts["thread run-queue clock"]["calls_per_step"] <= 4.0
+            # Its own clock at the last gradient and the end of backward; at the step's
+            # ends the process clock reads the thread's file with the others
+            # (runqueue.py): once a step, twice where a step did not follow the last at once.
+            assert parts["thread run-queue clock"]["calls_per_step"] == 2.0
+            assert 1.0 <= parts["process run-queue clock"]["calls_per_step"] <= 2.0
             assert rank["training_thread_cpu_us_per_step"] >= parts["_exit_step"]["cpu_us_per_step"]
-            assert rank["shipper_cpu_us_per_step"] > 0.0
+            # The shut lane's shipper may sleep through 20 short steps (to its flush).
+            assert rank["shipper_cpu_us_per_step"] > (0.0 if arm == "lane" else -1e-9)
     assert summary["lane_shut"]["urgent_share"] == 0.0
     assert "training thread's CPU in the probe" in done.stdout

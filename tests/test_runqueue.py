@@ -228,6 +228,65 @@ def test_the_process_clock_reads_idle_threads_only_at_a_refresh() -> None:
     clock.close()
 
 
+def test_the_process_clock_keeps_the_watched_threads_own_delay() -> None:
+    """What the process clock read of the watched thread is that thread's own clock: a
+    thread-self reading just after it is never lower, and under a burner both move by
+    the same wait (the step takes it as the thread clock's, one file fewer)."""
+    process, own = ProcessRunQueue(refresh_every=3), RunQueueClock()
+    process.watch(threading.get_native_id())
+    with _sharing_a_cpu_with_a_burner():
+        readings = []
+        for _ in range(6):  # refreshes and reads between them alike
+            assert process.read_ns() is not None
+            watched, after = process.watched_ns, own.read_ns()
+            assert watched is not None and after is not None
+            readings.append((watched, after))
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 0.1:
+                pass
+    process.close()
+    own.close()
+    for watched, after in readings:
+        assert 0 <= after - watched < 5_000_000, readings
+    moved = readings[-1][0] - readings[0][0]
+    assert 0.1e9 < moved < 0.6e9, readings
+    assert abs(moved - (readings[-1][1] - readings[0][1])) < 10_000_000, readings
+    unwatched = ProcessRunQueue()
+    unwatched.read_ns()
+    assert unwatched.watched_ns is None
+    unwatched.close()
+
+
+def test_a_thread_left_out_is_not_counted() -> None:
+    """The shipper's case: a thread left out waits for its CPU unseen (and its file is
+    not read), where the same wait counts without ``leave_out``."""
+    clock = ProcessRunQueue(refresh_every=1)
+    go, spun, done = threading.Event(), threading.Event(), threading.Event()
+    worker = threading.Thread(target=_spin, args=(go, spun, done))
+    try:
+        with _sharing_a_cpu_with_a_burner():
+            worker.start()
+            assert worker.native_id is not None
+            clock.read_ns()
+            assert str(worker.native_id) in clock._fds
+            clock.leave_out(worker.native_id)
+            assert str(worker.native_id) not in clock._fds
+            first = clock.read_ns()
+            go.set()
+            spun.wait()
+            last = clock.read_ns()
+    finally:
+        go.set()
+        done.set()
+        worker.join()
+    assert first is not None and last is not None
+    assert str(worker.native_id) not in clock._fds
+    # The reading thread slept meanwhile: the left-out worker's wait (0.1-0.6 s when
+    # counted, as the test above shows) is not there.
+    assert last - first < 0.05e9
+    clock.close()
+
+
 _STEPS_UNDER_LOAD = """
 import os, subprocess, sys, time
 import torch.distributed as dist
@@ -254,7 +313,19 @@ def counted():
     value = probe_read()
     values.append(value)
     return value
-mon._process_runqueue = type("Counted", (), {"read_ns": staticmethod(counted)})()
+class Counted:
+    read_ns = staticmethod(counted)
+    @property
+    def watched_ns(self):
+        return probe_clock.watched_ns
+mon._process_runqueue = Counted()
+own_reads = []  # the thread clock's own reads: none, the process clock reads its file
+own_clock = mon._runqueue
+class OwnCounted:
+    def read_ns(self):
+        own_reads.append(1)
+        return own_clock.read_ns()
+mon._runqueue = OwnCounted()
 before = process.read_ns()
 for _ in range(300):
     with mon.step():
@@ -264,6 +335,9 @@ for _ in range(300):
 after = process.read_ns()
 hog.kill()
 mon._process_runqueue = probe_clock
+mon._runqueue = own_clock
+shipper_read = str(mon._shipper.native_id) in probe_clock._fds
+thread_waits = sum(r.cpu_wait_ns for r in raws)
 mon.close()
 steps = sum(r.process_cpu_wait_ns for r in raws)
 # A step that read its start afresh (the core taken between the previous exit and its
@@ -274,6 +348,7 @@ gaps = sum(
     if ends[k] - ends[k - 1] == 2
 )
 print(len(raws), after - before, steps, len(values), gaps, values[-1] - values[0])
+print(len(own_reads), shipper_read, thread_waits)
 """
 
 
@@ -291,7 +366,9 @@ def test_steps_straight_after_each_other_share_their_readings_and_lose_no_wait(
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    count, loop_ns, steps_ns, reads, gaps_ns, clock_ns = (int(x) for x in done.stdout.split())
+    first, second = done.stdout.splitlines()
+    count, loop_ns, steps_ns, reads, gaps_ns, clock_ns = (int(x) for x in first.split())
+    own_reads, shipper_read, thread_waits_ns = second.split()
     seen = f"loop {loop_ns} ns, steps {steps_ns}, gaps {gaps_ns}, clock {clock_ns}, {reads} reads"
     assert count == 300
     assert loop_ns > 50_000_000, seen  # the hog held the core a good part of the loop
@@ -307,3 +384,9 @@ def test_steps_straight_after_each_other_share_their_readings_and_lose_no_wait(
     # steps held 0.99-1.0 of it; CI's machine once 0.85, the rest not known: the
     # figures in the message say whether gaps or the clock fell short.
     assert 0.8 * loop_ns <= clock_ns <= loop_ns, seen
+    # The training thread's own wait came from the process clock's reads of its file
+    # (no read of its own clock), and was most of the process's: it did the computing.
+    # The shipper (lower priority, waiting long behind the hog) was not read at all.
+    assert own_reads == "0", second
+    assert shipper_read == "False", second
+    assert 0.5 * steps_ns <= int(thread_waits_ns) <= steps_ns, (seen, second)

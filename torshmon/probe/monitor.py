@@ -10,6 +10,7 @@ import atexit
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -158,7 +159,11 @@ class Monitor:
         self._runqueue = RunQueueClock()
         self._runqueue_start_ns: int | None = None
         # All the process's threads' (runqueue.ProcessRunQueue), at the step's start.
+        # It reads the training thread's file too: at a step's ends it stands for the
+        # thread clock (one file fewer a step).
         self._process_runqueue = ProcessRunQueue()
+        self._process_runqueue.watch(threading.get_native_id())
+        self._training_thread = threading.get_ident()
         self._process_runqueue_start_ns: int | None = None
         # Both clocks as read at the previous step's end.
         self._runqueue_end_ns: int | None = None
@@ -205,6 +210,9 @@ class Monitor:
         )
         self._evidence = EvidenceCapture(self.rank, self._shipper.evidence.put)
         self._shipper.start()
+        if self._shipper.native_id is not None:
+            # The shipper's wait for a CPU (it runs at a lower priority) holds no step back.
+            self._process_runqueue.leave_out(self._shipper.native_id)
         atexit.register(self.close)
 
     # -- public API -------------------------------------------------------------------
@@ -407,8 +415,8 @@ class Monitor:
             self._runqueue_start_ns = self._runqueue_end_ns
             self._process_runqueue_start_ns = self._process_runqueue_end_ns
         else:
-            self._runqueue_start_ns = self._runqueue.read_ns()
             self._process_runqueue_start_ns = self._process_runqueue.read_ns()
+            self._runqueue_start_ns = self._thread_runqueue_ns()
         self._input_wait_ns = None
         if last_exit is not None and not self._forward_between_steps:
             self._input_wait_ns = self._step_start_ns - last_exit
@@ -417,18 +425,26 @@ class Monitor:
             self._events.marks = StepMarks(self._step_clock.mark())
         self._in_step = True
 
+    def _thread_runqueue_ns(self) -> int | None:
+        """The training thread's run-queue delay as the process clock's read just now
+        read it, else from its own clock."""
+        now = self._process_runqueue.watched_ns
+        if now is None or threading.get_ident() != self._training_thread:
+            return self._runqueue.read_ns()  # None on another thread
+        return now
+
     def _exit_step(self, scope: StepScope, *, failed: bool) -> None:
         end_ns = time.perf_counter_ns()
-        cpu_wait_ns = None
-        started = self._runqueue_start_ns
-        now = self._runqueue_end_ns = self._runqueue.read_ns()
-        if started is not None and now is not None:
-            cpu_wait_ns = max(0, now - started)
         process_wait_ns = None
         process_started = self._process_runqueue_start_ns
         now = self._process_runqueue_end_ns = self._process_runqueue.read_ns()
         if process_started is not None and now is not None:
             process_wait_ns = max(0, now - process_started)
+        cpu_wait_ns = None
+        started = self._runqueue_start_ns
+        now = self._runqueue_end_ns = self._thread_runqueue_ns()
+        if started is not None and now is not None:
+            cpu_wait_ns = max(0, now - started)
         self._in_step = False
         marks = self._events.marks
         if marks is not None and self._step_clock is not None:

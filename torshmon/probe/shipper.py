@@ -304,6 +304,11 @@ class Shipper:
         """Step records lost so far (outbox overflow plus buffer overflow)."""
         return self._outbox.dropped + self._dropped_here
 
+    @property
+    def native_id(self) -> int | None:
+        """The shipper thread's kernel id (None before it starts)."""
+        return self._thread.native_id
+
     def start(self) -> None:
         self._thread.start()
 
