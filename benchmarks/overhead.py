@@ -9,6 +9,13 @@ One run interleaves four configurations in every rank process:
   through torshmon's Python comm hook);
 - ``profiler``: DDP inside ``torch.profiler.profile(activities=[CPU])``.
 
+With ``--ablate``, two more, each the ``probe`` config less one of its parts, so a
+run says what each part costs in step time (the probe's CPU time per part, which
+says less about step time than one would think, is ``probe_cost.py``'s):
+
+- ``probe_lane_shut``: the fast lane forced shut (steps go only at each flush);
+- ``probe_no_runqueue``: the run-queue clocks off (no reads of schedstat files).
+
 on two models: ``small`` (many small parameters, 40 DDP buckets per step, the
 worst case for per-collective cost) and ``mlp`` (~7.3 M float32 parameters,
 ~29 MB, DDP's default bucket cap). Prints a table of step times and ratios to
@@ -20,11 +27,13 @@ Usage::
 
     python benchmarks/overhead.py --quick   # under a minute
     python benchmarks/overhead.py           # about 12 minutes (2 cores)
+    python benchmarks/overhead.py --ablate --models small   # the parts' costs, ~6 min
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import inspect
@@ -52,9 +61,12 @@ from torch.profiler import ProfilerActivity, profile
 import torshmon
 from torshmon.agent.receiver import ThreadedReceiver
 from torshmon.launch import run_ranks
+from torshmon.probe.fastlane import FastLane
 from torshmon.wire import Batch, ProbeMessage
 
 CONFIGS: tuple[str, ...] = ("bare", "probe", "probe_buckets", "profiler")
+#: ``--ablate``'s configs: ``probe`` less one part each (module docstring).
+ABLATIONS: tuple[str, ...] = ("probe_lane_shut", "probe_no_runqueue")
 WORLD_SIZE = 2
 
 StepFn = Callable[[], torch.Tensor]
@@ -124,6 +136,7 @@ class Plan:
     flush_interval_s: float
     seed: int
     pin: bool = True
+    configs: tuple[str, ...] = CONFIGS
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,10 +207,10 @@ def _bench_model(
 ) -> tuple[Rounds, int]:
     spec = MODELS[model_plan.model]
     x, y = _batch(spec, seed=plan.seed + 1 + rank)
-    result = Rounds({c: [] for c in CONFIGS}, {c: [] for c in CONFIGS})
+    result = Rounds({c: [] for c in plan.configs}, {c: [] for c in plan.configs})
     buckets = 0
     for round_index in range(model_plan.rounds):
-        for config in rotation(round_index):
+        for config in rotation(round_index, plan.configs):
             # A fresh DDP module per config and round: the probe's comm hook can
             # only be registered once per module, and the same fresh start for
             # every config keeps the comparison fair (same seed, same weights).
@@ -216,10 +229,10 @@ def _bench_model(
     return result, buckets
 
 
-def rotation(round_index: int) -> tuple[str, ...]:
+def rotation(round_index: int, configs: tuple[str, ...] = CONFIGS) -> tuple[str, ...]:
     """The order of the configs in a round: rotated so none always goes first."""
-    shift = round_index % len(CONFIGS)
-    return CONFIGS[shift:] + CONFIGS[:shift]
+    shift = round_index % len(configs)
+    return configs[shift:] + configs[:shift]
 
 
 def _batch(spec: ModelSpec, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,14 +275,15 @@ def _session(
     """Set up one config for one round; yields the per-step scope factory."""
     if config == "bare":
         yield contextlib.nullcontext
-    elif config in ("probe", "probe_buckets"):
+    elif config in ("probe", "probe_buckets", *ABLATIONS):
         monitor = torshmon.attach(
             ddp,
-            job="overhead-bench",
+            job=f"overhead-{config}",
             agent_socket=plan.agent_socket,
             flush_interval_s=plan.flush_interval_s,
             bucket_timing=config == "probe_buckets",
         )
+        ablate(monitor, config)
         try:
             yield lambda: monitor.step(batch_size=spec.batch_size)
         finally:
@@ -284,6 +298,20 @@ def _session(
             yield contextlib.nullcontext
     else:
         raise ValueError(f"unknown config {config!r}; expected one of {CONFIGS}")
+
+
+def ablate(monitor: Any, config: str) -> None:
+    """Take from a fresh ``monitor`` the part that ``config`` goes without (ABLATIONS)."""
+    if config == "probe_lane_shut":
+        never = 1e9  # every bar out of reach: the lane never opens
+        monitor._shipper.fast_lane = FastLane(
+            time_ratio=never, min_time_ratio=never, loss_ratio=never
+        )
+    elif config == "probe_no_runqueue":
+        # Closed clocks read None (nothing reported) without touching a file.
+        monitor._runqueue.close()
+        monitor._process_runqueue.close()
+        monitor._tracer.runqueue = None
 
 
 def _run_steps(
@@ -322,14 +350,35 @@ def _bucket_count(ddp: DistributedDataParallel) -> int:
 
 # -- the agent's stand-in -------------------------------------------------------------
 class StepCounter:
-    """Counts the step records a receiver got (runs on the receiver's thread)."""
+    """Counts the step records a receiver got (runs on the receiver's thread), and per
+    job (a config's, ``overhead-<config>``) how many came urgent and how many carried a
+    run-queue reading: what says an ablation took its part away."""
 
     def __init__(self) -> None:
         self.step_records = 0
+        self.by_job: dict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
 
     def __call__(self, message: ProbeMessage) -> None:
         if isinstance(message, Batch):
             self.step_records += len(message.steps)
+            counts = self.by_job[message.job]
+            counts["records"] += len(message.steps)
+            if message.urgent:
+                counts["urgent"] += len(message.steps)
+            counts["cpu_wait"] += sum(s.cpu_wait_s is not None for s in message.steps)
+
+    def shares(self, job: str) -> dict[str, float]:
+        """Of ``job``'s step records: the share sent urgent and the share with a
+        run-queue reading (``cpu_wait_s``)."""
+        counts = self.by_job.get(job)
+        if not counts:
+            return {}
+        return {
+            "urgent_share": counts["urgent"] / counts["records"],
+            "cpu_wait_share": counts["cpu_wait"] / counts["records"],
+        }
 
 
 # -- analysis -------------------------------------------------------------------------
@@ -521,7 +570,8 @@ def build_plan(args: argparse.Namespace, agent_socket: str) -> Plan:
             ModelPlan(m.model, args.rounds, m.warmup_steps, m.measured_steps) for m in models
         )
     chosen = tuple(m for m in models if m.model in args.models)
-    return Plan(chosen, agent_socket, args.flush_interval_s, args.seed, args.pin)
+    configs = CONFIGS + ABLATIONS if args.ablate else CONFIGS
+    return Plan(chosen, agent_socket, args.flush_interval_s, args.seed, args.pin, configs)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -535,6 +585,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--flush-interval-s", type=float, default=0.5, help="the probe's flush interval"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help=f"also run the probe less one part each ({', '.join(ABLATIONS)})",
+    )
     parser.add_argument(
         "--no-pin", dest="pin", action="store_false", help="do not pin each rank to one core"
     )
@@ -581,6 +636,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         probe_scope_s_per_step=scope_s,
         pinned=plan.pin,
     )
+    for config in plan.configs:
+        for name, share in receiver.shares(f"overhead-{config}").items():
+            summary[f"{name}_{config}"] = share
     print(format_table(stats))
     for cell in stats:
         if cell.config == "probe":
@@ -596,6 +654,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             for m in plan.models
         )
         + ")"
+    )
+    shares = [(c, receiver.shares(f"overhead-{c}")) for c in plan.configs]
+    print(
+        "step records sent urgent / with a run-queue reading: "
+        + ", ".join(
+            f"{c} {s['urgent_share']:.2f} / {s['cpu_wait_share']:.2f}" for c, s in shares if s
+        )
     )
     print(
         "buckets/step: "

@@ -3,13 +3,16 @@ ratio over rounds, and what that interval says about the probe's 1.01 target."""
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
+import subprocess
+import sys
 from types import ModuleType
 
 import pytest
 
-from tests.benchmark_loader import load_benchmark
+from tests.benchmark_loader import BENCHMARKS, load_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +73,37 @@ def test_the_verdict_needs_the_whole_interval_on_one_side(
         steps=1200,
     )
     assert bench.target_verdict(cell) == verdict
+
+
+def test_the_ablations_run_the_probe_less_their_part(bench: ModuleType) -> None:
+    """``--ablate``: a real 2-rank round of every config, the two ablations among them:
+    the shut lane's records all come at a flush, the run-queue-less ones carry no
+    run-queue reading, and the probe's own do both; no record is lost."""
+    assert bench.parse_args(["--ablate"]).ablate and not bench.parse_args([]).ablate
+    configs = (*bench.CONFIGS, *bench.ABLATIONS)
+    assert sorted(bench.rotation(1, configs)) == sorted(configs)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "overhead.py"),
+            "--quick",
+            "--ablate",
+            "--models",
+            "small",
+            "--rounds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    for config in bench.ABLATIONS:
+        assert summary[f"steps_small_{config}"] == summary["steps_small_probe"] > 0
+        assert summary[f"{config}_ratio_small"] > 0
+    assert summary["urgent_share_probe_lane_shut"] == 0.0
+    assert summary["cpu_wait_share_probe_no_runqueue"] == 0.0
+    assert summary["cpu_wait_share_probe"] == summary["cpu_wait_share_probe_lane_shut"] == 1.0
+    assert summary["agent_step_records"] == summary["probe_steps"]
+    assert "with a run-queue reading" in done.stdout
