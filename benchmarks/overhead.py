@@ -370,12 +370,13 @@ class StepCounter:
             counts["cpu_wait"] += sum(s.cpu_wait_s is not None for s in message.steps)
 
     def shares(self, job: str) -> dict[str, float]:
-        """Of ``job``'s step records: the share sent urgent and the share with a
+        """``job``'s step records received, the share sent urgent and the share with a
         run-queue reading (``cpu_wait_s``)."""
         counts = self.by_job.get(job)
         if not counts:
             return {}
         return {
+            "records": counts["records"],
             "urgent_share": counts["urgent"] / counts["records"],
             "cpu_wait_share": counts["cpu_wait"] / counts["records"],
         }
