@@ -178,18 +178,18 @@ def rank_main(rank: int, world_size: int, plan: Plan) -> RankResult:
         rounds[model_plan.model], buckets[model_plan.model] = _bench_model(
             rank, model_plan, plan, probe_counts
         )
-    return RankResult(
-        rounds, buckets, probe_counts[0], probe_counts[1], _probe_scope_s(plan.agent_socket)
-    )
+    scope_s = _probe_scope_s(plan.agent_socket, probe_counts)
+    return RankResult(rounds, buckets, probe_counts[0], probe_counts[1], scope_s)
 
 
-def _probe_scope_s(agent_socket: str, steps: int = 20_000) -> float:
+def _probe_scope_s(agent_socket: str, probe_counts: list[int], steps: int = 20_000) -> float:
     """Seconds the probe adds to each step on the training thread, measured directly.
 
     An empty ``with mon.step()`` on a DDP module: the step scope, the step
     record and the config consensus (its broadcast every ``sync_every`` steps),
     without any training to hide behind. Many iterations make this figure
-    precise where step-time ratios drown in the machine's noise.
+    precise where step-time ratios drown in the machine's noise. Its records and drops
+    are added to ``probe_counts`` (steps, dropped) with the configs'.
     """
     ddp = DistributedDataParallel(nn.Linear(4, 4))
     mon = torshmon.attach(ddp, job="scope", agent_socket=agent_socket)
@@ -199,6 +199,8 @@ def _probe_scope_s(agent_socket: str, steps: int = 20_000) -> float:
             pass
     elapsed = time.perf_counter() - start
     mon.close()
+    probe_counts[0] += mon.steps
+    probe_counts[1] += mon.dropped_records_total
     return elapsed / steps
 
 
@@ -618,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for cell in config_stats(m.model, job_rounds([r.rounds[m.model] for r in results]))
     ]
     buckets = results[0].buckets
-    probe_steps = sum(r.probe_steps for r in results) + 2 * 20_000
+    probe_steps = sum(r.probe_steps for r in results)
     scope_s = max(r.probe_scope_s for r in results)
     summary = summary_json(stats)
     for cell in stats:
