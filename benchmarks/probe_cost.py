@@ -50,7 +50,6 @@ from torshmon.agent.receiver import ThreadedReceiver
 from torshmon.launch import run_ranks
 from torshmon.probe import monitor as monitor_module
 from torshmon.probe import runqueue
-from torshmon.probe.fastlane import FastLane
 from torshmon.wire import Batch, ProbeMessage
 
 ARMS = ("lane", "lane_shut")
@@ -143,10 +142,7 @@ def rank_main(rank: int, world_size: int, plan: Plan) -> dict[str, Any]:
             dist.barrier()
             mon = torshmon.attach(ddp, job=f"cost-{arm}", agent_socket=plan.agent_socket)
             if arm == "lane_shut":
-                never = 1e9  # every bar out of reach: the lane never opens
-                mon._shipper.fast_lane = FastLane(
-                    time_ratio=never, min_time_ratio=never, loss_ratio=never
-                )
+                overhead.ablate(mon, "probe_lane_shut")
             step = overhead._train_step(ddp, optimizer, x, y)
             for index in range(20 + plan.steps):
                 if index == 20:  # past DDP's bucket rebuild and the lane's history
