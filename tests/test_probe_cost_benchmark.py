@@ -36,7 +36,7 @@ def test_a_short_run_reports_every_part_of_both_arms() -> None:
             assert parts["thread run-queue clock"]["calls_per_step"] == 2.0
             assert 1.0 <= parts["process run-queue clock"]["calls_per_step"] <= 2.0
             assert rank["training_thread_cpu_us_per_step"] >= parts["_exit_step"]["cpu_us_per_step"]
-            # The shut lane's shipper may sleep through 20 short steps (to its flush).
-            assert rank["shipper_cpu_us_per_step"] > (0.0 if arm == "lane" else -1e-9)
+            if arm == "lane":  # the shut lane's may sleep through 20 short steps
+                assert rank["shipper_cpu_us_per_step"] > 0.0
     assert summary["lane_shut"]["urgent_share"] == 0.0
     assert "training thread's CPU in the probe" in done.stdout
