@@ -9,12 +9,14 @@ One run interleaves four configurations in every rank process:
   through torshmon's Python comm hook);
 - ``profiler``: DDP inside ``torch.profiler.profile(activities=[CPU])``.
 
-With ``--ablate``, two more, each the ``probe`` config less one of its parts, so a
-run says what each part costs in step time (the probe's CPU time per part, which
-says less about step time than one would think, is ``probe_cost.py``'s):
+With ``--ablate``, three more, the ``probe`` config less some of its parts through
+``attach``'s options, so a run says what each part costs in step time (the probe's CPU
+time per part, which says less about step time than one would think, is
+``probe_cost.py``'s):
 
-- ``probe_lane_shut``: the fast lane forced shut (steps go only at each flush);
-- ``probe_no_runqueue``: the run-queue clocks off (no reads of schedstat files).
+- ``probe_lane_shut``: ``fast_lane=False`` (steps go only at each flush);
+- ``probe_no_runqueue``: ``cpu_wait=False`` (no reads of schedstat files);
+- ``probe_lean``: both.
 
 on two models: ``small`` (many small parameters, 40 DDP buckets per step, the
 worst case for per-collective cost) and ``mlp`` (~7.3 M float32 parameters,
@@ -61,12 +63,15 @@ from torch.profiler import ProfilerActivity, profile
 import torshmon
 from torshmon.agent.receiver import ThreadedReceiver
 from torshmon.launch import run_ranks
-from torshmon.probe.fastlane import FastLane
 from torshmon.wire import Batch, ProbeMessage
 
 CONFIGS: tuple[str, ...] = ("bare", "probe", "probe_buckets", "profiler")
-#: ``--ablate``'s configs: ``probe`` less one part each (module docstring).
-ABLATIONS: tuple[str, ...] = ("probe_lane_shut", "probe_no_runqueue")
+#: ``--ablate``'s configs: ``probe`` less some parts, by ``attach``'s options (module docstring).
+ABLATIONS: dict[str, dict[str, bool]] = {
+    "probe_lane_shut": {"fast_lane": False},
+    "probe_no_runqueue": {"cpu_wait": False},
+    "probe_lean": {"fast_lane": False, "cpu_wait": False},
+}
 WORLD_SIZE = 2
 
 StepFn = Callable[[], torch.Tensor]
@@ -284,8 +289,8 @@ def _session(
             agent_socket=plan.agent_socket,
             flush_interval_s=plan.flush_interval_s,
             bucket_timing=config == "probe_buckets",
+            **ABLATIONS.get(config, {}),
         )
-        ablate(monitor, config)
         try:
             yield lambda: monitor.step(batch_size=spec.batch_size)
         finally:
@@ -300,20 +305,6 @@ def _session(
             yield contextlib.nullcontext
     else:
         raise ValueError(f"unknown config {config!r}; expected one of {CONFIGS}")
-
-
-def ablate(monitor: Any, config: str) -> None:
-    """Take from a fresh ``monitor`` the part that ``config`` goes without (ABLATIONS)."""
-    if config == "probe_lane_shut":
-        never = 1e9  # every bar out of reach: the lane never opens
-        monitor._shipper.fast_lane = FastLane(
-            time_ratio=never, min_time_ratio=never, loss_ratio=never
-        )
-    elif config == "probe_no_runqueue":
-        # Closed clocks read None (nothing reported) without touching a file.
-        monitor._runqueue.close()
-        monitor._process_runqueue.close()
-        monitor._tracer.runqueue = None
 
 
 def _run_steps(
@@ -573,7 +564,7 @@ def build_plan(args: argparse.Namespace, agent_socket: str) -> Plan:
             ModelPlan(m.model, args.rounds, m.warmup_steps, m.measured_steps) for m in models
         )
     chosen = tuple(m for m in models if m.model in args.models)
-    configs = CONFIGS + ABLATIONS if args.ablate else CONFIGS
+    configs = CONFIGS + tuple(ABLATIONS) if args.ablate else CONFIGS
     return Plan(chosen, agent_socket, args.flush_interval_s, args.seed, args.pin, configs)
 
 
@@ -591,7 +582,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--ablate",
         action="store_true",
-        help=f"also run the probe less one part each ({', '.join(ABLATIONS)})",
+        help=f"also run the probe less some of its parts ({', '.join(ABLATIONS)})",
     )
     parser.add_argument(
         "--no-pin", dest="pin", action="store_false", help="do not pin each rank to one core"

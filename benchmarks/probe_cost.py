@@ -140,9 +140,9 @@ def rank_main(rank: int, world_size: int, plan: Plan) -> dict[str, Any]:
         for arm in _rotated(round_index):
             ddp, optimizer = overhead._build(spec, seed=0)
             dist.barrier()
-            mon = torshmon.attach(ddp, job=f"cost-{arm}", agent_socket=plan.agent_socket)
-            if arm == "lane_shut":
-                overhead.ablate(mon, "probe_lane_shut")
+            mon = torshmon.attach(
+                ddp, job=f"cost-{arm}", agent_socket=plan.agent_socket, fast_lane=arm == "lane"
+            )
             step = overhead._train_step(ddp, optimizer, x, y)
             for index in range(20 + plan.steps):
                 if index == 20:  # past DDP's bucket rebuild and the lane's history

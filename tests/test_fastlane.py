@@ -6,13 +6,18 @@ import math
 import random
 import statistics
 import sys
+import time
 from collections import deque
+from pathlib import Path
 
 import msgspec
 import pytest
 
 from tests.integration import wire_factory as wf
+from tests.test_shipper import _hello
 from torshmon.probe.fastlane import FastLane, RollingMedian
+from torshmon.probe.inflight import InflightTable
+from torshmon.probe.shipper import Shipper, StepOutbox
 from torshmon.wire import StepRecord
 
 
@@ -153,3 +158,38 @@ def test_the_rolling_median_is_the_windows_median_as_values_come_and_go() -> Non
         assert len(window) == len(kept)
         if kept:
             assert window.median() == statistics.median(kept)
+
+
+def test_a_lane_turned_off_judges_nothing_and_never_opens() -> None:
+    """``attach(fast_lane=False)``: a 100x step, a loss jump, a NaN loss: none opens it."""
+    lane = FastLane(enabled=False)
+    _warm(lane)
+    notable = [_step(10, 10.0), _step(11, 0.1, loss=100.0), _step(12, 0.1, loss=math.nan)]
+    assert not lane.observe(notable, now=10.0)
+    assert not lane.is_open(10.0)
+    assert lane.opened_total == 0
+    assert lane.bars() == (sys.maxsize, math.inf)  # no step's end wakes the shipper
+
+
+def test_a_shipper_whose_lane_is_off_sleeps_until_its_flush(tmp_path: Path) -> None:
+    """With the lane on and no history yet the shipper summarises every ``poll_s``, to
+    have a bar soon; with it off there is no bar to have, and it sleeps until its flush."""
+    outbox = StepOutbox(8)
+    shipper = Shipper(
+        socket_path=str(tmp_path / "no-agent.sock"),
+        hello=_hello(),
+        outbox=outbox,
+        inflight=InflightTable(),
+        flush_interval_s=0.5,
+        poll_s=0.05,
+        fast_lane=FastLane(enabled=False),
+    )
+    slept: list[float] = []
+    outbox.wake.wait = slept.append  # type: ignore[method-assign,assignment]
+    for lane in (FastLane(enabled=False), FastLane()):
+        shipper.fast_lane = lane
+        shipper._next_flush = time.monotonic() + 0.5
+        outbox.wake_at = math.inf
+        shipper._wait()
+    assert slept[0] > 0.4
+    assert slept[1] <= 0.05

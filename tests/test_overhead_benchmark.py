@@ -76,9 +76,10 @@ def test_the_verdict_needs_the_whole_interval_on_one_side(
 
 
 def test_the_ablations_run_the_probe_less_their_part(bench: ModuleType) -> None:
-    """``--ablate``: a real 2-rank round of every config, the two ablations among them:
+    """``--ablate``: a real 2-rank round of every config, the ablations among them:
     the shut lane's records all come at a flush, the run-queue-less ones carry no
-    run-queue reading, and the probe's own do both; none of their records is lost."""
+    run-queue reading, the lean ones neither, and the probe's own do both; none of
+    their records is lost."""
     assert bench.parse_args(["--ablate"]).ablate and not bench.parse_args([]).ablate
     configs = (*bench.CONFIGS, *bench.ABLATIONS)
     assert sorted(bench.rotation(1, configs)) == sorted(configs)
@@ -102,8 +103,9 @@ def test_the_ablations_run_the_probe_less_their_part(bench: ModuleType) -> None:
     for config in bench.ABLATIONS:
         assert summary[f"steps_small_{config}"] == summary["steps_small_probe"] > 0
         assert summary[f"{config}_ratio_small"] > 0
-    assert summary["urgent_share_probe_lane_shut"] == 0.0
+    assert summary["urgent_share_probe_lane_shut"] == summary["urgent_share_probe_lean"] == 0.0
     assert summary["cpu_wait_share_probe_no_runqueue"] == 0.0
+    assert summary["cpu_wait_share_probe_lean"] == 0.0
     assert summary["cpu_wait_share_probe"] == summary["cpu_wait_share_probe_lane_shut"] == 1.0
     # Every record of every config's monitor arrived (warm-up and measured steps, both
     # ranks). Not the run's total: the direct scope measure's 20 000 empty steps a rank

@@ -35,6 +35,12 @@ other ranks' records of the same step for ``URGENT_GATHER_S``; its POSTs stay pa
 (``URGENT_MIN_INTERVAL_S``), so an open lane costs a node at most 20 POSTs a second.
 Before, a step's last record reached the aggregator a median 160 ms after the step
 ended (the shipper waited a poll, then a group-commit window for its ack).
+
+``attach(..., fast_lane=False)`` turns it off (``enabled=False``): no step is judged,
+every step waits for the next flush. Where a rank has no core to spare (CPU jobs with
+one core a rank), an open lane's sends take CPU time from training: about 1 % of a
+10 ms step on ``benchmarks/overhead.py``'s 40-bucket model, where noise alone keeps the
+lane open. Alerts then come with the batches, up to a second later.
 """
 
 from __future__ import annotations
@@ -102,6 +108,7 @@ class FastLane:
         min_time_ratio: float = 1.05,
         noise_iqrs: float = 3.0,
         loss_ratio: float = 2.0,
+        enabled: bool = True,
     ) -> None:
         for name, value in (("open_s", open_s), ("noise_iqrs", noise_iqrs)):
             if value <= 0:
@@ -120,6 +127,8 @@ class FastLane:
         self.min_time_ratio = min_time_ratio
         self.noise_iqrs = noise_iqrs
         self.loss_ratio = loss_ratio
+        #: False: nothing is judged, the lane never opens (``attach(fast_lane=False)``)
+        self.enabled = enabled
         self._durations = RollingMedian(window)
         self._computes = RollingMedian(window)
         self._losses = RollingMedian(window)
@@ -128,6 +137,8 @@ class FastLane:
 
     def observe(self, steps: list[StepRecord], now: float) -> bool:
         """Take in newly summarised steps; True if one was notable (the lane opens)."""
+        if not self.enabled:
+            return False
         notable = False
         for s in steps:
             notable = self._notable(s) or notable
@@ -143,8 +154,11 @@ class FastLane:
     def bars(self) -> tuple[int, float]:
         """What the training thread judges a step's end against (``StepOutbox``): the
         duration in nanoseconds, and the loss, at or above which a step is out of line,
-        as ``observe`` would judge the next step; out of reach until enough history."""
+        as ``observe`` would judge the next step; out of reach until enough history,
+        and always where the lane is off."""
         slow_ns = sys.maxsize
+        if not self.enabled:
+            return slow_ns, math.inf
         bar = self._bar(self._durations)
         if bar is not None:
             slow_ns = math.ceil(bar * 1e9)

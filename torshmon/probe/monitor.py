@@ -27,6 +27,7 @@ from torshmon.probe.commhook import DispatchingCommHook
 from torshmon.probe.config import CommConfig, ConfigError
 from torshmon.probe.events import RawStep, StepEvents
 from torshmon.probe.evidence import EvidenceCapture
+from torshmon.probe.fastlane import FastLane
 from torshmon.probe.gpu import cuda_memory
 from torshmon.probe.groups import GroupRegistry
 from torshmon.probe.inflight import InflightTable
@@ -113,6 +114,8 @@ class Monitor:
         sync_every: int = 10,
         error_sample_every: int = 50,
         bucket_timing: bool = False,
+        fast_lane: bool = True,
+        cpu_wait: bool = True,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -164,6 +167,11 @@ class Monitor:
         self._process_runqueue = ProcessRunQueue()
         self._process_runqueue.watch(threading.get_native_id())
         self._training_thread = threading.get_ident()
+        if not cpu_wait:
+            # Closed clocks read None, touching no file: cpu_wait_s and
+            # process_cpu_wait_s go unreported, as off Linux.
+            self._runqueue.close()
+            self._process_runqueue.close()
         self._process_runqueue_start_ns: int | None = None
         # Both clocks as read at the previous step's end.
         self._runqueue_end_ns: int | None = None
@@ -206,6 +214,7 @@ class Monitor:
             flush_interval_s=flush_interval_s,
             max_buffered_steps=max_buffered_steps,
             on_commands=self._on_commands,
+            fast_lane=FastLane(enabled=fast_lane),
             groups=GroupRegistry(dist.group.WORLD, self.world_size),
         )
         self._evidence = EvidenceCapture(self.rank, self._shipper.evidence.put)
@@ -664,6 +673,13 @@ def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Mon
     comm hook even while no codec runs. Off, DDP reduces in C++ and buckets are
     described by DDP's own sampled statistics: a Python hook costs about 0.3 ms
     per bucket on CPU gloo, far above the probe's 1% budget on many-bucket models.
+    ``fast_lane`` (True): send a step out of line with the rank's recent ones at once
+    (probe.fastlane); False: every step waits for the next flush (alerts up to a second
+    later, about 1% less step time where a rank has no core to spare).
+    ``cpu_wait`` (True): read the run-queue clocks (probe.runqueue) for ``cpu_wait_s``
+    and ``process_cpu_wait_s``; False: neither is reported (1-2% less step time on a
+    10 ms step of a rank with one core; the straggler detector then cannot tell a busy
+    node from a slow rank).
     Every rank must call ``attach`` (it creates a gloo group for the consensus)
     and ``step`` equally often.
     Raises RuntimeError if torch.distributed is not initialized or a monitor is

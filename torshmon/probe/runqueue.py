@@ -66,7 +66,10 @@ class RunQueueClock:
             return None
 
     def close(self) -> None:
+        """Close the file; later reads say None (a clock closed before its first read
+        never opens it)."""
         fd, self._fd = self._fd, None
+        self._thread = -1  # no thread's ident: read_ns neither opens nor reads
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -344,7 +344,8 @@ class Shipper:
 
         While the lane is open the thread also wakes ``poll_s`` after its last send, to
         send what ended since; past that, the next step's end wakes it. Until the lane
-        has the history for a bar, it wakes every ``poll_s`` to summarise."""
+        has the history for a bar, it wakes every ``poll_s`` to summarise (not where the
+        lane is off: then only the flush wakes it)."""
         outbox = self._outbox
         now = time.monotonic()
         deadline = self._next_flush
@@ -360,7 +361,7 @@ class Shipper:
         else:
             outbox.wake_at = self._next_flush
             outbox.slow_ns, outbox.loss_above = self.fast_lane.bars()
-            if outbox.slow_ns == sys.maxsize:
+            if outbox.slow_ns == sys.maxsize and self.fast_lane.enabled:
                 # Too few steps judged for a bar: summarise every poll_s, as they come.
                 deadline = min(deadline, now + self._poll_s)
         if not (len(outbox) and now >= outbox.wake_at):  # else one came meanwhile: at once
