@@ -38,9 +38,9 @@ ended (the shipper waited a poll, then a group-commit window for its ack).
 
 ``attach(..., fast_lane=False)`` turns it off (``enabled=False``): no step is judged,
 every step waits for the next flush. Where a rank has no core to spare (CPU jobs with
-one core a rank), an open lane's sends take CPU time from training: about 1 % of a
-10 ms step on ``benchmarks/overhead.py``'s 40-bucket model, where noise alone keeps the
-lane open. Alerts then come with the batches, up to a second later.
+one core a rank), an open lane's sends take CPU time from training: 0-2.4 % of a
+10 ms step of ``benchmarks/overhead.py``'s 40-bucket model (``--ablate``), where noise
+alone keeps the lane open. Alerts then come with the batches, up to a second later.
 """
 
 from __future__ import annotations

@@ -675,7 +675,7 @@ def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Mon
     per bucket on CPU gloo, far above the probe's 1% budget on many-bucket models.
     ``fast_lane`` (True): send a step out of line with the rank's recent ones at once
     (probe.fastlane); False: every step waits for the next flush (alerts up to a second
-    later, about 1% less step time where a rank has no core to spare).
+    later, 0-2.4% less step time where a rank has no core to spare).
     ``cpu_wait`` (True): read the run-queue clocks (probe.runqueue) for ``cpu_wait_s``
     and ``process_cpu_wait_s``; False: neither is reported (1-2% less step time on a
     10 ms step of a rank with one core; the straggler detector then cannot tell a busy
