@@ -228,13 +228,15 @@ class Step(Base):
         Float,
         comment="Time the training thread was ready to run but waited for a CPU during "
         "the step's compute (its run-queue delay, /proc/thread-self/schedstat, outside "
-        "its communication waits), seconds; NULL where the kernel does not report it.",
+        "its communication waits), seconds; NULL where the kernel does not report it "
+        "or the job attached with cpu_wait=False.",
     )
     process_cpu_wait_s: Mapped[float | None] = mapped_column(
         Float,
         comment="Time all the rank's threads together were ready to run but waited for a "
         "CPU during the step (run-queue delay summed over its threads, communication "
-        "threads included), seconds; NULL where the kernel does not report it.",
+        "threads included), seconds; NULL where the kernel does not report it or the job "
+        "attached with cpu_wait=False.",
     )
 
 
