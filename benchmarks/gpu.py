@@ -9,8 +9,12 @@ Each rank (one per GPU, NCCL, ``TORCH_NCCL_ENABLE_TIMING=1``) runs two workloads
   ``torch.profiler`` (CPU + CUDA) with the probe attached: the sum of torshmon's
   collective durations for those steps is compared with the sum of the NCCL kernels'
   durations the profiler recorded (target: within 10%).
-- ``ddp``: a DDP MLP, rounds of ``bare`` and ``probe`` interleaved (rotated), timed
-  with ``torch.cuda.synchronize()`` at each round's end: the probe's overhead ratio.
+- ``ddp``: a DDP MLP, rounds of ``bare``, ``probe`` and ``probe_lean`` (``attach``'s
+  ``fast_lane=False, cpu_wait=False``) interleaved (rotated), timed with
+  ``torch.cuda.synchronize()`` at each round's end: the probe's overhead ratio, and the
+  lean probe's. On two shared CPU cores the two options cost 1-4 % of a 10 ms step
+  (``overhead.py --ablate``); where each rank has cores to spare they should cost
+  next to nothing, which this says.
 
 The probe ships its records to a real ``ProbeReceiver`` in this process. The last
 line of stdout is one JSON object. ``--backend gloo --device cpu`` runs the same
@@ -64,6 +68,7 @@ class Plan:
 class RankResult:
     bare_s: list[float] = field(default_factory=list)
     probe_s: list[float] = field(default_factory=list)
+    lean_s: list[float] = field(default_factory=list)
     kernel_s: float | None = None  # NCCL kernels in the profiled window (profiler)
     profiled_first_step: int = 0
     profiled_last_step: int = 0
@@ -155,10 +160,21 @@ def _collectives_window(
     mon.close()
 
 
+#: The ``ddp`` workload's arms, and each probe arm's ``attach`` options.
+ARMS: dict[str, dict[str, bool] | None] = {
+    "bare": None,
+    "probe": {},
+    "probe_lean": {"fast_lane": False, "cpu_wait": False},
+}
+
+
 def _overhead_rounds(plan: Plan, device: torch.device, result: RankResult) -> None:
+    names = tuple(ARMS)
+    times = {"bare": result.bare_s, "probe": result.probe_s, "probe_lean": result.lean_s}
     for round_index in range(plan.rounds):
-        arms = ("bare", "probe") if round_index % 2 == 0 else ("probe", "bare")
-        for arm in arms:
+        shift = round_index % len(names)
+        for arm in names[shift:] + names[:shift]:
+            options = ARMS[arm]
             torch.manual_seed(1)
             model = _mlp(plan.width).to(device)
             ddp = DistributedDataParallel(
@@ -167,9 +183,11 @@ def _overhead_rounds(plan: Plan, device: torch.device, result: RankResult) -> No
             optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
             x = torch.randn(64, plan.width, device=device)
             mon = (
-                torshmon.attach(ddp, job="gpu-overhead", agent_socket=plan.agent_socket)
-                if (arm == "probe")
-                else None
+                None
+                if options is None
+                else torshmon.attach(
+                    ddp, job=f"gpu-overhead-{arm}", agent_socket=plan.agent_socket, **options
+                )
             )
             for _ in range(3):
                 _ddp_step(ddp, optimizer, x, mon)
@@ -180,7 +198,7 @@ def _overhead_rounds(plan: Plan, device: torch.device, result: RankResult) -> No
                 _ddp_step(ddp, optimizer, x, mon)
             _sync(plan)
             elapsed = (time.perf_counter() - start) / plan.steps
-            (result.probe_s if arm == "probe" else result.bare_s).append(elapsed)
+            times[arm].append(elapsed)
             if mon is not None:
                 mon.close()
 
@@ -266,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     summary["overhead_ratio_median"] = statistics.median(ratios)
     summary["overhead_ratio_per_rank"] = ratios
+    lean = [statistics.median(r.lean_s) / statistics.median(r.bare_s) for r in results if r.bare_s]
+    summary["lean_overhead_ratio_median"] = statistics.median(lean)
     summary["bare_step_s"] = statistics.median(s for r in results for s in r.bare_s)
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     print(
@@ -279,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     print(
-        f"overhead: probe/bare step time {summary['overhead_ratio_median']:.4f} "
+        f"overhead: probe/bare step time {summary['overhead_ratio_median']:.4f}, "
+        f"lean probe/bare {summary['lean_overhead_ratio_median']:.4f} "
         f"(bare {summary['bare_step_s'] * 1e3:.2f} ms/step, {world} ranks)"
     )
     print(json.dumps(summary, sort_keys=True))
