@@ -388,6 +388,10 @@ def _misuse(rank: int, world: int) -> list[str]:
         torshmon.attach(torch.nn.Linear(2, 2))
     except TypeError as exc:
         errors.append(str(exc))
+    try:
+        torshmon.attach(None, agent_socket="/nonexistent/agent.sock", fast_lane="off")
+    except TypeError as exc:
+        errors.append(str(exc))
     monitor = torshmon.attach(None, agent_socket="/nonexistent/agent.sock")
     try:
         torshmon.attach(None)
@@ -406,8 +410,9 @@ def _misuse(rank: int, world: int) -> list[str]:
 def test_misuse_fails_fast_with_a_clear_message() -> None:
     errors = run_ranks(_misuse, 1, timeout_s=TIMEOUT_S)[0]
     assert "DistributedDataParallel" in errors[0] and "Linear" in errors[0]
-    assert "already attached" in errors[1]
-    assert "nested" in errors[2]
+    assert errors[1] == "fast_lane must be True or False, got 'off'"
+    assert "already attached" in errors[2]  # the refused attach left nothing attached
+    assert "nested" in errors[3]
 
 
 def test_attach_before_init_process_group_is_refused() -> None:

@@ -134,6 +134,9 @@ class Monitor:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        for name, flag in (("fast_lane", fast_lane), ("cpu_wait", cpu_wait)):
+            if not isinstance(flag, bool):  # "off" or 0 would read as a wish, silently
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         self.job = job or default_job_name(os.environ)
         if len(self.job) > NAME_MAX_CHARS:
             # The agent would reject every frame of this job, and nothing would say why.
@@ -683,7 +686,8 @@ def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Mon
     Every rank must call ``attach`` (it creates a gloo group for the consensus)
     and ``step`` equally often.
     Raises RuntimeError if torch.distributed is not initialized or a monitor is
-    already attached in this process, TypeError for a module that is not DDP.
+    already attached in this process, TypeError for a module that is not DDP or a
+    ``fast_lane`` or ``cpu_wait`` that is not a bool.
     """
     return Monitor(module, job=job, **options)
 
