@@ -163,7 +163,7 @@ def _collectives_window(
 #: The ``ddp`` workload's arms, and each probe arm's ``attach`` options.
 ARMS: dict[str, dict[str, bool] | None] = {
     "bare": None,
-    "probe": {},
+    "probe": {"fast_lane": True, "cpu_wait": True},  # whatever the environment says
     "probe_lean": {"fast_lane": False, "cpu_wait": False},
 }
 

@@ -141,7 +141,11 @@ def rank_main(rank: int, world_size: int, plan: Plan) -> dict[str, Any]:
             ddp, optimizer = overhead._build(spec, seed=0)
             dist.barrier()
             mon = torshmon.attach(
-                ddp, job=f"cost-{arm}", agent_socket=plan.agent_socket, fast_lane=arm == "lane"
+                ddp,
+                job=f"cost-{arm}",
+                agent_socket=plan.agent_socket,
+                fast_lane=arm == "lane",
+                cpu_wait=True,
             )
             step = overhead._train_step(ddp, optimizer, x, y)
             for index in range(20 + plan.steps):

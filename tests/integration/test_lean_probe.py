@@ -1,6 +1,7 @@
 """``attach(fast_lane=False, cpu_wait=False)`` in real 2-rank gloo DDP jobs: what each
 option leaves out is gone (no urgent send, no run-queue reading, no schedstat file
-open), and the rest of every record is there; by default both are there."""
+open), and the rest of every record is there; by default both are there. The same
+from ``$TORSHMON_FAST_LANE`` / ``$TORSHMON_CPU_WAIT`` where the script passes neither."""
 
 from __future__ import annotations
 
@@ -57,17 +58,37 @@ def _train(rank: int, world: int, sock: str, job: str, options: dict[str, bool])
     return open_files
 
 
+OFF_BY_ENV = {"TORSHMON_FAST_LANE": "off", "TORSHMON_CPU_WAIT": "0"}
+
+
 @pytest.mark.parametrize(
-    "options",
-    [{}, {"fast_lane": False}, {"cpu_wait": False}, {"fast_lane": False, "cpu_wait": False}],
-    ids=["default", "no-lane", "no-cpu-wait", "lean"],
+    ("options", "env", "lane", "cpu_wait"),
+    [
+        ({}, {}, True, True),
+        ({"fast_lane": False}, {}, False, True),
+        ({"cpu_wait": False}, {}, True, False),
+        ({"fast_lane": False, "cpu_wait": False}, {}, False, False),
+        # An operator's word under torchrun, the script unchanged...
+        ({}, OFF_BY_ENV, False, False),
+        # ...which the script's own word overrides.
+        ({"fast_lane": True}, OFF_BY_ENV, True, False),
+    ],
+    ids=["default", "no-lane", "no-cpu-wait", "lean", "lean-by-env", "lane-by-code"],
 )
 def test_each_option_takes_out_its_part_and_nothing_else(
-    receiver: ReceiverThread, options: dict[str, Any]
+    receiver: ReceiverThread,
+    monkeypatch: pytest.MonkeyPatch,
+    options: dict[str, Any],
+    env: dict[str, str],
+    lane: bool,
+    cpu_wait: bool,
 ) -> None:
+    for name in OFF_BY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)  # the ranks inherit it
     sock = str(receiver.socket_path)
     open_files = run_ranks(_train, 2, sock, "lean", options, timeout_s=180)
-    lane, cpu_wait = options.get("fast_lane", True), options.get("cpu_wait", True)
     for rank in range(2):
         batches = receiver.batches(rank)
         steps = [s for b in batches for s in b.steps]

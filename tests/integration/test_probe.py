@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -392,6 +393,12 @@ def _misuse(rank: int, world: int) -> list[str]:
         torshmon.attach(None, agent_socket="/nonexistent/agent.sock", fast_lane="off")
     except TypeError as exc:
         errors.append(str(exc))
+    os.environ["TORSHMON_CPU_WAIT"] = "nope"
+    try:
+        torshmon.attach(None, agent_socket="/nonexistent/agent.sock")
+    except ValueError as exc:
+        errors.append(str(exc))
+    del os.environ["TORSHMON_CPU_WAIT"]
     monitor = torshmon.attach(None, agent_socket="/nonexistent/agent.sock")
     try:
         torshmon.attach(None)
@@ -411,8 +418,12 @@ def test_misuse_fails_fast_with_a_clear_message() -> None:
     errors = run_ranks(_misuse, 1, timeout_s=TIMEOUT_S)[0]
     assert "DistributedDataParallel" in errors[0] and "Linear" in errors[0]
     assert errors[1] == "fast_lane must be True or False, got 'off'"
-    assert "already attached" in errors[2]  # the refused attach left nothing attached
-    assert "nested" in errors[3]
+    assert errors[2] == (
+        "$TORSHMON_CPU_WAIT must be 1 or 0 (true/false, yes/no, on/off), got 'nope'"
+    )
+    # Neither refused attach left anything attached.
+    assert "already attached" in errors[3]
+    assert "nested" in errors[4]
 
 
 def test_attach_before_init_process_group_is_refused() -> None:

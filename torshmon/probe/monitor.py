@@ -114,8 +114,8 @@ class Monitor:
         sync_every: int = 10,
         error_sample_every: int = 50,
         bucket_timing: bool = False,
-        fast_lane: bool = True,
-        cpu_wait: bool = True,
+        fast_lane: bool | None = None,
+        cpu_wait: bool | None = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -135,8 +135,12 @@ class Monitor:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         for name, flag in (("fast_lane", fast_lane), ("cpu_wait", cpu_wait)):
-            if not isinstance(flag, bool):  # "off" or 0 would read as a wish, silently
+            if flag is not None and not isinstance(flag, bool):
+                # "off" or 0 would read as a wish, silently
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
+        # Not given: the operator's word under torchrun, else on.
+        fast_lane = env_flag(FAST_LANE_ENV, os.environ) if fast_lane is None else fast_lane
+        cpu_wait = env_flag(CPU_WAIT_ENV, os.environ) if cpu_wait is None else cpu_wait
         self.job = job or default_job_name(os.environ)
         if len(self.job) > NAME_MAX_CHARS:
             # The agent would reject every frame of this job, and nothing would say why.
@@ -662,6 +666,28 @@ def default_job_name(env: Mapping[str, str]) -> str:
     return env.get("TORSHMON_JOB") or (run_id if run_id not in ("", "none") else "default")
 
 
+#: ``attach``'s ``fast_lane`` and ``cpu_wait`` where the script does not pass them, so
+#: an operator can turn either off for a job without editing it
+FAST_LANE_ENV = "TORSHMON_FAST_LANE"
+CPU_WAIT_ENV = "TORSHMON_CPU_WAIT"
+_ENV_TRUE = frozenset({"1", "true", "yes", "on"})
+_ENV_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def env_flag(name: str, env: Mapping[str, str], default: bool = True) -> bool:
+    """The boolean ``env[name]`` says (1/0, true/false, yes/no, on/off, any case), else
+    ``default`` where it is unset or empty; ValueError naming it for any other word,
+    rather than a guess that would leave the job measured otherwise than asked."""
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _ENV_TRUE:
+        return True
+    if raw in _ENV_FALSE:
+        return False
+    raise ValueError(f"${name} must be 1 or 0 (true/false, yes/no, on/off), got {env[name]!r}")
+
+
 def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Monitor:
     """Start monitoring this rank.
 
@@ -676,18 +702,20 @@ def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Mon
     comm hook even while no codec runs. Off, DDP reduces in C++ and buckets are
     described by DDP's own sampled statistics: a Python hook costs about 0.3 ms
     per bucket on CPU gloo, far above the probe's 1% budget on many-bucket models.
-    ``fast_lane`` (True): send a step out of line with the rank's recent ones at once
-    (probe.fastlane); False: every step waits for the next flush (alerts up to a second
-    later, 0-2.4% less step time where a rank has no core to spare).
-    ``cpu_wait`` (True): read the run-queue clocks (probe.runqueue) for ``cpu_wait_s``
-    and ``process_cpu_wait_s``; False: neither is reported (1-2% less step time on a
-    10 ms step of a rank with one core; the straggler detector then cannot tell a busy
-    node from a slow rank).
+    ``fast_lane`` (default ``$TORSHMON_FAST_LANE``, else True): send a step out of line
+    with the rank's recent ones at once (probe.fastlane); False: every step waits for
+    the next flush (alerts up to a second later, 0-2.4% less step time where a rank has
+    no core to spare).
+    ``cpu_wait`` (default ``$TORSHMON_CPU_WAIT``, else True): read the run-queue clocks
+    (probe.runqueue) for ``cpu_wait_s`` and ``process_cpu_wait_s``; False: neither is
+    reported (1-2% less step time on a 10 ms step of a rank with one core; the straggler
+    detector then cannot tell a busy node from a slow rank).
     Every rank must call ``attach`` (it creates a gloo group for the consensus)
     and ``step`` equally often.
     Raises RuntimeError if torch.distributed is not initialized or a monitor is
     already attached in this process, TypeError for a module that is not DDP or a
-    ``fast_lane`` or ``cpu_wait`` that is not a bool.
+    ``fast_lane`` or ``cpu_wait`` that is not a bool, ValueError for an option out of
+    range or ``$TORSHMON_FAST_LANE`` / ``$TORSHMON_CPU_WAIT`` set to no boolean.
     """
     return Monitor(module, job=job, **options)
 
