@@ -30,6 +30,9 @@ Usage::
     python benchmarks/overhead.py --quick   # under a minute
     python benchmarks/overhead.py           # about 12 minutes (2 cores)
     python benchmarks/overhead.py --ablate --models small   # the parts' costs, ~6 min
+    # one rank, its probe's threads free to use the other core: a rank with a core to
+    # spare, as on a GPU node (the default, two ranks pinned a core each, has none)
+    python benchmarks/overhead.py --world-size 1 --no-pin --ablate --models small
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ from torshmon.launch import run_ranks
 from torshmon.wire import Batch, ProbeMessage
 
 CONFIGS: tuple[str, ...] = ("bare", "probe", "probe_buckets", "profiler")
+#: ``probe``'s options: attach's defaults, passed so $TORSHMON_FAST_LANE / $TORSHMON_CPU_WAIT
+#: in the environment cannot turn the measured probe into a leaner one.
+PROBE_OPTIONS: dict[str, bool] = {"fast_lane": True, "cpu_wait": True}
 #: ``--ablate``'s configs: ``probe`` less some parts, by ``attach``'s options (module docstring).
 ABLATIONS: dict[str, dict[str, bool]] = {
     "probe_lane_shut": {"fast_lane": False},
@@ -289,7 +295,7 @@ def _session(
             agent_socket=plan.agent_socket,
             flush_interval_s=plan.flush_interval_s,
             bucket_timing=config == "probe_buckets",
-            **ABLATIONS.get(config, {}),
+            **{**PROBE_OPTIONS, **ABLATIONS.get(config, {})},
         )
         try:
             yield lambda: monitor.step(batch_size=spec.batch_size)
@@ -587,8 +593,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-pin", dest="pin", action="store_false", help="do not pin each rank to one core"
     )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=WORLD_SIZE,
+        help=f"ranks ({WORLD_SIZE}; 1 with --no-pin leaves the probe's threads a core)",
+    )
     parser.add_argument("--timeout-s", type=float, default=1500.0, help="limit for the whole job")
     args = parser.parse_args(argv)
+    if args.world_size < 1:
+        parser.error(f"--world-size must be >= 1, got {args.world_size}")
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     return args
@@ -603,7 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         receiver = StepCounter()
         with ThreadedReceiver(socket_path, on_message=receiver):
             results: list[RankResult] = run_ranks(
-                rank_main, WORLD_SIZE, plan, timeout_s=args.timeout_s
+                rank_main, args.world_size, plan, timeout_s=args.timeout_s
             )
     stats = [
         cell
@@ -621,7 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         {f"buckets_{m.model}": buckets[m.model] for m in plan.models},
         **{f"rounds_{m.model}": m.rounds for m in plan.models},
         quick=bool(args.quick),
-        world_size=WORLD_SIZE,
+        world_size=args.world_size,
         cpus=os.cpu_count(),
         probe_steps=probe_steps,
         probe_dropped_records=sum(r.probe_dropped for r in results),

@@ -4,6 +4,7 @@ ratio over rounds, and what that interval says about the probe's 1.01 target."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -78,8 +79,9 @@ def test_the_verdict_needs_the_whole_interval_on_one_side(
 def test_the_ablations_run_the_probe_less_their_part(bench: ModuleType) -> None:
     """``--ablate``: a real 2-rank round of every config, the ablations among them:
     the shut lane's records all come at a flush, the run-queue-less ones carry no
-    run-queue reading, the lean ones neither, and the probe's own do both; none of
-    their records is lost."""
+    run-queue reading, the lean ones neither, and the probe's own do both (even with
+    the environment turning both off: the benchmark measures attach's defaults); none
+    of their records is lost."""
     assert bench.parse_args(["--ablate"]).ablate and not bench.parse_args([]).ablate
     configs = (*bench.CONFIGS, *bench.ABLATIONS)
     assert sorted(bench.rotation(1, configs)) == sorted(configs)
@@ -97,9 +99,11 @@ def test_the_ablations_run_the_probe_less_their_part(bench: ModuleType) -> None:
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "TORSHMON_FAST_LANE": "0", "TORSHMON_CPU_WAIT": "0"},
     )
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2
     for config in bench.ABLATIONS:
         assert summary[f"steps_small_{config}"] == summary["steps_small_probe"] > 0
         assert summary[f"{config}_ratio_small"] > 0
@@ -114,3 +118,32 @@ def test_the_ablations_run_the_probe_less_their_part(bench: ModuleType) -> None:
     for config in ("probe", *bench.ABLATIONS):
         assert summary[f"records_{config}"] == 2 * (small.warmup_steps + small.measured_steps)
     assert "with a run-queue reading" in done.stdout
+
+
+def test_one_rank_runs_with_its_probe_threads_left_a_core(bench: ModuleType) -> None:
+    """``--world-size 1 --no-pin``: the rank with a core to spare (as on a GPU node)."""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--world-size", "0"])
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "overhead.py"),
+            "--quick",
+            "--world-size",
+            "1",
+            "--no-pin",
+            "--models",
+            "small",
+            "--rounds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 1 and summary["pinned"] is False
+    small = bench.QUICK_PLAN[0]
+    assert summary["records_probe"] == small.warmup_steps + small.measured_steps
+    assert summary["probe_ratio_small"] > 0
