@@ -30,9 +30,11 @@ Usage::
     python benchmarks/overhead.py --quick   # under a minute
     python benchmarks/overhead.py           # about 12 minutes (2 cores)
     python benchmarks/overhead.py --ablate --models small   # the parts' costs, ~6 min
-    # one rank, its probe's threads free to use the other core: a rank with a core to
-    # spare, as on a GPU node (the default, two ranks pinned a core each, has none)
-    python benchmarks/overhead.py --world-size 1 --no-pin --ablate --models small
+    # each rank's training thread alone pinned, the probe's threads free to use the
+    # other cores: ranks with cores to spare, as on a GPU node (the default, two ranks
+    # pinned a core each, threads and all, has none). On a machine with more cores than
+    # ranks; on two cores a single rank's rounds vary 30-50 % (two ranks': 4-24 %)
+    python benchmarks/overhead.py --pin training-thread --ablate
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ ABLATIONS: dict[str, dict[str, bool]] = {
     "probe_lean": {"fast_lane": False, "cpu_wait": False},
 }
 WORLD_SIZE = 2
+#: ``--pin``: ``rank``, each rank's threads to core ``rank`` (the probe's threads with
+#: them: started by the pinned thread, they inherit its core); ``training-thread``, only
+#: the thread that trains, and only while it runs a config's steps, so the threads a
+#: config starts (the shipper) may run on any core; ``none``.
+PIN_MODES = ("rank", "training-thread", "none")
 
 StepFn = Callable[[], torch.Tensor]
 ScopeFactory = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -146,7 +153,7 @@ class Plan:
     agent_socket: str
     flush_interval_s: float
     seed: int
-    pin: bool = True
+    pin: str = "rank"  # PIN_MODES
     configs: tuple[str, ...] = CONFIGS
 
 
@@ -178,7 +185,7 @@ class RankResult:
 # -- the rank side --------------------------------------------------------------------
 def rank_main(rank: int, world_size: int, plan: Plan) -> RankResult:
     """Run every model's rounds on this rank (every rank runs the same schedule)."""
-    if plan.pin:
+    if plan.pin == "rank":
         # One core per rank: the ranks' compute and gloo threads stop trading
         # places on the 2 cores, which cuts the round-to-round spread about 3x.
         os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
@@ -229,7 +236,7 @@ def _bench_model(
             # every config keeps the comparison fair (same seed, same weights).
             ddp, optimizer = _build(spec, plan.seed)
             dist.barrier()
-            with _session(config, ddp, spec, plan, probe_counts) as scope:
+            with _session(config, ddp, spec, plan, probe_counts) as scope, _pinned(rank, plan):
                 step = _train_step(ddp, optimizer, x, y)
                 step_s, cpu_s = _run_steps(
                     step, scope, model_plan.warmup_steps, model_plan.measured_steps
@@ -240,6 +247,22 @@ def _bench_model(
             del ddp, optimizer, step
             gc.collect()
     return result, buckets
+
+
+@contextlib.contextmanager
+def _pinned(rank: int, plan: Plan) -> Iterator[None]:
+    """``--pin training-thread``: this thread on core ``rank`` while it trains; the
+    config's threads, started before, keep every core (they inherit the affinity their
+    starter had then)."""
+    if plan.pin != "training-thread":
+        yield
+        return
+    every_core = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, every_core)
 
 
 def rotation(round_index: int, configs: tuple[str, ...] = CONFIGS) -> tuple[str, ...]:
@@ -591,13 +614,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"also run the probe less some of its parts ({', '.join(ABLATIONS)})",
     )
     parser.add_argument(
-        "--no-pin", dest="pin", action="store_false", help="do not pin each rank to one core"
+        "--pin",
+        choices=PIN_MODES,
+        default="rank",
+        help="what to pin to core <rank>: the rank's threads (default), its training "
+        "thread only while it trains, or nothing",
+    )
+    parser.add_argument(
+        "--no-pin", dest="pin", action="store_const", const="none", help="--pin none"
     )
     parser.add_argument(
         "--world-size",
         type=int,
         default=WORLD_SIZE,
-        help=f"ranks ({WORLD_SIZE}; 1 with --no-pin leaves the probe's threads a core)",
+        help=f"ranks ({WORLD_SIZE})",
     )
     parser.add_argument("--timeout-s", type=float, default=1500.0, help="limit for the whole job")
     args = parser.parse_args(argv)
@@ -642,7 +672,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         agent_step_records=receiver.step_records,
         wall_s=round(time.perf_counter() - started, 1),
         probe_scope_s_per_step=scope_s,
-        pinned=plan.pin,
+        pin=plan.pin,
     )
     for config in plan.configs:
         for name, share in receiver.shares(f"overhead-{config}").items():

@@ -121,9 +121,12 @@ def test_the_ablations_run_the_probe_less_their_part(bench: ModuleType) -> None:
 
 
 def test_one_rank_runs_with_its_probe_threads_left_a_core(bench: ModuleType) -> None:
-    """``--world-size 1 --no-pin``: the rank with a core to spare (as on a GPU node)."""
+    """``--world-size 1 --pin training-thread``: the rank with a core to spare (as on a
+    GPU node): its training thread trains on core 0, its shipper may run on core 1."""
     with pytest.raises(SystemExit):
         bench.parse_args(["--world-size", "0"])
+    assert bench.parse_args(["--no-pin"]).pin == "none"
+    assert bench.parse_args([]).pin == "rank"
     done = subprocess.run(
         [
             sys.executable,
@@ -131,7 +134,8 @@ def test_one_rank_runs_with_its_probe_threads_left_a_core(bench: ModuleType) -> 
             "--quick",
             "--world-size",
             "1",
-            "--no-pin",
+            "--pin",
+            "training-thread",
             "--models",
             "small",
             "--rounds",
@@ -143,7 +147,7 @@ def test_one_rank_runs_with_its_probe_threads_left_a_core(bench: ModuleType) -> 
     )
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["world_size"] == 1 and summary["pinned"] is False
+    assert summary["world_size"] == 1 and summary["pin"] == "training-thread"
     small = bench.QUICK_PLAN[0]
     assert summary["records_probe"] == small.warmup_steps + small.measured_steps
     assert summary["probe_ratio_small"] > 0
