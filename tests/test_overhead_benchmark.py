@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -76,6 +77,23 @@ def test_the_verdict_needs_the_whole_interval_on_one_side(
     assert bench.target_verdict(cell) == verdict
 
 
+def _quick_small_round(
+    *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """A real ``overhead.py --quick`` run of one round of the small model, with ``args``:
+    the finished process and its summary (the last line of stdout)."""
+    command = [sys.executable, str(BENCHMARKS / "overhead.py"), "--quick", "--models", "small"]
+    done = subprocess.run(
+        [*command, "--rounds", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done, json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_the_ablations_run_the_probe_less_their_part(bench: ModuleType) -> None:
     """``--ablate``: a real 2-rank round of every config, the ablations among them:
     the shut lane's records all come at a flush, the run-queue-less ones carry no
@@ -85,24 +103,9 @@ def test_the_ablations_run_the_probe_less_their_part(bench: ModuleType) -> None:
     assert bench.parse_args(["--ablate"]).ablate and not bench.parse_args([]).ablate
     configs = (*bench.CONFIGS, *bench.ABLATIONS)
     assert sorted(bench.rotation(1, configs)) == sorted(configs)
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "overhead.py"),
-            "--quick",
-            "--ablate",
-            "--models",
-            "small",
-            "--rounds",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "TORSHMON_FAST_LANE": "0", "TORSHMON_CPU_WAIT": "0"},
+    done, summary = _quick_small_round(
+        "--ablate", env={**os.environ, "TORSHMON_FAST_LANE": "0", "TORSHMON_CPU_WAIT": "0"}
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["world_size"] == 2
     for config in bench.ABLATIONS:
         assert summary[f"steps_small_{config}"] == summary["steps_small_probe"] > 0
@@ -127,26 +130,7 @@ def test_one_rank_runs_with_its_probe_threads_left_a_core(bench: ModuleType) -> 
         bench.parse_args(["--world-size", "0"])
     assert bench.parse_args(["--no-pin"]).pin == "none"
     assert bench.parse_args([]).pin == "rank"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "overhead.py"),
-            "--quick",
-            "--world-size",
-            "1",
-            "--pin",
-            "training-thread",
-            "--models",
-            "small",
-            "--rounds",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    _, summary = _quick_small_round("--world-size", "1", "--pin", "training-thread")
     assert summary["world_size"] == 1 and summary["pin"] == "training-thread"
     small = bench.QUICK_PLAN[0]
     assert summary["records_probe"] == small.warmup_steps + small.measured_steps
