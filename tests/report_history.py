@@ -204,7 +204,7 @@ def make_history(path: Path) -> str:
                     "ended_unix_s": T0 + 6 + 5 * i,
                 }
                 for i, (codec, score, decision) in enumerate(
-                    (("fp16", 700.0, "keep"), ("int8", 450.0, "rollback"))
+                    (("fp16", 700.0, "kept"), ("int8", 450.0, "worse"))
                 )
             ],
         )

@@ -63,8 +63,8 @@ def test_the_summary_shows_each_rank_the_findings_alerts_and_tuning(
     assert _row(alerts, "High Comm")[:6] == ["High Comm", "-", "high", "3", "0", "0 s"]
     tuning = out.split("Tuning sessions")[1]
     assert "baseline 600, best 700 samples/s" in tuning
-    assert _row(tuning, "0")[1:4] == ["fp16, bucket 25 MB", "700", "keep"]
-    assert _row(tuning, "1")[1:4] == ["int8, bucket 25 MB", "450", "rollback"]
+    assert _row(tuning, "0")[1:4] == ["fp16, bucket 25 MB", "700", "kept"]
+    assert _row(tuning, "1")[1:4] == ["int8, bucket 25 MB", "450", "worse"]
 
 
 def test_the_report_travels_as_json_unchanged(db: Path) -> None:
@@ -197,3 +197,36 @@ def test_a_reader_that_leaves_early_gets_no_traceback(db: Path) -> None:
     )
     assert done.stderr == ""
     assert done.stdout.strip() == "141"
+
+
+def _fill_of(svg: str, gid: str) -> str:
+    """The fill colour of the first shape in the SVG group ``gid``."""
+    group = svg.split(f'<g id="{gid}">', 1)[1]
+    match = re.search(r"fill:\s*(#[0-9a-f]{6})", group)
+    assert match is not None, gid
+    return match.group(1)
+
+
+def test_the_tuning_chart_colours_each_stored_decision(db: Path) -> None:
+    from dataclasses import replace
+    from typing import get_args
+
+    from torshmon.aggregator.core.tuner.events import TrialDecision
+    from torshmon.report.plots import DECISION_COLORS, UNDECIDED_COLOR, plots
+
+    decisions = get_args(TrialDecision)  # what the tuner stores in tuning_trials.decision
+    assert set(DECISION_COLORS) == set(decisions)
+    assert len(set(DECISION_COLORS.values()) | {UNDECIDED_COLOR}) == len(decisions) + 1
+    report = report_from_db(f"sqlite:///{db}", h.JOB, now_unix_s=h.T0 + 100)
+    (template, *_) = report.trials
+    trials = [
+        replace(template, trial_index=i, decision=d, score=500.0 + i)
+        for i, d in enumerate([*decisions, None])
+    ]
+    svg = plots(replace(report, trials=tuple(trials)))["tuning"]
+    for i, decision in enumerate(decisions):
+        assert _fill_of(svg, f"trial-{i}") == DECISION_COLORS[decision], decision
+    assert _fill_of(svg, f"trial-{len(decisions)}") == UNDECIDED_COLOR
+    # The stored history's own trials (kept, worse) are green and red, not grey.
+    stored = plots(report)["tuning"]
+    assert [_fill_of(stored, f"trial-{i}") for i in (0, 1)] == ["#1a9850", "#d73027"]

@@ -72,8 +72,8 @@ def _check(seen: dict[str, Any]) -> None:
     assert seen["alert"].startswith(f"Straggler rank 1 (high, resolved): {when(h.STRAGGLER_START)}")
     width, height = seen["alert_box"]
     assert width > 10 and height > 5
-    assert seen["trials"][0].startswith("trial 0: fp16, bucket 25 MB: 700, keep")
-    assert seen["trials"][1].startswith("trial 1: int8, bucket 25 MB: 450, rollback")
+    assert seen["trials"][0].startswith("trial 0: fp16, bucket 25 MB: 700, kept")
+    assert seen["trials"][1].startswith("trial 1: int8, bucket 25 MB: 450, worse")
     assert seen["rss0"] == "rank 0: peak 690 MiB resident"  # (500 + 10 * 19) MiB
 
 

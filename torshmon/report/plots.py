@@ -14,13 +14,16 @@ import io
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import matplotlib
 from matplotlib.figure import Figure
 
 from torshmon.report.model import PHASES, JobReport
 from torshmon.report.text import percent, seconds, when
+
+if TYPE_CHECKING:  # the tuner's package imports optuna and scipy: types only
+    from torshmon.aggregator.core.tuner.events import TrialDecision
 
 _RC: Final[Mapping[str, Any]] = {
     "svg.fonttype": "none",  # <text>, not paths: small, and the values can be read
@@ -40,7 +43,19 @@ _SEVERITY_COLORS: Final[Mapping[str, str]] = {
     "medium": "#fddbc7",
     "info": "#92c5de",
 }
-_DECISION_COLORS: Final[Mapping[str, str]] = {"keep": "#1a9850", "rollback": "#d73027"}
+#: A colour per decision the tuner stores (``tuning_trials.decision``): the names are the
+#: tuner's own ``TrialDecision`` (a test checks every one has its colour).
+DECISION_COLORS: Final[Mapping[TrialDecision, str]] = {
+    "kept": "#1a9850",
+    "not_better": "#91bfdb",
+    "worse": "#d73027",
+    "rolled_back": "#fc8d59",
+    "rejected_error": "#762a83",
+    "rejected_loss": "#c2a5cf",
+    "failed": "#4d4d4d",
+}
+#: A trial not decided yet (it runs, or its session ended first).
+UNDECIDED_COLOR: Final = "#bababa"
 _PHASE_COLORS: Final[Mapping[str, str]] = {
     "input_wait": "#8c510a",
     "forward": "#4575b4",
@@ -254,7 +269,7 @@ def _tuning(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
     titles = {}
     labels = []
     for i, trial in enumerate(trials):
-        color = _DECISION_COLORS.get(trial.decision or "", "#999999")
+        color = _decision_color(trial.decision)
         (bar,) = ax.bar(i, trial.score or 0.0, color=color)
         gid = f"trial-{i}"
         bar.set_gid(gid)
@@ -266,11 +281,18 @@ def _tuning(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
     ax.set_xticks(range(len(trials)), labels, rotation=30, ha="right", fontsize=7)
     unit = next((s.unit for s in report.sessions if s.unit), "samples/s")
     ax.set_ylabel(f"throughput ({unit})")
-    for decision, color in _DECISION_COLORS.items():
-        ax.bar(0, 0, color=color, label=decision)
-    ax.bar(0, 0, color="#999999", label="other")
+    shown = {t.decision for t in trials}
+    for decision, color in DECISION_COLORS.items():
+        if decision in shown:
+            ax.bar(0, 0, color=color, label=decision.replace("_", " "))
+    if shown - set(DECISION_COLORS):
+        ax.bar(0, 0, color=UNDECIDED_COLOR, label="undecided")
     ax.legend(loc="lower right", fontsize=8)
     return figure, titles
+
+
+def _decision_color(decision: str | None) -> str:
+    return DECISION_COLORS.get(cast("TrialDecision", decision), UNDECIDED_COLOR)
 
 
 def _svg(figure: Figure, titles: Mapping[str, str]) -> str:
