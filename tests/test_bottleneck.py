@@ -20,7 +20,7 @@ from torshmon.aggregator.core.bottleneck import (
     bottleneck_report,
     rank_findings,
 )
-from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.findings import EXPLAINED_BY_KEY, WHAT_IF_KEY, Finding
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.live_metrics import LiveCollector
 from torshmon.aggregator.core.stored import Stored
@@ -314,6 +314,10 @@ def test_golden_scenario_report(name: str) -> None:
         assert by_category[category].difficulty == difficulty
     for category, value in expect.get("value", {}).items():
         assert by_category[category].value == pytest.approx(value, abs=0.01)
+    for category, cause in expect.get("explained_by", {}).items():
+        assert by_category[category].details[EXPLAINED_BY_KEY] == cause, category
+    for category, step_s in expect.get("what_if_step_s", {}).items():
+        assert by_category[category].details[WHAT_IF_KEY] == pytest.approx(step_s, rel=0.03)
     for f in report:
         assert f.labels["job"] == name and name in f.summary
         if f.kind == "bottleneck":

@@ -33,7 +33,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Final, Literal
 
-from torshmon.aggregator.core.findings import SEVERITIES, Finding
+from torshmon.aggregator.core.findings import (
+    EXPLAINED_BY_KEY,
+    EXPLAINED_BY_NAME_KEY,
+    LOSS_KEY,
+    SEVERITIES,
+    STEP_KEY,
+    WHAT_IF_KEY,
+    Finding,
+    cause_id,
+    cause_name,
+    loss_text,
+    slowdown_text,
+)
 
 JobKind = Literal["ddp", "fsdp2", "collectives"]
 JOB_KINDS: Final[tuple[str, ...]] = ("ddp", "fsdp2", "collectives")
@@ -359,63 +371,264 @@ def bottleneck_report(
     return found
 
 
+#: What a cause costs the job, as a share of its throughput, to be critical (a quarter)
+#: or high (a twentieth); below, a warning. Severity follows what the job loses.
+LOSS_CRITICAL_RATIO: Final = 0.25
+LOSS_HIGH_RATIO: Final = 0.05
+#: The bottleneck categories a cause (straggler, hang, slow link) can explain.
+_SYMPTOMS: Final = ("communication", "efficiency")
+_PHASE_WORDS: Final = {
+    "compute": ("computes", "slower"),
+    "input": ("waits for input", "longer"),
+    "host": ("spends on the host", "longer"),
+}
+
+
+def loss_severity(loss_ratio: float) -> str:
+    """The severity of a cause that costs the job ``loss_ratio`` of its throughput."""
+    if loss_ratio >= LOSS_CRITICAL_RATIO:
+        return "critical"
+    if loss_ratio >= LOSS_HIGH_RATIO:
+        return "high"
+    return "warning"
+
+
+def what_if_step_s(step_s: float, excess_s: float) -> float:
+    """The job's step period (seconds) without ``excess_s`` that every rank waits for at
+    each synchronisation (a straggler's phase above its peers' median): the same
+    formula for the live report (recent means) and the history's report (each step)."""
+    return max(0.0, step_s - max(0.0, excess_s))
+
+
+def straggler_excess_s(finding: Finding) -> float | None:
+    """A straggler's phase time above its peers' median a step (seconds): THE ratio
+    (``details["slowdown_ratio"]``, else ``score``) less one, times that median; None
+    where the finding carries no median."""
+    median = finding.details.get("peer_median_s")
+    ratio = finding.details.get("slowdown_ratio", finding.score)
+    if not isinstance(median, (int, float)) or not isinstance(ratio, (int, float)):
+        return None
+    excess = (float(ratio) - 1.0) * float(median)
+    return max(0.0, excess) if math.isfinite(excess) else None
+
+
+def straggler_summary(
+    job: str, rank: str, ratio: float, peer_median_s: float | None, phase: str = "compute"
+) -> str:
+    """The one sentence every surface shows of a straggler (the finding, its alert,
+    Slack, the report): ``rank 1 of job j computes 2.40x slower than its peers (median
+    0.100 s a step)``; the ratio written by ``slowdown_text``."""
+    verb, comparative = _PHASE_WORDS.get(phase, _PHASE_WORDS["compute"])
+    median = f" (median {peer_median_s:.3f} s a step)" if peer_median_s is not None else ""
+    return (
+        f"rank {rank} of job {job} {verb} {slowdown_text(ratio)} {comparative} "
+        f"than its peers{median}"
+    )
+
+
 def rank_findings(
     bottlenecks: Sequence[Finding],
     others: Sequence[Finding],
     snapshot: JobSnapshot,
+    *,
+    thresholds: Thresholds | None = None,
 ) -> list[Finding]:
     """One job's report: ``bottlenecks`` and the job's straggler and slow-link findings
     among ``others`` (the rest are left out), with category, expected gain and
-    difficulty filled in and ``priority`` 1..n: most severe first, then the largest
-    expected gain (unknown last); a low efficiency that other findings explain
-    (``details["rollup"]``, its advice is to fix them) comes after them."""
-    report = list(bottlenecks)
+    difficulty filled in, linked and numbered.
+
+    Causes (stragglers, slow links; a hang among ``others`` too, though it is not
+    listed) explain symptoms: the peers' communication wait (where what is left of it
+    without the cause is under the high threshold) and the efficiency roll-up. A
+    symptom names its cause (``details[EXPLAINED_BY_KEY]``), never outranks it (its
+    severity is at most the cause's) and follows it in the list; a cause's severity is
+    what the job loses to it (``loss_severity``), stated in its summary. A low
+    efficiency that other bottlenecks explain (``details["rollup"]``) follows the
+    largest of them the same way. ``priority`` 1..n in the list's order: causes and
+    independent findings most severe first, then largest expected gain (unknown last),
+    each followed by what it explains."""
+    t = thresholds if thresholds is not None else Thresholds()
+    causes: list[Finding] = []
     for finding in others:
         if finding.kind == "straggler":
-            report.append(_straggler(finding, snapshot))
+            causes.append(_straggler(finding, snapshot))
         elif finding.kind == "slow_link":
-            report.append(_slow_link(finding, snapshot))
-    report.sort(
-        key=lambda f: (
-            f.details.get("rollup") is True,
-            -SEVERITIES.index(f.severity) if f.severity in SEVERITIES else 0,
-            -(f.expected_gain_ratio if f.expected_gain_ratio is not None else -1.0),
-        )
+            causes.append(_slow_link(finding, snapshot))
+    hangs = [f for f in others if f.kind == "hang"]
+    linkable = hangs + sorted(causes, key=lambda f: -_loss(f))
+    symptoms = [_explained(f, linkable, snapshot, t) for f in bottlenecks]
+    rollup_causes = [
+        f
+        for f in symptoms
+        if f.category in ("communication", "input") and EXPLAINED_BY_KEY not in f.details
+    ]
+    symptoms = [
+        _under(f, max(rollup_causes, key=_gain))
+        if f.details.get("rollup") is True and EXPLAINED_BY_KEY not in f.details and rollup_causes
+        else f
+        for f in symptoms
+    ]
+    return _numbered([*causes, *symptoms])
+
+
+def _numbered(report: Sequence[Finding]) -> list[Finding]:
+    """``report`` in reading order (see ``rank_findings``), priorities 1..n."""
+    ids = {cause_id(f.kind, f.labels) for f in report}
+    top = [
+        f
+        for f in report
+        if EXPLAINED_BY_KEY not in f.details or f.details[EXPLAINED_BY_KEY] not in ids
+    ]
+    children: dict[object, list[Finding]] = {}
+    for f in report:
+        if f not in top:
+            children.setdefault(f.details[EXPLAINED_BY_KEY], []).append(f)
+    ordered: list[Finding] = []
+    for f in sorted(top, key=_rank_key):
+        ordered.append(f)
+        below = children.get(cause_id(f.kind, f.labels), [])
+        # The efficiency roll-up sums the others up: it comes last.
+        ordered.extend(sorted(below, key=lambda c: (c.category == "efficiency", *_rank_key(c))))
+    return [dataclasses.replace(f, priority=i) for i, f in enumerate(ordered, start=1)]
+
+
+def _rank_key(f: Finding) -> tuple[int, float]:
+    severity = SEVERITIES.index(f.severity) if f.severity in SEVERITIES else 0
+    return -severity, -_gain(f)
+
+
+def _gain(f: Finding) -> float:
+    return f.expected_gain_ratio if f.expected_gain_ratio is not None else -1.0
+
+
+def _loss(f: Finding) -> float:
+    loss = f.details.get(LOSS_KEY)
+    return float(loss) if isinstance(loss, (int, float)) else -1.0
+
+
+def _explained(
+    finding: Finding, causes: Sequence[Finding], snapshot: JobSnapshot, t: Thresholds
+) -> Finding:
+    """``finding`` under the first of ``causes`` that explains it, else as it is."""
+    if finding.category not in _SYMPTOMS:
+        return finding
+    for cause in causes:
+        if finding.category == "efficiency" or _explains_wait(cause, snapshot, t):
+            return _under(finding, cause)
+    return finding
+
+
+def _explains_wait(cause: Finding, snapshot: JobSnapshot, t: Thresholds) -> bool:
+    """Whether the job's communication wait without ``cause`` is under the high
+    threshold: a hang makes every peer wait; a straggler's excess is waited for by its
+    peers (the majority, so taken as every rank's); a slow link's lost bandwidth
+    stretches the wait by what its gain says."""
+    if cause.kind == "hang":
+        return True
+    comm, step = snapshot.communication_time_ratio, snapshot.step_s
+    what_if = cause.details.get(WHAT_IF_KEY)
+    if comm is None or not step or not isinstance(what_if, (int, float)) or what_if <= 0:
+        return False
+    saved_s = step - float(what_if)
+    left = max(0.0, comm * step - saved_s) / float(what_if)
+    return left <= t.communication_high_ratio
+
+
+def _under(symptom: Finding, cause: Finding) -> Finding:
+    """``symptom`` as a consequence of ``cause``: named, no more severe, no gain of its
+    own (fixing the cause removes it), advice that points to the cause."""
+    name = (
+        cause_name(cause.kind, cause.labels)
+        if cause.kind != "bottleneck"
+        else f"the {cause.category} finding"
     )
-    return [dataclasses.replace(f, priority=i) for i, f in enumerate(report, start=1)]
+    own = SEVERITIES.index(symptom.severity) if symptom.severity in SEVERITIES else 0
+    cap = SEVERITIES.index(cause.severity) if cause.severity in SEVERITIES else own
+    if symptom.category == "communication":
+        advice = (
+            f"The ranks wait for {name}, not for the network: fix it first (above); this "
+            "wait goes with it, and tuning buckets or compression would not help."
+        )
+    elif symptom.details.get("rollup") is True and cause.kind == "bottleneck":
+        advice = symptom.recommendation
+    else:
+        advice = (
+            f"The compute share is low because of {name} (above): fix it first; profile "
+            "(torch.profiler) only if the share stays low once it is gone."
+        )
+    gain = symptom.expected_gain_ratio
+    return dataclasses.replace(
+        symptom,
+        severity=SEVERITIES[min(own, cap)],
+        recommendation=advice,
+        expected_gain_ratio=gain if cause.kind == "bottleneck" else 0.0,
+        details={
+            **symptom.details,
+            EXPLAINED_BY_KEY: cause_id(cause.kind, cause.labels),
+            EXPLAINED_BY_NAME_KEY: name,
+            **({} if cause.kind == "bottleneck" else {"gain_basis": f"none of its own: {name}"}),
+        },
+    )
+
+
+def _with_loss(
+    finding: Finding, snapshot: JobSnapshot, excess_s: float | None
+) -> tuple[dict[str, object], float | None]:
+    """``finding``'s details with what the job loses to it and its step time without
+    it, where the snapshot has a step time; and that loss."""
+    step = snapshot.step_s
+    if excess_s is None or not step or step <= 0:
+        return dict(finding.details), None
+    what_if = what_if_step_s(step, excess_s)
+    loss = _clip(1.0 - what_if / step)
+    return {**finding.details, STEP_KEY: step, WHAT_IF_KEY: what_if, LOSS_KEY: loss}, loss
 
 
 def _straggler(finding: Finding, snapshot: JobSnapshot) -> Finding:
-    """Every peer waits for a straggler's extra compute at each synchronisation."""
-    gain = None
-    basis = ""
-    median = finding.details.get("peer_median_s")
-    if isinstance(median, (int, float)) and snapshot.step_s and snapshot.step_s > 0:
-        gain = _clip((finding.value - float(median)) / snapshot.step_s)
-        basis = "the straggler's compute time above its peers' median, which they wait for"
+    """Every peer waits for a straggler's extra phase time at each synchronisation: the
+    job's step time without it is its step less that excess."""
+    details, loss = _with_loss(finding, snapshot, straggler_excess_s(finding))
+    median = details.get("peer_median_s")
+    ratio = details.get("slowdown_ratio", finding.score)
+    summary = straggler_summary(
+        finding.labels.get("job", ""),
+        finding.labels.get("rank", "?"),
+        float(ratio) if isinstance(ratio, (int, float)) else finding.score,
+        float(median) if isinstance(median, (int, float)) else None,
+        str(details.get("phase", "compute")),
+    )
+    if loss is not None:
+        details["gain_basis"] = "the straggler's time above its peers' median, which they wait for"
+        summary += f": the job loses {loss_text(loss)} of its throughput"
     return dataclasses.replace(
         finding,
+        summary=summary,
+        severity=loss_severity(loss) if loss is not None else finding.severity,
         category="straggler",
-        expected_gain_ratio=gain,
+        expected_gain_ratio=loss,
         difficulty="medium",
-        details={**finding.details, "gain_basis": basis} if basis else finding.details,
+        details=details,
     )
 
 
 def _slow_link(finding: Finding, snapshot: JobSnapshot) -> Finding:
     """A link at ``score`` of its healthy bandwidth stretches communication by 1/score."""
+    comm, step = snapshot.communication_time_ratio, snapshot.step_s
     gain = None
-    basis = ""
-    comm = snapshot.communication_time_ratio
+    details = dict(finding.details)
     if comm is not None and 0.0 < finding.score <= 1.0:
         gain = _clip(comm * (1.0 - finding.score))
-        basis = "communication wait at the healthy links' bandwidth"
+        details["gain_basis"] = "communication wait at the healthy links' bandwidth"
+        if step:
+            details, _ = _with_loss(finding, snapshot, gain * step)
+            details["gain_basis"] = "communication wait at the healthy links' bandwidth"
     return dataclasses.replace(
         finding,
         category="network",
+        severity=loss_severity(gain) if gain is not None and step else finding.severity,
         expected_gain_ratio=gain,
         difficulty="hard",
-        details={**finding.details, "gain_basis": basis} if basis else finding.details,
+        details=details,
     )
 
 

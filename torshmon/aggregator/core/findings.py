@@ -2,13 +2,23 @@
 
 Detectors (``zscore``, ``straggler``, ``hang``, ``bottleneck``) are pure: observations
 in, ``Finding`` records out. The rules engine turns active findings into alerts.
+
+One number per fact: a straggler's ratio is ``details["slowdown_ratio"]`` (its compute,
+or input wait or host time, over its peers' median over the episode, as the straggler
+detector measures it; ``score`` holds the same value) and ``slowdown_text`` is the one
+way it is written, in the finding's summary (which is the alert's, Slack's and the
+report's text) and wherever else it is shown. The bottleneck report links findings:
+a cause (a straggler, a hang, a slow link) carries what the job loses to it
+(``details[LOSS_KEY]``, a share of throughput) and the job's step time without it
+(``details[WHAT_IF_KEY]``); a symptom it explains (the peers' communication wait, the
+efficiency roll-up) names it in ``details[EXPLAINED_BY_KEY]`` (``cause_id``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 #: The detector that produced a finding; rule kinds ``anomaly``, ``straggler``,
 #: ``hang`` and ``slow_link`` match on it.
@@ -30,6 +40,29 @@ DIFFICULTIES: tuple[str, ...] = ("easy", "medium", "hard")
 
 #: Ordered from least to most severe.
 SEVERITIES: tuple[str, ...] = ("info", "medium", "warning", "high", "critical")
+
+
+#: ``details`` keys the bottleneck report fills (they travel with the stored episode).
+#: The share of its throughput (0..1) the job loses to a cause.
+LOSS_KEY: Final = "throughput_loss_ratio"
+#: The job's step period (seconds) if the cause were gone.
+WHAT_IF_KEY: Final = "what_if_step_s"
+#: The job's measured step period (seconds) the two above are judged against.
+STEP_KEY: Final = "step_s"
+#: On a symptom: the ``cause_id`` of the finding that explains it.
+EXPLAINED_BY_KEY: Final = "explained_by"
+#: On a symptom: the cause's name for people (``the straggler on rank 1``).
+EXPLAINED_BY_NAME_KEY: Final = "explained_by_name"
+
+
+def slowdown_text(ratio: float) -> str:
+    """A straggler's ratio as every surface writes it: ``2.40x``."""
+    return f"{ratio:.2f}x"
+
+
+def loss_text(ratio: float) -> str:
+    """A share of throughput lost, as every surface writes it: ``~42%``."""
+    return f"~{ratio:.0%}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +100,26 @@ class Finding:
     def key(self) -> tuple[str, tuple[tuple[str, str], ...]]:
         """Identity of the condition: the same kind on the same labels is one finding."""
         return self.kind, tuple(sorted(self.labels.items()))
+
+
+def cause_id(kind: str, labels: Mapping[str, str]) -> str:
+    """A cause's identity within its job, as its symptoms name it: ``straggler:rank=1``,
+    ``hang:op=all_reduce,pg=0,rank=2``, ``slow_link:node=b``."""
+    own = ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k != "job")
+    return f"{kind}:{own}"
+
+
+def cause_name(kind: str, labels: Mapping[str, str]) -> str:
+    """A cause for people: ``the straggler on rank 1``, ``the hang on rank 2``,
+    ``the slow link of node b``."""
+    where = f"rank {labels['rank']}" if "rank" in labels else ""
+    if kind == "straggler":
+        return f"the straggler on {where}" if where else "the straggler"
+    if kind == "hang":
+        op = labels.get("op", "a collective")
+        return f"the hang in {op} on {where}" if where else f"the hang in {op}"
+    if kind == "slow_link":
+        node = labels.get("node")
+        at = f"node {node}" if node else where
+        return f"the slow link of {at}" if at else "the slow link"
+    return f"the {kind}"
