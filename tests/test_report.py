@@ -15,7 +15,7 @@ from torshmon.history.db import make_engine
 from torshmon.history.models import Base
 from torshmon.report import from_json, report_from_db, to_json
 from torshmon.report.page import render_page
-from torshmon.report.text import when
+from torshmon.report.text import render_text, when
 
 
 @pytest.fixture
@@ -230,3 +230,31 @@ def test_the_tuning_chart_colours_each_stored_decision(db: Path) -> None:
     # The stored history's own trials (kept, worse) are green and red, not grey.
     stored = plots(report)["tuning"]
     assert [_fill_of(stored, f"trial-{i}") for i in (0, 1)] == ["#1a9850", "#d73027"]
+
+
+def test_a_job_that_ended_before_the_report_is_ended_everywhere(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The history's job was last heard from at T0 + 20: the probes heartbeat every
+    second while a rank lives, so 16 s of silence is an end, not a pause. It was shown
+    as running for a minute after it ended (a report made right after a demo)."""
+    from torshmon.report.model import ENDED_AFTER_S
+    from torshmon.report.page import render_index
+
+    last_seen = h.T0 + h.STEPS
+    url = f"sqlite:///{db}"
+    ended = report_from_db(url, h.JOB, now_unix_s=last_seen + ENDED_AFTER_S + 1)
+    live = report_from_db(url, h.JOB, now_unix_s=last_seen + 2)
+    assert (ended.running, live.running) == (False, True)
+    header = render_text(ended).splitlines()[2]
+    assert "backend gloo, ended; first seen" in header, header
+    assert "backend gloo, running; first seen" in render_text(live).splitlines()[2]
+    page = render_page(ended, refresh_s=15)
+    assert '<span class="badge ended">ended</span>' in page
+    assert 'http-equiv="refresh"' not in page
+    assert 'http-equiv="refresh"' in render_page(live, refresh_s=15)
+    # The list of jobs follows the same rule.
+    row = {"job": "j", "world_size": 2, "backend": "gloo"}
+    row |= {"first_seen_unix_ns": int(h.T0 * 1e9), "last_seen_unix_ns": int(last_seen * 1e9)}
+    assert "badge running" not in render_index([row], last_seen + ENDED_AFTER_S + 1)
+    assert "badge running" in render_index([row], last_seen + 2)

@@ -24,8 +24,10 @@ from torshmon.history.store.report import JobHistory
 
 #: Points per rank in a time series; longer runs are reduced to medians of equal spans.
 MAX_POINTS: Final = 600
-#: A job whose latest data is younger than this is shown as running (the page refreshes).
-RUNNING_WITHIN_S: Final = 60.0
+#: A job silent for longer than this has ended: while a rank's process lives its probe
+#: sends a batch at least every second (a heartbeat, in a hang too) and its agent
+#: forwards it within a second, retrying an aggregator out of reach for up to 10 s.
+ENDED_AFTER_S: Final = 15.0
 #: The phases of a step, in the order they happen.
 PHASES: Final[tuple[str, ...]] = (
     "input_wait",
@@ -273,6 +275,13 @@ def from_json(data: bytes) -> JobReport:
     return msgspec.json.decode(data, type=JobReport)
 
 
+def is_running(last_seen_unix_s: float, now_unix_s: float) -> bool:
+    """Whether a job last heard from at ``last_seen_unix_s`` still runs at ``now_unix_s``:
+    its ranks have not been silent past ``ENDED_AFTER_S`` (the one rule for the report,
+    the job's page and the list of jobs)."""
+    return now_unix_s - last_seen_unix_s <= ENDED_AFTER_S
+
+
 def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
     """The report of ``history`` as of ``now_unix_s``."""
     job = history.job
@@ -291,7 +300,7 @@ def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
         first_seen_unix_s=job["first_seen_unix_ns"] / 1e9,
         last_seen_unix_s=last_seen,
         generated_unix_s=now_unix_s,
-        running=now_unix_s - last_seen < RUNNING_WITHIN_S,
+        running=is_running(last_seen, now_unix_s),
         steps_read=len(history.steps.get("step", [])),
         steps_truncated=history.steps_truncated,
         ranks=tuple(_rank_stats(r, cols, nodes.get(r, "")) for r, cols in steps.items()),

@@ -18,7 +18,7 @@ from typing import Any, Final
 import jinja2
 from markupsafe import Markup
 
-from torshmon.report.model import JobReport, alert_groups, to_json
+from torshmon.report.model import JobReport, alert_groups, is_running, to_json
 from torshmon.report.plots import plots
 from torshmon.report.text import finding_effort, finding_tags, percent, seconds, when
 
@@ -40,7 +40,10 @@ def _environment() -> jinja2.Environment:
         undefined=jinja2.StrictUndefined,
     )
     env.globals.update(
-        page_policy=PAGE_POLICY, finding_tags=finding_tags, finding_effort=finding_effort
+        page_policy=PAGE_POLICY,
+        finding_tags=finding_tags,
+        finding_effort=finding_effort,
+        is_running=is_running,
     )
     env.filters.update(
         when=when,

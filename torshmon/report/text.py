@@ -71,7 +71,7 @@ def _title(text: str) -> str:
 
 
 def _header(r: JobReport) -> str:
-    state = "running" if r.running else "stopped"
+    state = "running" if r.running else "ended"
     lines = [
         _title(f"torshmon report: job {r.job}"),
         f"world size {r.world_size if r.world_size is not None else '?'}, backend "
