@@ -13,13 +13,21 @@ from typing import TYPE_CHECKING, Any
 from torshmon.version import __version__
 
 if TYPE_CHECKING:
-    from torshmon.probe import CommConfig, ConfigError, Monitor, StepScope, attach
+    from torshmon.probe import CommConfig, ConfigError, Monitor, NullMonitor, StepScope, attach
 
-__all__ = ["CommConfig", "ConfigError", "Monitor", "StepScope", "__version__", "attach"]
+__all__ = [
+    "CommConfig",
+    "ConfigError",
+    "Monitor",
+    "NullMonitor",
+    "StepScope",
+    "__version__",
+    "attach",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("CommConfig", "ConfigError", "Monitor", "StepScope", "attach"):
+    if name in ("CommConfig", "ConfigError", "Monitor", "NullMonitor", "StepScope", "attach"):
         from torshmon import probe
 
         return getattr(probe, name)

@@ -163,10 +163,13 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     ``comm_wait_s`` is communication the step waited for (blocking collectives
     plus DDP bucket reduction not hidden behind backward compute);
     ``compute_s`` is ``duration_s - comm_wait_s``. Phase splits are ``None``
-    where they cannot be measured (no DDP module attached). ``input_wait_s`` is
-    the time from the previous step's end to this step's start (the data
-    loader), outside ``duration_s``; ``None`` for the first step and where the
-    module ran a forward pass in between (an eval pass is not input wait). JSON has no NaN: a
+    where they cannot be measured (no DDP module attached). The time from the
+    previous step's end to this step's start, outside ``duration_s``, is split in
+    three: ``eval_s`` (forward passes of the job's modules outside any step, an
+    evaluation: from the first one's start to the last one's end),
+    ``between_steps_comm_s`` (collectives outside those, e.g. a trainer's logging
+    all_gathers) and ``input_wait_s`` (the rest: the data loader); all three
+    ``None`` for the first step. JSON has no NaN: a
     NaN or infinite loss is sent as ``loss=None, loss_nonfinite=True``.
     ``config_version`` is the communication config the step ran with;
     ``applied_config`` is set on the step at whose end a new one was applied.
@@ -183,6 +186,8 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     backward_s: float | None = None
     optimizer_s: float | None = None
     input_wait_s: float | None = None
+    eval_s: float | None = None
+    between_steps_comm_s: float | None = None
     #: seconds of the step's compute the training thread was ready to run and waited for
     #: a CPU (Linux's run-queue delay, outside its communication waits): the node's
     #: other work, not the rank's own; None where the kernel does not say

@@ -70,10 +70,14 @@ def test_an_eval_pass_between_epochs_is_charged_to_no_training_step(
         for step in steps:
             # the step after the eval pass (5) once took its whole time as forward_s
             assert step.forward_s is not None and step.forward_s < shortest_eval, step.step
-        # input wait is the loader's time: never the eval pass
+        # input wait is the loader's time: never the eval pass, which is eval_s
         assert steps[0].input_wait_s is None  # no step before the first
-        assert steps[4].input_wait_s is None  # the eval pass ran in that gap
-        assert all(s.input_wait_s is not None for i, s in enumerate(steps) if i not in (0, 4))
+        after_eval = steps[4]  # the eval pass ran in the gap before it
+        assert after_eval.eval_s is not None and after_eval.input_wait_s is not None
+        assert shortest_eval * 0.9 <= after_eval.eval_s <= max(eval_times) + 0.05
+        assert after_eval.input_wait_s < shortest_eval / 4
+        assert all(s.input_wait_s is not None for s in steps[1:])
+        assert all(s.eval_s == 0.0 for i, s in enumerate(steps) if i not in (0, 4))
 
 
 def _slow_loader(rank: int, world: int, sock: str) -> list[float]:

@@ -27,13 +27,14 @@ from torshmon.probe.config import CommConfig, ConfigError  # noqa: E402
 
 if TYPE_CHECKING:
     from torshmon.probe.codecs import CODECS
-    from torshmon.probe.monitor import Monitor, StepScope, attach
+    from torshmon.probe.monitor import Monitor, NullMonitor, StepScope, attach
 
-__all__ = ["CODECS", "CommConfig", "ConfigError", "Monitor", "StepScope", "attach"]
+__all__ = ["CODECS", "CommConfig", "ConfigError", "Monitor", "NullMonitor", "StepScope", "attach"]
 
 _LAZY = {
     "CODECS": "torshmon.probe.codecs",
     "Monitor": "torshmon.probe.monitor",
+    "NullMonitor": "torshmon.probe.monitor",
     "StepScope": "torshmon.probe.monitor",
     "attach": "torshmon.probe.monitor",
 }

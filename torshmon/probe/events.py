@@ -84,6 +84,10 @@ class RawStep:
     events: StepEvents
     ddp_logging: dict[str, object] | None
     input_wait_ns: int | None = None
+    #: of the time before the step (see ``StepRecord``): evaluation forward passes, and
+    #: collectives outside them
+    eval_ns: int | None = None
+    between_steps_comm_ns: int | None = None
     #: the training thread's run-queue delay during the whole step (runqueue.py); the
     #: summary leaves out what fell in its communication waits; None off Linux
     cpu_wait_ns: int | None = None

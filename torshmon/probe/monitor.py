@@ -73,17 +73,20 @@ _REUSE_END_READINGS_NS = 200_000
 
 
 class StepScope:
-    """Context manager around one training step; ``loss`` may be set inside it."""
+    """One training step: ``with mon.step():`` or what ``mon.begin_step()`` returns;
+    ``loss`` and ``batch_size`` may be set until it ends."""
 
     __slots__ = ("_monitor", "batch_size", "loss")
 
-    def __init__(self, monitor: Monitor, batch_size: int | None, loss: object) -> None:
+    def __init__(
+        self, monitor: Monitor | NullMonitor, batch_size: int | None, loss: object
+    ) -> None:
         self._monitor = monitor
         self.batch_size = batch_size
         self.loss = loss
 
     def __enter__(self) -> StepScope:
-        self._monitor._enter_step()
+        self._monitor._begin(self)
         return self
 
     def __exit__(
@@ -92,7 +95,7 @@ class StepScope:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._monitor._exit_step(self, failed=exc_type is not None)
+        self._monitor._end(self, failed=exc_type is not None)
 
 
 class Monitor:
@@ -160,11 +163,18 @@ class Monitor:
         self._step = 0
         self._step_start_ns = 0
         self._in_step = False
-        # When the previous step scope was left, and whether the module ran a
-        # forward pass since (an eval pass): what input_wait_s is measured from.
+        self._open: StepScope | None = None  # the step begun and not yet ended
+        # When the previous step scope was left: the time to this step's start is split
+        # into evaluation (forward passes outside steps, first start to last end; depth
+        # counts a pass's nested watched modules), collectives outside it, input wait.
         self._last_exit_ns: int | None = None
-        self._forward_between_steps = False
+        self._eval_first_ns: int | None = None
+        self._eval_last_ns: int | None = None
+        self._eval_depth = 0
+        self._watched: set[int] = set()
         self._input_wait_ns: int | None = None
+        self._eval_ns: int | None = None
+        self._between_comm_ns: int | None = None
         # The training thread's run-queue delay at the step's start (runqueue.py).
         self._runqueue = RunQueueClock()
         self._runqueue_start_ns: int | None = None
@@ -235,6 +245,42 @@ class Monitor:
     def step(self, batch_size: int | None = None, loss: object = None) -> StepScope:
         """A scope around one step; ``batch_size`` gives throughput, ``loss`` may be set later."""
         return StepScope(self, batch_size, loss)
+
+    def begin_step(self, batch_size: int | None = None) -> StepScope:
+        """Begin a step where a ``with`` block cannot span it (a trainer's hooks).
+
+        A step still open (an exception between ``begin_step`` and ``end_step``) is
+        dropped, unrecorded, with one warning: the new one begins regardless.
+        """
+        scope = StepScope(self, batch_size, None)
+        self._begin(scope)
+        return scope
+
+    def end_step(self, loss: object = None, *, batch_size: int | None = None) -> None:
+        """End the open step; ``loss`` and ``batch_size``, where given, are its own.
+        Without an open step it does nothing (one warning)."""
+        scope = self._open
+        if scope is None:
+            if self._failure_log.allow("end_step"):
+                log.warning("torshmon: end_step() with no step begun; ignored")
+            return
+        if loss is not None:
+            scope.loss = loss
+        if batch_size is not None:
+            scope.batch_size = batch_size
+        self._end(scope, failed=False)
+
+    def watch_forward(self, module: Any) -> None:
+        """Count ``module``'s forward passes outside steps as evaluation (``eval_s``),
+        not input wait. The attached DDP module and the one it wraps are watched
+        already; a trainer evaluating another module of the job names it here."""
+        if id(module) in self._watched or self._closed:
+            return
+        self._watched.add(id(module))
+        self._handles.append(module.register_forward_pre_hook(self._on_watched_forward_start))
+        self._handles.append(
+            module.register_forward_hook(self._on_watched_forward_end, always_call=True)
+        )
 
     def request_config(
         self,
@@ -319,7 +365,10 @@ class Monitor:
     def _instrument_ddp(self, module: Any) -> None:
         self._ddp_pg_label, _ = self._tracer.group_info(module.process_group)
         self._handles.append(module.register_forward_pre_hook(self._on_forward_start))
-        self._handles.append(module.register_forward_hook(self._on_forward_end))
+        self._handles.append(module.register_forward_hook(self._on_forward_end, always_call=True))
+        # Trainers evaluate the module DDP wraps, past DDP's forward.
+        self._watched.add(id(module))
+        self.watch_forward(module.module)
         # Runs on the autograd thread: when the last gradient is ready, backward
         # compute is over; what DDP still waits for after that is communication.
         # Every parameter is watched for the first steps, then only the one whose
@@ -389,8 +438,8 @@ class Monitor:
     def _on_forward_start(self, _module: Any, _args: Any) -> None:
         if not self._in_step:
             # An eval pass (or any forward outside mon.step()): not a training
-            # step's forward, and the gap it sits in is not input wait.
-            self._forward_between_steps = True
+            # step's forward, and the time it takes is not input wait.
+            self._eval_enter()
             return
         events = self._events
         if events.forward_start_ns is None:
@@ -399,6 +448,27 @@ class Monitor:
     def _on_forward_end(self, _module: Any, _args: Any, _output: Any) -> None:
         if self._in_step:
             self._events.forward_end_ns = time.perf_counter_ns()
+        else:
+            self._eval_exit()
+
+    def _on_watched_forward_start(self, _module: Any, _args: Any) -> None:
+        if not self._in_step:
+            self._eval_enter()
+
+    def _on_watched_forward_end(self, _module: Any, _args: Any, _output: Any) -> None:
+        if not self._in_step:
+            self._eval_exit()
+
+    def _eval_enter(self) -> None:
+        if self._eval_depth == 0 and self._eval_first_ns is None:
+            self._eval_first_ns = time.perf_counter_ns()
+        self._eval_depth += 1
+
+    def _eval_exit(self) -> None:
+        if self._eval_depth > 0:
+            self._eval_depth -= 1
+            if self._eval_depth == 0:
+                self._eval_last_ns = time.perf_counter_ns()
 
     def _hello(self) -> Hello:
         return Hello(
@@ -416,9 +486,27 @@ class Monitor:
             probe_version=__version__,
         )
 
+    def _begin(self, scope: StepScope) -> None:
+        open_scope = self._open
+        if open_scope is not None:
+            # Its end never came (an exception a trainer caught, a hook that did not
+            # run): what it measured is unknown, so it is dropped, not a step recorded.
+            if self._failure_log.allow("abandoned"):
+                log.warning(
+                    "torshmon: a step began while step %d was open; the open one is dropped",
+                    self._step + 1,
+                )
+            self._end(open_scope, failed=True)
+        self._open = scope
+        self._enter_step()
+
+    def _end(self, scope: StepScope, *, failed: bool) -> None:
+        if scope is not self._open:
+            return  # dropped when a later step began
+        self._open = None
+        self._exit_step(scope, failed=failed)
+
     def _enter_step(self) -> None:
-        if self._in_step:
-            raise RuntimeError("mon.step() scopes cannot be nested")
         self._evidence.step_started()
         self._step_start_ns = start_ns = time.perf_counter_ns()
         last_exit, self._last_exit_ns = self._last_exit_ns, None
@@ -433,13 +521,31 @@ class Monitor:
         else:
             self._process_runqueue_start_ns = self._process_runqueue.read_ns()
             self._runqueue_start_ns = self._thread_runqueue_ns()
-        self._input_wait_ns = None
-        if last_exit is not None and not self._forward_between_steps:
-            self._input_wait_ns = self._step_start_ns - last_exit
-        self._forward_between_steps = False
+        self._split_gap(last_exit, start_ns)
         if self._step_clock is not None:
             self._events.marks = StepMarks(self._step_clock.mark())
         self._in_step = True
+
+    def _split_gap(self, last_exit: int | None, start_ns: int) -> None:
+        """Split the time since the previous step into evaluation, collectives outside
+        it and input wait (the rest)."""
+        first, last = self._eval_first_ns, self._eval_last_ns
+        if first is not None and (last is None or self._eval_depth > 0):
+            last = start_ns  # a pass that raised never ended: up to now
+        self._eval_first_ns = self._eval_last_ns = None
+        self._eval_depth = 0
+        if last_exit is None:
+            self._input_wait_ns = self._eval_ns = self._between_comm_ns = None
+            return
+        window = (first, last) if first is not None and last is not None else None
+        eval_ns = 0 if window is None else max(0, window[1] - max(window[0], last_exit))
+        comm_ns = 0
+        for e in self._events.collectives:
+            in_eval = window is not None and window[0] <= e.start_ns <= window[1]
+            if e.start_ns >= last_exit and not in_eval:  # not torshmon's end-of-step work
+                comm_ns += e.end_ns - e.start_ns if e.blocking else e.wait_ns
+        self._eval_ns, self._between_comm_ns = eval_ns, comm_ns
+        self._input_wait_ns = max(0, start_ns - last_exit - eval_ns - comm_ns)
 
     def _thread_runqueue_ns(self) -> int | None:
         """The training thread's run-queue delay as the process clock's read just now
@@ -497,6 +603,8 @@ class Monitor:
                     events=events,
                     ddp_logging=ddp_logging,
                     input_wait_ns=self._input_wait_ns,
+                    eval_ns=self._eval_ns,
+                    between_steps_comm_ns=self._between_comm_ns,
                     cpu_wait_ns=cpu_wait_ns,
                     process_cpu_wait_ns=process_wait_ns,
                     config_version=config_version,
@@ -688,7 +796,77 @@ def env_flag(name: str, env: Mapping[str, str], default: bool = True) -> bool:
     raise ValueError(f"${name} must be 1 or 0 (true/false, yes/no, on/off), got {env[name]!r}")
 
 
-def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Monitor:
+class NullMonitor:
+    """What ``attach`` returns in a process that is not part of a distributed job: the
+    Monitor's API, measuring and sending nothing (steps are counted)."""
+
+    rank = 0
+    world_size = 1
+    config = None
+    dropped_records_total = 0
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self._step = 0
+        self._open: StepScope | None = None
+
+    def step(self, batch_size: int | None = None, loss: object = None) -> StepScope:
+        """A scope that only counts the step."""
+        return StepScope(self, batch_size, loss)
+
+    def begin_step(self, batch_size: int | None = None) -> StepScope:
+        """As ``Monitor.begin_step``; measures nothing."""
+        scope = StepScope(self, batch_size, None)
+        self._begin(scope)
+        return scope
+
+    def end_step(self, loss: object = None, *, batch_size: int | None = None) -> None:
+        """As ``Monitor.end_step``; measures nothing."""
+        if self._open is not None:
+            self._end(self._open, failed=False)
+
+    def watch_forward(self, module: Any) -> None:
+        """Nothing to watch."""
+
+    def request_config(self, **_config: Any) -> int:
+        """No job to reconfigure: RuntimeError, as a Monitor without DDP raises."""
+        raise RuntimeError("live reconfiguration needs a distributed job (torshmon is off)")
+
+    @property
+    def steps(self) -> int:
+        """Steps completed so far."""
+        return self._step
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Nothing to close."""
+
+    def __enter__(self) -> NullMonitor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _begin(self, scope: StepScope) -> None:
+        self._open = scope
+
+    def _end(self, scope: StepScope, *, failed: bool) -> None:
+        if scope is self._open:
+            self._open = None
+            self._step += 0 if failed else 1
+
+
+def is_distributed(env: Mapping[str, str]) -> bool:
+    """Whether this process belongs to a distributed job: torch.distributed is
+    initialised, or the launcher said it is one of several ranks (``$WORLD_SIZE``)."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    try:
+        return int(env.get("WORLD_SIZE") or 1) > 1
+    except ValueError:
+        return False
+
+
+def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Monitor | NullMonitor:
     """Start monitoring this rank.
 
     ``module`` is the DistributedDataParallel module (or None to watch
@@ -711,12 +889,18 @@ def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Mon
     reported (1-2% less step time on a 10 ms step of a rank with one core; the straggler
     detector then cannot tell a busy node from a slow rank).
     Every rank must call ``attach`` (it creates a gloo group for the consensus)
-    and ``step`` equally often.
-    Raises RuntimeError if torch.distributed is not initialized or a monitor is
-    already attached in this process, TypeError for a module that is not DDP or a
+    and ``step`` equally often. In a process that is no rank of a distributed job
+    (torch.distributed not initialised and ``$WORLD_SIZE`` unset or 1) it logs one
+    line and returns a ``NullMonitor``: the same API, measuring nothing.
+    Raises RuntimeError if torch.distributed is not initialized in a rank of a
+    distributed job (``$WORLD_SIZE`` > 1: attach came before ``init_process_group``)
+    or a monitor is already attached in this process, TypeError for a module that is not DDP or a
     ``fast_lane`` or ``cpu_wait`` that is not a bool, ValueError for an option out of
     range or ``$TORSHMON_FAST_LANE`` / ``$TORSHMON_CPU_WAIT`` set to no boolean.
     """
+    if not is_distributed(os.environ):
+        log.info("torshmon: not a distributed run (no process group): monitoring is off")
+        return NullMonitor(job or default_job_name(os.environ))
     return Monitor(module, job=job, **options)
 
 

@@ -44,6 +44,10 @@ def summarize_step(raw: RawStep, device: tuple[float, float | None] | None = Non
         backward_s=backward_s,
         optimizer_s=optimizer_s,
         input_wait_s=None if raw.input_wait_ns is None else raw.input_wait_ns * _NS,
+        eval_s=None if raw.eval_ns is None else raw.eval_ns * _NS,
+        between_steps_comm_s=(
+            None if raw.between_steps_comm_ns is None else raw.between_steps_comm_ns * _NS
+        ),
         cpu_wait_s=(
             None
             if raw.cpu_wait_ns is None
