@@ -62,18 +62,21 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._scoring import (
-    GRACE_S,
+    GRACE,
+    ONSET_SLACK_STEPS,
+    SYMPTOM_GRACE_S,
     Episode,
     EpisodeScore,
     FiredAlert,
     RunScore,
+    measured_ratio,
     median,
     min_magnitude_detected,
     score_run,
@@ -482,9 +485,10 @@ def fired_alerts(
 
 def alert_rows(
     alerts: Sequence[FiredAlert], watch: FiringWatch
-) -> list[tuple[str, int | None, float, int | None, int | None]]:
-    """The dump's alerts: rule, rank, fired at, the job's step then, and the last step
-    the aggregator had seen when the benchmark's 50 ms watch first saw it firing."""
+) -> list[tuple[str, int | None, float, int | None, int | None, float | None]]:
+    """The dump's alerts: rule, rank, fired at, the job's step then, the last step the
+    aggregator had seen when the benchmark's 50 ms watch first saw it firing, and when
+    it resolved (None: firing at the end), so a dump can be scored again offline."""
     return [
         (
             a.rule,
@@ -492,6 +496,7 @@ def alert_rows(
             a.fired_at_unix_s,
             a.first_step,
             watch.first_step(a.rule, a.rank, a.fired_at_unix_s),
+            a.ends_at_unix_s,
         )
         for a in alerts
     ]
@@ -522,31 +527,8 @@ async def run_job(plan: JobPlan, seed: int) -> JobOutcome:
             if key.startswith("fault"):
                 events.setdefault(key, value)
     run_end = time.time()
-    episodes = []
-    measured: dict[int, float | None] = {}
-    index = 0
-    for i, ep in enumerate(plan.episodes):
-        periods = []
-        for _ in ep.specs:
-            onset = events.get(f"fault{index}_onset_unix_s")
-            end = events.get(f"fault{index}_end_unix_s", run_end)
-            if onset is not None:
-                periods.append((onset, end))
-            index += 1
-        measured[i] = _measured(ep, rows, plan.world_size)
-        in_scope = ep.in_scope
-        if ep.kind == "memory-leak" and periods:
-            duration = sum(end - start for start, end in periods)
-            rate = ep.magnitude * 1e6 * (ep.end_step - ep.onset_step) / max(duration, 1e-9)
-            measured[i] = rate / 1e6
-            in_scope = rate >= LEAK_SCOPE_BYTES_PER_S
-        if not periods:  # the job never got there: a miss, timed from nothing
-            periods = [(run_end, run_end)]
-        episodes.append(
-            Episode(
-                ep.kind, ep.label, ep.magnitude, ep.rank, ep.onset_step, tuple(periods), in_scope
-            )
-        )
+    episodes = build_episodes(plan.episodes, events, run_end, rows, plan.world_size)
+    measured = {i: ep.measured for i, ep in enumerate(episodes)}
     alerts = fired_alerts(result, watch, rows)
     score = score_run(episodes, alerts, run_end_unix_s=run_end)
     if DUMP_DIR is not None:
@@ -559,6 +541,8 @@ async def run_job(plan: JobPlan, seed: int) -> JobOutcome:
                     "rank": e.rank,
                     "onset_step": e.onset_step,
                     "end_step": e.end_step,
+                    "specs": list(e.specs),
+                    "in_scope": e.in_scope,
                 }
                 for e in plan.episodes
             ],
@@ -586,24 +570,150 @@ async def run_job(plan: JobPlan, seed: int) -> JobOutcome:
     return outcome
 
 
-def _measured(ep: EpisodePlan, rows: list[tuple[Any, ...]], world_size: int) -> float | None:
-    """The fault as the job's ``steps`` rows show it (module docstring)."""
+def build_episodes(
+    plans: Sequence[EpisodePlan],
+    events: dict[str, float],
+    run_end: float,
+    rows: Sequence[Sequence[Any]],
+    world_size: int,
+) -> list[Episode]:
+    """The scored episodes of a job: each plan's on periods from the ranks' fault events
+    (``fault{i}_onset_unix_s``, ``fault{i}_end_unix_s``, i counting the job's specs),
+    the job's step period, and the fault as its ``steps`` rows measured it; a straggler
+    is in scope by its measured ratio, a leak by its measured rate."""
+    period = job_step_period_s(rows)
+    episodes = []
+    index = 0
+    for ep in plans:
+        periods = []
+        for _ in ep.specs:
+            onset = events.get(f"fault{index}_onset_unix_s")
+            end = events.get(f"fault{index}_end_unix_s", run_end)
+            if onset is not None:
+                periods.append((onset, end))
+            index += 1
+        measured = _measured(ep, rows)
+        in_scope = ep.in_scope
+        if ep.kind == "straggler" and measured is not None:
+            in_scope = straggler_in_scope(measured, world_size)
+        if ep.kind == "memory-leak" and periods:
+            duration = sum(end - start for start, end in periods)
+            rate = ep.magnitude * 1e6 * (ep.end_step - ep.onset_step) / max(duration, 1e-9)
+            measured = rate / 1e6
+            in_scope = rate >= LEAK_SCOPE_BYTES_PER_S
+        if not periods:  # the job never got there: a miss, timed from nothing
+            periods = [(run_end, run_end)]
+        episodes.append(
+            Episode(
+                ep.kind,
+                ep.label,
+                ep.magnitude,
+                ep.rank,
+                ep.onset_step,
+                tuple(periods),
+                in_scope,
+                step_period_s=period,
+                measured=measured,
+            )
+        )
+    return episodes
+
+
+def job_step_period_s(rows: Sequence[Sequence[Any]]) -> float:
+    """The job's median step period: the time between consecutive step ends of a rank
+    (``steps.end_unix_ns``), over every rank; 0 without two consecutive steps."""
+    rank_i, step_i, end_i = (COLUMNS.index(c) for c in ("rank", "step", "end_unix_ns"))
+    ends: dict[int, dict[int, int]] = {}
+    for row in rows:
+        if row[end_i] is not None:
+            ends.setdefault(row[rank_i], {})[row[step_i]] = row[end_i]
+    gaps = [
+        (by_step[step] - by_step[step - 1]) / 1e9
+        for by_step in ends.values()
+        for step in by_step
+        if step - 1 in by_step
+    ]
+    return median(gaps) or 0.0
+
+
+def _measured(ep: EpisodePlan, rows: Sequence[Sequence[Any]]) -> float | None:
+    """The fault as the job's ``steps`` rows show it (module docstring): a straggler's
+    ratio (``_scoring.measured_ratio`` over its slow steps), a regression's step time
+    over the 30 steps before it."""
     faulted = set()
     for spec in ep.specs:
         fault = parse_fault(spec)
         faulted |= {s for s in range(fault.start_step, fault.stop_step or fault.start_step + 1)}
-    if ep.kind == "straggler":
-        slow = [r[3] for r in rows if r[1] in faulted and r[0] == ep.rank and r[3] is not None]
-        peers = [r[3] for r in rows if r[1] in faulted and r[0] != ep.rank and r[3] is not None]
-        m_slow, m_peers = median(slow), median(peers)
-        return m_slow / m_peers if m_slow and m_peers else None
+    rank_i, step_i = COLUMNS.index("rank"), COLUMNS.index("step")
+    duration_i, compute_i = COLUMNS.index("duration_s"), COLUMNS.index("compute_s")
+    if ep.kind == "straggler" and ep.rank is not None:
+        return measured_ratio(
+            ((r[rank_i], r[step_i], r[compute_i]) for r in rows), ep.rank, faulted
+        )
     if ep.kind == "regression":
         before = set(range(ep.onset_step - 30, ep.onset_step))
-        during = [r[2] for r in rows if r[1] in faulted and r[2] is not None]
-        normal = [r[2] for r in rows if r[1] in before and r[2] is not None]
+        during = [r[duration_i] for r in rows if r[step_i] in faulted and r[duration_i] is not None]
+        normal = [r[duration_i] for r in rows if r[step_i] in before and r[duration_i] is not None]
         m_during, m_normal = median(during), median(normal)
         return m_during / m_normal if m_during and m_normal else None
     return None
+
+
+def score_dump(dump: dict[str, Any]) -> tuple[RunScore, list[Episode]]:
+    """A job ``--dump`` wrote, scored again (the alerts and fault times it kept): for a
+    change of the scoring, without running the job again. Dumps written before the
+    plan kept its specs rebuild them as the plans do (an on/off straggler: 10 slow
+    steps every 20)."""
+    plans = []
+    for p in dump["plan"]:
+        specs = p.get("specs") or _rebuilt_specs(p)
+        in_scope = p.get("in_scope", _nominal_scope(p, dump["world_size"]))
+        magnitude = math.inf if p["magnitude"] == "nan" else float(p["magnitude"])
+        plans.append(
+            EpisodePlan(
+                p["kind"],
+                p["label"],
+                magnitude,
+                tuple(specs),
+                p["rank"],
+                p["onset_step"],
+                p["end_step"],
+                in_scope,
+            )
+        )
+    rows = [tuple(r) for r in dump["rows"]]
+    run_end = float(dump["run_end_unix_s"])
+    episodes = build_episodes(plans, dump["fault_events"], run_end, rows, dump["world_size"])
+    alerts = [
+        FiredAlert(a[0], a[1], a[2], a[5] if len(a) > 5 else None, a[3]) for a in dump["alerts"]
+    ]
+    return score_run(episodes, alerts, run_end_unix_s=run_end), episodes
+
+
+def _rebuilt_specs(p: dict[str, Any]) -> list[str]:
+    kind, rank, start, end = p["kind"], p["rank"], p["onset_step"], p["end_step"]
+    if kind == "straggler":
+        slow = f"{float(p['magnitude']) - 1:g}"
+        spans = (
+            [(s, s + 10) for s in range(start, end, 20)]
+            if "on/off" in p["label"]
+            else [(start, end)]
+        )
+        return [f"straggler:rank={rank},slowdown={slow},from={a},to={b}" for a, b in spans]
+    if kind == "regression":
+        return [f"regression:slowdown={float(p['magnitude']) - 1:g},from={start},to={end}"]
+    rank_part = f"rank={rank}," if rank is not None else ""
+    return [f"{kind}:{rank_part}from={start},to={end}"]
+
+
+def _nominal_scope(p: dict[str, Any], world_size: int) -> bool:
+    magnitude = math.inf if p["magnitude"] == "nan" else float(p["magnitude"])
+    return {
+        "straggler": straggler_in_scope(magnitude, world_size),
+        "hang": magnitude > 5,
+        "loss-spike": magnitude >= 10,
+        "slow-link": magnitude >= 5,
+    }.get(p["kind"], True)
 
 
 async def run_clean(
@@ -810,21 +920,25 @@ def run_tuning_job() -> list[FiredAlert]:
     return alerts
 
 
-def straggler_thresholds(
-    scores: Sequence[EpisodeScore], by_label: dict[str, list[CurvePoint]]
-) -> dict[str, float | None]:
-    """``straggler_min_ratio_detected_{4,2}`` and, beside each, the compute ratio the
-    steps table measured at that ratio (``_measured``)."""
+def straggler_thresholds(scores: Sequence[EpisodeScore]) -> dict[str, float | None]:
+    """Per world size w of the straggler jobs, ``straggler_min_ratio_detected_{w}``: the
+    smallest ratio the steps table measured from which on every episode (every seed,
+    steady and on/off) was caught naming its rank; and ``..._knob``: the same read on
+    the slowdown asked of the fault (before 2026-12-06 the figure's only scale)."""
     found: dict[str, float | None] = {}
-    for world in (4, 2):
-        labels = [k for k in by_label if k.startswith("straggler") and f"{world} ranks" in k]
-        least = min_magnitude_detected([s for s in scores if s.episode.label in labels])
-        measured = [
-            m for k in labels for p in by_label[k] if p.magnitude == least for m in p.measured
-        ]
-        found[f"straggler_min_ratio_detected_{world}"] = least
-        found[f"straggler_min_ratio_detected_{world}_measured"] = median(measured)
+    stragglers = [s for s in scores if s.episode.kind == "straggler"]
+    worlds = sorted({_world(s.episode.label) for s in stragglers}, reverse=True)
+    for world in worlds:
+        at = [s for s in stragglers if _world(s.episode.label) == world]
+        found[f"straggler_min_ratio_detected_{world}"] = min_magnitude_detected(at)
+        knob = [replace(s, episode=replace(s.episode, measured=None)) for s in at]
+        found[f"straggler_min_ratio_detected_{world}_knob"] = min_magnitude_detected(knob)
     return found
+
+
+def _world(label: str) -> int:
+    """The world size in a straggler label (``straggler steady 4 ranks``)."""
+    return int(label.rsplit(" ", 2)[-2])
 
 
 def build_report(
@@ -845,8 +959,10 @@ def build_report(
         )
     ]
     return {
-        "grace_s": GRACE_S,
-        **straggler_thresholds(scores, by_label),
+        "grace": {kind: {"steps": st, "s": sec} for kind, (st, sec) in GRACE.items()},
+        "symptom_grace_s": SYMPTOM_GRACE_S,
+        "onset_slack_steps": ONSET_SLACK_STEPS,
+        **straggler_thresholds(scores),
         "coverage_median": summary.coverage_median,
         "coverage_median_all_kinds": summary.coverage_median_all,
         "coverage_after_alert_median": summary.coverage_after_alert_median,
@@ -859,6 +975,7 @@ def build_report(
         "median_latency_steps": summary.median_latency_steps,
         "median_latency_s": summary.median_latency_s,
         "worst_latency_s": summary.worst_latency_s,
+        "latency_by_kind": {k: v.as_json() for k, v in summary.latency_by_kind.items()},
         "episodes": len(scores),
         "false_alerts_in_fault_jobs": sorted(false_in_fault_jobs),
         "clean_false_alerts": sum(len(j) for j in clean_jobs) if clean_jobs else None,
@@ -873,18 +990,54 @@ def build_report(
     }
 
 
+def rescore(dirs: Sequence[Path]) -> dict[str, Any]:
+    """The figures of the jobs ``--dump`` wrote into ``dirs`` (fault jobs and clean
+    jobs), scored again with today's scoring."""
+    paths = sorted(p for d in dirs for p in d.glob("*.json"))
+    if not paths:
+        raise SystemExit(f"no dumps (*.json) in {', '.join(map(str, dirs))}")
+    runs, clean = [], []
+    for path in paths:
+        dump = json.loads(path.read_text())
+        if "plan" in dump:
+            runs.append(score_dump(dump)[0])
+        else:
+            clean.append([FiredAlert(a[0], a[1], a[2]) for a in dump["alerts"]])
+    summary = summarize(runs, clean, [])
+    scores = [s for r in runs for s in r.episodes]
+    return {
+        "jobs": len(paths),
+        "episodes": len(scores),
+        **straggler_thresholds(scores),
+        "recall": summary.recall,
+        "recall_all": summary.recall_all,
+        "attribution": summary.attribution,
+        "precision_runs": summary.precision_runs,
+        "precision_units": {"true": summary.true_units, "false": summary.false_units},
+        "coverage_median": summary.coverage_median,
+        "coverage_after_alert_median": summary.coverage_after_alert_median,
+        "median_latency_steps": summary.median_latency_steps,
+        "latency_by_kind": {k: v.as_json() for k, v in summary.latency_by_kind.items()},
+        "false_alerts_in_fault_jobs": sorted(
+            a.name
+            for r in runs
+            for a in (*r.outside, *(x for s in r.episodes for x in (*s.false, *s.wrong_rank)))
+        ),
+    }
+
+
 #: The figures printed before the JSON line.
 HEADLINE = (
     "straggler_min_ratio_detected_4",
-    "straggler_min_ratio_detected_4_measured",
+    "straggler_min_ratio_detected_4_knob",
     "straggler_min_ratio_detected_2",
-    "straggler_min_ratio_detected_2_measured",
+    "straggler_min_ratio_detected_2_knob",
     "recall",
     "attribution",
     "precision_runs",
     "coverage_median",
     "coverage_after_alert_median",
-    "median_latency_steps",
+    "latency_by_kind",
     "clean_false_alerts",
     "tuning_false_alerts",
     "wall_s",
@@ -916,7 +1069,18 @@ def main(argv: list[str] | None = None) -> int:
         default=FAULT_STEPS,
         help=f"steps a straggler or regression lasts, a multiple of 10 >= 30 ({FAULT_STEPS})",
     )
+    parser.add_argument(
+        "--rescore",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="score the jobs --dump wrote into DIR again (no job runs) and print the figures",
+    )
     args = parser.parse_args(argv)
+    if args.rescore is not None:
+        print(json.dumps(rescore(args.rescore)))
+        return 0
     DUMP_DIR = args.dump
     FAULT_STEPS = args.fault_steps
     clean_steps = args.clean_steps or (1000 if args.quick else 10_000)
@@ -942,7 +1106,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print()
     for key in HEADLINE:
-        print(f"{key}: {report[key]}")
+        print(f"{key}: {report.get(key)}")
     print(json.dumps(report))
     return 0
 

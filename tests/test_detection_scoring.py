@@ -12,22 +12,104 @@ from pathlib import Path
 import pytest
 
 from benchmarks._scoring import (
-    GRACE_S,
+    GRACE,
+    SYMPTOM_GRACE_S,
     Episode,
     FiredAlert,
     coverage,
+    grace_s,
+    measured_ratio,
     min_magnitude_detected,
     score_run,
     summarize,
 )
 
 T0 = 1_000_000.0  # the fault's onset, Unix seconds
+STEP_S = 0.03  # the fault jobs' step period
 
 
-def straggler(rank: int = 1, magnitude: float = 1.5, start: float = T0) -> Episode:
+def straggler(
+    rank: int = 1, magnitude: float = 1.5, start: float = T0, onset_step: int = 100
+) -> Episode:
     return Episode(
-        "straggler", "straggler steady 4 ranks", magnitude, rank, 100, ((start, start + 20),)
+        "straggler",
+        "straggler steady 4 ranks",
+        magnitude,
+        rank,
+        onset_step,
+        ((start, start + 20),),
+        step_period_s=STEP_S,
     )
+
+
+def test_an_alert_naming_a_healthy_rank_in_its_old_episodes_grace_is_false() -> None:
+    """Episode A slowed rank 0 and ended 2 s ago (the old 10 s grace would still hold);
+    episode B slows rank 1 now. A Straggler alert naming rank 0 during B is a page naming
+    a healthy rank: false, B's wrong-rank alert, and no second detection of A."""
+    a = Episode("straggler", "s", 1.5, 0, 100, ((T0, T0 + 3),), step_period_s=STEP_S)
+    b = Episode("straggler", "s", 1.5, 1, 250, ((T0 + 5, T0 + 8),), step_period_s=STEP_S)
+    right_a = FiredAlert("Straggler", 0, T0 + 0.15, T0 + 3.5, first_step=104)
+    right_b = FiredAlert("Straggler", 1, T0 + 5.15, T0 + 8.5, first_step=254)
+    healthy = FiredAlert("Straggler", 0, T0 + 6, T0 + 7, first_step=283)
+    run = score_run([a, b], [right_a, right_b, healthy], run_end_unix_s=T0 + 60)
+    score_a, score_b = run.episodes
+    assert score_a.right == [right_a] and score_a.precise
+    assert score_b.right == [right_b]
+    assert score_b.wrong_rank == [healthy] and score_b.named is False and not score_b.precise
+    summary = summarize([run], [], [])
+    assert (summary.true_units, summary.false_units) == (1, 1)
+    assert summary.attribution == 0.5
+    # Without A in the plan the same alert is false too: the plan cannot make it right.
+    alone = score_run([b], [right_b, healthy], run_end_unix_s=T0 + 60)
+    assert alone.episodes[0].wrong_rank == [healthy]
+    assert summarize([alone], [], []).precision_runs == 0.0
+
+
+def test_a_straggler_alert_naming_a_rank_with_no_episode_is_false_between_episodes() -> None:
+    """Between two episodes of rank 0 (past A's grace, before B's onset) no episode acts:
+    the alert is false, though both episodes are near (filed with A, whose job-wide
+    symptoms would still be excused then)."""
+    a = Episode("straggler", "s", 1.5, 0, 100, ((T0, T0 + 3),), step_period_s=STEP_S)
+    b = Episode("straggler", "s", 1.5, 0, 250, ((T0 + 8, T0 + 11),), step_period_s=STEP_S)
+    between = FiredAlert("Straggler", 0, T0 + 3 + 6 * STEP_S)  # 6 steps after A's end
+    run = score_run([a, b], [between], run_end_unix_s=T0 + 60)
+    assert not run.episodes[0].detected and not run.episodes[1].detected
+    assert run.episodes[0].false == [between] and run.outside == []
+    assert summarize([run], [], []).precision_runs == 0.0
+
+
+def test_the_grace_is_a_few_steps_for_stragglers_and_longer_for_hangs_and_leaks() -> None:
+    assert grace_s("straggler", STEP_S) == pytest.approx(5 * STEP_S)
+    assert grace_s("regression", 0.1) == pytest.approx(0.5)
+    assert grace_s("hang", STEP_S) == 5.0
+    assert grace_s("memory-leak", 0.1) == 15.0
+    assert all(steps <= 5 for steps, _ in GRACE.values())
+    ep = straggler()
+    end = T0 + 20
+    in_grace = FiredAlert("Straggler", 1, end + 4.9 * STEP_S, first_step=220)
+    past = FiredAlert("Straggler", 1, end + 5.1 * STEP_S, first_step=221)
+    assert score_run([ep], [in_grace], run_end_unix_s=T0 + 60).episodes[0].detected
+    late = score_run([ep], [past], run_end_unix_s=T0 + 60)
+    assert not late.episodes[0].detected and late.episodes[0].false == [past]
+    hang = Episode("hang", "hang", 10.0, 1, 80, ((T0, T0 + 10),), step_period_s=0.05)
+    after = FiredAlert("Hung Collective", 1, T0 + 14)
+    assert score_run([hang], [after], run_end_unix_s=T0 + 60).episodes[0].detected
+
+
+def test_the_onset_slack_is_one_step_and_an_earlier_alert_is_false() -> None:
+    """An alert within one step period before the onset detects it with latency 0 steps
+    and a negative latency in seconds (never clamped); one earlier is false."""
+    ep = straggler()
+    just = FiredAlert("Straggler", 1, T0 - 0.8 * STEP_S, first_step=99)
+    early = FiredAlert("Straggler", 1, T0 - 1.2 * STEP_S, T0 - 0.5 * STEP_S, first_step=98)
+    run = score_run([ep], [just], run_end_unix_s=T0 + 60)
+    assert run.episodes[0].latency_steps == 0
+    assert run.episodes[0].latency_s == pytest.approx(-0.8 * STEP_S)
+    run = score_run([ep], [early], run_end_unix_s=T0 + 60)
+    assert not run.episodes[0].detected and run.outside == [early]
+    # 0.5 s before the onset (the old slack, ~17 steps) is false as well.
+    half = FiredAlert("Straggler", 1, T0 - 0.5, first_step=84)
+    assert score_run([ep], [half], run_end_unix_s=T0 + 60).outside == [half]
 
 
 def test_the_right_rule_naming_the_right_rank_in_the_window_detects() -> None:
@@ -62,10 +144,10 @@ def test_a_wrong_rank_alert_beside_the_right_one_detects_but_is_not_precise() ->
     assert summarize([run], [], []).precision_runs == 0.0
 
 
-def test_a_symptom_is_excused_only_inside_the_window() -> None:
-    inside = FiredAlert("Step Time Anomaly", 3, T0 + 20 + GRACE_S - 1)
-    late = FiredAlert("Step Time Anomaly", 3, T0 + 20 + GRACE_S + 1)
-    early = FiredAlert("Step Time Anomaly", 3, T0 - 5)
+def test_a_job_wide_symptom_is_excused_only_inside_its_window() -> None:
+    inside = FiredAlert("Step Time Anomaly", None, T0 + 20 + SYMPTOM_GRACE_S - 1)
+    late = FiredAlert("Step Time Anomaly", None, T0 + 20 + SYMPTOM_GRACE_S + 1)
+    early = FiredAlert("Step Time Anomaly", None, T0 - 5)
     run = score_run([straggler()], [early, inside, late], run_end_unix_s=T0 + 90)
     assert run.episodes[0].symptoms == [inside]
     assert run.outside == [early, late]
@@ -73,10 +155,13 @@ def test_a_symptom_is_excused_only_inside_the_window() -> None:
 
 def test_the_expected_rule_before_the_onset_or_after_the_grace_is_false() -> None:
     early = FiredAlert("Straggler", 1, T0 - 3, T0 - 1)
-    late = FiredAlert("Straggler", 1, T0 + 20 + GRACE_S + 2)
+    late = FiredAlert("Straggler", 1, T0 + 20 + 2)
     run = score_run([straggler()], [early, late], run_end_unix_s=T0 + 90)
     assert not run.episodes[0].detected
-    assert run.outside == [early, late]
+    assert run.outside == [early]
+    # 2 s after the end: past a straggler's grace, inside the symptom window, so filed
+    # with the episode as a false alert (it is no symptom: it names a rank).
+    assert run.episodes[0].false == [late]
     assert summarize([run], [], []).precision_runs == 0.0
 
 
@@ -208,6 +293,67 @@ def test_min_magnitude_needs_every_episode_from_there_up() -> None:
     assert min_magnitude_detected(run.episodes) == 1.5
     assert min_magnitude_detected(run.episodes[:1]) == 1.2
     assert min_magnitude_detected([run.episodes[1]]) is None
+
+
+def test_latency_is_reported_per_kind() -> None:
+    """A fast straggler and a slow leak: each kind's median and worst, not one pool."""
+    runs = []
+    for i, (lat_steps, lat_s) in enumerate(((4, 0.12), (6, 0.18), (9, 0.27))):
+        start = T0 + 100 * i
+        ep = straggler(start=start, onset_step=100)
+        alert = FiredAlert("Straggler", 1, start + lat_s, first_step=100 + lat_steps - 1)
+        runs.append(score_run([ep], [alert], run_end_unix_s=start + 60))
+    leak = Episode("memory-leak", "leak", 8.0, 0, 50, ((T0, T0 + 30),), step_period_s=0.1)
+    runs.append(
+        score_run(
+            [leak], [FiredAlert("Memory Leak", 0, T0 + 11, first_step=160)], run_end_unix_s=T0 + 60
+        )
+    )
+    by_kind = summarize(runs, [], []).latency_by_kind
+    assert sorted(by_kind) == ["memory-leak", "straggler"]
+    stragglers = by_kind["straggler"]
+    assert (stragglers.median_steps, stragglers.worst_steps) == (6, 9)
+    assert stragglers.median_s == pytest.approx(0.18)
+    assert stragglers.worst_s == pytest.approx(0.27)
+    assert (by_kind["memory-leak"].median_steps, by_kind["memory-leak"].worst_s) == (111, 11)
+
+
+def test_coverage_counts_a_missed_episode_as_zero() -> None:
+    caught = straggler(start=T0)
+    missed = straggler(start=T0 + 100, onset_step=300)
+    alert = FiredAlert("Straggler", 1, T0 + 2, T0 + 20, first_step=160)  # covers 18 of 20 s
+    run = score_run([caught, missed], [alert], run_end_unix_s=T0 + 200)
+    summary = summarize([run], [], [])
+    assert summary.coverage_median == pytest.approx((0.9 + 0.0) / 2)
+    assert summary.coverage_after_alert_median == pytest.approx(1.0)  # detected ones only
+
+
+def test_the_measured_ratio_is_the_slow_ranks_compute_over_its_peers_median() -> None:
+    """Rows (rank, step, compute_s): rank 1 takes 26 ms where its three peers take 20,
+    21 and 22 ms (median 21), in the episode's steps; other steps and ranks missing a
+    compute are left out."""
+    rows: list[tuple[int, int, float | None]] = []
+    for step in range(100, 110):
+        rows += [(0, step, 0.020), (1, step, 0.026), (2, step, 0.021), (3, step, 0.022)]
+    rows += [(1, 50, 0.1), (0, 50, 0.02), (1, 105, None)]
+    assert measured_ratio(rows, 1, range(100, 110)) == pytest.approx(0.026 / 0.021)
+    assert measured_ratio(rows, 1, range(200, 210)) is None
+
+
+def test_the_magnitude_scored_is_the_measured_one() -> None:
+    """Knob 1.2 measured 1.27, knob 1.3 measured 1.25: the smallest ratio from which on
+    everything was caught is read on the measured scale."""
+
+    def ep(knob: float, measured: float, caught: bool, i: int) -> tuple[Episode, list[FiredAlert]]:
+        start = T0 + 1000 * i
+        e = Episode("straggler", "s", knob, 1, 10, ((start, start + 20),), measured=measured)
+        return e, [FiredAlert("Straggler", 1, start + 1)] if caught else []
+
+    timeline = [ep(1.2, 1.27, True, 0), ep(1.3, 1.25, False, 1), ep(1.5, 1.52, True, 2)]
+    run = score_run(
+        [e for e, _ in timeline], [a for _, al in timeline for a in al], run_end_unix_s=T0 + 9999
+    )
+    assert min_magnitude_detected(run.episodes) == pytest.approx(1.27)
 
 
 def test_the_sweep_plans_faults_that_parse_and_do_not_overlap() -> None:
