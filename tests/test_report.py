@@ -111,8 +111,8 @@ def test_bad_input_is_one_line_and_status_2(
         assert err.startswith("torshmon report: "), err
 
 
-def test_alerts_link_the_evidence_captured_for_them(db: Path) -> None:
-    # Evidence rows as the aggregator stores them (history.models' evidence tables).
+def _add_evidence(db: Path) -> None:
+    """Evidence rows as the aggregator stores them (history.models' evidence tables)."""
     url = f"sqlite:///{db}"
     engine = make_engine(url)
     tables = Base.metadata.tables
@@ -165,7 +165,11 @@ def test_alerts_link_the_evidence_captured_for_them(db: Path) -> None:
             ],
         )
     engine.dispose()
-    report = report_from_db(url, h.JOB, now_unix_s=h.T0 + 100)
+
+
+def test_alerts_link_the_evidence_captured_for_them(db: Path) -> None:
+    _add_evidence(db)
+    report = report_from_db(f"sqlite:///{db}", h.JOB, now_unix_s=h.T0 + 100)
     (straggler,) = [a for a in report.alerts if a.rule == "Straggler"]
     assert [(e.name, e.url) for e in straggler.evidence] == [
         ("rank 1 profile.json", "/api/v1/evidence/c1/1/profile.json"),
@@ -258,3 +262,31 @@ def test_a_job_that_ended_before_the_report_is_ended_everywhere(
     row |= {"first_seen_unix_ns": int(h.T0 * 1e9), "last_seen_unix_ns": int(last_seen * 1e9)}
     assert "badge running" not in render_index([row], last_seen + ENDED_AFTER_S + 1)
     assert "badge running" in render_index([row], last_seen + 2)
+
+
+def test_an_offline_page_links_copies_of_its_evidence_beside_it(
+    db: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``report --html out.html``: a link to the aggregator's /api/v1/evidence/... is a
+    file:///api/... in a browser; the page links copies in out_evidence/ instead."""
+    import urllib.parse
+
+    _add_evidence(db)
+    # The files of c1 and c2 where the aggregator keeps them (beside a SQLite history);
+    # c1's profile is gone (pruned).
+    kept = db.with_name(db.name + ".evidence")
+    (kept / "c2/1").mkdir(parents=True)
+    (kept / "c2/1/fr.json").write_bytes(b"\x1f\x8bflight recorder")
+    out = tmp_path / "pages" / "out.html"
+    out.parent.mkdir()
+    assert main(["report", h.JOB, "--db", str(db), "--html", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert f"evidence: 1 files in {out.parent / 'out_evidence'}/" in captured.out
+    assert captured.err == "evidence not copied: rank 1 profile.json: No such file or directory\n"
+    page = out.read_text()
+    hrefs = re.findall(r'<a href="([^"]*)">rank 1 [a-z_.]+</a>', page)
+    assert hrefs == ["out_evidence/c2/rank1-fr.json.gz"]
+    # Relative to the page, as a browser resolves it, it is the stored file.
+    copy = out.parent / urllib.parse.unquote(hrefs[0])
+    assert copy.read_bytes() == b"\x1f\x8bflight recorder"
+    assert "/api/v1/evidence" not in page

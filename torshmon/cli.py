@@ -249,7 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--html",
         type=Path,
         metavar="FILE",
-        help="also write the report as one self-contained HTML page with plots",
+        help="also write the report as one self-contained HTML page with plots; the "
+        "evidence its alerts link to is copied beside it (FILE_evidence/)",
+    )
+    report.add_argument(
+        "--evidence-dir",
+        metavar="DIR",
+        help="with --db: the aggregator's evidence folder ($TORSHMON_EVIDENCE_DIR; default "
+        "beside a SQLite history, <db>.evidence)",
     )
 
     db = command("db", "history database maintenance", env="db")
@@ -531,15 +538,24 @@ def _run_report(args: argparse.Namespace, redact: Redactor) -> int:
     from torshmon.history.db import DatabaseConfigError, db_url
     from torshmon.history.reader import query_db_url
     from torshmon.report import ReportError, render_text
-    from torshmon.report.source import report_from_aggregator, report_from_db
+    from torshmon.report.source import (
+        evidence_from_aggregator,
+        evidence_from_db,
+        report_from_aggregator,
+        report_from_db,
+        save_evidence,
+    )
 
     try:
         if args.aggregator is not None:
             base = _aggregator_url(argparse.Namespace(url=args.aggregator), {})
             token = _token(args, redact, os.environ) or os.environ.get("TORSHMON_TOKEN", "")
             report = report_from_aggregator(base, args.job, token.strip() or None)
+            read_evidence = evidence_from_aggregator(base, token.strip() or None)
         else:
-            report = report_from_db(query_db_url(None, db_url(args.db)), args.job)
+            url = db_url(args.db)
+            report = report_from_db(query_db_url(None, url), args.job)
+            read_evidence = evidence_from_db(url, args.evidence_dir)
     except (ReportError, DatabaseConfigError, ValueError) as exc:
         return _fail("report", redact, str(exc), USAGE_ERROR)
     print(render_text(report), end="")
@@ -547,10 +563,17 @@ def _run_report(args: argparse.Namespace, redact: Redactor) -> int:
         from torshmon.report.page import render_page
 
         try:
-            args.html.write_text(render_page(report), encoding="utf-8")
+            # The page is a file: its evidence links lead to copies beside it.
+            saved = save_evidence(report, args.html, read_evidence)
+            args.html.write_text(render_page(saved.report), encoding="utf-8")
         except OSError as exc:
-            return _fail("report", redact, f"cannot write {args.html}: {exc.strerror}", USAGE_ERROR)
+            where = exc.filename or args.html
+            return _fail("report", redact, f"cannot write {where}: {exc.strerror}", USAGE_ERROR)
         print(f"page written to {args.html}")
+        if saved.written:
+            print(f"evidence: {saved.written} files in {saved.folder}/, linked from the page")
+        for line in saved.missing:
+            print(f"evidence not copied: {line}", file=sys.stderr)
     return 0
 
 

@@ -3,25 +3,35 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
+import re
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Final
 
 import msgspec
+from sqlalchemy import select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from torshmon.history.db import DatabaseConfigError, make_engine
 from torshmon.history.store.report import job_names, load_job_history
 from torshmon.redact import redact_url
-from torshmon.report.model import JobReport, build_report, from_json
+from torshmon.report.model import EvidenceLink, JobReport, build_report, from_json
 
 #: The aggregator's route that answers a job's report as JSON (``to_json``).
 REPORT_DATA_PATH: Final = "/api/v1/jobs/{job}/summary"
+#: An evidence file's download route, as the history's links name it.
+_EVIDENCE_PATH: Final = re.compile(r"/api/v1/evidence/([^/?#]+)/([0-9]+)/([^/?#]+)")
+#: What a file of evidence is read with: the link's capture, rank and name in, the
+#: stored (gzip) bytes out; OSError or ReportError when it cannot be had.
+EvidenceReader = Callable[[str, int, str], bytes]
 
 
 class HistoryReports:
@@ -104,3 +114,116 @@ def _error_text(exc: urllib.error.HTTPError) -> str:
     except ValueError:
         return exc.reason or ""
     return str(payload.get("error", "")) if isinstance(payload, dict) else ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SavedEvidence:
+    """What ``save_evidence`` did: the report with relative links, the folder, and the
+    files that could not be had (``rank 1 profiler_trace.json: why``)."""
+
+    report: JobReport
+    folder: Path
+    written: int
+    missing: tuple[str, ...]
+
+
+def evidence_folder(page: Path) -> Path:
+    """Where an offline page's evidence goes: ``out_evidence/`` beside ``out.html``."""
+    return page.with_name(f"{page.stem}_evidence")
+
+
+def save_evidence(report: JobReport, page: Path, read: EvidenceReader) -> SavedEvidence:
+    """Copy the evidence files ``report``'s alerts link to beside ``page`` (an offline
+    HTML report): ``<stem>_evidence/<capture>/rank<rank>-<name>.gz``, gzip as stored,
+    which Perfetto and HTA open. The report comes back with links relative to the page
+    (a link to the aggregator's ``/api/v1/...`` leads nowhere from a file); a file that
+    cannot be had loses its link and is named in ``missing``. OSError if the folder
+    cannot be written."""
+    folder = evidence_folder(page)
+    copied: dict[str, str] = {}
+    missing: list[str] = []
+    alerts = []
+    for alert in report.alerts:
+        links = []
+        for link in alert.evidence:
+            if link.url not in copied:
+                match = _EVIDENCE_PATH.fullmatch(link.url)
+                if match is None:
+                    missing.append(f"{link.name}: not an evidence link ({link.url})")
+                    continue
+                capture, rank, name = (urllib.parse.unquote(g) for g in match.groups())
+                if not _safe_segment(capture) or not _safe_segment(name):
+                    missing.append(f"{link.name}: not an evidence link ({link.url})")
+                    continue
+                try:
+                    data = read(capture, int(rank), name)
+                except (OSError, ReportError) as exc:
+                    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                    missing.append(f"{link.name}: {why}")
+                    continue
+                relative = f"{capture}/rank{rank}-{name}.gz"
+                target = folder / relative
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+                copied[link.url] = urllib.parse.quote(f"{folder.name}/{relative}")
+            links.append(EvidenceLink(link.name, copied[link.url]))
+        alerts.append(dataclasses.replace(alert, evidence=tuple(links)))
+    local = dataclasses.replace(report, alerts=tuple(alerts))
+    return SavedEvidence(local, folder, len(copied), tuple(missing))
+
+
+def _safe_segment(text: str) -> bool:
+    """A capture id or file name that stays one path segment under the folder."""
+    return bool(text) and text not in (".", "..") and "/" not in text and "\\" not in text
+
+
+def evidence_from_db(url: str, evidence_dir: str | None) -> EvidenceReader:
+    """Reads evidence files as the aggregator keeps them for the history at ``url``:
+    each row's ``path`` under ``evidence_dir`` (by default the aggregator's:
+    ``$TORSHMON_EVIDENCE_DIR``, else beside a SQLite history)."""
+    from torshmon.aggregator.settings import default_evidence_dir
+    from torshmon.history.models import EvidenceFile
+
+    folder = Path(
+        evidence_dir or os.environ.get("TORSHMON_EVIDENCE_DIR") or default_evidence_dir(url)
+    )
+
+    def read(capture: str, rank: int, name: str) -> bytes:
+        engine = make_engine(url, read_only=True)
+        try:
+            with engine.connect() as conn:
+                files = EvidenceFile.__table__
+                path = conn.execute(
+                    select(files.c.path).where(
+                        files.c.capture_id == capture, files.c.rank == rank, files.c.name == name
+                    )
+                ).scalar()
+        finally:
+            engine.dispose()
+        if not path:
+            raise ReportError("not in the history")
+        target = folder / str(path)
+        if not target.resolve().is_relative_to(folder.resolve()):
+            raise ReportError(f"its path {path!r} leaves {folder}")
+        return target.read_bytes()
+
+    return read
+
+
+def evidence_from_aggregator(base_url: str, token: str | None) -> EvidenceReader:
+    """Reads evidence files from the aggregator at ``base_url`` (its download route)."""
+
+    def read(capture: str, rank: int, name: str) -> bytes:
+        path = "/".join(urllib.parse.quote(p, safe="") for p in (capture, str(rank), name))
+        request = urllib.request.Request(f"{base_url.rstrip('/')}/api/v1/evidence/{path}")
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return bytes(response.read())
+        except urllib.error.HTTPError as exc:
+            raise ReportError(f"HTTP {exc.code}: {_error_text(exc)}") from None
+        except urllib.error.URLError as exc:
+            raise ReportError(f"cannot reach {redact_url(base_url)}: {exc.reason}") from None
+
+    return read
