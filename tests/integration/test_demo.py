@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from tests.test_notify import check_block_kit
-from torshmon.aggregator.notify.targets import SlackTarget
+from torshmon.aggregator.notify.targets import SlackTarget, WebhookTarget
 from torshmon.demo import DemoConfig, run_system
 from torshmon.faults import parse_fault
 from torshmon.history.query import run_query
@@ -83,13 +83,19 @@ async def test_injected_straggler_fires_names_the_rank_notifies_slack_and_resolv
     tmp_path: Path,
 ) -> None:
     received: list[tuple[float, dict[str, Any]]] = []
+    hooked: list[dict[str, Any]] = []
 
     async def slack(request: web.Request) -> web.Response:
         received.append((time.time(), await request.json()))
         return web.Response(text="ok")
 
+    async def webhook(request: web.Request) -> web.Response:
+        hooked.append(await request.json())
+        return web.Response(text="ok")
+
     app = web.Application()
     app.router.add_post("/services/T000/B000/XXXX", slack)
+    app.router.add_post("/hook", webhook)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -109,7 +115,11 @@ async def test_injected_straggler_fires_names_the_rank_notifies_slack_and_resolv
             quiet=True,
         )
         result = await run_system(
-            config, targets=[SlackTarget(f"http://127.0.0.1:{port}/services/T000/B000/XXXX")]
+            config,
+            targets=[
+                SlackTarget(f"http://127.0.0.1:{port}/services/T000/B000/XXXX"),
+                WebhookTarget(f"http://127.0.0.1:{port}/hook"),
+            ],
         )
     finally:
         await runner.cleanup()
@@ -138,6 +148,15 @@ async def test_injected_straggler_fires_names_the_rank_notifies_slack_and_resolv
     resolved = [m["text"] for m in messages if "resolved" in m["text"].lower()]
     assert any(names_rank_1(t) and "demo" in t for t in firing), firing
     assert any(names_rank_1(t) for t in resolved), resolved
+    # The firing Straggler's message links its evidence at the demo aggregator's real
+    # address (its port was 0, "any free port", in the settings the link came from).
+    links = re.findall(r"https?://[^\s\"'<>|]+", str(messages))
+    assert f"http://127.0.0.1:{result.port}/api/v1/evidence?job=demo" in links, links
+    assert all(link.startswith(f"http://127.0.0.1:{result.port}/") for link in links), links
+    assert hooked, "the webhook got no message"
+    for payload in hooked:
+        assert payload["externalURL"] == f"http://127.0.0.1:{result.port}", payload
+        assert {a["generatorURL"] for a in payload["alerts"]} == {payload["externalURL"]}
 
     # The rows behind it: every step of both ranks, in SQL.
     counts = run_query(

@@ -311,6 +311,9 @@ class Aggregator:
         site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
+        if self.settings.external_url == f"http://{self.settings.host}:0":
+            # Derived from port 0 (any free port): messages link to the port it got.
+            self.notifier.set_external_url(f"http://{self.settings.host}:{self.port}")
         self._tasks = [
             asyncio.create_task(self._evaluate_forever(), name="aggregator-evaluate"),
             asyncio.create_task(self._retention_forever(), name="aggregator-retention"),

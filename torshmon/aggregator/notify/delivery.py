@@ -205,6 +205,13 @@ class Notifier:
         self._started = False
         self._closed = False
 
+    def set_external_url(self, url: str) -> None:
+        """Messages from now on link to ``url``: the aggregator's address once it
+        listens (a configured port 0 is known only then), not ``http://host:0``."""
+        self._settings = replace(self._settings, external_url=url)
+        for worker in self._workers:
+            worker._s = self._settings
+
     async def start(self) -> None:
         """Start one worker task per target. RuntimeError if started before."""
         if self._started or self._closed:
