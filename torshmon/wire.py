@@ -332,6 +332,22 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="hello", ta
     probe_version: Label
 
 
+class Closing(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A rank's monitoring ended: its job called ``close()`` (``reason`` "close"), or its
+    process exited (``reason`` "exit": close() run at interpreter exit). A rank that
+    closed waits in no collective and holds none up.
+
+    ``collectives``: those run after the rank's last step (a final evaluation, gathers),
+    aggregated as a step's are; they belong to no step that ended, so they are filed
+    under ``step``, the number the next step would have had, at ``end_unix_ns``.
+    """
+
+    step: Count
+    end_unix_ns: Int64
+    reason: Label = "close"
+    collectives: list[CollectiveStat] = []
+
+
 class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", tag_field="kind"):
     """Step records of one rank since the previous batch, plus its in-flight ops.
 
@@ -348,6 +364,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", ta
     ``urgent``: the probe's fast lane is open (a step out of line with the rank's recent
     ones); the agent forwards it without waiting to gather more. ``evidence``: files of an
     evidence capture (at most one per batch, so a frame stays under its limit).
+    ``closing``: set in the rank's last batch, when its monitoring ends (``Closing``).
     """
 
     v: int
@@ -365,6 +382,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="batch", ta
     groups: list[ProcessGroupMembers] = []
     evidence: list[EvidenceFile] = []
     collective_failures: list[CollectiveFailures] = []
+    closing: Closing | None = None
 
 
 class Ack(msgspec.Struct, frozen=True, kw_only=True, tag="ack", tag_field="kind"):

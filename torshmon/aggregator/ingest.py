@@ -542,6 +542,12 @@ def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
                     "applied_unix_ns": step.end_unix_ns,
                 },
             )
+    closing = batch.closing
+    if closing is not None and closing.collectives:
+        # Run after the rank's last step: filed under the step that never ended.
+        at = (job, rank, closing.step, closing.end_unix_ns)
+        bulk["collectives"].extend(_COLLECTIVES.rows(at, _COLLECTIVES.values(closing.collectives)))
+        samples += SAMPLES_PER_COLLECTIVE * len(closing.collectives)
     if batch.inflight:
         bulk["inflight_reports"].extend(
             _INFLIGHT.rows((job, rank, batch.sent_unix_ns), _INFLIGHT.values(batch.inflight))

@@ -34,7 +34,7 @@ from torshmon.probe.inflight import InflightTable
 from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkCheckRequest
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
 from torshmon.probe.runqueue import ProcessRunQueue, RunQueueClock
-from torshmon.probe.shipper import Shipper, StepOutbox
+from torshmon.probe.shipper import Ending, Shipper, StepOutbox
 from torshmon.probe.timing import DeviceClock, StepMarks
 from torshmon.ratelog import LogLimiter
 from torshmon.version import __version__
@@ -239,7 +239,7 @@ class Monitor:
         if self._shipper.native_id is not None:
             # The shipper's wait for a CPU (it runs at a lower priority) holds no step back.
             self._process_runqueue.leave_out(self._shipper.native_id)
-        atexit.register(self.close)
+        atexit.register(self._close_at_exit)
 
     # -- public API -------------------------------------------------------------------
     def step(self, batch_size: int | None = None, loss: object = None) -> StepScope:
@@ -330,11 +330,24 @@ class Monitor:
 
         Restores the original collectives; the comm hook stays registered (DDP
         cannot unregister it) but becomes a plain all-reduce. Safe to call twice.
+        The last batch says the rank closed, with the collectives run since its last
+        step: its peers' hang checks never wait for it from then on.
         """
+        self._close(timeout_s, "close")
+
+    def _close_at_exit(self) -> None:
+        """close() at interpreter exit, for a job that never called it (atexit)."""
+        self._close(5.0, "exit")
+
+    def _close(self, timeout_s: float, reason: str) -> None:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
+        # What ran after the last step (a final evaluation's gathers) belongs to no
+        # step: it goes with the closing mark, filed under the step that never ended.
+        events, self._events = self._events, StepEvents()
+        ending = Ending(self._step + 1, time.time_ns(), reason, events)
         if self._reconfig is not None:
             self._reconfig.close()
         self._tracer.uninstall()
@@ -344,7 +357,7 @@ class Monitor:
         self._evidence.close()
         self._runqueue.close()
         self._process_runqueue.close()
-        self._shipper.close(timeout_s)
+        self._shipper.close(timeout_s, ending)
 
     def _remove_hooks(self) -> None:
         for handle in [*self._handles, *self._grad_hooks.values()]:

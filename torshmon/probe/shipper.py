@@ -42,22 +42,24 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import msgspec
 
 from torshmon.backoff import backoff_s
-from torshmon.probe.events import RawStep
+from torshmon.probe.events import RawStep, StepEvents
 from torshmon.probe.fastlane import FastLane
 from torshmon.probe.groups import GroupRegistry
 from torshmon.probe.inflight import InflightTable
-from torshmon.probe.summary import summarize_step
+from torshmon.probe.summary import aggregate_collectives, summarize_step
 from torshmon.probe.timing import PendingTiming, StepGate, resolve, resolve_buckets
 from torshmon.ratelog import LogLimiter
 from torshmon.wire import (
     FRAME_HEADER,
     SCHEMA_VERSION,
     Batch,
+    Closing,
     Command,
     CommandAck,
     EvidenceFile,
@@ -223,6 +225,18 @@ def check_agent(sock: socket.socket, path: str, trusted_uids: frozenset[int]) ->
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """What a rank's monitor hands its shipper as it closes: why (``reason`` "close" or
+    "exit"), when (``end_unix_ns``), and the collectives run since its last step
+    (``events``), filed under ``step``, the number the next step would have had."""
+
+    step: int
+    end_unix_ns: int
+    reason: str = "close"
+    events: StepEvents | None = None
+
+
 class Shipper:
     """The background thread that batches step records and sends them to the agent.
 
@@ -236,7 +250,8 @@ class Shipper:
     the agent may have stored it under its seq.
     An agent served by a uid outside ``trusted_uids`` (default: trusted_agent_uids())
     is treated as no agent. ``groups``: this rank's process groups, sent as it says.
-    ``start()`` once, ``close()`` any number of times.
+    ``start()`` once, ``close()`` any number of times: the first sends a last batch that
+    says the rank closed (``wire.Closing``), whatever else it carries.
     """
 
     def __init__(
@@ -296,6 +311,8 @@ class Shipper:
         self._was_connected = False
         self._down_log = LogLimiter()  # once per outage
         self._stop = threading.Event()
+        self._ending: Ending | None = None
+        self._last_step = 0  # the newest step summarised
         self._last_urgent = -math.inf
         self._thread = threading.Thread(target=self._run, name="torshmon-shipper", daemon=True)
 
@@ -312,10 +329,13 @@ class Shipper:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Flush what can be sent within ``timeout_s`` and stop the thread."""
+    def close(self, timeout_s: float = 5.0, ending: Ending | None = None) -> None:
+        """Flush what can be sent within ``timeout_s``, with the mark that the rank closed
+        (``ending``, else a plain close after the last step summarised), and stop the
+        thread."""
         if self._stop.is_set():
             return
+        self._ending = ending
         self._stop.set()
         self._outbox.wake.set()
         if self._thread.is_alive():
@@ -377,6 +397,7 @@ class Shipper:
         steps = [self._summarize(raw) for raw in self._gate.ready(final=final)]
         now = time.monotonic()
         if steps:
+            self._last_step = steps[-1].step
             self._pending += steps
             self.fast_lane.observe(steps, now)
         urgent = (
@@ -405,6 +426,23 @@ class Shipper:
         record = summarize_step(raw, split)
         return replace_clock(record, "host" if unread else "device")
 
+    def _closing(self) -> Closing:
+        """The mark of the rank's last batch, with the collectives run since its last
+        step (their device timings read where ready, as a step's)."""
+        ending = self._ending
+        if ending is None:
+            return Closing(step=self._last_step + 1, end_unix_ns=time.time_ns())
+        collectives = [] if ending.events is None else ending.events.collectives
+        if any(e.device is not None for e in collectives):
+            collectives, unread = resolve(collectives)
+            self.device_timings_unread_total += unread
+        return Closing(
+            step=ending.step,
+            end_unix_ns=ending.end_unix_ns,
+            reason=ending.reason,
+            collectives=aggregate_collectives(collectives),
+        )
+
     def _cycle(self, *, final: bool, urgent: bool = False) -> None:
         steps, self._pending = self._pending, []
         for start in range(0, len(steps), self._max_steps_per_batch):
@@ -426,6 +464,11 @@ class Shipper:
             self._enqueue([])  # heartbeat: carries in-flight ops of a stuck rank
         while self.evidence and len(self._unacked) < 4:
             self._enqueue([], evidence=True)
+        if final:
+            # Always a last batch: the aggregator learns the rank finished, and the
+            # in-flight ops of its previous batch (a gather after the last step) are
+            # not left standing as if it still waited in them.
+            self._enqueue([], closing=self._closing())
         if final or not urgent or (self._unacked[-1] if self._unacked else None) is not tail:
             # An urgent send with nothing new since the first call has sent all it
             # may: a second call would only look for acks again (a select on the
@@ -433,7 +476,12 @@ class Shipper:
             self._send_unacked(wait=final or not urgent)
 
     def _enqueue(
-        self, steps: list[StepRecord], *, urgent: bool = False, evidence: bool = False
+        self,
+        steps: list[StepRecord],
+        *,
+        urgent: bool = False,
+        evidence: bool = False,
+        closing: Closing | None = None,
     ) -> None:
         # Make room first, so the count stamped on this batch includes what it evicts.
         excess = self._buffered_steps + len(steps) - self._max_buffered_steps
@@ -470,6 +518,7 @@ class Shipper:
                 urgent=last.urgent or urgent,
                 groups=groups or last.groups,
                 collective_failures=failures,
+                closing=closing,
             )
             self._buffered_steps += len(steps)
             return
@@ -489,6 +538,7 @@ class Shipper:
             groups=groups,
             evidence=self.evidence.take() if evidence else [],
             collective_failures=failures,
+            closing=closing,
         )
         self._unacked.append(batch)
         self._buffered_steps += len(steps)

@@ -63,6 +63,15 @@ no hang. A report that arrived late (more than ``LATE_ALLOWANCE_S`` after its ow
 as a probe's buffered batches do when it catches up after its agent came back)
 vouches for that much less of the time since: the rank's newer reports may be on
 their way just as late.
+
+A rank that finished is never a culprit. A probe's last batch says its rank closed
+(``close()``, or the process's exit): from then on the rank waits in nothing and is
+never named missing, and an op held up only by ranks that closed is no hang - what a
+closed rank does since is unknown (it ended, or runs on unmonitored), and a clean job's
+last reports, taken while a rank waited in a final gather, would otherwise age into
+one. A rank's next report (it attached again) opens it again. The agent's view of an
+exited process comes later (its next node sample) and cannot tell a clean exit from a
+crash: an exited rank that never said it closed is still named, as exited.
 """
 
 from __future__ import annotations
@@ -174,6 +183,8 @@ class _Report:
     #: ``LATE_ALLOWANCE_S``; 0 on time): a probe replaying the batches it buffered
     #: while its agent was away delivers each late, and newer ones are still on the way.
     late_s: float = 0.0
+    #: The rank's probe closed (its last batch): it finished, or runs on unmonitored.
+    closed: bool = False
 
 
 @dataclass(slots=True)
@@ -283,10 +294,13 @@ class HangDetector:
         inflight: Sequence[InflightLike],
         node: str | None = None,
         received_unix_s: float | None = None,
+        *,
+        closed: bool = False,
     ) -> None:
         """Record a rank's latest in-flight report (an empty list: in no collective),
         current at ``ts_unix_s``, delivered by the agent of ``node`` (None: unknown) at
-        ``received_unix_s`` (None: at ``ts_unix_s``; see ``_Report.late_s``).
+        ``received_unix_s`` (None: at ``ts_unix_s``; see ``_Report.late_s``); ``closed``:
+        it is the last report of the rank's probe (``wire.Closing``).
 
         A report older than the one held for the rank is ignored. Raises ValueError if
         ``rank`` is negative or outside a declared world size.
@@ -303,9 +317,10 @@ class HangDetector:
         if received_unix_s is not None and math.isfinite(received_unix_s):
             late = max(0.0, received_unix_s - ts_unix_s - LATE_ALLOWANCE_S)
         if held is None:
-            state.reports[rank] = _Report(ts_unix_s, ops, node, late)
+            state.reports[rank] = _Report(ts_unix_s, ops, node, late, closed)
         else:
             held.ts_unix_s, held.ops, held.node, held.late_s = ts_unix_s, ops, node, late
+            held.closed = closed
         for op in ops:
             if op.peer is None and op.pg != DEFAULT_PG:
                 state.members.setdefault(op.pg, set()).add(rank)
@@ -376,6 +391,7 @@ class HangDetector:
             (r, rep)
             for r, rep in state.reports.items()
             if rep.ops
+            and not rep.closed
             and now - rep.ts_unix_s <= timeout
             and not self._quiet(rep, now)
             and (job, r) not in self._gone
@@ -403,10 +419,12 @@ class HangDetector:
             if (block := self._group_block(state, pg, groups[pg], timeout)) is not None
         ]
         blocks.extend(pair_blocks(pairs, timeout))
+        closed = {r for r, rep in state.reports.items() if rep.closed}
+        blocks = _held_by_open(blocks, closed)
         found: dict[tuple[str, tuple[tuple[str, str], ...]], Finding] = {}
         if blocks:
             blocked = {b.pg for b in blocks if b.members is not None}
-            young = self._young_waits(state, groups, pairs, blocked)
+            young = _held_by_open(self._young_waits(state, groups, pairs, blocked), closed)
             waits = Waits(blocks, groups, pairs, timeout, young)
             self._attribute(job, state, now, waits, found)
         active_keys = set(found)
@@ -675,3 +693,19 @@ class HangDetector:
             severity="critical",
             details=details,
         )
+
+
+def _held_by_open(blocks: list[Block], closed: Collection[int]) -> list[Block]:
+    """``blocks`` without the ranks that closed among their missing: a rank that finished
+    holds nothing up. A block that only closed ranks are missing from is left out (what
+    a closed rank does since is unknown); one that every member is in stays."""
+    if not closed:
+        return blocks
+    out = []
+    for block in blocks:
+        missing = [r for r in block.missing if r not in closed]
+        if len(missing) == len(block.missing):
+            out.append(block)
+        elif missing:
+            out.append(dataclasses.replace(block, missing=missing))
+    return out

@@ -261,8 +261,22 @@ class LiveState:
         ts = self.agents.dated(node, batch.sent_unix_ns / 1e9, now_unix_s)
         if batch.collective_failures:
             self._observe_failures(batch, r, ts, now_unix_s)
+        closing = batch.closing
         if job.world_size is None or batch.rank < job.world_size:
-            self.hang.observe(batch.job, batch.rank, ts, batch.inflight, node, now_unix_s)
+            self.hang.observe(
+                batch.job,
+                batch.rank,
+                ts,
+                batch.inflight,
+                node,
+                now_unix_s,
+                closed=closing is not None,
+            )
+        if closing is not None and closing.collectives:
+            # Those the rank ran after its last step (wire.Closing), counted as a step's.
+            observe_collectives(r, closing.collectives, batch.job, self._labels)
+            if self._collective_series:
+                observe_collective_series(self.series, batch.job, r, [ts], (closing.collectives,))
         for result in batch.link_checks:
             self.links.observe_result(result, now_unix_s)
             self._fresh = True
