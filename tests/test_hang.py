@@ -464,3 +464,82 @@ def test_victims_are_listed_from_the_first_finding_even_before_their_own_wait_la
         "rank 1 of job demo never posted the send matching rank 0's irecv #9 on pg default, "
         "entered 6.0 s ago; ranks 2, 3 wait behind it in all_reduce #20 on pg default"
     )
+
+
+# -- a rank that closed (its probe's last batch says so) --------------------------------
+
+
+def _short_steps(det: HangDetector) -> HangDetector:
+    det.observe_step_duration("demo", 0.02)  # the collective timeout comes down to 2 s
+    return det
+
+
+def test_a_clean_end_is_no_hang_though_a_rank_closed_while_its_peer_waited_in_a_gather() -> None:
+    # The reproduction: rank 0's last report was sent while it waited in a final
+    # all_gather for rank 1; both then finished. Rank 1's last batch says it closed.
+    det = _short_steps(_detector(world=2))
+    det.observe("demo", 0, NOW, [_op(93, 0.05, op="all_gather")])
+    det.observe("demo", 1, NOW + 0.1, [], closed=True)
+    for later in (0.0, 2.2, 4.9):
+        assert det.evaluate(NOW + later) == []
+    # Without the mark, the same reports age into a page naming rank 1.
+    unmarked = _short_steps(_detector(world=2))
+    unmarked.observe("demo", 0, NOW, [_op(93, 0.05, op="all_gather")])
+    unmarked.observe("demo", 1, NOW + 0.1, [])
+    (finding,) = unmarked.evaluate(NOW + 2.2)
+    assert (finding.labels["rank"], finding.labels["op"], finding.details["seq"]) == (
+        "1",
+        "all_gather",
+        93,
+    )
+
+
+def test_a_rank_that_closed_with_an_op_in_flight_waits_in_nothing() -> None:
+    # close() at the process's exit while another thread was in a collective: the
+    # rank's last report shows the op, but a closed rank waits for no one.
+    det = _detector(world=2)
+    det.observe("demo", 0, NOW, [_op(5, 9.0)], closed=True)
+    det.observe("demo", 1, NOW, [])
+    assert det.evaluate(NOW + 1.0) == []
+    # Open, the same report names rank 1 as holding rank 0 up.
+    det.observe("demo", 0, NOW + 0.5, [_op(5, 9.5)])
+    assert [f.labels["rank"] for f in det.evaluate(NOW + 1.0)] == ["1"]
+
+
+def test_a_closed_rank_is_left_out_and_the_open_rank_missing_is_still_named() -> None:
+    det = _detector(world=4)
+    det.observe("demo", 0, NOW, [_op(7, 6.0)])
+    det.observe("demo", 2, NOW, [_op(7, 6.5)])
+    det.observe("demo", 1, NOW, [], closed=True)
+    det.observe("demo", 3, NOW, [])  # open, never joined: the hang
+    (finding,) = det.evaluate(NOW)
+    assert finding.labels["rank"] == "3"
+    assert finding.details["reason"] == "never_joined"
+    assert finding.details["waiting_ranks"] == [0, 2]
+    assert finding.details["members"] == [0, 1, 2, 3]
+    assert finding.summary.startswith(
+        "rank 3 of job demo never joined all_reduce #7 on pg default"
+    ), finding.summary
+
+
+def test_a_peer_that_closed_is_not_named_for_a_point_to_point_op() -> None:
+    det = _detector(world=2)
+    det.observe("demo", 0, NOW, [_op(3, 8.0, op="irecv", peer=1)])
+    det.observe("demo", 1, NOW, [], closed=True)
+    assert det.evaluate(NOW) == []
+    det.observe("demo", 1, NOW + 0.1, [])  # it attached again: open, and it is the hang
+    (finding,) = det.evaluate(NOW + 0.1)
+    assert (finding.labels["rank"], finding.labels["op"]) == ("1", "irecv")
+
+
+def test_a_closed_rank_is_not_among_the_waiting_ranks_of_a_finding() -> None:
+    # Ranks 0 and 1 wait in #4 for rank 2; rank 3 closed, its last report in #4.
+    det = _detector(world=4)
+    det.observe("demo", 0, NOW, [_op(4, 7.0)])
+    det.observe("demo", 1, NOW, [_op(4, 6.0)])
+    det.observe("demo", 2, NOW, [])
+    det.observe("demo", 3, NOW, [_op(4, 7.5)], closed=True)
+    (finding,) = det.evaluate(NOW)
+    assert finding.labels["rank"] == "2"
+    assert finding.details["waiting_ranks"] == [0, 1]
+    assert finding.value == pytest.approx(7.0)
