@@ -8,10 +8,16 @@ Here the two ranks run that job many times in a row (each run its own job name),
 ranks' final evaluations taking different times, so a rank often waits in a gather when
 a batch leaves; the last run leaves by process exit, without ``close()``. No run may
 raise any alert, and every run's trailing gathers must be in the ``collectives`` table.
+A rank that exits without ``close()`` says it closed too, from a plain script and from
+a child that multiprocessing forked (which leaves past ``atexit``).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +25,9 @@ from typing import Any
 
 import pytest
 
+import torshmon
 from tests.integration.aggregator_thread import AggregatorThread
+from tests.integration.conftest import ReceiverThread
 from tests.integration.test_agent import AgentProcess
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.launch import run_ranks
@@ -141,4 +149,60 @@ def test_clean_jobs_that_gather_after_their_last_step_raise_no_alert(
     )
     assert steps == [
         [f"clean-end-{run}", rank, STEPS, STEPS] for run in range(RUNS) for rank in range(WORLD)
+    ]
+
+
+_EXIT_SCRIPT = textwrap.dedent(
+    """
+    import multiprocessing
+    import sys
+
+
+    def rank(sock, store):
+        import torch
+        import torch.distributed as dist
+
+        import torshmon
+
+        dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+        monitor = torshmon.attach(None, job="exit-" + sys.argv[3], agent_socket=sock)
+        for _ in range(3):
+            with monitor.step():
+                dist.all_reduce(torch.ones(2))
+        for _ in range(2):
+            dist.all_gather([torch.zeros(2)], torch.ones(2))
+        # no close(), no destroy_process_group(): the process just ends
+
+
+    if __name__ == "__main__":
+        if sys.argv[3] == "fork":
+            child = multiprocessing.get_context("fork").Process(target=rank, args=sys.argv[1:3])
+            child.start()
+            child.join()
+            sys.exit(child.exitcode)
+        rank(*sys.argv[1:3])
+    """
+)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["main", "fork"])
+def test_a_rank_that_exits_without_close_says_it_closed_with_its_trailing_gathers(
+    receiver: ReceiverThread, tmp_path: Path, how: str
+) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(_EXIT_SCRIPT)
+    args = [sys.executable, str(script), str(receiver.socket_path), str(tmp_path / "store"), how]
+    # The torshmon under test, wherever the script lies.
+    env = {**os.environ, "PYTHONPATH": str(Path(torshmon.__file__).parents[1])}
+    done = subprocess.run(args, capture_output=True, text=True, timeout=100, env=env)
+    assert done.returncode == 0, done.stderr
+    batches = receiver.batches(0)
+    assert [s.step for b in batches for s in b.steps] == [1, 2, 3]
+    last = batches[-1]
+    assert last.closing is not None, batches
+    assert [b.closing is not None for b in batches].count(True) == 1
+    assert (last.closing.reason, last.closing.step, last.inflight) == ("exit", 4, [])
+    assert [(c.op, c.count, c.size_bytes) for c in last.closing.collectives] == [
+        ("all_gather", 2, 16)
     ]

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
+from multiprocessing import util as mp_util
 from types import TracebackType
 from typing import Any
 
@@ -240,6 +241,9 @@ class Monitor:
             # The shipper's wait for a CPU (it runs at a lower priority) holds no step back.
             self._process_runqueue.leave_out(self._shipper.native_id)
         atexit.register(self._close_at_exit)
+        # A multiprocessing child started by fork leaves through os._exit, past atexit;
+        # its finalizers run (``util._exit_function``) as the target returns.
+        self._exit_finalizer = mp_util.Finalize(None, self._close_at_exit, exitpriority=0)
 
     # -- public API -------------------------------------------------------------------
     def step(self, batch_size: int | None = None, loss: object = None) -> StepScope:
@@ -336,7 +340,7 @@ class Monitor:
         self._close(timeout_s, "close")
 
     def _close_at_exit(self) -> None:
-        """close() at interpreter exit, for a job that never called it (atexit)."""
+        """close() at the process's exit, for a job that never called it."""
         self._close(5.0, "exit")
 
     def _close(self, timeout_s: float, reason: str) -> None:
@@ -344,6 +348,7 @@ class Monitor:
             return
         self._closed = True
         atexit.unregister(self._close_at_exit)
+        self._exit_finalizer.cancel()
         # What ran after the last step (a final evaluation's gathers) belongs to no
         # step: it goes with the closing mark, filed under the step that never ended.
         events, self._events = self._events, StepEvents()
