@@ -6,13 +6,21 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests import report_history as h
+from torshmon.aggregator.core.alert_engine import AlertEngine
+from torshmon.aggregator.core.bottleneck import JobSnapshot, bottleneck_report, rank_findings
+from torshmon.aggregator.core.episodes import FindingEpisodes
+from torshmon.aggregator.core.findings import Finding, slowdown_text
+from torshmon.aggregator.core.rule_file import default_rules
+from torshmon.aggregator.core.series import SeriesStore
 from torshmon.cli import main
 from torshmon.history.db import make_engine
 from torshmon.history.models import Base
+from torshmon.history.store import HistoryStore
 from torshmon.report import from_json, report_from_db, to_json
 from torshmon.report.page import render_page
 from torshmon.report.text import render_text, when
@@ -53,8 +61,15 @@ def test_the_summary_shows_each_rank_the_findings_alerts_and_tuning(
     assert "[high, straggler, priority 1, 2 episodes] " + h.SUMMARY in findings
     assert "rank 1 was slow" not in findings
     since, ended = when(h.T0 + 2), when(h.T0 + 14)
-    assert f"since {since}, ended {ended}; expected gain 30% of the step, difficulty medium" in (
+    # The gain is what the steps of the episode (2-14) lose: rank 1 computes 45 ms, rank 0
+    # 7.5 ms a step number, so 30, 22.5, 15 and 7.5 ms of steps 2-5 wait for rank 1, of
+    # 877.5 ms (the ranks' median periods, (10 i + 55) / 2 ms): 8.5%, not the 30% stored.
+    assert f"since {since}, ended {ended}; expected gain 9% of the step, difficulty medium" in (
         findings
+    )
+    assert (
+        "without it a step would take 61.7 ms instead of 67.5 ms: the job loses ~9% of its "
+        "throughput" in findings
     )
     assert "what to do: Check rank 1's node." in findings
     alerts = out.split("Alerts (4 episodes)")[1].split("Tuning sessions")[0]
@@ -290,3 +305,244 @@ def test_an_offline_page_links_copies_of_its_evidence_beside_it(
     copy = out.parent / urllib.parse.unquote(hrefs[0])
     assert copy.read_bytes() == b"\x1f\x8bflight recorder"
     assert "/api/v1/evidence" not in page
+
+
+# -- causes before symptoms, one number per fact (issue 48) -------------------------------
+#
+# A three-rank job on nodes n0..n2. Steps 1-10 are healthy (every rank computes 100 ms and
+# waits 10 ms in its all-reduce); from step 11 rank 1 computes 150 ms on odd steps and
+# 250 ms on even ones while its peers still compute 100 ms and wait for it. A step then
+# takes 160 or 260 ms (mean 210 ms); with rank 1 back at its peers' 100 ms it would take
+# 110 ms: the job loses 1 - 110/210 = 47.6% of its throughput to the straggler.
+
+CAUSES_JOB = "causes"
+CAUSES_T0 = 1_700_000_000.0
+STRAGGLER_FROM_STEP = 11
+CAUSES_STEPS = 40
+
+
+def _causes_compute_s(rank: int, step: int) -> float:
+    if rank != 1 or step < STRAGGLER_FROM_STEP:
+        return 0.100
+    return 0.150 if step % 2 else 0.250
+
+
+def _causes_step_rows() -> list[dict[str, Any]]:
+    rows, end = [], CAUSES_T0
+    for step in range(1, CAUSES_STEPS + 1):
+        duration = max(_causes_compute_s(r, step) for r in range(3)) + 0.010
+        end += duration
+        for rank in range(3):
+            compute = _causes_compute_s(rank, step)
+            wait = duration - compute
+            rows.append(
+                {
+                    "job": CAUSES_JOB, "rank": rank, "node": f"n{rank}", "step": step,
+                    "end_unix_ns": int(end * 1e9), "duration_s": duration,
+                    "comm_wait_s": wait, "compute_s": compute,
+                    "communication_time_ratio": wait / duration, "comm_busy_s": wait,
+                    "forward_s": compute / 3, "backward_s": compute / 2 + wait,
+                    "optimizer_s": compute / 6, "batch_size": 32,
+                    "samples_per_s": 32 / duration, "loss": 1.0, "loss_nonfinite": False,
+                    "config_version": 0, "input_wait_s": None,
+                }
+            )  # fmt: skip
+    return rows
+
+
+def _step_end(rows: list[dict[str, Any]], step: int) -> float:
+    return max(int(r["end_unix_ns"]) for r in rows if r["step"] == step) / 1e9
+
+
+def _causes_db(path: Path, findings: list[dict[str, Any]], alerts: list[dict[str, Any]]) -> str:
+    """A history of the job above with ``findings`` and ``alerts`` rows; its URL."""
+    rows = _causes_step_rows()
+    url = f"sqlite:///{path}"
+    engine = make_engine(url)
+    Base.metadata.create_all(engine)
+    t = Base.metadata.tables
+    last = _step_end(rows, CAUSES_STEPS)
+    with engine.begin() as conn:
+        conn.execute(
+            t["jobs"].insert(),
+            [{"job": CAUSES_JOB, "world_size": 3, "backend": "gloo",
+              "first_seen_unix_ns": int(CAUSES_T0 * 1e9), "last_seen_unix_ns": int(last * 1e9),
+              "aggregator_id": "a1"}],
+        )  # fmt: skip
+        conn.execute(t["steps"].insert(), rows)
+        if findings:
+            conn.execute(t["findings"].insert(), findings)
+        if alerts:
+            conn.execute(t["alerts"].insert(), alerts)
+    engine.dispose()
+    return url
+
+
+def _finding_row(**values: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "job": CAUSES_JOB, "rank": None, "metric": None, "score": None, "recommendation": "",
+        "category": None, "priority": None, "expected_gain_ratio": None, "difficulty": None,
+        "ended_unix_s": None, "aggregator_id": "a1", "details": {},
+    }  # fmt: skip
+    row.update(values)
+    row.setdefault("detected_unix_s", row["since_unix_s"])
+    row.setdefault("updated_unix_s", row["since_unix_s"])
+    return row
+
+
+def _rows_as_stored_today() -> list[dict[str, Any]]:
+    """The three episodes an aggregator stored before findings were linked: the
+    straggler (high), the peers' communication wait (high, 'raise the bucket cap') and
+    the efficiency roll-up (critical), each on its own."""
+    since = _step_end(_causes_step_rows(), STRAGGLER_FROM_STEP)
+    return [
+        _finding_row(
+            kind="straggler", rank=1, value=0.2, score=2.0, severity="high",
+            category="straggler", priority=1, expected_gain_ratio=0.45, difficulty="medium",
+            since_unix_s=since,
+            summary="rank 1 of job causes computes 2.00x slower than the median of its peers "
+            "at the same steps (0.200 s vs 0.100 s)",
+            details={"slowdown_ratio": 2.0, "peer_median_s": 0.1, "phase": "compute"},
+        ),
+        _finding_row(
+            kind="bottleneck", metric="communication_time_ratio", value=0.32, score=0.02,
+            severity="high", category="communication", priority=2, expected_gain_ratio=0.02,
+            difficulty="easy", since_unix_s=since,
+            summary="job causes spends 32% of its step time waiting for communication "
+            "(threshold 30%)",
+            recommendation="raise the DDP bucket cap (bucket_cap_mb)",
+        ),
+        _finding_row(
+            kind="bottleneck", metric="training_efficiency_ratio", value=0.64, score=0.06,
+            severity="critical", category="efficiency", priority=3, expected_gain_ratio=0.04,
+            difficulty="medium", since_unix_s=since,
+            summary="job causes computes only 64% of its step time (threshold 70%)",
+            recommendation="fix the other findings of this report, highest priority first",
+            details={"rollup": True},
+        ),
+    ]  # fmt: skip
+
+
+def _first_lines(text: str, *needles: str) -> list[int]:
+    """The index in ``text`` of each of ``needles`` (each must be there)."""
+    found = [text.find(n) for n in needles]
+    assert -1 not in found, [n for n, i in zip(needles, found, strict=True) if i < 0]
+    return found
+
+
+def test_a_report_leads_with_the_straggler_and_lists_its_symptoms_under_it(
+    tmp_path: Path,
+) -> None:
+    url = _causes_db(tmp_path / "c.db", _rows_as_stored_today(), [])
+    report = report_from_db(url, CAUSES_JOB, now_unix_s=CAUSES_T0 + 3600)
+    assert [(f.kind, f.category, f.severity) for f in report.findings] == [
+        ("straggler", "straggler", "critical"),  # 48% of the throughput: critical
+        ("bottleneck", "communication", "high"),
+        ("bottleneck", "efficiency", "critical"),  # never above its cause
+    ]
+    assert [f.priority for f in report.findings] == [1, 2, 3]
+    assert [f.explained_by for f in report.findings] == ["", *["straggler:rank=1"] * 2]
+    assert report.headline == (
+        "rank 1 on node n1 computes 2.00x slower than its peers: the job loses ~48% of "
+        "its throughput; check its node"
+    )
+    text = render_text(report)
+    assert f"In short: {report.headline}" in " ".join(text.split())
+    findings = text.split("Top findings")[1].split("\nAlerts")[0]
+    straggler, wait, rollup = _first_lines(
+        findings, "- [critical, straggler, priority 1]", "  - [high, bottleneck, communication",
+        "  - [critical, bottleneck, efficiency",
+    )  # fmt: skip
+    assert straggler < wait < rollup
+    unwrapped = " ".join(findings.split())
+    assert "(explained by the straggler on rank 1)" in unwrapped
+    assert "bucket cap" not in unwrapped  # the wait is for rank 1, not the network
+    page = render_page(report)
+    body = page.split('id="findings"')[1].split("</h2>", 1)[1]
+    straggler, wait, rollup = _first_lines(
+        body, '<div class="finding depth0"><span class="badge critical">critical</span> '
+        "<b>straggler",
+        '<div class="finding depth1"><span class="badge high">high</span> <b>bottleneck · '
+        "communication",
+        '<div class="finding depth1"><span class="badge critical">critical</span> '
+        "<b>bottleneck · efficiency",
+    )  # fmt: skip
+    assert straggler < wait < rollup
+    assert f'<p class="headline" id="headline">{report.headline}</p>' in page
+
+
+def test_the_what_if_is_the_step_time_without_the_straggler(tmp_path: Path) -> None:
+    url = _causes_db(tmp_path / "c.db", _rows_as_stored_today(), [])
+    report = report_from_db(url, CAUSES_JOB, now_unix_s=CAUSES_T0 + 3600)
+    straggler = report.findings[0]
+    # Steps 11-40: 160 and 260 ms (mean 210 ms); rank 1 at its peers' 100 ms: 110 ms.
+    assert straggler.step_s == pytest.approx(0.210)
+    assert straggler.what_if_step_s == pytest.approx(0.110)
+    assert straggler.loss_ratio == pytest.approx(1 - 0.110 / 0.210)
+    assert straggler.expected_gain_ratio == straggler.loss_ratio
+    unwrapped = " ".join(render_text(report).split())
+    assert (
+        "without it a step would take 110 ms instead of 210 ms: the job loses ~48% of its "
+        "throughput" in unwrapped
+    )
+    assert "Without it a step would take 110 ms instead of 210 ms" in render_page(report)
+
+
+async def test_the_alert_the_finding_and_the_report_say_the_same_ratio(
+    tmp_path: Path, store: HistoryStore
+) -> None:
+    """The detector names rank 1 at 6.00x over its first steps and measures 2.40x over
+    the episode by the end; the job ends with the alert still open. Its alert was
+    written at 6.00x when it fired; everything the report shows says 2.40x, the
+    finding's ratio, written the one way (``slowdown_text``)."""
+    since = _step_end(_causes_step_rows(), STRAGGLER_FROM_STEP)
+    snapshot = JobSnapshot(communication_time_ratio=0.32, training_efficiency_ratio=0.64,
+                           step_s=0.21)  # fmt: skip
+
+    def straggler(ratio: float) -> Finding:
+        # The detector's contract: score = details["slowdown_ratio"] = the ratio.
+        return Finding(
+            kind="straggler", labels={"job": CAUSES_JOB, "rank": "1"}, value=0.1 * ratio,
+            score=ratio, summary=f"rank 1 is {ratio}x its peers", since_unix_s=since,
+            severity="high",
+            details={"slowdown_ratio": ratio, "peer_median_s": 0.1, "phase": "compute"},
+        )  # fmt: skip
+
+    engine = AlertEngine(default_rules())
+    episodes = FindingEpisodes(update_every_s=0.0)
+    sent = []
+    for now, ratio in ((since + 1, 6.0), (since + 5, 2.4)):
+        found = rank_findings(
+            bottleneck_report(CAUSES_JOB, snapshot, now), [straggler(ratio)], snapshot
+        )
+        alerts = engine.evaluate(now, SeriesStore(), found)
+        sent += [a for a in alerts if a.rule == "Straggler"]
+        await store.record(episodes.evaluate(found, now), alerts, now)
+        (named,) = [f for f in found if f.kind == "straggler"]
+        assert slowdown_text(ratio) in named.summary and named.score == ratio
+    (fired,) = sent  # the alert fired once, at the first figure, and is still open
+    assert fired.state == "firing" and slowdown_text(6.0) in fired.annotations["summary"]
+    # The rows of the steps, as ingest would have stored them.
+    with store.engine.begin() as conn:
+        t = Base.metadata.tables
+        rows = _causes_step_rows()
+        conn.execute(
+            t["jobs"].insert(),
+            [{"job": CAUSES_JOB, "world_size": 3, "backend": "gloo",
+              "first_seen_unix_ns": int(CAUSES_T0 * 1e9),
+              "last_seen_unix_ns": int(_step_end(rows, CAUSES_STEPS) * 1e9),
+              "aggregator_id": "a1"}],
+        )  # fmt: skip
+        conn.execute(t["steps"].insert(), rows)
+    report = report_from_db(store.url, CAUSES_JOB, now_unix_s=CAUSES_T0 + 3600)
+    (finding,) = [f for f in report.findings if f.kind == "straggler"]
+    (alert,) = [a for a in report.alerts if a.rule == "Straggler"]
+    assert finding.slowdown_ratio == 2.4
+    assert "computes 2.40x slower than its peers" in finding.summary
+    assert alert.summary == finding.summary
+    for shown in (render_text(report), render_page(report)):
+        ratios = set(re.findall(r"\b\d+(?:\.\d+)?x\b", shown))
+        assert ratios == {"2.40x"}, ratios
+    # The alert's resolution carries the episode's figure too.
+    (resolved,) = engine.evaluate(since + 9, SeriesStore(), [])
+    assert slowdown_text(2.4) in resolved.annotations["summary"]

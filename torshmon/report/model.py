@@ -9,7 +9,9 @@ Times are Unix seconds, durations seconds, memory bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,8 +20,29 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 
-from torshmon.aggregator.core.bottleneck import JobSnapshot, bottleneck_report, rank_findings
-from torshmon.aggregator.core.findings import SEVERITIES
+from torshmon.aggregator.core.bottleneck import (
+    JobSnapshot,
+    Thresholds,
+    bottleneck_report,
+    loss_severity,
+    phase_words,
+    rank_findings,
+    straggler_summary,
+    symptom_advice,
+    what_if_step_s,
+)
+from torshmon.aggregator.core.findings import (
+    EXPLAINED_BY_KEY,
+    EXPLAINED_BY_NAME_KEY,
+    LOSS_KEY,
+    SEVERITIES,
+    STEP_KEY,
+    WHAT_IF_KEY,
+    cause_id,
+    cause_name,
+    loss_text,
+    slowdown_text,
+)
 from torshmon.history.store.report import JobHistory
 
 #: Points per rank in a time series; longer runs are reduced to medians of equal spans.
@@ -28,6 +51,8 @@ MAX_POINTS: Final = 600
 #: sends a batch at least every second (a heartbeat, in a hang too) and its agent
 #: forwards it within a second, retrying an aggregator out of reach for up to 10 s.
 ENDED_AFTER_S: Final = 15.0
+#: The findings that explain others (their symptoms), by kind.
+CAUSE_KINDS: Final = ("straggler", "hang", "slow_link")
 #: The phases of a step, in the order they happen.
 PHASES: Final[tuple[str, ...]] = (
     "input_wait",
@@ -208,6 +233,22 @@ class FindingItem:
     expected_gain_ratio: float | None = None
     difficulty: str = ""
     episodes: int = 1
+    #: A cause (straggler, hang, slow link): its id, which its symptoms name in
+    #: ``explained_by`` (``findings.cause_id``); the job's mean step period over the
+    #: cause's episode (``step_s``), that period without it (``what_if_step_s``,
+    #: from the measured steps) and the share of throughput it costs (``loss_ratio``).
+    cause_id: str = ""
+    step_s: float | None = None
+    what_if_step_s: float | None = None
+    loss_ratio: float | None = None
+    #: A straggler's ratio (``details["slowdown_ratio"]``) and the node of the rank.
+    slowdown_ratio: float | None = None
+    peer_median_s: float | None = None
+    phase: str = "compute"
+    node: str = ""
+    #: A symptom: the id and the name (``the straggler on rank 1``) of its cause.
+    explained_by: str = ""
+    explained_by_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +304,8 @@ class JobReport:
     findings: tuple[FindingItem, ...]
     sessions: tuple[SessionItem, ...]
     trials: tuple[TrialItem, ...]
+    #: One sentence: what the job suffers most from and what it costs (``headline``).
+    headline: str = ""
 
 
 def to_json(report: JobReport) -> bytes:
@@ -292,7 +335,9 @@ def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
     findings = _stored_findings(history.findings)
     if not any(f.kind == "bottleneck" for f in findings):
         findings += _computed_bottlenecks(job["job"], history, now_unix_s)
-    findings.sort(key=_finding_order)
+    findings = _with_what_ifs(job["job"], findings, steps, nodes, last_seen)
+    findings = reading_order(_linked(findings))
+    alerts = [_alert(a, history.evidence.get(a["id"], ())) for a in history.alerts]
     return JobReport(
         job=job["job"],
         world_size=job["world_size"],
@@ -307,10 +352,11 @@ def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
         phases=tuple(_phases(r, cols) for r, cols in steps.items()),
         series=tuple(_series(r, cols) for r, cols in steps.items()),
         memory=_memory(history),
-        alerts=tuple(_alert(a, history.evidence.get(a["id"], ())) for a in history.alerts),
+        alerts=tuple(_alerts_of_findings(alerts, findings, last_seen)),
         findings=tuple(findings),
         sessions=tuple(_session(s) for s in history.tuning_sessions),
         trials=tuple(_trial(t) for t in history.tuning_trials),
+        headline=headline(findings, steps),
     )
 
 
@@ -490,9 +536,34 @@ def _stored_findings(rows: Sequence[Mapping[str, Any]]) -> list[FindingItem]:
                 expected_gain_ratio=_finite(latest.get("expected_gain_ratio")),
                 difficulty=_text(latest.get("difficulty")),
                 episodes=len(episodes),
+                **_links(str(latest["kind"]), latest),
             )
         )
     return found
+
+
+def _links(kind: str, row: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``FindingItem`` fields a stored row's details carry (see ``findings``)."""
+    details = row.get("details") if isinstance(row.get("details"), dict) else {}
+    assert isinstance(details, dict)
+    out: dict[str, Any] = {
+        "explained_by": _text(details.get(EXPLAINED_BY_KEY)),
+        "explained_by_name": _text(details.get(EXPLAINED_BY_NAME_KEY)),
+        "step_s": _finite(details.get(STEP_KEY)),
+        "what_if_step_s": _finite(details.get(WHAT_IF_KEY)),
+        "loss_ratio": _finite(details.get(LOSS_KEY)),
+    }
+    labels = {"node": str(details["node"])} if isinstance(details.get("node"), str) else {}
+    if row.get("rank") is not None:
+        labels["rank"] = str(row["rank"])
+    if row.get("category"):
+        labels["category"] = str(row["category"])
+    out["cause_id"] = cause_id(kind, labels)
+    if kind == "straggler":
+        out["slowdown_ratio"] = _finite(details.get("slowdown_ratio", row.get("score")))
+        out["peer_median_s"] = _finite(details.get("peer_median_s"))
+        out["phase"] = _text(details.get("phase")) or "compute"
+    return out
 
 
 def _computed_bottlenecks(job: str, history: JobHistory, now: float) -> list[FindingItem]:
@@ -536,9 +607,308 @@ def _computed_bottlenecks(job: str, history: JobHistory, now: float) -> list[Fin
             priority=f.priority,
             expected_gain_ratio=f.expected_gain_ratio,
             difficulty=f.difficulty,
+            **_links(f.kind, {"details": dict(f.details), "category": f.category}),
         )
         for f in ranked
     ]
+
+
+# -- causes and their symptoms ------------------------------------------------------------
+
+#: A straggler's ratio as a sentence writes it (``2.40x``, ``3x``): how the report finds
+#: the figure in an alert's text.
+_RATIO_TEXT: Final = re.compile(r"\b\d+(?:\.\d+)?x\b")
+_ACTIONS: Final = {
+    "straggler": "check its node",
+    "hang": "see where it waits (py-spy dump, the Flight Recorder dump)",
+    "slow_link": "check its network path (the link check)",
+}
+
+
+def _with_what_ifs(
+    job: str,
+    findings: Sequence[FindingItem],
+    steps: Mapping[int, Columns],
+    nodes: Mapping[int, str],
+    last_seen: float,
+) -> list[FindingItem]:
+    """Each cause with the job's step time without it, from the measured steps (a
+    straggler: over its episode, each step less its excess over its peers' median; a
+    hang: over the run, its stalled steps at the median), what that costs, the
+    severity that follows from it, and a straggler's sentence with that cost."""
+    table = _step_table(steps)
+    out = []
+    for f in findings:
+        node = nodes.get(f.rank, "") if f.rank is not None else ""
+        measured: tuple[float, float] | None = None
+        if f.kind == "straggler" and f.rank is not None:
+            measured = _straggler_what_if(table, f, last_seen)
+        elif f.kind == "hang":
+            measured = _hang_what_if(table, f, last_seen)
+        if measured is None:
+            out.append(dataclasses.replace(f, node=str(node or "")))
+            continue
+        step_s, what_if = measured
+        loss = min(1.0, max(0.0, 1.0 - what_if / step_s)) if step_s > 0 else 0.0
+        summary = f.summary
+        if f.kind == "straggler" and f.slowdown_ratio is not None and f.loss_ratio is not None:
+            # A sentence written by the straggler's report: the same one, with the loss
+            # the report measured over the whole episode.
+            summary = straggler_summary(
+                job, str(f.rank), f.slowdown_ratio, f.peer_median_s, f.phase, loss
+            )
+        out.append(
+            dataclasses.replace(
+                f,
+                node=str(node or ""),
+                step_s=step_s,
+                what_if_step_s=what_if,
+                loss_ratio=loss,
+                expected_gain_ratio=loss,
+                severity=loss_severity(loss) if f.kind != "hang" else f.severity,
+                summary=summary,
+            )
+        )
+    return out
+
+
+#: Per step number: per rank (step period, compute, input wait, end time).
+_StepTable = dict[int, dict[int, tuple[float, float, float, float]]]
+
+
+def _step_table(steps: Mapping[int, Columns]) -> _StepTable:
+    table: _StepTable = {}
+    for rank, cols in steps.items():
+        for n, end, duration, compute, wait in zip(
+            cols["step"], cols["end_unix_ns"], cols["duration_s"], cols["compute_s"],
+            cols["input_wait_s"], strict=True,
+        ):  # fmt: skip
+            if not (math.isfinite(n) and math.isfinite(duration)):
+                continue
+            waited = float(wait) if math.isfinite(wait) else 0.0
+            table.setdefault(int(n), {})[rank] = (
+                float(duration) + waited,
+                float(compute),
+                waited,
+                float(end) / 1e9,
+            )
+    return table
+
+
+def _straggler_what_if(
+    table: _StepTable, f: FindingItem, last_seen: float
+) -> tuple[float, float] | None:
+    """The job's mean step period over ``f``'s episode, and that period with the
+    straggler's phase at its peers' median at each step (``what_if_step_s``)."""
+    until = f.ended_unix_s if f.ended_unix_s is not None else last_seen
+    phase = 2 if f.phase == "input" else 1
+    periods, what_ifs = [], []
+    for ranks in table.values():
+        own = ranks.get(f.rank) if f.rank is not None else None
+        peers = [v[phase] for r, v in ranks.items() if r != f.rank and math.isfinite(v[phase])]
+        if own is None or not peers or not (f.since_unix_s <= own[3] <= until):
+            continue
+        if not math.isfinite(own[phase]):
+            continue
+        period = float(np.median([v[0] for v in ranks.values()]))
+        periods.append(period)
+        what_ifs.append(what_if_step_s(period, own[phase] - float(np.median(peers))))
+    if not periods:
+        return None
+    return float(np.mean(periods)), float(np.mean(what_ifs))
+
+
+def _hang_what_if(
+    table: _StepTable, f: FindingItem, last_seen: float
+) -> tuple[float, float] | None:
+    """The job's mean step period over the run, and that period with the steps the hang
+    stalled at the run's median (a hang still open at the end adds its stall)."""
+    rows = sorted(
+        (max(v[3] for v in ranks.values()), float(np.median([v[0] for v in ranks.values()])))
+        for ranks in table.values()
+    )
+    if not rows:
+        return None
+    periods = np.array([p for _, p in rows])
+    median = float(np.median(periods))
+    until = f.ended_unix_s
+    if until is None and rows[-1][0] <= f.since_unix_s:
+        stall = max(0.0, last_seen - f.since_unix_s)
+        return (float(periods.sum()) + stall) / len(rows), float(periods.mean())
+    end = (until if until is not None else last_seen) + median
+    hung = np.array([f.since_unix_s <= t <= end for t, _ in rows])
+    return float(periods.mean()), float(np.where(hung, np.minimum(periods, median), periods).mean())
+
+
+def _linked(findings: Sequence[FindingItem]) -> list[FindingItem]:
+    """``findings`` with the symptoms a cause explains linked to it, for a history whose
+    aggregator stored no links (or a report computed from the steps): the efficiency
+    roll-up under the largest cause at the same time (else under the largest
+    communication or input finding), the communication wait under a hang, or under a
+    straggler or slow link without which it would be below the high threshold."""
+    ids = {f.cause_id for f in findings if f.cause_id}
+    causes = sorted(
+        (f for f in findings if f.kind in CAUSE_KINDS),
+        key=lambda f: (f.kind != "hang", -(f.loss_ratio or 0.0)),
+    )
+    out = []
+    for f in findings:
+        if f.kind != "bottleneck" or f.category not in ("communication", "efficiency"):
+            out.append(f)
+            continue
+        if f.explained_by and f.explained_by in ids:
+            out.append(f)
+            continue
+        cause = next((c for c in causes if _overlap(c, f) and _explains(c, f)), None)
+        if cause is not None:
+            name = cause_name(
+                cause.kind, {"rank": str(cause.rank)} if cause.rank is not None else {}
+            )
+            out.append(_under(f, cause, name, symptom_advice(f.category, name), 0.0))
+            continue
+        others = [c for c in findings if c.category in ("communication", "input") and c is not f]
+        if f.category == "efficiency" and others:
+            top = max(others, key=lambda c: c.expected_gain_ratio or 0.0)
+            out.append(_under(f, top, f"the {top.category} finding", f.recommendation, None))
+            continue
+        out.append(f)
+    return out
+
+
+def _explains(cause: FindingItem, symptom: FindingItem) -> bool:
+    if symptom.category == "efficiency" or cause.kind == "hang":
+        return True
+    loss, comm = cause.loss_ratio, symptom.value
+    if loss is None or comm is None or loss >= 1.0:
+        return False
+    return max(0.0, comm - loss) / (1.0 - loss) <= Thresholds().communication_high_ratio
+
+
+def _overlap(a: FindingItem, b: FindingItem) -> bool:
+    a_end = a.ended_unix_s if a.ended_unix_s is not None else math.inf
+    b_end = b.ended_unix_s if b.ended_unix_s is not None else math.inf
+    return a.since_unix_s <= b_end and b.since_unix_s <= a_end
+
+
+def _under(
+    symptom: FindingItem, cause: FindingItem, name: str, advice: str, gain: float | None
+) -> FindingItem:
+    """``symptom`` listed under ``cause``: named, no more severe than it."""
+    severity = min(symptom.severity, cause.severity, key=_severity_rank)
+    return dataclasses.replace(
+        symptom,
+        severity=severity,
+        explained_by=cause.cause_id,
+        explained_by_name=name,
+        recommendation=advice,
+        expected_gain_ratio=gain if gain is not None else symptom.expected_gain_ratio,
+    )
+
+
+def finding_tree(findings: Sequence[FindingItem]) -> list[tuple[FindingItem, int]]:
+    """``findings`` (in ``reading_order``) with each one's depth: 0 for a cause or an
+    independent finding, 1 for what it explains, 2 for what that explains."""
+    ids = {f.cause_id: f for f in findings if f.cause_id}
+    out = []
+    for f in findings:
+        depth, seen, parent = 0, {f.cause_id}, f.explained_by
+        while parent in ids and parent not in seen and depth < 3:
+            depth += 1
+            seen.add(parent)
+            parent = ids[parent].explained_by
+        out.append((f, depth))
+    return out
+
+
+def reading_order(findings: Sequence[FindingItem]) -> list[FindingItem]:
+    """``findings`` as a person reads them, ``priority`` renumbered 1..n to match:
+    causes and independent findings open before ended, most severe, largest loss or
+    gain first; each followed by what it explains (the efficiency roll-up last)."""
+    ids = {f.cause_id for f in findings if f.cause_id}
+    children: dict[str, list[FindingItem]] = {}
+    top = []
+    for f in findings:
+        if f.explained_by and f.explained_by in ids and f.explained_by != f.cause_id:
+            children.setdefault(f.explained_by, []).append(f)
+        else:
+            top.append(f)
+    ordered: list[FindingItem] = []
+
+    def visit(f: FindingItem, depth: int) -> None:
+        ordered.append(f)
+        below = sorted(
+            children.pop(f.cause_id, []) if f.cause_id and depth < 3 else [],
+            key=lambda c: (c.category == "efficiency", *_finding_order(c)),
+        )
+        for child in below:
+            visit(child, depth + 1)
+
+    for f in sorted(top, key=_finding_order):
+        visit(f, 0)
+    ordered.extend(f for rest in children.values() for f in rest)  # a cycle: never lost
+    return [dataclasses.replace(f, priority=i) for i, f in enumerate(ordered, start=1)]
+
+
+def _alerts_of_findings(
+    alerts: Sequence[AlertItem], findings: Sequence[FindingItem], last_seen: float
+) -> list[AlertItem]:
+    """``alerts``, a straggler's with its finding's latest sentence: an alert's text is
+    written when it fires (and when it resolves), while the ratio it quotes is measured
+    over the whole episode, so a job that ends with the alert open would show the
+    figure of its first steps beside the finding's."""
+    stragglers = [f for f in findings if f.kind == "straggler" and f.rank is not None]
+    out = []
+    for alert in alerts:
+        ends = alert.ends_at_unix_s if alert.ends_at_unix_s is not None else last_seen
+        match = next(
+            (
+                f
+                for f in stragglers
+                if f.rank == alert.rank
+                and f.since_unix_s <= ends
+                and alert.starts_at_unix_s <= (f.ended_unix_s or math.inf)
+            ),
+            None,
+        )
+        if match is not None and _RATIO_TEXT.search(alert.summary):
+            alert = dataclasses.replace(alert, summary=match.summary)
+        out.append(alert)
+    return out
+
+
+def headline(findings: Sequence[FindingItem], steps: Mapping[int, Columns]) -> str:
+    """One sentence for the run: its first finding (in reading order) and what the job
+    loses to it: ``rank 1 on node vm computes 1.70x slower than its peers: the job
+    loses ~42% of its throughput; check its node``."""
+    if not findings:
+        durations = [c["duration_s"] for c in steps.values()]
+        if not durations:
+            return "no steps recorded yet"
+        median = _median(np.concatenate(durations))
+        step = f", median step {median * 1e3:.3g} ms" if median is not None else ""
+        return f"no problem found: {len(steps)} ranks{step}"
+    top = findings[0]
+    lost = "lost" if top.ended_unix_s is not None else "loses"
+    cost = (
+        f": the job {lost} {loss_text(top.loss_ratio)} of its throughput"
+        + (" while it lasted" if top.ended_unix_s is not None else "")
+        if top.loss_ratio is not None
+        else ""
+    )
+    action = _ACTIONS.get(top.kind, "")
+    if top.kind == "straggler" and top.slowdown_ratio is not None:
+        verb, comparative = phase_words(top.phase)
+        on = f" on node {top.node}" if top.node else ""
+        ratio = slowdown_text(top.slowdown_ratio)
+        what = f"rank {top.rank}{on} {verb} {ratio} {comparative} than its peers"
+        return f"{what}{cost}; {action}"
+    if top.kind in CAUSE_KINDS:
+        return f"{top.summary.split(': the job loses')[0]}{cost}" + (
+            f"; {action}" if action else ""
+        )
+    gain = top.expected_gain_ratio
+    saving = f": fixing it may save {gain:.0%} of the step time" if gain else ""
+    return f"{top.summary}{saving}"
 
 
 def _session(row: Mapping[str, Any]) -> SessionItem:

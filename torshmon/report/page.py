@@ -18,9 +18,16 @@ from typing import Any, Final
 import jinja2
 from markupsafe import Markup
 
-from torshmon.report.model import JobReport, alert_groups, is_running, to_json
+from torshmon.report.model import JobReport, alert_groups, finding_tree, is_running, to_json
 from torshmon.report.plots import plots
-from torshmon.report.text import finding_effort, finding_tags, percent, seconds, when
+from torshmon.report.text import (
+    finding_effort,
+    finding_tags,
+    finding_what_if,
+    percent,
+    seconds,
+    when,
+)
 
 #: What the pages may load: inline styles (the page's and the plots' style attributes),
 #: a same-origin login form, nothing else. A written page carries it in a <meta>.
@@ -43,6 +50,8 @@ def _environment() -> jinja2.Environment:
         page_policy=PAGE_POLICY,
         finding_tags=finding_tags,
         finding_effort=finding_effort,
+        finding_what_if=finding_what_if,
+        finding_tree=finding_tree,
         is_running=is_running,
     )
     env.filters.update(

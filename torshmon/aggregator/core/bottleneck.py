@@ -412,17 +412,48 @@ def straggler_excess_s(finding: Finding) -> float | None:
     return max(0.0, excess) if math.isfinite(excess) else None
 
 
+def phase_words(phase: str) -> tuple[str, str]:
+    """How a straggler's phase reads: ``("computes", "slower")`` for ``compute``,
+    ``("waits for input", "longer")``, ``("spends on the host", "longer")``."""
+    return _PHASE_WORDS.get(phase, _PHASE_WORDS["compute"])
+
+
 def straggler_summary(
-    job: str, rank: str, ratio: float, peer_median_s: float | None, phase: str = "compute"
+    job: str,
+    rank: str,
+    ratio: float,
+    peer_median_s: float | None,
+    phase: str = "compute",
+    loss_ratio: float | None = None,
 ) -> str:
     """The one sentence every surface shows of a straggler (the finding, its alert,
     Slack, the report): ``rank 1 of job j computes 2.40x slower than its peers (median
-    0.100 s a step)``; the ratio written by ``slowdown_text``."""
-    verb, comparative = _PHASE_WORDS.get(phase, _PHASE_WORDS["compute"])
+    0.100 s a step): the job loses ~58% of its throughput``; the ratio written by
+    ``slowdown_text``, the loss by ``loss_text``."""
+    verb, comparative = phase_words(phase)
     median = f" (median {peer_median_s:.3f} s a step)" if peer_median_s is not None else ""
+    loss = (
+        f": the job loses {loss_text(loss_ratio)} of its throughput"
+        if loss_ratio is not None
+        else ""
+    )
     return (
         f"rank {rank} of job {job} {verb} {slowdown_text(ratio)} {comparative} "
-        f"than its peers{median}"
+        f"than its peers{median}{loss}"
+    )
+
+
+def symptom_advice(category: str, cause: str) -> str:
+    """What to do about a ``category`` symptom (communication, efficiency) that
+    ``cause`` (``the straggler on rank 1``) explains: fix the cause."""
+    if category == "communication":
+        return (
+            f"The ranks wait for {cause}, not for the network: fix it first (above); this "
+            "wait goes with it, and tuning buckets or compression would not help."
+        )
+    return (
+        f"The compute share is low because of {cause} (above): fix it first; profile "
+        "(torch.profiler) only if the share stays low once it is gone."
     )
 
 
@@ -544,18 +575,10 @@ def _under(symptom: Finding, cause: Finding) -> Finding:
     )
     own = SEVERITIES.index(symptom.severity) if symptom.severity in SEVERITIES else 0
     cap = SEVERITIES.index(cause.severity) if cause.severity in SEVERITIES else own
-    if symptom.category == "communication":
-        advice = (
-            f"The ranks wait for {name}, not for the network: fix it first (above); this "
-            "wait goes with it, and tuning buckets or compression would not help."
-        )
-    elif symptom.details.get("rollup") is True and cause.kind == "bottleneck":
-        advice = symptom.recommendation
+    if cause.kind == "bottleneck":
+        advice = symptom.recommendation  # the roll-up's: fix the other findings
     else:
-        advice = (
-            f"The compute share is low because of {name} (above): fix it first; profile "
-            "(torch.profiler) only if the share stays low once it is gone."
-        )
+        advice = symptom_advice(symptom.category, name)
     gain = symptom.expected_gain_ratio
     return dataclasses.replace(
         symptom,

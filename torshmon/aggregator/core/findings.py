@@ -42,6 +42,8 @@ DIFFICULTIES: tuple[str, ...] = ("easy", "medium", "hard")
 SEVERITIES: tuple[str, ...] = ("info", "medium", "warning", "high", "critical")
 
 
+#: The labels a cause's id is made of (a bottleneck's category: a roll-up's cause).
+_ID_LABELS: Final = frozenset({"rank", "node", "category"})
 #: ``details`` keys the bottleneck report fills (they travel with the stored episode).
 #: The share of its throughput (0..1) the job loses to a cause.
 LOSS_KEY: Final = "throughput_loss_ratio"
@@ -103,9 +105,11 @@ class Finding:
 
 
 def cause_id(kind: str, labels: Mapping[str, str]) -> str:
-    """A cause's identity within its job, as its symptoms name it: ``straggler:rank=1``,
-    ``hang:op=all_reduce,pg=0,rank=2``, ``slow_link:node=b``."""
-    own = ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k != "job")
+    """A cause's identity within its job, as its symptoms name it (and as a stored row
+    can rebuild it: kind, rank, node, category): ``straggler:rank=1``, ``hang:rank=2``,
+    ``slow_link:node=b``, ``bottleneck:category=communication``."""
+    keys = _ID_LABELS if kind == "bottleneck" else _ID_LABELS - {"category"}
+    own = ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k in keys)
     return f"{kind}:{own}"
 
 
