@@ -20,7 +20,7 @@ from torshmon.aggregator.core.bottleneck import (
     bottleneck_report,
     rank_findings,
 )
-from torshmon.aggregator.core.findings import EXPLAINED_BY_KEY, WHAT_IF_KEY, Finding
+from torshmon.aggregator.core.findings import EXPLAINED_BY_KEY, LOSS_KEY, WHAT_IF_KEY, Finding
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.live_metrics import LiveCollector
 from torshmon.aggregator.core.stored import Stored
@@ -188,6 +188,86 @@ def test_a_slow_link_is_ranked_with_the_bandwidth_it_loses() -> None:
     assert (ranked.category, ranked.difficulty, ranked.priority) == ("network", "hard", 1)
     assert ranked.expected_gain_ratio == pytest.approx(0.15)  # 0.2 * (1 - 0.25)
     assert ranked.labels == link.labels and ranked.summary == link.summary
+
+
+def _straggler(ratio: float, peer_median_s: float, rank: str = "2") -> Finding:
+    """A straggler finding as the detector makes it: score = details["slowdown_ratio"]."""
+    return Finding(
+        kind="straggler",
+        labels={"job": "demo", "rank": rank},
+        value=ratio * peer_median_s,
+        score=ratio,
+        summary="rank 2 is slow",
+        since_unix_s=0.0,
+        severity="high",
+        details={"slowdown_ratio": ratio, "peer_median_s": peer_median_s, "phase": "compute"},
+    )
+
+
+def test_a_straggler_explains_the_wait_and_the_roll_up_and_leads_them() -> None:
+    # Peers compute 0.1 s and wait 0.07 s for rank 2, which computes 0.17 s: a 0.18 s
+    # step (with 0.01 s of all-reduce) would take 0.11 s without it.
+    snap = JobSnapshot(communication_time_ratio=0.42, training_efficiency_ratio=0.58, step_s=0.18)
+    ranked = rank_findings(bottleneck_report("demo", snap, 0.0), [_straggler(1.7, 0.1)], snap)
+    assert [(f.category, f.severity, f.priority) for f in ranked] == [
+        ("straggler", "critical", 1),  # loses 0.07 / 0.18 = 39% of the throughput
+        ("communication", "high", 2),
+        ("efficiency", "critical", 3),  # its own threshold's, no more than its cause's
+    ]
+    straggler, wait, rollup = ranked
+    assert straggler.details[WHAT_IF_KEY] == pytest.approx(0.11)
+    assert straggler.details[LOSS_KEY] == pytest.approx(0.07 / 0.18)
+    assert straggler.expected_gain_ratio == pytest.approx(0.07 / 0.18)
+    assert straggler.summary == (
+        "rank 2 of job demo computes 1.70x slower than its peers (median 0.100 s a step): "
+        "the job loses ~39% of its throughput"
+    )
+    for symptom in (wait, rollup):
+        assert symptom.details[EXPLAINED_BY_KEY] == "straggler:rank=2"
+        assert symptom.expected_gain_ratio == 0.0
+        assert "the straggler on rank 2" in symptom.recommendation
+    assert "bucket_cap_mb" not in wait.recommendation
+
+
+def test_a_wait_the_straggler_does_not_explain_stays_a_finding_of_its_own() -> None:
+    # 0.02 s of a 0.2 s step is the straggler's: without it 0.07 s of 0.18 s (39%) is
+    # still communication, the network's.
+    snap = JobSnapshot(communication_time_ratio=0.45, step_s=0.2)
+    ranked = rank_findings(bottleneck_report("demo", snap, 0.0), [_straggler(1.2, 0.1)], snap)
+    assert [(f.category, f.severity) for f in ranked] == [
+        ("communication", "high"),  # gain 15% of the step
+        ("straggler", "high"),  # 10% of the throughput
+    ]
+    assert EXPLAINED_BY_KEY not in ranked[0].details
+    assert "bucket_cap_mb" in ranked[0].recommendation
+
+
+def test_the_roll_up_never_outranks_the_findings_it_sums_up() -> None:
+    snap = JobSnapshot(communication_time_ratio=0.35, training_efficiency_ratio=0.6)
+    ranked = rank_findings(bottleneck_report("demo", snap, 0.0), [], snap)
+    assert [(f.category, f.severity) for f in ranked] == [
+        ("communication", "high"),
+        ("efficiency", "high"),  # critical by its threshold, capped at its cause's
+    ]
+    assert ranked[1].details[EXPLAINED_BY_KEY] == "bottleneck:category=communication"
+
+
+def test_a_hang_explains_the_wait_of_the_ranks_it_holds_up() -> None:
+    hang = Finding(
+        kind="hang",
+        labels={"job": "demo", "rank": "1", "op": "all_reduce", "pg": "0"},
+        value=40.0,
+        score=2.0,
+        summary="rank 1 of job demo never joined all_reduce #12",
+        since_unix_s=0.0,
+        severity="critical",
+    )
+    snap = JobSnapshot(communication_time_ratio=0.9, training_efficiency_ratio=0.1)
+    ranked = rank_findings(bottleneck_report("demo", snap, 0.0), [hang], snap)
+    assert {f.category: f.details[EXPLAINED_BY_KEY] for f in ranked} == {
+        "communication": "hang:rank=1",
+        "efficiency": "hang:rank=1",
+    }
 
 
 # -- golden step data through the live state ---------------------------------------------
