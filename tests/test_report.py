@@ -68,8 +68,8 @@ def test_the_summary_shows_each_rank_the_findings_alerts_and_tuning(
         findings
     )
     assert (
-        "without it a step would take 61.7 ms instead of 67.5 ms: the job loses ~9% of its "
-        "throughput" in findings
+        "without it a step would take 61.7 ms instead of 67.5 ms (means over its episode): "
+        "the job loses ~9% of its throughput" in findings
     )
     assert "what to do: Check rank 1's node." in findings
     alerts = out.split("Alerts (4 episodes)")[1].split("Tuning sessions")[0]
@@ -354,9 +354,15 @@ def _step_end(rows: list[dict[str, Any]], step: int) -> float:
     return max(int(r["end_unix_ns"]) for r in rows if r["step"] == step) / 1e9
 
 
-def _causes_db(path: Path, findings: list[dict[str, Any]], alerts: list[dict[str, Any]]) -> str:
-    """A history of the job above with ``findings`` and ``alerts`` rows; its URL."""
-    rows = _causes_step_rows()
+def _causes_db(
+    path: Path,
+    findings: list[dict[str, Any]],
+    alerts: list[dict[str, Any]],
+    rows: list[dict[str, Any]] | None = None,
+) -> str:
+    """A history of the job above (or of ``rows``) with ``findings`` and ``alerts``
+    rows; its URL."""
+    rows = _causes_step_rows() if rows is None else rows
     url = f"sqlite:///{path}"
     engine = make_engine(url)
     Base.metadata.create_all(engine)
@@ -482,8 +488,8 @@ def test_the_what_if_is_the_step_time_without_the_straggler(tmp_path: Path) -> N
     assert straggler.expected_gain_ratio == straggler.loss_ratio
     unwrapped = " ".join(render_text(report).split())
     assert (
-        "without it a step would take 110 ms instead of 210 ms: the job loses ~48% of its "
-        "throughput" in unwrapped
+        "without it a step would take 110 ms instead of 210 ms (means over its episode): the "
+        "job loses ~48% of its throughput" in unwrapped
     )
     assert "Without it a step would take 110 ms instead of 210 ms" in render_page(report)
 
@@ -546,3 +552,62 @@ async def test_the_alert_the_finding_and_the_report_say_the_same_ratio(
     # The alert's resolution carries the episode's figure too.
     (resolved,) = engine.evaluate(since + 9, SeriesStore(), [])
     assert slowdown_text(2.4) in resolved.annotations["summary"]
+
+
+def _hung_step_rows() -> list[dict[str, Any]]:
+    """40 steps of 100 ms (90 ms compute) on 3 ranks; before step 20's all-reduce rank 2
+    stops for 8 s, which its peers spend waiting."""
+    rows = []
+    for row in _causes_step_rows():
+        hung = row["step"] == 20
+        compute = 8.09 if hung and row["rank"] == 2 else 0.09
+        duration = 8.1 if hung else 0.1
+        rows.append(row | {"duration_s": duration, "compute_s": compute,
+                           "comm_wait_s": duration - compute, "end_unix_ns": 0})  # fmt: skip
+    end = CAUSES_T0
+    for step in range(1, CAUSES_STEPS + 1):
+        end += 8.1 if step == 20 else 0.1
+        for row in rows:
+            if row["step"] == step:
+                row["end_unix_ns"] = int(end * 1e9)
+    return rows
+
+
+def test_a_hang_leads_with_what_it_cost_the_run(tmp_path: Path) -> None:
+    rows = _hung_step_rows()
+    since, ended = _step_end(rows, 19) + 0.5, _step_end(rows, 20)
+    findings = [
+        _finding_row(
+            kind="hang", rank=2, value=7.5, score=1.5, severity="critical", since_unix_s=since,
+            ended_unix_s=ended,
+            summary="rank 2 of job causes never joined all_reduce #20 that ranks 0 and 1 entered",
+        ),
+        _finding_row(
+            kind="bottleneck", metric="communication_time_ratio", value=0.62, severity="critical",
+            category="communication", expected_gain_ratio=0.32, difficulty="easy",
+            since_unix_s=since, ended_unix_s=ended,
+            summary="job causes spends 62% of its step time waiting for communication",
+            recommendation="raise the DDP bucket cap (bucket_cap_mb)",
+        ),
+    ]  # fmt: skip
+    url = _causes_db(tmp_path / "h.db", findings, [], rows)
+    report = report_from_db(url, CAUSES_JOB, now_unix_s=CAUSES_T0 + 3600)
+    assert [(f.kind, f.category, f.explained_by) for f in report.findings] == [
+        ("hang", "", ""),
+        ("bottleneck", "communication", "hang:rank=2"),
+    ]
+    hang = report.findings[0]
+    # 39 steps of 100 ms and one of 8.1 s: a 300 ms mean; at 100 ms without the hang.
+    assert hang.step_s == pytest.approx(0.3)
+    assert hang.what_if_step_s == pytest.approx(0.1)
+    assert hang.loss_ratio == pytest.approx(2 / 3)
+    assert report.headline == (
+        "rank 2 of job causes never joined all_reduce #20 that ranks 0 and 1 entered: the job "
+        "lost ~67% of its throughput over the run; see where it waits (py-spy dump, the "
+        "Flight Recorder dump)"
+    )
+    unwrapped = " ".join(render_text(report).split())
+    assert (
+        "without it a step would take 100 ms instead of 300 ms (means over the run): the job "
+        "loses ~67% of its throughput" in unwrapped
+    )

@@ -888,13 +888,12 @@ def headline(findings: Sequence[FindingItem], steps: Mapping[int, Columns]) -> s
         step = f", median step {median * 1e3:.3g} ms" if median is not None else ""
         return f"no problem found: {len(steps)} ranks{step}"
     top = findings[0]
-    lost = "lost" if top.ended_unix_s is not None else "loses"
-    cost = (
-        f": the job {lost} {loss_text(top.loss_ratio)} of its throughput"
-        + (" while it lasted" if top.ended_unix_s is not None else "")
-        if top.loss_ratio is not None
-        else ""
-    )
+    ended = top.ended_unix_s is not None
+    cost = ""
+    if top.loss_ratio is not None:
+        scope = " over the run" if top.kind == "hang" else (" while it lasted" if ended else "")
+        lost = "lost" if ended else "loses"
+        cost = f": the job {lost} {loss_text(top.loss_ratio)} of its throughput{scope}"
     action = _ACTIONS.get(top.kind, "")
     if top.kind == "straggler" and top.slowdown_ratio is not None:
         verb, comparative = phase_words(top.phase)

@@ -167,9 +167,10 @@ def finding_what_if(f: FindingItem) -> str:
     lost = ""
     if f.loss_ratio is not None:
         lost = f": the job loses {loss_text(f.loss_ratio)} of its throughput"
+    scope = "the run" if f.kind == "hang" else "its episode"
     return (
         f"without it a step would take {seconds(f.what_if_step_s)} instead of "
-        f"{seconds(f.step_s)}{lost}"
+        f"{seconds(f.step_s)} (means over {scope}){lost}"
     )
 
 
