@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import shlex
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +93,79 @@ def test_a_missing_dependency_is_named_on_one_line(
     assert code == 1
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("torshmon query: needs the Python package 'sqlalchemy'"), err
+
+
+def _commands(
+    parser: argparse.ArgumentParser, words: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every parser of the command tree with its words after ``torshmon``."""
+    yield words, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*words, name))
+
+
+def test_every_help_ends_with_examples_that_parse(capsys: pytest.CaptureFixture[str]) -> None:
+    from torshmon.faults import parse_fault
+
+    commands = dict(_commands(build_parser()))
+    assert {"demo", "report", "tune", "alerts ack", "silence add", "db upgrade"} <= {
+        " ".join(words) for words in commands
+    }
+    for words in commands:
+        text = _help(capsys, *words)
+        assert "\nexamples:\n" in text, words
+        block = text.split("\nexamples:\n")[1].split("\n\n")[0]
+        examples = [line.strip() for line in block.splitlines()]
+        assert examples, words
+        for example in examples:
+            argv = shlex.split(example)
+            assert argv[: len(words) + 1] == ["torshmon", *words], example
+            if argv[1:] == ["aggregator", "--help"]:
+                continue
+            args = build_parser().parse_args(argv[1:])  # SystemExit(2) if it does not parse
+            for spec in getattr(args, "inject", []):
+                parse_fault(spec)  # FaultError if the example's fault is not one
+
+
+#: The commands that talk to an aggregator, with what else they need to parse.
+URL_COMMANDS = [
+    ["agent"],
+    ["report", "job"],
+    ["tune", "job"],
+    ["alerts", "list"],
+    ["alerts", "ack", "1"],
+    ["silence", "add", "job=j", "--for", "1h"],
+    ["silence", "list"],
+    ["silence", "expire", "1"],
+]
+
+
+@pytest.mark.parametrize("argv", URL_COMMANDS, ids=" ".join)
+def test_the_aggregator_url_has_one_name_everywhere(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = build_parser()
+    for flag in ("--aggregator", "--url"):  # --url: a hidden alias, as tune once took it
+        args = parser.parse_args([*argv, flag, "http://h:1"])
+        assert args.aggregator == "http://h:1", (argv, flag)
+    words = argv[:2] if argv[0] in ("alerts", "silence") else argv[:1]
+    text = _help(capsys, *words)
+    assert "--aggregator URL" in text and "--url" not in text, text
+
+
+def test_user_mistakes_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from torshmon.cli import main
+
+    db = str(tmp_path / "h.db")
+    assert main(["db", "upgrade", "--db", db]) == 0
+    capsys.readouterr()
+    for sql, says in (
+        ("SELECT nope FROM steps", "no such column: nope"),
+        ("DELETE FROM steps", "refused"),
+    ):
+        assert main(["query", "--db", db, sql]) == 2, sql
+        err = capsys.readouterr().err
+        assert err.startswith("torshmon query: ") and err.count("\n") == 1, err
+        assert says in err, err

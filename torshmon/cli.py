@@ -72,10 +72,84 @@ _ENVIRONMENT: Mapping[str, tuple[tuple[str, str], ...]] = {
         ("TORSHMON_TOKEN, TORSHMON_TOKEN_FILE", "bearer token for --aggregator"),
     ),
     "tune": (
-        ("TORSHMON_AGGREGATOR_URL", "aggregator base URL (--url)"),
+        ("TORSHMON_AGGREGATOR_URL", "aggregator base URL (--aggregator)"),
         ("TORSHMON_TOKEN, TORSHMON_TOKEN_FILE", "bearer token, or a file holding it"),
     ),
 }
+
+
+#: Each command's examples, for its --help, by its words after ``torshmon`` ("" is the
+#: top level); a test parses every one.
+_EXAMPLES: Mapping[str, tuple[str, ...]] = {
+    "": (
+        "torshmon demo --inject straggler:rank=1,slowdown=2,from=40,to=120",
+        "torshmon report demo --html demo.html",
+        "torshmon aggregator --help",
+    ),
+    "demo": (
+        "torshmon demo",
+        "torshmon demo --inject straggler:rank=1,slowdown=2,from=40,to=120",
+        "torshmon demo --inject hang:rank=1,from=50,seconds=8",
+        "torshmon demo --autotune --max-trials 6",
+    ),
+    "agent": (
+        "torshmon agent",
+        "torshmon agent --aggregator http://aggregator-host:9470 --token-file ~/.torshmon/token",
+    ),
+    "aggregator": (
+        "torshmon aggregator",
+        "torshmon aggregator --host 0.0.0.0 --token-file /etc/torshmon/token "
+        "--db postgresql://torshmon@db-host/torshmon",
+    ),
+    "query": (
+        'torshmon query "SELECT rank, avg(duration_s) FROM steps GROUP BY rank"',
+        "torshmon query --db runs.db --format csv \"SELECT * FROM alerts WHERE job = 'bert'\"",
+    ),
+    "report": (
+        "torshmon report demo",
+        "torshmon report demo --html demo.html",
+        "torshmon report bert --aggregator http://aggregator-host:9470 --token-file token",
+    ),
+    "db": ("torshmon db upgrade --db postgresql://torshmon@db-host/torshmon",),
+    "db upgrade": (
+        "torshmon db upgrade",
+        "torshmon db upgrade --db postgresql://torshmon@db-host/torshmon "
+        "--reader-password-file reader.pw",
+    ),
+    "rules": ("torshmon rules check my-rules.yaml", "torshmon rules export"),
+    "rules check": ("torshmon rules check my-rules.yaml",),
+    "rules export": ("torshmon rules export", "torshmon rules export my-rules.yaml"),
+    "tune": (
+        "torshmon tune bert --wait",
+        "torshmon tune bert --pin codec --max-trials 8 --aggregator http://aggregator-host:9470",
+    ),
+    "alerts": ("torshmon alerts list --state firing", "torshmon alerts ack 42 --comment 'on it'"),
+    "alerts list": ("torshmon alerts list --state firing", "torshmon alerts list --job bert"),
+    "alerts ack": ("torshmon alerts ack 42 --comment 'node 3 is being drained'",),
+    "silence": (
+        "torshmon silence add alertname=Straggler job=bert --for 2h --comment 'node 3 repair'",
+        "torshmon silence list --state active",
+        "torshmon silence expire 7",
+    ),
+    "silence add": (
+        "torshmon silence add alertname=Straggler job=bert --for 2h --comment 'node 3 repair'",
+        "torshmon silence add job=bert rank=3 --for 30m",
+    ),
+    "silence list": ("torshmon silence list", "torshmon silence list --state active"),
+    "silence expire": ("torshmon silence expire 7",),
+}
+
+
+def _add_examples(parser: argparse.ArgumentParser, words: str = "") -> None:
+    """Put ``_EXAMPLES[words]`` at the top of the epilog of ``parser`` and, recursively,
+    of its commands' parsers (``alerts list``: made in cli_alerts)."""
+    examples = "examples:\n" + "\n".join(f"  {line}" for line in _EXAMPLES[words])
+    parser.epilog = examples + (f"\n\n{parser.epilog}" if parser.epilog else "")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                _add_examples(sub, f"{words} {name}".strip())
 
 
 def _epilog(*commands: str) -> str:
@@ -190,9 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agent.add_argument("--metrics-host", default=None, help="/metrics address (127.0.0.1)")
     agent.add_argument("--metrics-port", type=_port, default=None, help="/metrics port (9465)")
-    agent.add_argument(
-        "--aggregator", help="aggregator base URL, e.g. http://host:9470 ($TORSHMON_AGGREGATOR_URL)"
-    )
+    _url_flag(agent, "aggregator base URL, e.g. http://host:9470 ($TORSHMON_AGGREGATOR_URL)")
     agent.add_argument("--token-file", type=Path, help=_TOKEN_HELP)
     agent.add_argument("--spool", help="spool file ($TORSHMON_AGENT_SPOOL)")
     agent.add_argument("--spool-max-mb", type=_positive_int, help="spool bound in MiB (256)")
@@ -239,10 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("job", help="job name")
     source = report.add_mutually_exclusive_group()
     source.add_argument("--db", help=_DB_HELP)
-    source.add_argument(
-        "--aggregator",
-        metavar="URL",
-        help="read the history through this aggregator instead, e.g. " + DEFAULT_AGGREGATOR_URL,
+    _url_flag(
+        source, "read the history through this aggregator instead, e.g. " + DEFAULT_AGGREGATOR_URL
     )
     report.add_argument("--token-file", type=Path, help=_TOKEN_HELP)
     report.add_argument(
@@ -304,16 +374,22 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--wait", action="store_true", help="print trials until the session ends")
     tune.add_argument("--poll-s", type=float, default=2.0, help=argparse.SUPPRESS)
     cli_alerts.add_commands(command, _aggregator_flags)
+    _add_examples(parser)
     return parser
 
 
+def _url_flag(parser: argparse.ArgumentParser | argparse._ActionsContainer, help: str) -> None:
+    """``--aggregator URL``, the one name of the aggregator's URL on every command
+    (``args.aggregator``); ``--url``, which some commands took, stays as a hidden alias."""
+    parser.add_argument("--aggregator", metavar="URL", help=help)
+    parser.add_argument("--url", dest="aggregator", help=argparse.SUPPRESS)
+
+
 def _aggregator_flags(parser: argparse.ArgumentParser) -> None:
-    """--url and --token-file: the commands that talk to a running aggregator."""
-    parser.add_argument(
-        "--url",
-        "--aggregator",
-        dest="url",
-        help=f"aggregator base URL ($TORSHMON_AGGREGATOR_URL; default {DEFAULT_AGGREGATOR_URL})",
+    """--aggregator and --token-file: the commands that talk to a running aggregator."""
+    _url_flag(
+        parser,
+        f"aggregator base URL ($TORSHMON_AGGREGATOR_URL; default {DEFAULT_AGGREGATOR_URL})",
     )
     parser.add_argument("--token-file", type=Path, help=_TOKEN_HELP)
 
@@ -364,7 +440,7 @@ def _redactor(args: argparse.Namespace, env: Mapping[str, str]) -> Redactor:
         redact.add(*(item.strip() for item in env.get(var, "").split(",")))
     for var in _URL_VARS:
         redact.add_url(env.get(var))
-    for flag in ("db", "query_db", "aggregator", "url"):
+    for flag in ("db", "query_db", "aggregator"):
         value = getattr(args, flag, None)
         if isinstance(value, str):  # demo's --db is a file
             redact.add_url(value)
@@ -428,7 +504,7 @@ def _run_agent(args: argparse.Namespace, redact: Redactor) -> int:
         return asyncio.run(run_agent(settings, announce=_announcer(redact)))
     except (OSError, SpoolError) as exc:
         # An unsafe folder or file (UnsafePathError), a taken port, a locked spool.
-        return _fail("agent", redact, f"cannot start: {exc}", 1)
+        return _fail("agent", redact, f"cannot start: {exc}", USAGE_ERROR)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -507,8 +583,8 @@ def _run_aggregator(args: argparse.Namespace, redact: Redactor) -> int:
     except (SQLAlchemyError, psycopg.Error) as exc:
         message = f"cannot open the history {redact_url(settings.db_url)}: {_db_error(exc)}"
         return _fail("aggregator", redact, message, USAGE_ERROR)
-    except OSError as exc:
-        return _fail("aggregator", redact, f"cannot start: {exc}", 1)
+    except OSError as exc:  # a taken port, an address not on this host, a folder
+        return _fail("aggregator", redact, f"cannot start: {exc}", USAGE_ERROR)
 
 
 def _run_query(args: argparse.Namespace, redact: Redactor) -> int:
@@ -522,8 +598,8 @@ def _run_query(args: argparse.Namespace, redact: Redactor) -> int:
         result = run_query(url, args.sql, max_rows=args.max_rows)
     except (HistoryUnreachable, DatabaseConfigError) as exc:
         return _fail("query", redact, str(exc), USAGE_ERROR)
-    except QueryError as exc:  # the statement itself: refused or failed
-        return _fail("query", redact, str(exc), 1)
+    except QueryError as exc:  # the statement itself: refused, or an SQL error
+        return _fail("query", redact, str(exc), USAGE_ERROR)
     print(format_result(result, args.format))
     if result.truncated:
         print(
@@ -548,7 +624,7 @@ def _run_report(args: argparse.Namespace, redact: Redactor) -> int:
 
     try:
         if args.aggregator is not None:
-            base = _aggregator_url(argparse.Namespace(url=args.aggregator), {})
+            base = _aggregator_url(args, {})
             token = _token(args, redact, os.environ) or os.environ.get("TORSHMON_TOKEN", "")
             report = report_from_aggregator(base, args.job, token.strip() or None)
             read_evidence = evidence_from_aggregator(base, token.strip() or None)
@@ -606,7 +682,7 @@ def _run_db(args: argparse.Namespace, redact: Redactor) -> int:
                 f"torshmon db upgrade: {reader.refused}; name another --reader-role",
                 file=sys.stderr,
             )
-            return 1
+            return USAGE_ERROR
         if reader.for_admin:
             print(
                 f"queries connect as the reader role {reader.role}, which this database "
@@ -647,11 +723,11 @@ def _http_json(
 
 
 def _aggregator_url(args: argparse.Namespace, env: Mapping[str, str]) -> str:
-    """``--url``, else ``$TORSHMON_AGGREGATOR_URL``, else the local default; ValueError
-    for anything but an http(s) URL with a host."""
+    """``--aggregator``, else ``$TORSHMON_AGGREGATOR_URL``, else the local default;
+    ValueError for anything but an http(s) URL with a host."""
     import urllib.parse
 
-    url = args.url or env.get("TORSHMON_AGGREGATOR_URL") or DEFAULT_AGGREGATOR_URL
+    url = args.aggregator or env.get("TORSHMON_AGGREGATOR_URL") or DEFAULT_AGGREGATOR_URL
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(
@@ -686,6 +762,43 @@ def trial_line(trial: Mapping[str, Any], unit: str) -> str:
     return line
 
 
+def _untunable(base: str, job: str, token: str | None) -> str | None:
+    """Why ``job`` cannot be tuned: the aggregator has no such job, or it has ended (its
+    ranks silent past the report's bound, by the aggregator's clock); None if it runs
+    (or the aggregator did not answer: its answer to the tune request says why)."""
+    import email.utils
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from torshmon.report.model import is_running
+    from torshmon.report.text import when
+
+    request = urllib.request.Request(f"{base}/api/v1/jobs/{urllib.parse.quote(job, safe='')}")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            row = json.loads(response.read() or b"{}")
+            date = response.headers.get("Date")
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return f"no job {job!r} on the aggregator at {redact_url(base)}"
+        return None
+    try:
+        now = email.utils.parsedate_to_datetime(date).timestamp() if date else None
+        last_seen = float(row["last_seen_unix_ns"]) / 1e9
+    except (TypeError, ValueError, KeyError):
+        return None
+    if now is None or is_running(last_seen, now):
+        return None
+    return (
+        f"job {job!r} has ended (nothing from its ranks since {when(last_seen)}, "
+        f"{now - last_seen:.0f} s ago): only a running job can be tuned"
+    )
+
+
 def _run_tune(args: argparse.Namespace, redact: Redactor) -> int:
     import time
     import urllib.error
@@ -702,13 +815,16 @@ def _run_tune(args: argparse.Namespace, redact: Redactor) -> int:
     if args.max_trials is not None:
         body["max_trials"] = args.max_trials
     try:
+        refusal = _untunable(base, args.job, token or None)
+        if refusal is not None:  # else a session would start, then abort on a silent job
+            return _fail("tune", redact, refusal, USAGE_ERROR)
         status, reply = _http_json("POST", f"{base}/api/v1/jobs/{job}/tune", token or None, body)
     except (urllib.error.URLError, OSError) as exc:
         why = exc.reason if isinstance(exc, urllib.error.URLError) else exc
         return _fail("tune", redact, f"cannot reach {redact_url(base)}: {why}", USAGE_ERROR)
-    if status != 201:
-        print(f"torshmon tune: HTTP {status}: {reply.get('error', '')}", file=sys.stderr)
-        return 1
+    if status != 201:  # 4xx: an unknown job, a session already running, a bad token
+        message = f"HTTP {status}: {reply.get('error', '')}"
+        return _fail("tune", redact, message, USAGE_ERROR if 400 <= status < 500 else 1)
     session_id = str(reply["session_id"])
     print(f"tuning session {session_id} started for job {args.job}")
     if not args.wait:

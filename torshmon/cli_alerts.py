@@ -1,6 +1,6 @@
 """``torshmon alerts`` and ``torshmon silence``: the alert lifecycle from a terminal.
 
-Both talk to a running aggregator's API (``--url``, the token as for ``tune``)::
+Both talk to a running aggregator's API (``--aggregator``, the token as for ``tune``)::
 
     torshmon alerts list --state firing
     torshmon alerts ack 42 --comment "looking at node3"
@@ -63,7 +63,7 @@ def add_commands(
     aggregator_flags: Callable[[argparse.ArgumentParser], None],
 ) -> None:
     """Add ``alerts`` and ``silence`` with ``command`` (cli.build_parser's factory);
-    ``aggregator_flags`` adds --url and --token-file to a parser."""
+    ``aggregator_flags`` adds --aggregator and --token-file to a parser."""
     alerts = command("alerts", "list and acknowledge alerts on a running aggregator", env="tune")
     alert_commands = alerts.add_subparsers(dest="alerts_command", required=True)
     listing = alert_commands.add_parser("list", help="alerts, newest first")
@@ -106,7 +106,8 @@ def add_commands(
 
 
 def run(args: argparse.Namespace, call: Call) -> int:
-    """Run ``alerts`` or ``silence``; exit status (1: the aggregator said no)."""
+    """Run ``alerts`` or ``silence``; exit status (2: the aggregator refused the request,
+    e.g. an unknown id or a wrong token; 1: it failed)."""
     if args.command == "alerts":
         if args.alerts_command == "list":
             return _list_alerts(args, call)
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace, call: Call) -> int:
 
 def _refused(command: str, status: int, reply: Mapping[str, Any]) -> int:
     print(f"torshmon {command}: HTTP {status}: {reply.get('error', '')}", file=sys.stderr)
-    return 1
+    return 2 if 400 <= status < 500 else 1  # a user's mistake is 2, as in torshmon.cli
 
 
 def _when(unix_s: float | None) -> str:

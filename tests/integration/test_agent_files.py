@@ -64,7 +64,7 @@ def test_a_runtime_folder_not_the_agents_alone_is_refused_in_one_line(
         text=True,
         timeout=60,
     )
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert "Traceback" not in done.stderr
     (line,) = done.stderr.splitlines()
     assert line.startswith(f"torshmon agent: cannot start: runtime folder {folder} ")
@@ -85,7 +85,7 @@ def test_a_per_user_temp_folder_made_0777_by_another_user_is_refused(tmp_path: P
         text=True,
         timeout=60,
     )
-    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"runtime folder {folder} is owned by uid {NOBODY} with mode 0777" in done.stderr
     assert os.listdir(folder) == []
 
@@ -101,7 +101,7 @@ def test_an_explicit_socket_folder_others_may_write_to_is_refused(tmp_path: Path
         text=True,
         timeout=60,
     )
-    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"socket folder {folder} is owned by uid 0 with mode 0777" in done.stderr
 
 

@@ -80,7 +80,7 @@ def test_db_upgrade_and_query(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [{"n": 0}]
     done = _torshmon("query", "--db", url, "DELETE FROM steps", cwd=tmp_path)
-    assert done.returncode == 1 and "torshmon query:" in done.stderr
+    assert done.returncode == 2 and "torshmon query:" in done.stderr
     done = _torshmon(
         "query", "--db", f"sqlite:///{tmp_path / 'missing.db'}", "SELECT 1", cwd=tmp_path
     )

@@ -274,4 +274,4 @@ def test_bad_requests_get_a_4xx_that_names_the_problem(tmp_path: Path) -> None:
         assert done.returncode == 2 and done.stderr.count("\n") <= 4
         assert "expected a duration" in done.stderr and "Traceback" not in done.stderr
         done = _cli(agg, tmp_path, "silence", "expire", "12345")
-        assert done.returncode == 1 and "no silence 12345" in done.stderr
+        assert done.returncode == 2 and "no silence 12345" in done.stderr

@@ -123,6 +123,28 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
     _one_line_error(done, "'ftp://h' is not http(s)")
 
 
+def test_a_port_in_use_or_an_sql_error_is_a_users_mistake(tmp_path: Path) -> None:
+    """README: a mistake the user can fix is one line and exit status 2. These exited 1."""
+    import socket
+
+    runtime = tmp_path / "xdg"
+    runtime.mkdir(mode=0o700)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        done = torshmon("aggregator", "--port", port, "--db", "h.db", cwd=tmp_path)
+        _one_line_error(done, "torshmon aggregator: cannot start: ")
+        assert "address already in use" in done.stderr, done.stderr
+        done = torshmon(
+            "agent", "--metrics-port", port, cwd=tmp_path, env=_env(XDG_RUNTIME_DIR=str(runtime))
+        )
+        _one_line_error(done, "torshmon agent: cannot start: ")
+        assert "address already in use" in done.stderr, done.stderr
+    done = torshmon("query", "--db", "h.db", "SELECT nope FROM steps", cwd=tmp_path)
+    _one_line_error(done, "no such column: nope")
+
+
 class Daemon:
     """A ``torshmon`` daemon started from a folder; its start line read with a deadline."""
 
@@ -230,7 +252,43 @@ def test_tune_reads_the_same_variables(tmp_path: Path, aggregator: tuple[str, Da
             "tune", "no-such-job", cwd=tmp_path, env=_env(TORSHMON_AGGREGATOR_URL=url, **env)
         )
         # The aggregator answered: about the job with the token, refusing without it
-        # (so it read its own token from TORSHMON_TOKEN_FILE too).
-        assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+        # (so it read its own token from TORSHMON_TOKEN_FILE too). Both are the user's
+        # to fix: exit 2.
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
         assert says in done.stderr.lower() or says in done.stderr, (env, done.stderr)
         assert "Traceback" not in done.stderr
+
+
+def test_tune_refuses_a_job_that_has_ended(tmp_path: Path, aggregator: tuple[str, Daemon]) -> None:
+    """A finished job was accepted, then the session aborted ("the job refused its own
+    config"); an unknown job was HTTP 404 and exit 1."""
+    from sqlalchemy import insert
+
+    from torshmon.history.db import make_engine
+    from torshmon.history.models import Base
+    from torshmon.report.text import when
+
+    url, _ = aggregator
+    now = time.time()
+    ended_at = now - 120
+    engine = make_engine(f"sqlite:///{tmp_path / 'h.db'}")
+    with engine.begin() as conn:  # as the aggregator stored them
+        conn.execute(
+            insert(Base.metadata.tables["jobs"]),
+            [
+                {"job": job, "world_size": 2, "backend": "gloo",
+                 "first_seen_unix_ns": int((seen - 60) * 1e9),
+                 "last_seen_unix_ns": int(seen * 1e9), "aggregator_id": "a"}
+                for job, seen in (("over", ended_at), ("busy", now))
+            ],
+        )  # fmt: skip
+    engine.dispose()
+    env = _env(TORSHMON_TOKEN_FILE=str(tmp_path / "token"))
+    done = torshmon("tune", "over", "--aggregator", url, cwd=tmp_path, env=env)
+    _one_line_error(done, "torshmon tune: job 'over' has ended (nothing from its ranks since ")
+    assert when(ended_at) in done.stderr and "only a running job can be tuned" in done.stderr
+    done = torshmon("tune", "nope", "--aggregator", url, cwd=tmp_path, env=env)
+    _one_line_error(done, f"torshmon tune: no job 'nope' on the aggregator at {url}")
+    # A job heard from now passes on to the aggregator, which says what it lacks.
+    done = torshmon("tune", "busy", "--url", url, cwd=tmp_path, env=env)
+    _one_line_error(done, "torshmon tune: HTTP 404: no config or DDP stats from job 'busy' yet")

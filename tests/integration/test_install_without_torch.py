@@ -84,7 +84,7 @@ def test_the_daemons_run_without_torch(venv: Path, tmp_path: Path) -> None:
         # The tuning client against the live aggregator: a real request, a one-line answer.
         tune = run(venv, tmp_path, "torshmon", "tune", "--url", url, "--token-file", "token",
                    "no-such-job")  # fmt: skip
-        assert tune.returncode == 1
+        assert tune.returncode == 2
         assert tune.stderr.startswith("torshmon tune:") and "no-such-job" in tune.stderr
         assert len(tune.stderr.strip().splitlines()) == 1, tune.stderr
 

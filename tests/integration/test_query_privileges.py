@@ -297,7 +297,7 @@ def test_the_cli_refuses_in_one_line_and_takes_a_query_url(history_db: str) -> N
     done = query("--format", "csv", "SELECT job FROM jobs")
     assert (done.returncode, done.stdout) == (0, "job\nj1\n\n"), done.stderr
     done = query("SELECT pg_read_file('/etc/passwd')")
-    assert done.returncode == 1 and done.stdout == ""
+    assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == (
         "torshmon query: refused: queries may only read the history "
         "(permission denied for function pg_read_file)\n"
@@ -415,7 +415,7 @@ def test_upgrade_leaves_a_superuser_and_itself_alone(history_db: str) -> None:
             ],
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
-        assert done.returncode == 1
+        assert done.returncode == 2
         assert done.stderr == (
             f"torshmon db upgrade: refused to make role {superuser} a reader: it is a "
             "superuser; name another --reader-role\n"

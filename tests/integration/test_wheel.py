@@ -71,7 +71,7 @@ def test_db_upgrade_and_query_on_sqlite_from_the_wheel(installed: Path, tmp_path
     assert query.returncode == 0, query.stderr
     assert query.stdout.split()[-3:] == ["0", "(1", "row)"]
     write = torshmon(installed, tmp_path, "query", "--db", url, "DELETE FROM jobs")
-    assert write.returncode == 1
+    assert write.returncode == 2
     assert write.stderr.startswith("torshmon query: refused") and "Traceback" not in write.stderr
 
 
@@ -83,13 +83,13 @@ def test_db_upgrade_makes_the_reader_role_from_the_wheel(installed: Path, tmp_pa
         attack = torshmon(
             installed, tmp_path, "query", "--db", url, "SELECT pg_read_file('/etc/passwd')"
         )
-        assert attack.returncode == 1
+        assert attack.returncode == 2
         assert "permission denied for function pg_read_file" in attack.stderr
         assert "root:" not in attack.stdout
         as_superuser = torshmon(
             installed, tmp_path, "query", "--db", url, "--query-db", url, "SELECT 1"
         )
-        assert as_superuser.returncode == 1
+        assert as_superuser.returncode == 2
         assert "refused: queries would run as superuser postgres" in as_superuser.stderr
 
 
