@@ -15,13 +15,15 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from torshmon.faults import Fault, FaultRunner
 from torshmon.launch import run_ranks
@@ -34,6 +36,11 @@ if TYPE_CHECKING:
     from torshmon.linkshape import LinkShaper
 
 log = logging.getLogger(__name__)
+
+#: The environment of the demo's ranks, unless the user's sets these: torch's profiler
+#: (kineto) logs a line to stderr as each evidence capture starts and stops, and
+#: libraries' Python warnings would interleave with the progress lines.
+QUIET_RANKS: Final[Mapping[str, str]] = {"KINETO_LOG_LEVEL": "6", "PYTHONWARNINGS": "ignore"}
 
 #: The demo clips the gradient norm (a common guard), so one corrupted batch cannot
 #: wreck the model for every rank (see the loss-spike fault).
@@ -280,6 +287,8 @@ async def run_system(
             ):
                 port = aggregator.port or 0
                 api = ApiClient(http, f"http://127.0.0.1:{port}", token)
+                if on_line is not None:
+                    on_line(page_line(port, config.job, token))
                 watch = _Watch(api, config, on_line)
                 agent_settings = AgentSettings(
                     socket_path=os.path.join(tmp, "agent.sock"),
@@ -458,6 +467,7 @@ class _Watch:
         self.config = config
         self.on_line = on_line
         self.trials = TuningProgress(config.job)
+        self._last = ""
 
     async def progress(self) -> None:
         if self.on_line is None:
@@ -471,7 +481,10 @@ class _Watch:
                 "GET", f"/api/v1/alerts?job={job}&state=firing&limit=1000"
             )
             firing = reply["alerts"] if status == 200 else []
-        self.on_line(progress_line(summary, firing, self.config))
+        line = progress_line(summary, firing, self.config)
+        if line != self._last:  # a job that waits or ends says so once
+            self._last = line
+            self.on_line(line)
 
     async def tuning(self, session: TuningSession | None) -> None:
         if self.on_line is None:
@@ -554,6 +567,14 @@ def _alert_rows(db_url: str, job: str) -> list[dict[str, Any]]:
     return rows
 
 
+def page_line(port: int, job: str, token: str) -> str:
+    """Where the job's page is while the demo runs, and the token it signs in with."""
+    return (
+        f"the job's page, while the demo runs: http://127.0.0.1:{port}/jobs/{_quote(job)} "
+        f"(sign in with the token {token})"
+    )
+
+
 def progress_line(
     summary: dict[str, Any] | None, firing: Sequence[dict[str, Any]], config: DemoConfig
 ) -> str:
@@ -601,8 +622,14 @@ def run_demo(config: DemoConfig) -> int:
 
     from torshmon.linkshape import LinkShapingError, LinkShapingUnavailable
 
+    # The ranks' libraries keep to themselves unless the user's environment says
+    # otherwise: the progress lines are the demo's output.
+    quiet = {k: v for k, v in QUIET_RANKS.items() if k not in os.environ}
+    config = replace(config, env={**quiet, **config.env})
     try:
-        result = asyncio.run(run_system(config, on_line=None if config.quiet else show))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # libraries' warnings in this process (optuna's)
+            result = asyncio.run(run_system(config, on_line=None if config.quiet else show))
     except LinkShapingUnavailable as exc:
         print(f"torshmon demo: --link-rate needs link shaping: {exc}", file=sys.stderr)
         return 2
@@ -702,9 +729,13 @@ def summary(config: DemoConfig, result: DemoResult) -> str:
         lines.append(tuning_summary(result.tuning))
     elif config.autotune:
         lines.append("autotune: no session started (see the log above)")
+    job, db = shlex.quote(config.job), shlex.quote(str(config.db))
     lines += [
-        f"history: {config.db_url}; try:",
-        f"  torshmon query --db {config.db} "
-        '"SELECT rank, avg(duration_s) FROM steps GROUP BY rank"',
+        f"history: {config.db_url}",
+        "the report, with what to do (--html FILE writes a page with plots):",
+        f"  torshmon report {job} --db {db}",
+        f"  torshmon report {job} --db {db} --html {shlex.quote(config.job + '.html')}",
+        "or SQL:",
+        f'  torshmon query --db {db} "SELECT rank, avg(duration_s) FROM steps GROUP BY rank"',
     ]
     return "\n".join(lines)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import re
 import subprocess
 import sys
@@ -47,9 +49,26 @@ def test_demo_runs_the_whole_system_and_summarises_from_sql(tmp_path: Path) -> N
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # nothing from torch, its profiler or warnings
+    lines = done.stdout.splitlines()
+    # Where its page is while it runs, with the token to sign in with.
+    (page,) = [line for line in lines if line.startswith("the job's page")]
+    assert re.fullmatch(
+        r"the job's page, while the demo runs: http://127\.0\.0\.1:\d+/jobs/demo "
+        r"\(sign in with the token [0-9a-f]{32}\)",
+        page,
+    ), page
+    # Progress says a thing once: "waiting for the ranks to start..." came a dozen times.
+    assert lines.count("waiting for the ranks to start...") <= 1, done.stdout
+    assert all(a != b for a, b in itertools.pairwise(lines)), done.stdout
     assert "samples/s per job (mean step of the slowest rank)" in done.stdout
     assert f"history: sqlite:///{tmp_path / 'torshmon.db'}" in done.stdout
-    assert "torshmon query --db torshmon.db" in done.stdout  # a hint that works as printed
+    # It ends with the report, then SQL: hints that work as printed.
+    assert lines[-4:-2] == [
+        "  torshmon report demo --db torshmon.db",
+        "  torshmon report demo --db torshmon.db --html demo.html",
+    ], lines[-6:]
+    assert "torshmon query --db torshmon.db" in lines[-1]
     assert (tmp_path / "torshmon.db").is_file()
     # Every step of every rank is in the history exactly once, readable through the CLI.
     query = _torshmon(
@@ -67,6 +86,27 @@ def test_demo_runs_the_whole_system_and_summarises_from_sql(tmp_path: Path) -> N
     # cpu_wait_s, process_cpu_wait_s: the kernel's run-queue delay of the training
     # thread and of all the rank's threads, known for every step on Linux.
     assert rows == [[str(r), "25", "25", "1", "25", "25", "25"] for r in range(3)]
+
+
+def test_the_demos_ranks_keep_the_profilers_lines_to_themselves(tmp_path: Path) -> None:
+    """torch's profiler (kineto) prints a line as each evidence capture starts and stops,
+    which came between the demo's progress lines; the demo's ranks run with QUIET_RANKS."""
+    from torshmon.demo import QUIET_RANKS
+
+    script = "import torch.profiler as p\nwith p.profile():\n    pass\nprint('traced')\n"
+    base = {k: v for k, v in os.environ.items() if k not in QUIET_RANKS}
+    loud, quiet = (
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        for env in (base, {**base, **QUIET_RANKS})
+    )
+    assert "profiler_start" in loud.stderr  # what the demo printed between its lines
+    assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "traced\n", "")
 
 
 def test_demo_rejects_bad_flags_clearly(tmp_path: Path) -> None:
