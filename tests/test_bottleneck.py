@@ -4,6 +4,7 @@ the report, the findings the rules see and the exported series."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -227,6 +228,17 @@ def test_a_straggler_explains_the_wait_and_the_roll_up_and_leads_them() -> None:
         assert symptom.expected_gain_ratio == 0.0
         assert "the straggler on rank 2" in symptom.recommendation
     assert "bucket_cap_mb" not in wait.recommendation
+
+
+def test_a_measured_excess_is_the_what_if_where_the_detector_gives_one() -> None:
+    # The ratio may compare compute less CPU wait; what the peers wait for is wall-clock.
+    straggler = _straggler(2.0, 0.01)
+    straggler = dataclasses.replace(straggler, details={**straggler.details, "excess_s": 0.05})
+    snap = JobSnapshot(step_s=0.2)
+    (ranked,) = rank_findings([], [straggler], snap)
+    assert ranked.details[WHAT_IF_KEY] == pytest.approx(0.15)
+    assert ranked.details[LOSS_KEY] == pytest.approx(0.25)
+    assert "computes 2.00x slower" in ranked.summary and "loses ~25%" in ranked.summary
 
 
 def test_a_wait_the_straggler_does_not_explain_stays_a_finding_of_its_own() -> None:

@@ -64,9 +64,7 @@ def test_the_summary_shows_each_rank_the_findings_alerts_and_tuning(
     # The gain is what the steps of the episode (2-14) lose: rank 1 computes 45 ms, rank 0
     # 7.5 ms a step number, so 30, 22.5, 15 and 7.5 ms of steps 2-5 wait for rank 1, of
     # 877.5 ms (the ranks' median periods, (10 i + 55) / 2 ms): 8.5%, not the 30% stored.
-    assert f"since {since}, ended {ended}; expected gain 9% of the step, difficulty medium" in (
-        findings
-    )
+    assert f"since {since}, ended {ended}; difficulty medium" in findings
     assert (
         "without it a step would take 61.7 ms instead of 67.5 ms (means over its episode): "
         "the job loses ~9% of its throughput" in findings

@@ -152,7 +152,8 @@ def finding_effort(f: FindingItem) -> str:
     if f.explained_by_name and not f.expected_gain_ratio:
         return f"no gain of its own: it goes with {f.explained_by_name}"
     parts = []
-    if f.expected_gain_ratio is not None:
+    if f.expected_gain_ratio is not None and f.what_if_step_s is None:
+        # A cause's gain is its what-if line's loss: said once, there.
         parts.append(f"expected gain {f.expected_gain_ratio:.0%} of the step")
     if f.difficulty:
         parts.append(f"difficulty {f.difficulty}")

@@ -401,9 +401,13 @@ def what_if_step_s(step_s: float, excess_s: float) -> float:
 
 
 def straggler_excess_s(finding: Finding) -> float | None:
-    """A straggler's phase time above its peers' median a step (seconds): THE ratio
-    (``details["slowdown_ratio"]``, else ``score``) less one, times that median; None
-    where the finding carries no median."""
+    """A straggler's phase time above its peers' median a step (seconds), what they
+    wait for: ``details["excess_s"]`` where the detector measures it in wall-clock
+    time, else THE ratio (``details["slowdown_ratio"]``, else ``score``) less one, times
+    its peers' median; None where the finding carries neither."""
+    measured = finding.details.get("excess_s")
+    if isinstance(measured, (int, float)) and math.isfinite(measured):
+        return max(0.0, float(measured))
     median = finding.details.get("peer_median_s")
     ratio = finding.details.get("slowdown_ratio", finding.score)
     if not isinstance(median, (int, float)) or not isinstance(ratio, (int, float)):
