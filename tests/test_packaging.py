@@ -79,7 +79,8 @@ def test_torch_is_an_extra_not_a_dependency() -> None:
     assert not [d for d in project["dependencies"] if TORCH.match(d)]
     assert project["optional-dependencies"]["torch"] == ["torch>=2.4"]
     setup = (ROOT / "scripts" / "setup").read_text()
-    assert '-e ".[dev,torch]"' in setup  # the README's commands need torch
+    # The README's commands need torch; the integrations' tests their trainers.
+    assert '-e ".[dev,torch,integrations-test]"' in setup
 
 
 def test_the_wheel_is_built_once_from_the_package() -> None:

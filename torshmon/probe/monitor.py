@@ -448,6 +448,9 @@ class Monitor:
 
     def _on_backward_end(self, events: StepEvents, token: int) -> None:
         events.backward_end_ns = time.perf_counter_ns()
+        # The step's next backward pass (gradient accumulation: a micro-batch each)
+        # queues its own end: DDP's reduction ends with the last one.
+        events.backward_hooked = False
         events.backward_end_runqueue_ns = self._runqueue.read_ns()
         if events.marks is not None and self._step_clock is not None:
             events.marks.backward_end = self._step_clock.mark()

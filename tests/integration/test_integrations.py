@@ -1,0 +1,224 @@
+"""The integrations in the real frameworks (Hugging Face Trainer, Lightning, Accelerate):
+2 CPU gloo ranks, a real agent and aggregator on loopback, the history they write.
+
+Each rank trains twice with the same seed, without torshmon and then with its one line,
+so the test sees the losses and the weights the integration must leave unchanged.
+Rank 1 is slowed inside its training forward passes (a straggler): the steps table shows
+its compute time against rank 0's. The models are tiny and built from a config; nothing
+is downloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from torshmon.aggregator.service import Aggregator
+from torshmon.aggregator.settings import AggregatorSettings
+from torshmon.history.query import run_query
+from torshmon.launch import run_ranks
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT_S = 240
+#: rank 1's extra time in each training forward pass (a slow rank)
+STRAGGLER_S = 0.08
+#: rank 1's compute time over rank 0's, at least: the sleep against a few-ms step
+SLOW_RATIO = 2.0
+#: each evaluation forward pass's extra time (on every rank), so evaluation is long
+#: beside the loader's time
+EVAL_PASS_S = 0.05
+ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+async def _run_with_stack(
+    tmp_path: Path, target: Callable[..., Any], *args: Any
+) -> tuple[list[Any], str]:
+    """Aggregator + agent on loopback, ``target`` on 2 gloo ranks; the history's URL once
+    the agent has flushed and the aggregator written everything."""
+    from torshmon.agent.daemon import Agent, AgentSettings
+
+    db_url = f"sqlite:///{tmp_path / 'history.db'}"
+    token = secrets.token_hex(8)
+    settings = AggregatorSettings(port=0, db_url=db_url, token=token, aggregator_id="integ")
+    async with Aggregator(settings, registry=CollectorRegistry(), targets=[]) as aggregator:
+        agent_settings = AgentSettings(
+            socket_path=str(tmp_path / "agent.sock"),
+            metrics_port=0,
+            aggregator_url=f"http://127.0.0.1:{aggregator.port}",
+            token=token,
+            spool_path=str(tmp_path / "spool.db"),
+            sample_interval_s=1.0,
+        )
+        async with Agent(agent_settings, registry=CollectorRegistry()):
+            results = await asyncio.to_thread(
+                run_ranks,
+                target,
+                2,
+                agent_settings.socket_path,
+                str(tmp_path),
+                *args,
+                timeout_s=TIMEOUT_S,
+                env=ENV,
+            )
+    return results, db_url
+
+
+def _rows(db_url: str, sql: str) -> list[tuple[Any, ...]]:
+    return [tuple(row) for row in run_query(db_url, sql).rows]
+
+
+def _check_steps(db_url: str, job: str, steps: int, samples: int) -> dict[int, list[Any]]:
+    """One row per optimizer step per rank, with the batch size the framework knows;
+    returns each rank's rows (step, compute_s, input_wait_s, loss) in step order."""
+    rows = _rows(
+        db_url,
+        "SELECT rank, step, batch_size, compute_s, input_wait_s, loss FROM steps "
+        f"WHERE job = '{job}' ORDER BY rank, step",
+    )
+    by_rank: dict[int, list[Any]] = {0: [], 1: []}
+    for rank, step, batch_size, compute_s, input_wait_s, loss in rows:
+        assert batch_size == samples, (rank, step, batch_size)
+        by_rank[rank].append((step, compute_s, input_wait_s, loss))
+    for rank in (0, 1):
+        assert [r[0] for r in by_rank[rank]] == list(range(1, steps + 1)), rank
+    return by_rank
+
+
+def _check_straggler(by_rank: dict[int, list[Any]]) -> None:
+    """Rank 1, slowed in its forward passes, computes longer than rank 0 (whose own
+    extra time is waiting for rank 1 in DDP's all-reduce: communication, not compute)."""
+    slow = statistics.median(r[1] for r in by_rank[1][1:])
+    fast = statistics.median(r[1] for r in by_rank[0][1:])
+    assert slow >= STRAGGLER_S and slow > SLOW_RATIO * fast, (slow, fast)
+
+
+def _slow_forward(module: Any, rank: int) -> None:
+    """Rank 1's training forward passes take STRAGGLER_S longer (a slow rank), and
+    every evaluation pass EVAL_PASS_S."""
+    import torch
+
+    def hook(mod: Any, _args: Any) -> None:
+        if not (mod.training and torch.is_grad_enabled()):
+            time.sleep(EVAL_PASS_S)
+        elif rank == 1:
+            time.sleep(STRAGGLER_S)
+
+    module.register_forward_pre_hook(hook)
+
+
+def _same_weights(a: Any, b: Any) -> bool:
+    import torch
+
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# -- Hugging Face Trainer -------------------------------------------------------------
+
+HF_STEPS = 4
+HF_BATCH = 4
+HF_ACCUMULATION = 2
+
+
+def _hf_train(rank: int, out: str, callbacks: list[Any]) -> tuple[Any, list[float], list[float]]:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=16, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    _slow_forward(model.transformer, rank)  # inside the model's forward pass
+    generator = torch.Generator().manual_seed(1 + rank)
+    tokens = torch.randint(0, 32, (64, 8), generator=generator)
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    args = TrainingArguments(
+        output_dir=out,
+        use_cpu=True,
+        per_device_train_batch_size=HF_BATCH,
+        gradient_accumulation_steps=HF_ACCUMULATION,
+        max_steps=HF_STEPS,
+        logging_steps=1,  # the Trainer's per-step all_gathers for its logs
+        eval_strategy="steps",
+        eval_steps=2,  # evaluation of the unwrapped model after step 2
+        per_device_eval_batch_size=16,
+        report_to="none",
+        save_strategy="no",
+        run_name="hf-run",
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, eval_dataset=data, callbacks=callbacks
+    )
+    trainer.train()
+    logs = trainer.state.log_history
+    losses = [h["loss"] for h in logs if "loss" in h]
+    evals = [h["eval_runtime"] for h in logs if "eval_runtime" in h]
+    return model, losses, evals
+
+
+def _hf_rank(rank: int, world: int, sock: str, tmp: str) -> dict[str, Any]:
+    from torshmon.integrations.huggingface import TorshmonCallback
+
+    bare, bare_losses, _ = _hf_train(rank, f"{tmp}/bare{rank}", [])
+    callback = TorshmonCallback(agent_socket=sock, flush_interval_s=0.05)
+    watched, losses, evals = _hf_train(rank, f"{tmp}/watched{rank}", [callback])
+    return {
+        "identical": _same_weights(bare, watched) and bare_losses == losses,
+        "losses": losses,
+        "evals": evals,
+    }
+
+
+async def test_hugging_face_trainer_callback(tmp_path: Path) -> None:
+    results, db_url = await _run_with_stack(tmp_path, _hf_rank)
+    for rank, result in enumerate(results):
+        assert result["identical"], rank
+    by_rank = _check_steps(db_url, "hf-run", HF_STEPS, HF_BATCH * HF_ACCUMULATION)
+    # Each rank's loss; the Trainer logs their mean.
+    mean = [(a[3] + b[3]) / 2 for a, b in zip(by_rank[0], by_rank[1], strict=True)]
+    assert mean == pytest.approx(results[0]["losses"], rel=1e-5)
+    for rank in (0, 1):
+        # The evaluation after step 2 (64 samples, 16 a pass on each of 2 ranks: 2 passes)
+        # is not input wait before step 3.
+        evaluation = results[rank]["evals"][0]
+        assert evaluation >= 2 * EVAL_PASS_S
+        after_eval = by_rank[rank][2][2]
+        assert after_eval is not None and after_eval < evaluation / 4, (after_eval, evaluation)
+    _check_straggler(by_rank)
+    # The Trainer's logging gathers after each step, seen by the probe on both ranks and
+    # filed with the step after them (split out of its input wait).
+    gathers = _rows(
+        db_url,
+        "SELECT rank, step FROM collectives WHERE job = 'hf-run' AND op = 'all_gather' "
+        "GROUP BY rank, step ORDER BY rank, step",
+    )
+    for rank in (0, 1):
+        assert {2, 3, 4} <= {step for r, step in gathers if r == rank}, gathers
+
+
+def test_the_integrations_package_imports_no_framework() -> None:
+    """Each framework is an optional extra: only its own module imports it."""
+    code = (
+        "import sys, torshmon.integrations, torshmon.integrations._common; "
+        "print(sorted(m for m in ('transformers', 'lightning', 'accelerate') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]"
