@@ -57,6 +57,7 @@ CONTRACT: dict[str, list[str]] = {
         "last_seen_unix_ns",
         "last_seq",
         "dropped_records_total",
+        "closed_unix_ns",
     ],
     "ingest_seqs": ["agent_id", "seq", "node", "received_unix_ns"],
     "steps": [

@@ -17,6 +17,7 @@ from torshmon.aggregator.core.episodes import FindingEpisodes
 from torshmon.aggregator.core.findings import Finding, slowdown_text
 from torshmon.aggregator.core.rule_file import default_rules
 from torshmon.aggregator.core.series import SeriesStore
+from torshmon.aggregator.notify.slack import slack_payload
 from torshmon.cli import main
 from torshmon.history.db import make_engine
 from torshmon.history.models import Base
@@ -547,9 +548,11 @@ async def test_the_alert_the_finding_and_the_report_say_the_same_ratio(
     for shown in (render_text(report), render_page(report)):
         ratios = set(re.findall(r"\b\d+(?:\.\d+)?x\b", shown))
         assert ratios == {"2.40x"}, ratios
-    # The alert's resolution carries the episode's figure too.
+    # The alert's resolution carries the episode's figure too, and so does Slack's message.
     (resolved,) = engine.evaluate(since + 9, SeriesStore(), [])
     assert slowdown_text(2.4) in resolved.annotations["summary"]
+    slack = json.dumps(slack_payload([resolved], group_key="g"))
+    assert set(re.findall(r"\b\d+(?:\.\d+)?x\b", slack)) == {"2.40x"}
 
 
 def _hung_step_rows() -> list[dict[str, Any]]:
@@ -609,3 +612,31 @@ def test_a_hang_leads_with_what_it_cost_the_run(tmp_path: Path) -> None:
         "without it a step would take 100 ms instead of 300 ms (means over the run): the job "
         "loses ~67% of its throughput" in unwrapped
     )
+
+
+def test_a_job_whose_ranks_all_closed_is_ended_at_once(db: Path) -> None:
+    """The probes' last batch says they closed (close() or process exit): a report made
+    a second after the demo ends says "ended", not "running" for a while."""
+    from sqlalchemy import insert, update
+
+    from torshmon.history.models import Base
+
+    last_seen = h.T0 + h.STEPS
+    url = f"sqlite:///{db}"
+    assert report_from_db(url, h.JOB, now_unix_s=last_seen + 1).running  # no word yet
+    sessions = Base.metadata.tables["probe_sessions"]
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(update(sessions).values(closed_unix_ns=int(last_seen * 1e9)))
+    report = report_from_db(url, h.JOB, now_unix_s=last_seen + 1)
+    assert not report.running
+    assert "backend gloo, ended; first seen" in render_text(report).splitlines()[2]
+    assert '<span class="badge ended">ended</span>' in render_page(report, refresh_s=15)
+    # The job relaunched under its name: rank 0's new probe runs, so the job does.
+    later = int(last_seen * 1e9) + 1
+    row = {"session": "s0-again", "job": h.JOB, "rank": 0, "started_unix_ns": later}
+    row |= {"last_seen_unix_ns": later, "last_seq": 1, "dropped_records_total": 0}
+    with engine.begin() as conn:
+        conn.execute(insert(sessions), [row])
+    engine.dispose()
+    assert report_from_db(url, h.JOB, now_unix_s=last_seen + 1).running

@@ -69,6 +69,9 @@ def test_demo_runs_the_whole_system_and_summarises_from_sql(tmp_path: Path) -> N
         "  torshmon report demo --db torshmon.db --html demo.html",
     ], lines[-6:]
     assert "torshmon query --db torshmon.db" in lines[-1]
+    # Its ranks said they closed: a report made at once says the job ended.
+    report = _torshmon("report", "demo", "--db", "torshmon.db", cwd=tmp_path)
+    assert report.returncode == 0 and "backend gloo, ended;" in report.stdout, report.stderr
     assert (tmp_path / "torshmon.db").is_file()
     # Every step of every rank is in the history exactly once, readable through the CLI.
     query = _torshmon(

@@ -487,6 +487,7 @@ def _write_session_progress(conn: Connection, sessions: dict[str, _Session], now
                 "b_last_seq": info.last_seq,
                 "b_now": now_ns,
                 "b_dropped": batch.dropped_records_total,
+                "b_closed": batch.closing.end_unix_ns if batch.closing is not None else None,
             }
         )
     if missing:

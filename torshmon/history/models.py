@@ -137,6 +137,11 @@ class ProbeSession(Base):
     dropped_records_total: Mapped[int] = mapped_column(
         BigInteger, comment="Step records the probe dropped since attach (count)."
     )
+    closed_unix_ns: Mapped[int | None] = mapped_column(
+        BigInteger,
+        comment="When the probe said its monitoring ended (close() or process exit), Unix "
+        "time in nanoseconds; NULL while it runs, or if it ended without a word.",
+    )
 
 
 class IngestSeq(Base):

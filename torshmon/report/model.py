@@ -318,11 +318,21 @@ def from_json(data: bytes) -> JobReport:
     return msgspec.json.decode(data, type=JobReport)
 
 
-def is_running(last_seen_unix_s: float, now_unix_s: float) -> bool:
+def is_running(last_seen_unix_s: float, now_unix_s: float, *, closed: bool = False) -> bool:
     """Whether a job last heard from at ``last_seen_unix_s`` still runs at ``now_unix_s``:
-    its ranks have not been silent past ``ENDED_AFTER_S`` (the one rule for the report,
-    the job's page and the list of jobs)."""
-    return now_unix_s - last_seen_unix_s <= ENDED_AFTER_S
+    its ranks have not all said they closed (``closed``, ``closed_of``) nor been silent
+    past ``ENDED_AFTER_S`` (the one rule for the report, the job's page and the list of
+    jobs)."""
+    return not closed and now_unix_s - last_seen_unix_s <= ENDED_AFTER_S
+
+
+def closed_of(sessions: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether every rank's latest probe session (``probe_sessions`` rows) said it
+    closed: the job's last launch has ended, however recently."""
+    latest: dict[int, Mapping[str, Any]] = {}
+    for s in sorted(sessions, key=lambda s: s["started_unix_ns"]):
+        latest[s["rank"]] = s
+    return bool(latest) and all(s.get("closed_unix_ns") is not None for s in latest.values())
 
 
 def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
@@ -345,7 +355,7 @@ def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
         first_seen_unix_s=job["first_seen_unix_ns"] / 1e9,
         last_seen_unix_s=last_seen,
         generated_unix_s=now_unix_s,
-        running=is_running(last_seen, now_unix_s),
+        running=is_running(last_seen, now_unix_s, closed=closed_of(history.sessions)),
         steps_read=len(history.steps.get("step", [])),
         steps_truncated=history.steps_truncated,
         ranks=tuple(_rank_stats(r, cols, nodes.get(r, "")) for r, cols in steps.items()),

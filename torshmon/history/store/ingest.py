@@ -213,6 +213,8 @@ def _session_progress() -> Update:
             last_seq=bindparam("b_last_seq"),
             last_seen_unix_ns=bindparam("b_now"),
             dropped_records_total=bindparam("b_dropped"),
+            # The batch that says the probe closed (wire.Closing) sets it; none unsets it.
+            closed_unix_ns=func.coalesce(bindparam("b_closed"), table.c.closed_unix_ns),
         )
     )
 
