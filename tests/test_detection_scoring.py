@@ -7,7 +7,12 @@ import itertools
 import json
 import math
 import random
+import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +28,7 @@ from benchmarks._scoring import (
     score_run,
     summarize,
 )
+from tests.benchmark_loader import BENCHMARKS
 
 T0 = 1_000_000.0  # the fault's onset, Unix seconds
 STEP_S = 0.03  # the fault jobs' step period
@@ -388,6 +394,126 @@ def test_the_sweep_plans_faults_that_parse_and_do_not_overlap() -> None:
         for name in ("timing-2", "timing-4"):
             ratios = sorted(e.magnitude for e in timing[name].episodes if e.kind == "straggler")
             assert ratios == sorted([1.1, 1.2, 1.3, 1.5, 2.0, 3.0] * 2)
+
+
+def test_the_report_sweep_runs_world_sizes_and_magnitudes_development_never_did() -> None:
+    from benchmarks.detection import DEV, REPORT, plan_jobs
+    from torshmon.faults import KINDS
+
+    assert not set(REPORT.seeds) & set(DEV.seeds)
+    assert all(seed > 101 for seed in REPORT.seeds)  # dev runs used seeds up to 101
+    assert {3, 6, 8} <= set(REPORT.straggler_world_sizes) - set(DEV.straggler_world_sizes)
+    assert set(REPORT.straggler_ratios) - set(DEV.straggler_ratios)
+    jobs = {j.name: j for j in plan_jobs(KINDS, REPORT.seeds[0], quick=False, sweep=REPORT)}
+    for world in REPORT.straggler_world_sizes:
+        job = jobs[f"timing-{world}"]
+        assert job.world_size == world
+        ratios = sorted(e.magnitude for e in job.episodes)
+        assert ratios == sorted(list(REPORT.straggler_ratios) * 2)
+        assert all(e.rank is not None and e.rank < world for e in job.episodes)
+
+
+def test_the_clean_jobs_noise_is_what_the_constants_say() -> None:
+    """NoisyClock over 20 000 steps of one rank: jitter of the stated sigma, pauses,
+    spells, hiccups and evaluations at their stated rates and sizes; evaluations at the
+    same steps on every rank; sleeps it does not know pass through."""
+    from benchmarks import detection as d
+
+    slept: list[float] = []
+
+    def run(rank: int, steps: int) -> tuple[Any, list[float], list[float], list[int]]:
+        clock = d.NoisyClock(0.02, 0.002, seed=5, rank=rank)
+        clock_time = _FakeTime(slept)
+        computes, betweens, evals = [], [], []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(d, "time", clock_time)
+            for _ in range(steps):
+                slept.clear()
+                clock.sleep(0.02)
+                computes.append(slept[-1])
+                before = clock.counts["evals"]
+                clock.sleep(0.002)
+                betweens.append(slept[-1])
+                if clock.counts["evals"] > before:
+                    evals.append(clock.step)
+            clock.sleep(0.5)
+            assert slept[-1] == 0.5
+        return clock, computes, betweens, evals
+
+    clock, computes, betweens, evals = run(0, 20_000)
+    assert clock.counts["steps"] == 20_000
+    ordinary = sorted(c for c in computes if c < 0.02 * 1.15)
+    logs = [math.log(c / 0.02) for c in ordinary[len(ordinary) // 10 : -len(ordinary) // 10]]
+    assert 0.7 * d.CLEAN_JITTER_SIGMA < statistics.pstdev(logs) / 0.66 < 1.3 * d.CLEAN_JITTER_SIGMA
+    assert 20_000 / d.CLEAN_PAUSE_EVERY * 0.6 < clock.counts["pauses"] < 20_000 / 500 * 1.4
+    assert max(computes) <= 0.02 * (1.5 * math.exp(4 * d.CLEAN_JITTER_SIGMA) + 6)
+    assert 20_000 / d.CLEAN_SPELL_EVERY * 0.6 < clock.counts["spells"] < 20_000 / 400 * 1.4
+    assert 20_000 / d.CLEAN_HICCUP_EVERY * 0.6 < clock.counts["hiccups"] < 20_000 / 200 * 1.4
+    assert 20_000 / 600 <= clock.counts["evals"] <= 20_000 / 300 + 1
+    assert max(betweens) <= 0.002 + 0.022 * (5 + 30)
+    assert min(betweens) == 0.002
+    _, _, _, evals_1 = run(1, 20_000)
+    assert evals_1 == evals  # the job evaluates together
+    with pytest.raises(ValueError, match="distinct"):
+        d.NoisyClock(0.01, 0.01, seed=1, rank=0)
+
+
+class _FakeTime:
+    """A ``time`` module whose sleep records instead of sleeping."""
+
+    def __init__(self, slept: list[float]) -> None:
+        self.slept = slept
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def test_the_clean_figures_are_per_rank_step_with_the_bar_beside_them() -> None:
+    from benchmarks import detection as d
+
+    def clean(world: int, alerts: int, rank_steps: int) -> Any:
+        fired = [FiredAlert("Straggler", 0, T0 + i) for i in range(alerts)]
+        return d.CleanOutcome(
+            f"clean-{world}", world, fired, rank_steps, 1.0, 0.5, [1.3, 1.2, 1.25], {}, 0.03
+        )
+
+    report = d.build_report([], [clean(4, 1, 10_000), clean(8, 0, 10_000)], [], {})
+    assert report["clean_false_alerts"] == 1
+    assert report["clean_rank_steps"] == 20_000
+    assert report["false_alerts_clean_per_10k_rank_steps"] == pytest.approx(0.5)
+    assert report["effective_bar_clean"]["4"] == {"median": 1.25, "min": 1.2, "max": 1.3}
+    assert report["clean_jobs"]["clean-8"]["false_alerts_per_10k_rank_steps"] == 0.0
+    assert report["precision_units"] == {"true": 0, "false": 1}
+
+
+@pytest.mark.integration
+def test_a_quick_clean_job_runs_with_its_noise_and_reports_per_rank_step() -> None:
+    """``detection.py`` on one small clean job (2 ranks, 240 rank-steps): the ranks ran
+    through NoisyClock (their steps and the time it added come back), and the figures
+    are per rank-step with the straggler bar beside them."""
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "detection.py"), "--quick", "--dev", "--kinds",
+         "--no-tuning", "--clean-world-sizes", "2", "--clean-rank-steps", "240"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["sweep"] == "dev" and report["seeds"] == [100]
+    job = report["clean_jobs"]["clean-2"]
+    assert job["noise"]["steps"] == 240  # 120 steps on each of 2 ranks, all noisy
+    assert job["noise"]["noise_s"] != 0
+    assert job["rank_steps"] == report["clean_rank_steps"] == 240
+    alerts = report["clean_false_alerts"]
+    assert report["false_alerts_clean_per_10k_rank_steps"] == pytest.approx(alerts * 10_000 / 240)
+    assert set(report["effective_bar_clean"]) == {"2"}
+    bar = report["effective_bar_clean"]["2"]
+    assert bar["median"] is None or 1.0 < bar["min"] <= bar["median"] <= bar["max"]
+    assert 0.02 < job["step_period_s"] < 0.5
 
 
 def _dump(world: int, steps: int, slow: dict[int, tuple[int, int, float]]) -> dict[str, object]:
