@@ -4,7 +4,8 @@ One event loop serves HTTP. Ingest is stored by the ingest process, one ordered
 writer that keeps it idempotent (``torshmon.aggregator.writer``; the writer thread
 instead where ``ingest_process`` is off or the database is in memory); one writer
 thread owns the aggregator's other writes (alerts, findings, commands, retention);
-reads run on the default executor. Every ``eval_interval_s``, and at
+reads run on the default executor, and users' history queries on threads and
+connections of their own (``http.queries``), so a runaway query stalls none of these. Every ``eval_interval_s``, and at
 once after an ingest that brought a new finding, the evaluation tick asks the live
 state for its findings, runs the rules engine, stores findings and alert
 transitions, hands alerts to the notifier, which never blocks this loop, and sends
@@ -49,7 +50,9 @@ from torshmon.aggregator.dispatch import CommandDispatch
 from torshmon.aggregator.evidence import EvidenceKeeper, EvidenceSettings
 from torshmon.aggregator.http import api, evidence_api
 from torshmon.aggregator.http.alerting import add_alerting_routes
+from torshmon.aggregator.http.connections import Connections
 from torshmon.aggregator.http.guard import RequestGuard, ServerLog, log_rejection, read_body
+from torshmon.aggregator.http.queries import QueryPool
 from torshmon.aggregator.ingest import IngestStore
 from torshmon.aggregator.notify import otel
 from torshmon.aggregator.notify.delivery import STAT_NAMES, Notifier
@@ -225,6 +228,18 @@ class Aggregator:
             LiveCollector(self.live, collectives_per_rank=self.settings.collective_metrics_per_rank)
         )
         r.register(_NotifierCollector(self.notifier))
+        settings = self.settings
+        self.connections = Connections(
+            max_connections=settings.http_max_connections,
+            header_timeout_s=settings.http_header_timeout_s,
+            body_timeout_s=settings.http_body_timeout_s,
+            registry=r,
+        )
+        self.queries = QueryPool(
+            max_running=settings.query_max_running,
+            max_per_client=settings.query_max_per_client,
+            registry=r,
+        )
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -283,6 +298,8 @@ class Aggregator:
             reports=HistoryReports(lambda: self.store.engine),
             registry=self.registry,
             clock=self.clock,
+            connections=self.connections,
+            queries=self.queries,
         )
         add_alerting_routes(
             app,
@@ -304,11 +321,16 @@ class Aggregator:
         # Bodies are inflated by read_body, which answers a broken or unknown content
         # coding with a 4xx; aiohttp's own inflating logs them as unhandled errors.
         # ServerLog keeps aiohttp's 400s for malformed HTTP out of the error log.
+        # aiohttp closes idle kept-alive connections; Connections bounds the rest.
         self._runner = web.AppRunner(
-            app, access_log=None, auto_decompress=False, logger=ServerLog()
+            app,
+            access_log=None,
+            auto_decompress=False,
+            logger=ServerLog(),
+            keepalive_timeout=self.settings.http_idle_timeout_s,
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
+        site = self.connections.site(self._runner, self.settings.host, self.settings.port)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
         if self.settings.external_url == f"http://{self.settings.host}:0":
@@ -346,7 +368,10 @@ class Aggregator:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         # The loop over parts is deliberate: one failing must not leave the rest running.
+        # Queries first: the server waits for the answers in progress, and an interrupted
+        # query answers at once where a runaway one would hold it to its timeout.
         parts = (
+            self.queries.aclose,
             self._close_http,
             self._last_evaluation,
             self.tuning.aclose,

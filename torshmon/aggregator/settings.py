@@ -204,6 +204,48 @@ class AggregatorSettings(Section, frozen=True):
         30 * 86400.0
     )
     max_body_bytes: Annotated[int, setting("largest request body", ge=1024)] = 64 * 1024 * 1024
+    http_max_connections: Annotated[
+        int,
+        setting(
+            "open HTTP connections at most (keep it under the open-file limit); one more "
+            "is answered 503 and closed",
+            ge=1,
+        ),
+    ] = 512
+    http_header_timeout_s: Annotated[
+        float,
+        setting(
+            "time a client has to send a request's head, from the connection's opening or "
+            "the request's first byte; then a 408 and the socket closed",
+            gt=0,
+        ),
+    ] = 10.0
+    http_body_timeout_s: Annotated[
+        float,
+        setting("time a request's body may take once its head is in; then a 408", gt=0),
+    ] = 60.0
+    http_idle_timeout_s: Annotated[
+        float, setting("time a kept-alive connection may wait idle for its next request", gt=0)
+    ] = 75.0
+    query_timeout_s: Annotated[
+        float, setting("statement timeout of a history query (POST /api/v1/query)", gt=0)
+    ] = 30.0
+    query_max_running: Annotated[
+        int,
+        setting(
+            "history queries (POST /api/v1/query) run at once, on threads of their own; "
+            "one more is refused with 429",
+            ge=1,
+        ),
+    ] = 4
+    query_max_per_client: Annotated[
+        int,
+        setting(
+            "history queries one client (peer address) may run at once, at most "
+            "query_max_running; one more is refused with 429",
+            ge=1,
+        ),
+    ] = 2
     command_timeout_s: Annotated[float, setting("time a command may take to be applied", gt=0)] = (
         60.0
     )

@@ -510,6 +510,28 @@ INGEST_DURATION_SECONDS: Final = _histogram(
     "Time to store one ingest request (including its wait for the writer)",
     (),
 )
+QUERIES_RUNNING: Final = _gauge(
+    "queries_running", "History queries (POST /api/v1/query) running now", ()
+)
+QUERIES_REFUSED_TOTAL: Final = _counter(
+    "queries_refused_total",
+    "History queries refused at once (429): reason busy when query_max_running ran, "
+    "client_busy when query_max_per_client of the same client's did",
+    ("reason",),
+)
+HTTP_CONNECTIONS: Final = _gauge("http_connections", "Open HTTP connections to the aggregator", ())
+HTTP_CONNECTIONS_REFUSED_TOTAL: Final = _counter(
+    "http_connections_refused_total",
+    "HTTP connections refused (503, closed) because http_max_connections were open",
+    (),
+)
+HTTP_CLIENT_TIMEOUTS_TOTAL: Final = _counter(
+    "http_client_timeouts_total",
+    "Requests given up on because the client was too slow: phase headers (no whole "
+    "request head within http_header_timeout_s: 408 or a closed socket) or body (the "
+    "body not in within http_body_timeout_s: 408)",
+    ("phase",),
+)
 NOTIFICATIONS_SENT_TOTAL: Final = _counter(
     "notifications_sent_total",
     "Notification messages delivered, per target",

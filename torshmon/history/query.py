@@ -24,8 +24,9 @@ import json
 import math
 import re
 import sqlite3
+import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Final, Literal
@@ -80,6 +81,47 @@ class HistoryUnreachable(QueryError):
     whatever the query; the text says why."""
 
 
+class Interrupt:
+    """Stops a running query from another thread: ``interrupt(reason)``, thread-safe.
+
+    Given to ``run_query``, which binds it to the query's connection (SQLite's
+    ``interrupt``, a PostgreSQL cancel request); the query then fails with a
+    QueryError naming ``reason``. Interrupting before the query runs stops it as it
+    starts; interrupting twice, or after it ended, does nothing.
+    """
+
+    __slots__ = ("_lock", "_reason", "_stop")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reason: str | None = None
+        self._stop: Callable[[], object] | None = None
+
+    @property
+    def reason(self) -> str | None:
+        """Why the query was interrupted; None if it was not."""
+        return self._reason
+
+    def interrupt(self, reason: str) -> None:
+        """Stop the query (if it runs) with ``reason``."""
+        with self._lock:  # so the connection cannot close under the stop call
+            if self._reason is not None:
+                return
+            self._reason = reason
+            if self._stop is not None:
+                self._stop()
+
+    def _bind(self, stop: Callable[[], object]) -> None:
+        with self._lock:
+            self._stop = stop
+            if self._reason is not None:
+                raise QueryError(f"query cancelled: {self._reason}")
+
+    def _unbind(self) -> None:
+        with self._lock:
+            self._stop = None
+
+
 @dataclass(frozen=True, slots=True)
 class QueryResult:
     """Column names and rows of a query; ``truncated`` if rows beyond ``max_rows`` or
@@ -106,12 +148,15 @@ def run_query(
     timeout_s: float = 30,
     max_cell_bytes: int = DEFAULT_MAX_CELL_BYTES,
     max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+    interrupt: Interrupt | None = None,
 ) -> QueryResult:
     """Run one read-only SQL statement on the history at ``url``.
 
     On PostgreSQL ``url`` is the query URL, a reader role's (``reader.query_db_url``).
     Returns at most ``max_rows`` rows and about ``max_answer_bytes`` of values; the
-    statement is cancelled after ``timeout_s`` seconds. Raises QueryError for a
+    statement is cancelled after ``timeout_s`` seconds, or when ``interrupt`` is
+    interrupted (from another thread). The query opens a connection of its own and
+    closes it before returning. Raises QueryError for a
     missing database, a privileged PostgreSQL role, a write, a value over
     ``max_cell_bytes``, a first row over ``max_answer_bytes``, or any other refused
     or failing statement (the message names what was refused); ValueError for a bad
@@ -133,12 +178,13 @@ def run_query(
     except DatabaseConfigError as exc:
         raise HistoryUnreachable(str(exc)) from exc
     limits = _Limits(max_rows, timeout_s, max_cell_bytes, max_answer_bytes)
+    interrupt = Interrupt() if interrupt is None else interrupt
     if make_url(url).get_backend_name() == "sqlite":
-        return _run_sqlite(url, sql, limits)
-    return _run_postgresql(url, sql, limits)
+        return _run_sqlite(url, sql, limits, interrupt)
+    return _run_postgresql(url, sql, limits, interrupt)
 
 
-def _run_sqlite(url: str, sql: str, limits: _Limits) -> QueryResult:
+def _run_sqlite(url: str, sql: str, limits: _Limits, interrupt: Interrupt) -> QueryResult:
     path = sqlite_path(url)
     if path is None:
         raise HistoryUnreachable(f"read-only queries need a SQLite file, not {url!r}")
@@ -157,18 +203,24 @@ def _run_sqlite(url: str, sql: str, limits: _Limits) -> QueryResult:
     # group_concat, ...), so none is built in this process's memory.
     conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, limits.max_cell_bytes)
     try:
+        interrupt._bind(conn.interrupt)
         cursor = conn.execute(sql)
         columns = _names(cursor.description)
         sized = _sized_rows(cursor, limits)
         return _collect(columns, sized, limits)
     except sqlite3.Error as exc:
-        raise _sqlite_error(exc, denied, limits) from exc
+        raise _sqlite_error(exc, denied, limits, interrupt) from exc
     finally:
+        interrupt._unbind()
         conn.close()
 
 
-def _sqlite_error(exc: sqlite3.Error, denied: list[str], limits: _Limits) -> QueryError:
+def _sqlite_error(
+    exc: sqlite3.Error, denied: list[str], limits: _Limits, interrupt: Interrupt
+) -> QueryError:
     text = str(exc)
+    if interrupt.reason is not None and text == "interrupted":
+        return QueryError(f"query cancelled: {interrupt.reason}")
     if denied:
         return QueryError(
             f"refused: the history is read-only and {denied[0]} is not allowed ({text})"
@@ -184,7 +236,7 @@ def _sqlite_error(exc: sqlite3.Error, denied: list[str], limits: _Limits) -> Que
     return QueryError(f"query failed: {text}")
 
 
-def _run_postgresql(url: str, sql: str, limits: _Limits) -> QueryResult:
+def _run_postgresql(url: str, sql: str, limits: _Limits, interrupt: Interrupt) -> QueryResult:
     keyword = _first_keyword(sql)
     if keyword not in _PG_READ_STATEMENTS:
         # A read-only transaction still allows a few things that are not reads of the
@@ -203,7 +255,15 @@ def _run_postgresql(url: str, sql: str, limits: _Limits) -> QueryResult:
             conn = raw.driver_connection
             if not isinstance(conn, psycopg.Connection):
                 raise QueryError(f"unexpected PostgreSQL driver connection {type(conn)!r}")
-            return _run_psycopg(conn, sql, keyword in _PG_MEASURED_STATEMENTS, limits)
+            interrupt._bind(conn.cancel)
+            try:
+                return _run_psycopg(conn, sql, keyword in _PG_MEASURED_STATEMENTS, limits)
+            except QueryError:
+                if interrupt.reason is not None:
+                    raise QueryError(f"query cancelled: {interrupt.reason}") from None
+                raise
+            finally:
+                interrupt._unbind()
         finally:
             # Close without the pool's reset: the connection may be mid-COPY or
             # cancelled, and closing it ends the transaction anyway.

@@ -12,7 +12,6 @@ Protocol below; the request guard runs before every handler.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
@@ -28,12 +27,21 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from torshmon.aggregator.core.commands import CommandError, CommandStatus
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.tuner import TunerError
+from torshmon.aggregator.http.connections import CONNECTIONS, Connections
 from torshmon.aggregator.http.guard import RequestGuard, read_body
 from torshmon.aggregator.http.openapi import openapi_document
 from torshmon.aggregator.http.pages import Pages, ReportSource
+from torshmon.aggregator.http.queries import QueryBusy, QueryPool
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.aggregator.tuning_manager import TuningConflict, TuningUnavailable
-from torshmon.history.query import QueryError, format_result, json_value, run_query
+from torshmon.history.query import (
+    Interrupt,
+    QueryError,
+    QueryResult,
+    format_result,
+    json_value,
+    run_query,
+)
 from torshmon.history.store import FilterError, Listing, Row
 
 log = logging.getLogger(__name__)
@@ -128,17 +136,44 @@ def make_app(
     reports: ReportSource,
     registry: CollectorRegistry,
     clock: Callable[[], float],
+    connections: Connections | None = None,
+    queries: QueryPool | None = None,
 ) -> web.Application:
     """The API's application: JSON errors, ``guard`` before every handler, every route,
     and the pages (``/``, ``/jobs/{job}``; ``torshmon.aggregator.http.pages``).
 
-    The caller may add routes (the ingest) before it starts serving.
+    Served with ``connections`` (their site; bodies are read within their timeout);
+    history queries run in ``queries``. Either, when not given, is made from
+    ``settings`` with its metrics in ``registry`` (a pool made here closes with the
+    application). The caller may add routes (the ingest) before it starts serving.
     """
+    if connections is None:
+        connections = Connections(
+            max_connections=settings.http_max_connections,
+            header_timeout_s=settings.http_header_timeout_s,
+            body_timeout_s=settings.http_body_timeout_s,
+            registry=registry,
+        )
+    own_pool = queries is None
+    if queries is None:
+        queries = QueryPool(
+            max_running=settings.query_max_running,
+            max_per_client=settings.query_max_per_client,
+            registry=registry,
+        )
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[error_middleware, guard.middleware()],
+        middlewares=[connections.middleware(), error_middleware, guard.middleware()],
     )
-    h = _Handlers(settings, guard, store, live, commands, tuning, clock)
+    app[CONNECTIONS] = connections
+    if own_pool:
+        pool = queries
+
+        async def close_pool(_app: web.Application) -> None:
+            await pool.aclose()
+
+        app.on_cleanup.append(close_pool)
+    h = _Handlers(settings, guard, store, live, commands, tuning, clock, queries)
     r = app.router
     r.add_get("/healthz", h.healthz)
     r.add_get("/metrics", make_aiohttp_handler(registry))
@@ -171,8 +206,10 @@ class _Handlers:
         commands: CommandSink,
         tuning: Tuning,
         clock: Callable[[], float],
+        queries: QueryPool,
     ) -> None:
         self._settings = settings
+        self._queries = queries
         self._guard = guard
         self._store = store
         self._live = live
@@ -360,9 +397,19 @@ class _Handlers:
             return error(400, 'expected {"sql": "SELECT ..."}')
         if fmt not in ("json", "csv", "table"):
             return error(400, f"format must be json, csv or table, got {fmt!r}")
+        url, timeout_s = self._settings.query_db_url, self._settings.query_timeout_s
+
+        def query(interrupt: Interrupt) -> QueryResult:
+            return run_query(url, sql, timeout_s=timeout_s, interrupt=interrupt)
+
         try:
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(None, run_query, self._settings.query_db_url, sql)
+            result = await self._queries.run(request.remote or "unknown", query)
+        except QueryBusy as exc:
+            return web.json_response(
+                {"error": str(exc), "status": exc.status},
+                status=exc.status,
+                headers={"Retry-After": str(exc.retry_after_s)},
+            )
         except QueryError as exc:
             return error(400, str(exc))
         if fmt == "json":

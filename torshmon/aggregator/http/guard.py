@@ -10,8 +10,9 @@ preflight this server never grants. These checks stop web pages, not local users
 or anyone who can reach the port: that is what the bearer token is for.
 
 Bodies are read here too, not by aiohttp: a broken or unknown content coding is a 4xx
-naming the problem, and a client's malformed HTTP a one-line warning, not an error
-with a traceback.
+naming the problem, a client that hangs up mid-body a 400 nobody reads (the ingest logs
+it as one rate-limited line), and a client's malformed HTTP a one-line warning, not an
+error with a traceback.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
+from torshmon.aggregator.http.connections import CONNECTIONS, ClientDisconnected
 from torshmon.aggregator.settings import HOST_NAME, AggregatorSettings
 from torshmon.ratelog import LogLimiter
 
@@ -190,12 +192,17 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes:
 
     Raises 413 for a body, or a gzip stream that inflates, over ``max_bytes``; 415 for
     any other content coding; 400 for a broken gzip stream (corrupt, truncated, or
-    followed by other bytes).
+    followed by other bytes); 408 for a body slower than the application's
+    ``Connections`` allow; ClientDisconnected (a 400 nobody reads) when the client
+    hangs up before its body is in.
     """
+    connections = request.app.get(CONNECTIONS)
     try:
-        body = await request.read()
+        body = await (request.read() if connections is None else connections.read(request))
     except web.RequestPayloadError as exc:
         raise web.HTTPBadRequest(text=f"the body could not be read: {exc}") from None
+    except ConnectionError:  # without Connections, which says so itself
+        raise ClientDisconnected(text="the client hung up before its body was in") from None
     coding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if coding == "identity" or not body:
         return body

@@ -504,6 +504,12 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {
                     "200": _json_response({"type": "object"}),
                     "400": _json_response(ref("Error")),
+                    "429": {
+                        **_json_response(ref("Error")),
+                        "description": "query_max_running queries run, or "
+                        "query_max_per_client of this client's: retry after Retry-After s",
+                        "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+                    },
                 },
             }
         },
@@ -517,7 +523,9 @@ def openapi_document() -> dict[str, Any]:
                 "Refused before any path: a Host that is not one of the aggregator's names "
                 "(421; a request with the bearer token may use any), another Origin or "
                 "Sec-Fetch-Site cross-site (403), a POST whose Content-Type is not "
-                "application/json (415), a Content-Encoding other than gzip (415)."
+                "application/json (415), a Content-Encoding other than gzip (415), a "
+                "request whose head or body is slower than the http_*_timeout_s settings "
+                "(408), a connection over http_max_connections (503)."
             ),
         },
         "components": {
