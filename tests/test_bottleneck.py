@@ -241,6 +241,21 @@ def test_a_measured_excess_is_the_what_if_where_the_detector_gives_one() -> None
     assert "computes 2.00x slower" in ranked.summary and "loses ~25%" in ranked.summary
 
 
+@pytest.mark.parametrize(
+    ("phase", "words"),
+    [
+        ("compute", "computes 2.40x slower than its peers"),
+        ("input", "waits 2.40x longer for its input than its peers"),
+        ("host", "spends 2.40x longer on the host than its peers"),
+    ],
+)
+def test_the_straggler_sentence_names_its_phase(phase: str, words: str) -> None:
+    straggler = _straggler(2.4, 0.1)
+    straggler = dataclasses.replace(straggler, details={**straggler.details, "phase": phase})
+    (ranked,) = rank_findings([], [straggler], JobSnapshot())
+    assert ranked.summary == f"rank 2 of job demo {words} (median 0.100 s a step)"
+
+
 def test_a_wait_the_straggler_does_not_explain_stays_a_finding_of_its_own() -> None:
     # 0.02 s of a 0.2 s step is the straggler's: without it 0.07 s of 0.18 s (39%) is
     # still communication, the network's.

@@ -379,8 +379,8 @@ LOSS_HIGH_RATIO: Final = 0.05
 _SYMPTOMS: Final = ("communication", "efficiency")
 _PHASE_WORDS: Final = {
     "compute": ("computes", "slower"),
-    "input": ("waits for input", "longer"),
-    "host": ("spends on the host", "longer"),
+    "input": ("waits", "longer for its input"),
+    "host": ("spends", "longer on the host"),
 }
 
 
@@ -417,8 +417,8 @@ def straggler_excess_s(finding: Finding) -> float | None:
 
 
 def phase_words(phase: str) -> tuple[str, str]:
-    """How a straggler's phase reads: ``("computes", "slower")`` for ``compute``,
-    ``("waits for input", "longer")``, ``("spends on the host", "longer")``."""
+    """How a straggler's phase reads around its ratio: ``computes 2.40x slower``,
+    ``waits 2.40x longer for its input``, ``spends 2.40x longer on the host``."""
     return _PHASE_WORDS.get(phase, _PHASE_WORDS["compute"])
 
 
