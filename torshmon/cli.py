@@ -763,25 +763,30 @@ def trial_line(trial: Mapping[str, Any], unit: str) -> str:
 
 
 def _untunable(base: str, job: str, token: str | None) -> str | None:
-    """Why ``job`` cannot be tuned: the aggregator has no such job, or it has ended (its
-    ranks silent past the report's bound, by the aggregator's clock); None if it runs
-    (or the aggregator did not answer: its answer to the tune request says why)."""
+    """Why ``job`` cannot be tuned: the aggregator has no such job, or it has ended
+    (every rank's probe said it closed, or its ranks are silent past the report's bound
+    by the aggregator's clock); None if it runs (or the aggregator did not answer: its
+    answer to the tune request says why)."""
     import email.utils
     import json
     import urllib.error
     import urllib.parse
     import urllib.request
 
-    from torshmon.report.model import is_running
+    from torshmon.report.model import closed_of, is_running
     from torshmon.report.text import when
 
-    request = urllib.request.Request(f"{base}/api/v1/jobs/{urllib.parse.quote(job, safe='')}")
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
+    def get(path: str) -> tuple[Any, str | None]:
+        request = urllib.request.Request(f"{base}/api/v1/jobs/{path}")
+        if token is not None:
+            request.add_header("Authorization", f"Bearer {token}")
         with urllib.request.urlopen(request, timeout=30) as response:
-            row = json.loads(response.read() or b"{}")
-            date = response.headers.get("Date")
+            return json.loads(response.read() or b"{}"), response.headers.get("Date")
+
+    quoted = urllib.parse.quote(job, safe="")
+    try:
+        row, date = get(quoted)
+        ranks, _ = get(f"{quoted}/ranks?limit=10000")  # the newest sessions first
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
             return f"no job {job!r} on the aggregator at {redact_url(base)}"
@@ -789,14 +794,16 @@ def _untunable(base: str, job: str, token: str | None) -> str | None:
     try:
         now = email.utils.parsedate_to_datetime(date).timestamp() if date else None
         last_seen = float(row["last_seen_unix_ns"]) / 1e9
+        closed = closed_of(ranks["ranks"])
     except (TypeError, ValueError, KeyError):
         return None
-    if now is None or is_running(last_seen, now):
+    if now is None or is_running(last_seen, now, closed=closed):
         return None
-    return (
-        f"job {job!r} has ended (nothing from its ranks since {when(last_seen)}, "
-        f"{now - last_seen:.0f} s ago): only a running job can be tuned"
-    )
+    if closed:
+        what = f"its ranks closed; their last data came {when(last_seen)}"
+    else:
+        what = f"nothing from its ranks since {when(last_seen)}, {now - last_seen:.0f} s ago"
+    return f"job {job!r} has ended ({what}): only a running job can be tuned"
 
 
 def _run_tune(args: argparse.Namespace, redact: Redactor) -> int:

@@ -279,7 +279,18 @@ def test_tune_refuses_a_job_that_has_ended(tmp_path: Path, aggregator: tuple[str
                 {"job": job, "world_size": 2, "backend": "gloo",
                  "first_seen_unix_ns": int((seen - 60) * 1e9),
                  "last_seen_unix_ns": int(seen * 1e9), "aggregator_id": "a"}
-                for job, seen in (("over", ended_at), ("busy", now))
+                for job, seen in (("over", ended_at), ("busy", now), ("done", now))
+            ],
+        )  # fmt: skip
+        # "done" was heard from just now, but its ranks' probes said they closed.
+        conn.execute(
+            insert(Base.metadata.tables["probe_sessions"]),
+            [
+                {"session": f"{job}{rank}", "job": job, "rank": rank,
+                 "started_unix_ns": int((now - 60) * 1e9), "last_seen_unix_ns": int(now * 1e9),
+                 "last_seq": 9, "dropped_records_total": 0, "closed_unix_ns": closed}
+                for job, closed in (("done", int(now * 1e9)), ("busy", None))
+                for rank in (0, 1)
             ],
         )  # fmt: skip
     engine.dispose()
@@ -287,6 +298,8 @@ def test_tune_refuses_a_job_that_has_ended(tmp_path: Path, aggregator: tuple[str
     done = torshmon("tune", "over", "--aggregator", url, cwd=tmp_path, env=env)
     _one_line_error(done, "torshmon tune: job 'over' has ended (nothing from its ranks since ")
     assert when(ended_at) in done.stderr and "only a running job can be tuned" in done.stderr
+    done = torshmon("tune", "done", "--aggregator", url, cwd=tmp_path, env=env)
+    _one_line_error(done, "torshmon tune: job 'done' has ended (its ranks closed; their last")
     done = torshmon("tune", "nope", "--aggregator", url, cwd=tmp_path, env=env)
     _one_line_error(done, f"torshmon tune: no job 'nope' on the aggregator at {url}")
     # A job heard from now passes on to the aggregator, which says what it lacks.
