@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -244,7 +244,9 @@ def test_runaway_queries_and_slow_clients_stall_nothing_on_postgresql(
     assert time.monotonic() - started < QUERY_TIMEOUT_S
 
 
-def _first_done(futures: list, count: int, timeout_s: float) -> list:  # type: ignore[type-arg]
+def _first_done(
+    futures: list[Future[Answer]], count: int, timeout_s: float
+) -> list[Future[Answer]]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         done = [f for f in futures if f.done()]
@@ -361,3 +363,31 @@ def _try_health(port: int) -> int:
         return call(port, "GET", "/healthz", timeout_s=FAST_S).status
     except (OSError, http.client.HTTPException):
         return 0
+
+
+def test_a_kept_alive_connection_has_the_header_timeout_from_its_next_byte(
+    tmp_path: Path,
+) -> None:
+    """Idle between requests a connection waits for http_idle_timeout_s (3 s), not
+    the 1 s header timeout; once the next request starts, its head has 1 s."""
+    settings = _settings(f"sqlite:///{tmp_path / 'h.db'}", http_idle_timeout_s=3.0)
+    with AggregatorThread(settings) as agg:
+        port = agg.aggregator.port
+        assert port is not None
+        slow, idle = (http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in "ab")
+        for conn in (slow, idle):
+            conn.request("GET", "/healthz")
+            assert conn.getresponse().read().startswith(b'{"status": "ok"')
+        answered = time.monotonic()
+        time.sleep(HEADER_TIMEOUT_S + 0.5)
+        assert slow.sock is not None and idle.sock is not None
+        slow.sock.sendall(b"GET /healthz HTT")
+        sent = time.monotonic()
+        received, closed = until_closed(slow.sock, FAST_S)
+        assert received.startswith(b"HTTP/1.1 408 "), received
+        assert HEADER_TIMEOUT_S - 0.1 <= closed - sent < HEADER_TIMEOUT_S + FAST_S
+        received, closed = until_closed(idle.sock, FAST_S + 3.0)
+        assert received == b""
+        assert 3.0 - 0.1 <= closed - answered < 3.0 + FAST_S
+        slow.close()
+        idle.close()
