@@ -640,3 +640,30 @@ def test_a_job_whose_ranks_all_closed_is_ended_at_once(db: Path) -> None:
         conn.execute(insert(sessions), [row])
     engine.dispose()
     assert report_from_db(url, h.JOB, now_unix_s=last_seen + 1).running
+
+
+def test_only_a_straggler_alert_takes_its_findings_sentence(tmp_path: Path) -> None:
+    """An alert stored open at the first steps' figure shows the finding's; a slow-link
+    alert on the same rank at the same time keeps its own text."""
+    since = _step_end(_causes_step_rows(), STRAGGLER_FROM_STEP)
+
+    def alert(id_: int, rule: str, summary: str) -> dict[str, Any]:
+        return {
+            "id": id_, "fingerprint": f"{id_:016x}", "rule": rule, "severity": "high",
+            "state": "firing", "job": CAUSES_JOB, "rank": 1, "labels": {"job": CAUSES_JOB},
+            "annotations": {"summary": summary}, "value": 0.6, "starts_at_unix_s": since,
+            "fired_at_unix_s": since, "ends_at_unix_s": None, "updated_unix_s": since,
+            "aggregator_id": "a1",
+        }  # fmt: skip
+
+    link = "Slow network link at rank 1 of job causes: 12 MB/s, 0.25x the median rank's"
+    alerts = [
+        alert(1, "Straggler", "rank 1 of job causes computes 6.00x slower than its peers"),
+        alert(2, "Slow Link", link),
+    ]
+    url = _causes_db(tmp_path / "c.db", _rows_as_stored_today(), alerts)
+    report = report_from_db(url, CAUSES_JOB, now_unix_s=CAUSES_T0 + 3600)
+    summaries = {a.rule: a.summary for a in report.alerts}
+    assert summaries["Straggler"] == report.findings[0].summary
+    assert "2.00x slower" in summaries["Straggler"]
+    assert summaries["Slow Link"] == link

@@ -625,9 +625,10 @@ def _computed_bottlenecks(job: str, history: JobHistory, now: float) -> list[Fin
 
 # -- causes and their symptoms ------------------------------------------------------------
 
-#: A straggler's ratio as a sentence writes it (``2.40x``, ``3x``): how the report finds
-#: the figure in an alert's text.
-_RATIO_TEXT: Final = re.compile(r"\b\d+(?:\.\d+)?x\b")
+#: A straggler's sentence (``computes 2.40x slower``, ``waits 3x longer``, as the
+#: straggler report writes it, or as its detector did): how the report knows an alert's
+#: text for one (a slow link's ``0.25x the median`` is not).
+_STRAGGLER_TEXT: Final = re.compile(r"\b\d+(?:\.\d+)?x (?:slower|longer)\b")
 _ACTIONS: Final = {
     "straggler": "check its node",
     "hang": "see where it waits (py-spy dump, the Flight Recorder dump)",
@@ -880,7 +881,7 @@ def _alerts_of_findings(
             ),
             None,
         )
-        if match is not None and _RATIO_TEXT.search(alert.summary):
+        if match is not None and _STRAGGLER_TEXT.search(alert.summary):
             alert = dataclasses.replace(alert, summary=match.summary)
         out.append(alert)
     return out
