@@ -305,3 +305,53 @@ def test_tune_refuses_a_job_that_has_ended(tmp_path: Path, aggregator: tuple[str
     # A job heard from now passes on to the aggregator, which says what it lacks.
     done = torshmon("tune", "busy", "--url", url, cwd=tmp_path, env=env)
     _one_line_error(done, "torshmon tune: HTTP 404: no config or DDP stats from job 'busy' yet")
+
+
+def test_an_offline_report_through_the_aggregator_carries_its_evidence(
+    tmp_path: Path, aggregator: tuple[str, Daemon]
+) -> None:
+    """``report --aggregator URL --html out.html``: the alert's evidence is downloaded
+    beside the page and linked relatively (the page linked /api/v1/evidence/...)."""
+    import gzip
+    import urllib.parse
+
+    from sqlalchemy import insert
+
+    from tests import report_history as h
+    from torshmon.history.db import make_engine
+    from torshmon.history.models import Base
+
+    url, _ = aggregator
+    db = tmp_path / "h.db"
+    h.make_history(db)  # the job, its steps and a Straggler alert (id 1), as stored
+    trace = gzip.compress(b'{"traceEvents": []}')
+    folder = tmp_path / "h.db.evidence" / "c0ffee"  # where this aggregator keeps evidence
+    folder.mkdir(parents=True)
+    (folder / "rank1-profiler_trace.json.gz").write_bytes(trace)
+    tables = Base.metadata.tables
+    engine = make_engine(f"sqlite:///{db}")
+    with engine.begin() as conn:
+        conn.execute(
+            insert(tables["evidence_captures"]),
+            [{"id": "c0ffee", "job": h.JOB, "alert_id": 1, "alert_fingerprint": None,
+              "rule": "Straggler", "profile_ranks": [1], "created_unix_s": h.T0 + 11,
+              "aggregator_id": "a1"}],
+        )  # fmt: skip
+        conn.execute(
+            insert(tables["evidence_files"]),
+            [{"capture_id": "c0ffee", "rank": 1, "name": "profiler_trace.json", "job": h.JOB,
+              "size_bytes": 19, "stored_bytes": len(trace),
+              "path": "c0ffee/rank1-profiler_trace.json.gz", "error": "",
+              "taken_unix_s": h.T0 + 12, "received_unix_s": h.T0 + 13}],
+        )  # fmt: skip
+    engine.dispose()
+    env = _env(TORSHMON_TOKEN_FILE=str(tmp_path / "token"))
+    out = tmp_path / "out.html"
+    done = torshmon("report", h.JOB, "--aggregator", url, "--html", str(out), cwd=tmp_path, env=env)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert f"evidence: 1 files in {tmp_path / 'out_evidence'}/" in done.stdout
+    page = out.read_text()
+    hrefs = re.findall(r'<a href="([^"]*)">rank 1 profiler_trace.json</a>', page)
+    assert hrefs == ["out_evidence/c0ffee/rank1-profiler_trace.json.gz"], hrefs
+    assert (tmp_path / urllib.parse.unquote(hrefs[0])).read_bytes() == trace
+    assert "/api/v1/evidence" not in page
