@@ -554,8 +554,8 @@ def _stored_findings(rows: Sequence[Mapping[str, Any]]) -> list[FindingItem]:
 
 def _links(kind: str, row: Mapping[str, Any]) -> dict[str, Any]:
     """The ``FindingItem`` fields a stored row's details carry (see ``findings``)."""
-    details = row.get("details") if isinstance(row.get("details"), dict) else {}
-    assert isinstance(details, dict)
+    stored = row.get("details")
+    details: Mapping[str, Any] = stored if isinstance(stored, dict) else {}
     out: dict[str, Any] = {
         "explained_by": _text(details.get(EXPLAINED_BY_KEY)),
         "explained_by_name": _text(details.get(EXPLAINED_BY_NAME_KEY)),
