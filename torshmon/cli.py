@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="FILE",
         help="also write the report as one self-contained HTML page with plots; the "
-        "evidence its alerts link to is copied beside it (FILE_evidence/)",
+        "evidence its alerts link to is copied beside it (out_evidence/ for out.html)",
     )
     report.add_argument(
         "--evidence-dir",
