@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from torshmon.aggregator.http.queries import QueryBusy, QueryPool
+from torshmon.aggregator.http.queries import QUERY_NICE, QueryBusy, QueryPool
 from torshmon.history.query import Interrupt, QueryError, run_query
 
 RUNAWAY = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
@@ -140,3 +142,16 @@ def test_a_statement_timeout_is_still_told_as_one(tmp_path: Path) -> None:
 def test_the_pool_sizes_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         QueryPool(max_running=0, max_per_client=1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+async def test_queries_run_below_the_aggregators_priority() -> None:
+    pool = QueryPool(max_running=1, max_per_client=1)
+    try:
+        ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        theirs = await pool.run(
+            "c", lambda _: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        )
+    finally:
+        await pool.aclose()
+    assert theirs == min(19, ours + QUERY_NICE)

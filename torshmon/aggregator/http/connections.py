@@ -37,6 +37,10 @@ _RAW_ANSWER: Final = (
 )
 
 
+#: Connections the kernel completes before the server accepts them (aiohttp's default).
+_BACKLOG: Final = 128
+
+
 def _raw_answer(status: int, reason: str, message: str, extra: str = "") -> bytes:
     body = json.dumps({"error": message, "status": status})
     text = _RAW_ANSWER.format(
@@ -284,5 +288,5 @@ class _Site(web.BaseSite):
             raise RuntimeError("the runner is not set up")
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: self._protocol(server), self._host, self._port
+            lambda: self._protocol(server), self._host, self._port, backlog=_BACKLOG
         )
