@@ -222,3 +222,164 @@ def test_the_integrations_package_imports_no_framework() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "[]"
+
+
+# -- Lightning --------------------------------------------------------------------------
+
+PL_STEPS = 4
+PL_BATCH = 4
+PL_ACCUMULATION = 2
+
+
+def _pl_train(rank: int, out: str, callbacks: list[Any]) -> tuple[Any, list[float]]:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+
+    class Regression(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+            )
+            self.losses: list[float] = []
+
+        def forward(self, x: Any) -> Any:
+            return self.net(x)
+
+        def training_step(self, batch: Any, _idx: int) -> Any:
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self(x), y)
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def validation_step(self, batch: Any, _idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    pl.seed_everything(0, verbose=False)
+    module = Regression()
+    _slow_forward(module.net, rank)
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator)
+    data = torch.utils.data.TensorDataset(x, y)
+    loader = torch.utils.data.DataLoader(data, batch_size=PL_BATCH)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=PL_STEPS,
+        accumulate_grad_batches=PL_ACCUMULATION,
+        val_check_interval=2 * PL_ACCUMULATION,  # validation after optimizer step 2
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=CSVLogger(out, name="pl-run"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, loader, loader)
+    return module, module.losses
+
+
+def _pl_rank(rank: int, world: int, sock: str, tmp: str) -> dict[str, Any]:
+    from torshmon.integrations.lightning import TorshmonCallback
+
+    bare, bare_losses = _pl_train(rank, f"{tmp}/bare", [])
+    callback = TorshmonCallback(agent_socket=sock, flush_interval_s=0.05)
+    watched, losses = _pl_train(rank, f"{tmp}/watched", [callback])
+    return {"identical": _same_weights(bare, watched) and bare_losses == losses, "losses": losses}
+
+
+async def test_lightning_callback(tmp_path: Path) -> None:
+    results, db_url = await _run_with_stack(tmp_path, _pl_rank)
+    for rank, result in enumerate(results):
+        assert result["identical"], rank
+    by_rank = _check_steps(db_url, "pl-run", PL_STEPS, PL_BATCH * PL_ACCUMULATION)
+    for rank in (0, 1):
+        # The step's loss: its micro-batches' mean, as Lightning scales them.
+        micro = results[rank]["losses"]
+        expected = [statistics.mean(micro[i : i + 2]) for i in range(0, len(micro), 2)]
+        assert [r[3] for r in by_rank[rank]] == pytest.approx(expected, rel=1e-5)
+        # The validation after step 2 (2 passes) is not input wait before step 3.
+        after_eval = by_rank[rank][2][2]
+        assert after_eval is not None and after_eval < EVAL_PASS_S, after_eval
+    _check_straggler(by_rank)
+
+
+# -- Accelerate -------------------------------------------------------------------------
+
+ACC_STEPS = 4
+ACC_BATCH = 4
+ACC_ACCUMULATION = 2
+
+
+def _acc_train(rank: int, sock: str | None) -> tuple[Any, list[float], float]:
+    import torch
+    from accelerate import Accelerator
+
+    from torshmon.integrations.accelerate import watch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    _slow_forward(model[0], rank)  # inside the model's forward pass
+    generator = torch.Generator().manual_seed(1 + rank)
+    x, y = torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=ACC_BATCH)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACC_ACCUMULATION)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ddp, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    watched = watch(accelerator, ddp, job="acc-run", agent_socket=sock) if sock else None
+    losses: list[float] = []
+    eval_s = 0.0
+    for i, (xb, yb) in enumerate(loader):
+        if i == ACC_STEPS * ACC_ACCUMULATION:
+            break
+        with accelerator.accumulate(ddp):
+            loss = torch.nn.functional.mse_loss(ddp(xb), yb)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+        if i == 2 * ACC_ACCUMULATION - 1:  # evaluation after optimizer step 2
+            started = time.perf_counter()
+            ddp.eval()
+            with torch.no_grad():
+                for _ in range(2):
+                    ddp(xb)
+            ddp.train()
+            eval_s = time.perf_counter() - started
+    if watched is not None:
+        watched.close()
+    return accelerator.unwrap_model(ddp), losses, eval_s
+
+
+def _acc_rank(rank: int, world: int, sock: str, tmp: str) -> dict[str, Any]:
+    bare, bare_losses, _ = _acc_train(rank, None)
+    watched, losses, eval_s = _acc_train(rank, sock)
+    return {
+        "identical": _same_weights(bare, watched) and bare_losses == losses,
+        "losses": losses,
+        "eval_s": eval_s,
+    }
+
+
+async def test_accelerate_watch(tmp_path: Path) -> None:
+    results, db_url = await _run_with_stack(tmp_path, _acc_rank)
+    for rank, result in enumerate(results):
+        assert result["identical"], rank
+    by_rank = _check_steps(db_url, "acc-run", ACC_STEPS, ACC_BATCH * ACC_ACCUMULATION)
+    for rank in (0, 1):
+        # The step's loss: the mean of those its micro-batches passed to backward.
+        micro = results[rank]["losses"]
+        expected = [statistics.mean(micro[i : i + 2]) for i in range(0, len(micro), 2)]
+        assert [r[3] for r in by_rank[rank]] == pytest.approx(expected, rel=1e-5)
+        # The evaluation after step 2 is not input wait before step 3.
+        assert results[rank]["eval_s"] >= 2 * EVAL_PASS_S
+        after_eval = by_rank[rank][2][2]
+        assert after_eval is not None and after_eval < EVAL_PASS_S, after_eval
+    _check_straggler(by_rank)

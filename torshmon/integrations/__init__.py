@@ -6,7 +6,7 @@ optimizer step of the framework's own loop, on the module it wrapped in DDP or F
 - ``torshmon.integrations.lightning.TorshmonCallback``: a ``lightning.pytorch.Callback``
   (``Trainer(..., callbacks=[TorshmonCallback()])``);
 - ``torshmon.integrations.accelerate.watch``: an Accelerate loop
-  (``watch(accelerator)`` after ``accelerator.prepare``).
+  (``watch(accelerator, model)`` with the model ``accelerator.prepare`` returned).
 
 Each framework is an optional extra (``pip install 'torshmon[huggingface]'``, ...),
 imported only by its own module: importing this package imports none of them.

@@ -1,5 +1,5 @@
-"""torshmon in an Accelerate loop: ``watched = watch(accelerator)`` after
-``accelerator.prepare(...)``.
+"""torshmon in an Accelerate loop: ``watched = watch(accelerator, model)`` with the model
+``accelerator.prepare`` returned.
 
 Accelerate has no step callbacks (its trackers see only what the loop logs), so the
 loop's own events delimit steps: a step begins at the first training forward pass of
@@ -28,7 +28,7 @@ __all__ = ["AccelerateWatch", "watch"]
 
 def watch(
     accelerator: Any,
-    model: Any = None,
+    model: Any,
     optimizer: Any = None,
     *,
     job: str | None = None,
@@ -36,16 +36,12 @@ def watch(
 ) -> AccelerateWatch:
     """Monitor the loop of ``accelerator`` with torshmon.
 
-    ``model`` and ``optimizer``: the prepared ones (default: the last model and every
-    optimizer ``accelerator.prepare`` returned); ``job``: the job's name (default
-    ``$TORSHMON_JOB``, else the name of the accelerator's ``project_dir``, else
-    torchrun's run id); ``options``: ``torshmon.attach``'s.
+    ``model``: the one ``accelerator.prepare`` returned (its DDP wrapper: Accelerate
+    keeps only the unwrapped module); ``optimizer``: the prepared one whose step ends a
+    step (default: every optimizer ``accelerator.prepare`` returned); ``job``: the job's
+    name (default ``$TORSHMON_JOB``, else the name of the accelerator's
+    ``project_dir``, else torchrun's run id); ``options``: ``torshmon.attach``'s.
     """
-    if model is None:
-        models = getattr(accelerator, "_models", [])
-        model = models[-1] if models else None
-    if model is None:
-        raise ValueError("watch(accelerator) comes after accelerator.prepare(model, ...)")
     optimizers = [optimizer] if optimizer is not None else list(accelerator._optimizers)
     project_dir = getattr(accelerator.project_configuration, "project_dir", None)
     run_name = os.path.basename(os.path.normpath(project_dir)) if project_dir else None
