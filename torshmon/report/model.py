@@ -647,15 +647,15 @@ def _with_what_ifs(
     straggler: over its episode, each step less its excess over its peers' median; a
     hang: over the run, its stalled steps at the median), what that costs, the
     severity that follows from it, and a straggler's sentence with that cost."""
-    table = _step_table(steps)
+    grid = _step_grid(steps) if any(f.kind in ("straggler", "hang") for f in findings) else None
     out = []
     for f in findings:
         node = nodes.get(f.rank, "") if f.rank is not None else ""
         measured: tuple[float, float] | None = None
         if f.kind == "straggler" and f.rank is not None:
-            measured = _straggler_what_if(table, f, last_seen)
+            measured = _straggler_what_if(grid, f, last_seen)
         elif f.kind == "hang":
-            measured = _hang_what_if(table, f, last_seen)
+            measured = _hang_what_if(grid, f, last_seen)
         if measured is None:
             out.append(dataclasses.replace(f, node=str(node or "")))
             continue
@@ -683,71 +683,93 @@ def _with_what_ifs(
     return out
 
 
-#: Per step number: per rank (step period, compute, input wait, end time).
-_StepTable = dict[int, dict[int, tuple[float, float, float, float]]]
+@dataclass(frozen=True, slots=True)
+class _StepGrid:
+    """The history's steps as (step number x rank) arrays, NaN where a rank has no such
+    step: ``period`` (step time plus input wait), ``compute``, ``input_wait``; and per
+    step number the job's ``job_period`` (the ranks' median) and ``end_unix_s`` (the
+    last rank's end)."""
+
+    ranks: tuple[int, ...]
+    period: np.ndarray[Any, Any]
+    compute: np.ndarray[Any, Any]
+    input_wait: np.ndarray[Any, Any]
+    end_unix_s: np.ndarray[Any, Any]
+    job_period: np.ndarray[Any, Any]
 
 
-def _step_table(steps: Mapping[int, Columns]) -> _StepTable:
-    table: _StepTable = {}
-    for rank, cols in steps.items():
-        for n, end, duration, compute, wait in zip(
-            cols["step"], cols["end_unix_ns"], cols["duration_s"], cols["compute_s"],
-            cols["input_wait_s"], strict=True,
-        ):  # fmt: skip
-            if not (math.isfinite(n) and math.isfinite(duration)):
-                continue
-            waited = float(wait) if math.isfinite(wait) else 0.0
-            table.setdefault(int(n), {})[rank] = (
-                float(duration) + waited,
-                float(compute),
-                waited,
-                float(end) / 1e9,
-            )
-    return table
+def _step_grid(steps: Mapping[int, Columns]) -> _StepGrid | None:
+    if not steps:
+        return None
+    numbers = np.unique(np.concatenate([c["step"][np.isfinite(c["step"])] for c in steps.values()]))
+    ranks = tuple(sorted(steps))
+    shape = (len(numbers), len(ranks))
+    grids = {n: np.full(shape, np.nan) for n in ("period", "compute", "input_wait", "end")}
+    for j, rank in enumerate(ranks):
+        cols = steps[rank]
+        keep = np.isfinite(cols["step"]) & np.isfinite(cols["duration_s"])
+        rows = np.searchsorted(numbers, cols["step"][keep])
+        waited = np.nan_to_num(cols["input_wait_s"][keep], nan=0.0)
+        grids["period"][rows, j] = cols["duration_s"][keep] + waited
+        grids["compute"][rows, j] = cols["compute_s"][keep]
+        grids["input_wait"][rows, j] = waited
+        grids["end"][rows, j] = cols["end_unix_ns"][keep] / 1e9
+    with warnings.catch_warnings():  # a step number no rank has is NaN, as meant
+        warnings.simplefilter("ignore", RuntimeWarning)
+        job_period = np.nanmedian(grids["period"], axis=1)
+        end = np.nanmax(grids["end"], axis=1)
+    return _StepGrid(ranks, grids["period"], grids["compute"], grids["input_wait"], end, job_period)
 
 
 def _straggler_what_if(
-    table: _StepTable, f: FindingItem, last_seen: float
+    grid: _StepGrid | None, f: FindingItem, last_seen: float
 ) -> tuple[float, float] | None:
     """The job's mean step period over ``f``'s episode, and that period with the
     straggler's phase at its peers' median at each step (``what_if_step_s``)."""
-    until = f.ended_unix_s if f.ended_unix_s is not None else last_seen
-    phase = 2 if f.phase == "input" else 1
-    periods, what_ifs = [], []
-    for ranks in table.values():
-        own = ranks.get(f.rank) if f.rank is not None else None
-        peers = [v[phase] for r, v in ranks.items() if r != f.rank and math.isfinite(v[phase])]
-        if own is None or not peers or not (f.since_unix_s <= own[3] <= until):
-            continue
-        if not math.isfinite(own[phase]):
-            continue
-        period = float(np.median([v[0] for v in ranks.values()]))
-        periods.append(period)
-        what_ifs.append(what_if_step_s(period, own[phase] - float(np.median(peers))))
-    if not periods:
+    if grid is None or f.rank not in grid.ranks or len(grid.ranks) < 2:
         return None
+    j = grid.ranks.index(f.rank)
+    phase = grid.input_wait if f.phase == "input" else grid.compute
+    until = f.ended_unix_s if f.ended_unix_s is not None else last_seen
+    with warnings.catch_warnings():  # a step no peer has is NaN, left out below
+        warnings.simplefilter("ignore", RuntimeWarning)
+        peers = np.nanmedian(np.delete(phase, j, axis=1), axis=1)
+    own = phase[:, j]
+    with np.errstate(invalid="ignore"):
+        episode = (
+            np.isfinite(own)
+            & np.isfinite(peers)
+            & np.isfinite(grid.job_period)
+            & (grid.end_unix_s >= f.since_unix_s)
+            & (grid.end_unix_s <= until)
+        )
+    if not episode.any():
+        return None
+    periods = grid.job_period[episode]
+    what_ifs = [
+        what_if_step_s(float(p), float(e))
+        for p, e in zip(periods, own[episode] - peers[episode], strict=True)
+    ]
     return float(np.mean(periods)), float(np.mean(what_ifs))
 
 
 def _hang_what_if(
-    table: _StepTable, f: FindingItem, last_seen: float
+    grid: _StepGrid | None, f: FindingItem, last_seen: float
 ) -> tuple[float, float] | None:
     """The job's mean step period over the run, and that period with the steps the hang
     stalled at the run's median (a hang still open at the end adds its stall)."""
-    rows = sorted(
-        (max(v[3] for v in ranks.values()), float(np.median([v[0] for v in ranks.values()])))
-        for ranks in table.values()
-    )
-    if not rows:
+    if grid is None:
         return None
-    periods = np.array([p for _, p in rows])
+    known = np.isfinite(grid.job_period)
+    periods, ends = grid.job_period[known], grid.end_unix_s[known]
+    if not periods.size:
+        return None
     median = float(np.median(periods))
-    until = f.ended_unix_s
-    if until is None and rows[-1][0] <= f.since_unix_s:
+    if f.ended_unix_s is None and float(np.max(ends)) <= f.since_unix_s:
         stall = max(0.0, last_seen - f.since_unix_s)
-        return (float(periods.sum()) + stall) / len(rows), float(periods.mean())
-    end = (until if until is not None else last_seen) + median
-    hung = np.array([f.since_unix_s <= t <= end for t, _ in rows])
+        return (float(periods.sum()) + stall) / periods.size, float(periods.mean())
+    end = (f.ended_unix_s if f.ended_unix_s is not None else last_seen) + median
+    hung = (ends >= f.since_unix_s) & (ends <= end)
     return float(periods.mean()), float(np.where(hung, np.minimum(periods, median), periods).mean())
 
 
