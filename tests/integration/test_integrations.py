@@ -383,3 +383,16 @@ async def test_accelerate_watch(tmp_path: Path) -> None:
         after_eval = by_rank[rank][2][2]
         assert after_eval is not None and after_eval < EVAL_PASS_S, after_eval
     _check_straggler(by_rank)
+
+
+def test_the_job_is_named_by_the_caller_then_torshmon_then_the_framework() -> None:
+    from torshmon.integrations._common import job_name
+
+    env = {"TORSHMON_JOB": "env-job", "TORCHELASTIC_RUN_ID": "rdzv-7"}
+    assert job_name("mine", "hf-run", env) == "mine"
+    assert job_name(None, "hf-run", env) == "env-job"
+    assert job_name(None, " hf-run ", {"TORCHELASTIC_RUN_ID": "rdzv-7"}) == "hf-run"
+    # No run name (HF's default None, a logger-less Lightning): torchrun's id, else default.
+    assert job_name(None, None, {"TORCHELASTIC_RUN_ID": "rdzv-7"}) == "rdzv-7"
+    assert job_name(None, "", {}) == "default"
+    assert len(job_name(None, "r" * 500, {})) == 200  # what the wire takes
