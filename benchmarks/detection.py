@@ -1333,10 +1333,6 @@ def rescore(dirs: Sequence[Path]) -> dict[str, Any]:
 
 #: The figures printed before the JSON line.
 HEADLINE = (
-    "straggler_min_ratio_detected_4",
-    "straggler_min_ratio_detected_4_knob",
-    "straggler_min_ratio_detected_2",
-    "straggler_min_ratio_detected_2_knob",
     "recall",
     "attribution",
     "precision_runs",
@@ -1439,6 +1435,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.monotonic() - started,
     }
     print()
+    for key in sorted(k for k in report if k.startswith("straggler_min_ratio_detected_")):
+        print(f"{key}: {report[key]}")
     for key in HEADLINE:
         print(f"{key}: {report.get(key)}")
     print(json.dumps(report))
