@@ -489,6 +489,55 @@ def test_the_clean_figures_are_per_rank_step_with_the_bar_beside_them() -> None:
     assert report["precision_units"] == {"true": 0, "false": 1}
 
 
+class _FakeAggregator:
+    """What FiringWatch reads of a running aggregator: the job's last step, the firing
+    alerts, the ranks' step counts and the straggler detector's bar."""
+
+    def __init__(self) -> None:
+        self.last_step = 0
+        self.bar: float | None = None
+        self.live = self
+        self.alerts = self
+        self.straggler = self
+
+    def job_summary(self, job: str) -> dict[str, int]:
+        return {"last_step": self.last_step}
+
+    def active(self) -> list[Any]:
+        return []
+
+    def rank_summaries(self, job: str) -> dict[int, dict[str, int]]:
+        return {0: {"steps_total": self.last_step, "urgent_steps_total": 0}}
+
+    def bar_ratio(self, job: str) -> float | None:
+        return self.bar
+
+
+def test_the_watch_samples_the_bar_and_a_tuning_job_runs_on_after_its_session(
+    tmp_path: Path,
+) -> None:
+    from benchmarks.detection import SettleWatch
+
+    done, stop = tmp_path / "done", tmp_path / "stop"
+    watch = SettleWatch("bench", done, stop, settle_steps=50)
+    agg = _FakeAggregator()
+    for step, bar in ((10, None), (20, 1.3), (30, 1.25)):
+        agg.last_step, agg.bar = step, bar
+        watch(agg, None)
+    assert watch.bars == [1.3, 1.25]  # no bar before the noise is measured
+    assert watch.ended_at_step is None and not stop.exists()
+    done.touch()  # the session ended at step 40
+    agg.last_step = 40
+    watch(agg, None)
+    assert watch.ended_at_step == 40
+    agg.last_step = 89
+    watch(agg, None)
+    assert not stop.exists()
+    agg.last_step = 90
+    watch(agg, None)
+    assert stop.exists()
+
+
 @pytest.mark.integration
 def test_a_quick_clean_job_runs_with_its_noise_and_reports_per_rank_step() -> None:
     """``detection.py`` on one small clean job (2 ranks, 240 rank-steps): the ranks ran
