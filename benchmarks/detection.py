@@ -1137,14 +1137,18 @@ def _fault_steps(text: str) -> int:
     return steps
 
 
-def parse_seeds(text: str) -> list[int]:
+def parse_seeds(text: str, what: str = "seeds") -> list[int]:
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"seeds: comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"{what}: comma-separated integers, got {text!r}") from None
     if not seeds:
-        raise argparse.ArgumentTypeError("seeds: at least one")
+        raise argparse.ArgumentTypeError(f"{what}: at least one")
     return seeds
+
+
+def _world_sizes(text: str) -> list[int]:
+    return parse_seeds(text, "world sizes")
 
 
 def run_fault_jobs(
@@ -1373,7 +1377,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--clean-world-sizes",
-        type=parse_seeds,
+        type=_world_sizes,
         default=list(CLEAN_WORLD_SIZES),
         help="comma-separated world sizes of the clean jobs (4,8)",
     )
