@@ -1141,7 +1141,9 @@ def parse_seeds(text: str, what: str = "seeds") -> list[int]:
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{what}: comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"{what}: comma-separated integers, got {text!r}"
+        ) from None
     if not seeds:
         raise argparse.ArgumentTypeError(f"{what}: at least one")
     return seeds
