@@ -22,12 +22,15 @@ from torshmon.probe.monitor import Monitor, NullMonitor
 
 __all__ = ["TorshmonCallback"]
 
+#: the name of the logger Lightning makes where the job gives none
+_DEFAULT_LOGGER_NAME = "lightning_logs"
+
 
 class TorshmonCallback(pl.Callback):  # type: ignore[misc]
     """Monitors the Trainer's fit with torshmon.
 
     ``job``: the job's name (default ``$TORSHMON_JOB``, else the logger's name, else
-    torchrun's run id); ``options``: ``torshmon.attach``'s. The step's loss is what
+    the LightningModule's class name); ``options``: ``torshmon.attach``'s. The step's loss is what
     ``training_step`` returned for its micro-batches (as Lightning scales them for
     accumulation, summed), its batch size this rank's samples in them. ``monitor`` is
     the Monitor while fitting.
@@ -43,8 +46,10 @@ class TorshmonCallback(pl.Callback):  # type: ignore[misc]
         self._stepped = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        logger = trainer.logger
-        job = job_name(self._job, getattr(logger, "name", None), os.environ)
+        run_name = getattr(trainer.logger, "name", None)
+        if not run_name or run_name == _DEFAULT_LOGGER_NAME:
+            run_name = type(pl_module).__name__  # a name every job shares names none
+        job = job_name(self._job, run_name, os.environ)
         self.monitor = attach_to(trainer.strategy.model, pl_module, job, self._options)
 
     def on_train_batch_start(
