@@ -19,6 +19,7 @@ thread only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 from typing import Final
@@ -114,8 +115,9 @@ class Connections:
             try:
                 response = await handler(request)
                 if conn.close_after_answer:
-                    await response.prepare(request)
-                    await response.write_eof()
+                    with contextlib.suppress(ConnectionError):  # the client went already
+                        await response.prepare(request)
+                        await response.write_eof()
                     # Not lingering to read the rest of a body it was too slow to send.
                     request.protocol.force_close()
                 return response
