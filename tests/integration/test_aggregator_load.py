@@ -391,3 +391,22 @@ def test_a_kept_alive_connection_has_the_header_timeout_from_its_next_byte(
         assert 3.0 - 0.1 <= closed - answered < 3.0 + FAST_S
         slow.close()
         idle.close()
+
+
+def test_a_client_that_hangs_up_frees_its_querys_slot(agg: AggregatorThread) -> None:
+    """Its statement is interrupted, not left to run to the 20 s timeout."""
+    port = agg.aggregator.port
+    assert port is not None
+    body = json.dumps({"sql": RUNAWAY_SQLITE}).encode()
+    sock = _partial_post(port, "/api/v1/query", body, len(body))
+    deadline = time.monotonic() + FAST_S
+    while metric(port, "torshmon_queries_running") != 1:
+        assert time.monotonic() < deadline, "the query never ran"
+        time.sleep(0.05)
+    sock.close()
+    closed = time.monotonic()
+    while metric(port, "torshmon_queries_running") != 0:
+        assert time.monotonic() - closed < FAST_S, "the query ran on"
+        time.sleep(0.05)
+    answer = call(port, "POST", "/api/v1/query", {"sql": "SELECT 1 AS one"})
+    assert (answer.status, answer.body["rows"]) == (200, [[1]])

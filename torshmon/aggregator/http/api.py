@@ -173,7 +173,7 @@ def make_app(
             await pool.aclose()
 
         app.on_cleanup.append(close_pool)
-    h = _Handlers(settings, guard, store, live, commands, tuning, clock, queries)
+    h = _Handlers(settings, guard, store, live, commands, tuning, clock, queries, connections)
     r = app.router
     r.add_get("/healthz", h.healthz)
     r.add_get("/metrics", make_aiohttp_handler(registry))
@@ -207,9 +207,11 @@ class _Handlers:
         tuning: Tuning,
         clock: Callable[[], float],
         queries: QueryPool,
+        connections: Connections,
     ) -> None:
         self._settings = settings
         self._queries = queries
+        self._connections = connections
         self._guard = guard
         self._store = store
         self._live = live
@@ -402,8 +404,13 @@ class _Handlers:
         def query(interrupt: Interrupt) -> QueryResult:
             return run_query(url, sql, timeout_s=timeout_s, interrupt=interrupt)
 
+        # A client that hangs up stops its query: it would hold a slot to its timeout.
+        interrupt = Interrupt()
         try:
-            result = await self._queries.run(request.remote or "unknown", query)
+            with self._connections.on_hang_up(
+                request, lambda: interrupt.interrupt("the client hung up")
+            ):
+                result = await self._queries.run(request.remote or "unknown", query, interrupt)
         except QueryBusy as exc:
             return web.json_response(
                 {"error": str(exc), "status": exc.status},

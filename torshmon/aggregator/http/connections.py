@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final
 
 from aiohttp import web
@@ -126,6 +126,23 @@ class Connections:
 
         return connections
 
+    @contextlib.contextmanager
+    def on_hang_up(self, request: web.Request, callback: Callable[[], object]) -> Iterator[None]:
+        """Within the block, ``callback()`` runs (on the event loop) if ``request``'s
+        client closes its connection; at once if it is closed already."""
+        if request.transport is None:  # closed already
+            callback()
+        conn = self._open.get(request.transport)
+        if conn is None:  # closed, or not a connection of ours (a test client)
+            yield
+            return
+        conn.hang_up_callbacks.append(callback)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ValueError):
+                conn.hang_up_callbacks.remove(callback)
+
     async def read(self, request: web.Request) -> bytes:
         """The body of ``request``, in within ``body_timeout_s``.
 
@@ -178,6 +195,8 @@ class _Connection(asyncio.Protocol):
         self._busy = False
         self._received = False  # bytes of the next request came since the deadline was set
         self.close_after_answer = False
+        #: Called when the client closes the connection (``Connections.on_hang_up``).
+        self.hang_up_callbacks: list[Callable[[], object]] = []
 
     # -- asyncio.Protocol, passed on ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -202,6 +221,9 @@ class _Connection(asyncio.Protocol):
         self._clear_deadline()
         self._owner._closed(self)
         self._inner.connection_lost(exc)
+        callbacks, self.hang_up_callbacks = self.hang_up_callbacks, []
+        for callback in callbacks:
+            callback()
 
     def pause_writing(self) -> None:
         self._inner.pause_writing()

@@ -61,8 +61,9 @@ class QueryPool:
     of them for one client; ``run`` refuses the next at once.
 
     Event-loop thread only. A slot is taken from ``run``'s admission until the query's
-    thread is done with it: a client that hangs up does not free its slot early, since
-    its statement still runs. ``aclose`` interrupts the running queries.
+    thread is done with it: a caller that goes away does not free it while the
+    statement still runs (the API interrupts the query of a client that hangs up).
+    ``aclose`` interrupts the running queries.
     """
 
     def __init__(
@@ -95,8 +96,11 @@ class QueryPool:
         """Queries admitted whose thread has not finished yet."""
         return len(self._running)
 
-    async def run(self, client: str, query: Callable[[Interrupt], T]) -> T:
+    async def run(
+        self, client: str, query: Callable[[Interrupt], T], interrupt: Interrupt | None = None
+    ) -> T:
         """``query(interrupt)`` on a thread of the pool, for ``client``; its result.
+        ``interrupt`` (a new one if None) is also the one ``aclose`` interrupts.
 
         Raises QueryBusy at once when ``max_running`` queries run, or
         ``max_per_client`` of ``client``'s, or the pool is closed.
@@ -115,7 +119,7 @@ class QueryPool:
                 f"{self.max_per_client} of your history queries are running, the most one "
                 "client may run at once (query_max_per_client); retry later"
             )
-        interrupt = Interrupt()
+        interrupt = Interrupt() if interrupt is None else interrupt
         future = self._executor.submit(query, interrupt)
         self._running[future] = interrupt
         self._per_client[client] += 1
