@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 import re
 import sqlite3
@@ -48,6 +49,8 @@ from torshmon.history.reader import (
     QUERY_DB_URL_ENV,
     privileges_beyond_reading,
 )
+
+log = logging.getLogger(__name__)
 
 OutputFormat = Literal["table", "csv", "json"]
 OUTPUT_FORMATS: Final[tuple[str, ...]] = ("table", "csv", "json")
@@ -103,13 +106,18 @@ class Interrupt:
         return self._reason
 
     def interrupt(self, reason: str) -> None:
-        """Stop the query (if it runs) with ``reason``."""
+        """Stop the query (if it runs) with ``reason``. On PostgreSQL this sends a cancel
+        request (a connection to the server): call it off an event loop. Never raises:
+        a cancel that fails leaves the query to its statement timeout."""
         with self._lock:  # so the connection cannot close under the stop call
             if self._reason is not None:
                 return
             self._reason = reason
             if self._stop is not None:
-                self._stop()
+                try:
+                    self._stop()
+                except Exception as exc:
+                    log.warning("a history query could not be cancelled: %s", exc)
 
     def _bind(self, stop: Callable[[], object]) -> None:
         with self._lock:

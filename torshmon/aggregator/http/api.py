@@ -12,6 +12,7 @@ Protocol below; the request guard runs before every handler.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -406,10 +407,13 @@ class _Handlers:
 
         # A client that hangs up stops its query: it would hold a slot to its timeout.
         interrupt = Interrupt()
+        loop = asyncio.get_running_loop()
+
+        def hung_up() -> None:
+            loop.run_in_executor(None, interrupt.interrupt, "the client hung up")
+
         try:
-            with self._connections.on_hang_up(
-                request, lambda: interrupt.interrupt("the client hung up")
-            ):
+            with self._connections.on_hang_up(request, hung_up):
                 result = await self._queries.run(request.remote or "unknown", query, interrupt)
         except QueryBusy as exc:
             return web.json_response(

@@ -142,8 +142,9 @@ class QueryPool:
             return
         self._closed = True
         running = list(self._running.items())
-        for _, interrupt in running:
-            interrupt.interrupt("the aggregator is stopping")
+        loop = asyncio.get_running_loop()
+        for _, interrupt in running:  # a PostgreSQL cancel connects: off the loop
+            await loop.run_in_executor(None, interrupt.interrupt, "the aggregator is stopping")
         if running:
             # gather retrieves the queries' errors: their handlers have them already.
             ended = asyncio.gather(
