@@ -169,11 +169,16 @@ class Row:
     what: str
     latencies_s: list[float]
 
-    def ms(self, q: float) -> str:
+    def ms(self, q: float) -> float | None:
+        """The ``q`` quantile (nearest rank) in milliseconds; None without requests."""
         if not self.latencies_s:
-            return "-"
+            return None
         ordered = sorted(self.latencies_s)
-        return f"{1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]:.1f}"
+        return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def ms_text(self, q: float) -> str:
+        value = self.ms(q)
+        return "-" if value is None else f"{value:.1f}"
 
 
 def measure_pages(port: int, seconds: float) -> dict[str, list[float]]:
@@ -287,9 +292,9 @@ def _run(port: int, backend: str, args: argparse.Namespace) -> int:
         ("phase", lambda r: r.phase),
         ("request", lambda r: r.what),
         ("n", lambda r: str(len(r.latencies_s))),
-        ("median ms", lambda r: r.ms(0.5)),
-        ("p95 ms", lambda r: r.ms(0.95)),
-        ("max ms", lambda r: r.ms(1.0)),
+        ("median ms", lambda r: r.ms_text(0.5)),
+        ("p95 ms", lambda r: r.ms_text(0.95)),
+        ("max ms", lambda r: r.ms_text(1.0)),
     ]
     print(f"backend {backend}, statement timeout {args.query_timeout:g} s")
     print(format_table(columns, rows))
