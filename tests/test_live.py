@@ -513,9 +513,10 @@ def test_a_tuning_session_leaves_step_time_unjudged_until_it_has_settled() -> No
     assert [f.labels.get("metric") for f in live.findings(1002.0)] == ["step_duration_seconds"]
 
 
-def _contended_job(*, cpu_wait: bool) -> LiveState:
-    """Three ranks, 120 steps of ~0.1 s; from step 60 rank 2 computes 0.2 s longer, all
-    of it (with ``cpu_wait``) time its training thread waited for a CPU."""
+def _contended_job(*, held_in: str) -> LiveState:
+    """Three ranks, 120 steps of ~0.1 s; from step 60 rank 2 is 0.2 s later than its
+    peers: in its compute, in time its training thread waited for a CPU (``host``) or
+    in its wait for the batch before the step (``input``)."""
     live = LiveState(idle_s=60.0)
     hellos = [wf.hello("j", rank, 3) for rank in range(3)]
     live.observe(Stored(acked_seq=0, hellos=hellos), now_unix_s=1000.0)
@@ -524,21 +525,30 @@ def _contended_job(*, cpu_wait: bool) -> LiveState:
         for n in range(1, 121):
             duration = 0.1 + 0.002 * ((n * (h.rank + 1)) % 5)
             held = 0.2 if h.rank == 2 and n >= 60 else 0.0
-            step = wf.step(n, duration_s=duration + held, comm_wait_s=0.01, end_unix_ns=n * 10**8)
-            waited = held + 0.001 if cpu_wait else None
-            steps.append(msgspec.structs.replace(step, cpu_wait_s=waited))
+            in_step = 0.0 if held_in == "input" else held
+            step = wf.step(
+                n, duration_s=duration + in_step, comm_wait_s=0.01, end_unix_ns=n * 10**8
+            )
+            step = msgspec.structs.replace(
+                step,
+                cpu_wait_s=held + 0.001 if held_in == "host" else None,
+                input_wait_s=0.002 + (held if held_in == "input" else 0.0),
+            )
+            steps.append(step)
         live.observe(Stored(acked_seq=0, batches=[(wf.batch(h, 1, steps), "n")]), 1000.0)
     return live
 
 
-def test_a_rank_held_back_by_its_cpu_wait_is_no_straggler() -> None:
-    """The straggler detector compares compute net of the run-queue wait the probe
-    measured: the same slowdown is named when it is the rank's own, not when its node's
-    other work kept the rank's thread from a CPU (as a GPU's kernel times would not
-    show it either)."""
-    own = [f.labels["rank"] for f in _contended_job(cpu_wait=False).straggler.active()]
-    held = [f.labels["rank"] for f in _contended_job(cpu_wait=True).straggler.active()]
-    assert (own, held) == (["2"], [])
+@pytest.mark.parametrize("held_in", ["compute", "host", "input"])
+def test_a_rank_late_in_any_phase_is_the_straggler_named_with_that_phase(held_in: str) -> None:
+    """Whatever makes rank 2 arrive late at the step's collectives (its compute, its
+    node's other work keeping its thread from a CPU, its data loader), its peers wait for
+    it: it is named, with the phase, and pages once it lasts."""
+    [finding] = _contended_job(held_in=held_in).straggler.active()
+    assert finding.labels["rank"] == "2"
+    assert finding.details["phase"] == held_in
+    assert finding.details["page"] is True
+    assert finding.details["excess_s"] == pytest.approx(0.2, abs=0.01)
 
 
 @pytest.mark.parametrize("waited", [0.0, 0.0015, 0.15])

@@ -548,6 +548,8 @@ def _finding_hits(rule: Rule, findings: Iterable[Finding], now: float) -> dict[L
             continue
         if any(labels.get(name) != value for name, value in rule.matchers.items()):
             continue
+        if finding.details.get("page") is False:
+            continue  # shown on the pages, but too short-lived yet to wake anybody
         key = labelset_from(labels)
         if key not in hits:
             hits[key] = _Hit(finding.value, min(finding.since_unix_s, now), finding)

@@ -8,6 +8,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from torshmon.aggregator.core.straggler import RankStep
+
 
 @dataclass(frozen=True, slots=True)
 class CompleteStep:
@@ -18,13 +20,13 @@ class CompleteStep:
 
     job: str
     step: int
-    compute_s_by_rank: Mapping[int, float]
+    compute_s_by_rank: Mapping[int, float | RankStep]
     ts_unix_s: float
     duration_s: float = math.nan
     cpu_wait_s: float = math.nan
 
 
-_Entry = tuple[dict[int, float], dict[int, float], dict[int, float]]
+_Entry = tuple[dict[int, float | RankStep], dict[int, float], dict[int, float]]
 
 
 class StepCollector:
@@ -54,7 +56,7 @@ class StepCollector:
         return self._world_size
 
     def add(
-        self, job: str, step: int, rank: int, compute_s: float, ts_unix_s: float
+        self, job: str, step: int, rank: int, compute_s: float | RankStep, ts_unix_s: float
     ) -> CompleteStep | None:
         """Record one rank's compute time for a step; the step once it is complete.
 
@@ -69,7 +71,7 @@ class StepCollector:
         job: str,
         rank: int,
         steps: Sequence[int],
-        compute_s: Sequence[float],
+        compute_s: Sequence[float | RankStep],
         ts_unix_s: Sequence[float],
         duration_s: Sequence[float] | None = None,
         cpu_wait_s: Sequence[float | None] | None = None,

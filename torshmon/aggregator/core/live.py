@@ -42,7 +42,7 @@ from torshmon.aggregator.core.rules import ANOMALY_METRICS
 from torshmon.aggregator.core.series import SeriesStore
 from torshmon.aggregator.core.step_series import observe_collective_series, observe_input_waits
 from torshmon.aggregator.core.stored import Stored
-from torshmon.aggregator.core.straggler import StragglerDetector, StragglerSettings
+from torshmon.aggregator.core.straggler import RankStep, StragglerDetector, StragglerSettings
 from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings, observe_from
 from torshmon.labels import LabelCap
 from torshmon.wire import (
@@ -156,9 +156,7 @@ class LiveState:
         self._comm_z_on = "comm_wait_seconds" in wanted
         self._throughput_z_on = "throughput_samples_per_second" in wanted
         self._collective_series = collective_series
-        self.straggler = StragglerDetector(
-            **msgspec.structs.asdict(straggler if straggler is not None else StragglerSettings())
-        )
+        self.straggler = StragglerDetector(straggler)
         self.hang = HangDetector(
             **msgspec.structs.asdict(hang if hang is not None else HangSettings())
         )
@@ -390,7 +388,7 @@ class LiveState:
                 batch.job,
                 batch.rank,
                 numbers,
-                _own_compute(computes, cpu_waits),
+                _rank_steps(computes, cpu_waits, input_waits),
                 ts,
                 durations,
                 process_waits,
@@ -771,13 +769,17 @@ class LiveState:
             }
 
 
-def _own_compute(computes: Sequence[float], cpu_waits: Sequence[float | None]) -> Sequence[float]:
-    """Each step's compute less the time its training thread waited for a CPU (where the
-    probe measured it): what the straggler detector compares, so a rank its node's other
-    work held back is not named, as a GPU job's kernel times would not show that wait."""
-    if cpu_waits.count(None) == len(cpu_waits):
-        return computes
-    return [
-        c if w is None or not w > 0 else c - min(w, c)
-        for c, w in zip(computes, cpu_waits, strict=True)
-    ]
+def _rank_steps(
+    computes: Sequence[float],
+    cpu_waits: Sequence[float | None],
+    input_waits: Sequence[float | None],
+) -> list[RankStep]:
+    """What the straggler detector compares, per step: the compute less the time the
+    training thread waited for a CPU (where the probe measured it), that wait (host),
+    and the wait for the batch before the step (input)."""
+    out = []
+    for c, w, i in zip(computes, cpu_waits, input_waits, strict=True):
+        host = min(w, c) if w is not None and w > 0 else 0.0
+        wait = i if i is not None and i > 0 else 0.0
+        out.append(RankStep(c - host, wait, host))
+    return out
