@@ -495,3 +495,19 @@ def test_input_wait_is_exported_and_counted_in_efficiency() -> None:
     )
     (_, _, ratio) = live.series.latest("input_wait_time_ratio")[0]
     assert ratio == pytest.approx(0.12 / 0.22, rel=0.01)
+
+
+def test_a_straggler_shown_but_not_yet_paged_says_so_and_leads_nothing_critical() -> None:
+    """Slowness of a few steps (the detector's details["page"] False) is on the page as
+    what it is: no more than a warning, with how long it has lasted."""
+    straggler = _straggler(2.0, 0.1)
+    brief = dataclasses.replace(
+        straggler, details={**straggler.details, "excess_s": 0.1, "page": False, "steps": 6}
+    )
+    lasting = dataclasses.replace(brief, details={**brief.details, "page": True})
+    snap = JobSnapshot(step_s=0.2)
+    (shown,) = rank_findings([], [brief], snap)
+    (paged,) = rank_findings([], [lasting], snap)
+    assert (shown.severity, paged.severity) == ("warning", "critical")  # loses ~50%
+    assert shown.summary.endswith("(for 6 steps so far: it pages if it lasts)")
+    assert "so far" not in paged.summary

@@ -627,10 +627,15 @@ def _straggler(finding: Finding, snapshot: JobSnapshot) -> Finding:
     if loss is not None:
         details["gain_basis"] = "the straggler's time above its peers' median, which they wait for"
         summary += f": the job loses {loss_text(loss)} of its throughput"
+    severity = loss_severity(loss) if loss is not None else finding.severity
+    if details.get("page") is False:
+        # Shown, not paged: slowness of a few steps so far, which may be a blip.
+        summary += f" (for {details.get('steps', 0)} steps so far: it pages if it lasts)"
+        severity = SEVERITIES[min(SEVERITIES.index(severity), SEVERITIES.index("warning"))]
     return dataclasses.replace(
         finding,
         summary=summary,
-        severity=loss_severity(loss) if loss is not None else finding.severity,
+        severity=severity,
         category="straggler",
         expected_gain_ratio=loss,
         difficulty="medium",
