@@ -5,8 +5,9 @@ writer that keeps it idempotent (``torshmon.aggregator.writer``; the writer thre
 instead where ``ingest_process`` is off or the database is in memory); one writer
 thread owns the aggregator's other writes (alerts, findings, commands, retention);
 reads run on the default executor, and users' history queries on threads and
-connections of their own (``http.queries``), so a runaway query stalls none of these. Every ``eval_interval_s``, and at
-once after an ingest that brought a new finding, the evaluation tick asks the live
+connections of their own (``http.queries``), so a runaway query stalls none of these.
+Every ``eval_interval_s``, and at once after an ingest that brought a new finding,
+the evaluation tick asks the live
 state for its findings, runs the rules engine, stores findings and alert
 transitions, hands alerts to the notifier, which never blocks this loop, and sends
 the link checks the live state asks for.
