@@ -4,7 +4,8 @@
 Each rank trains twice with the same seed, without torshmon and then with its one line,
 so the test sees the losses and the weights the integration must leave unchanged.
 Rank 1 is slowed inside its training forward passes (a straggler): the steps table shows
-its compute time against rank 0's. The models are tiny and built from a config; nothing
+its compute time against rank 0's, and in the Accelerate test (long enough for the
+straggler detector) the detector names it. The models are tiny and built from a config; nothing
 is downloaded.
 """
 
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.integration
 
 TIMEOUT_S = 240
 #: rank 1's extra time in each training forward pass (a slow rank)
-STRAGGLER_S = 0.08
+STRAGGLER_S = 0.03
 #: rank 1's compute time over rank 0's, at least: the sleep against a few-ms step
 SLOW_RATIO = 2.0
 #: each evaluation forward pass's extra time (on every rank), so evaluation is long
@@ -313,7 +314,8 @@ async def test_lightning_callback(tmp_path: Path) -> None:
 
 # -- Accelerate -------------------------------------------------------------------------
 
-ACC_STEPS = 4
+#: enough for the straggler detector (10 warm-up steps, 16 to sample the noise, 5 of 8)
+ACC_STEPS = 60
 ACC_BATCH = 4
 ACC_ACCUMULATION = 2
 
@@ -328,7 +330,7 @@ def _acc_train(rank: int, sock: str | None) -> tuple[Any, list[float], float]:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     _slow_forward(model[0], rank)  # inside the model's forward pass
     generator = torch.Generator().manual_seed(1 + rank)
-    x, y = torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator)
+    x, y = torch.randn(1024, 8, generator=generator), torch.randn(1024, 1, generator=generator)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=ACC_BATCH)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACC_ACCUMULATION)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -383,6 +385,11 @@ async def test_accelerate_watch(tmp_path: Path) -> None:
         after_eval = by_rank[rank][2][2]
         assert after_eval is not None and after_eval < EVAL_PASS_S, after_eval
     _check_straggler(by_rank)
+    # ... and the straggler detector names it, from the steps the integration delimited.
+    named = _rows(
+        db_url, "SELECT DISTINCT rank FROM findings WHERE job = 'acc-run' AND kind = 'straggler'"
+    )
+    assert named == [(1,)], named
 
 
 def test_the_job_is_named_by_the_caller_then_torshmon_then_the_framework() -> None:
