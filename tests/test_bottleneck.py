@@ -245,8 +245,8 @@ def test_a_measured_excess_is_the_what_if_where_the_detector_gives_one() -> None
     ("phase", "words"),
     [
         ("compute", "computes 2.40x slower than its peers"),
-        ("input", "waits 2.40x longer for its input than its peers"),
-        ("host", "spends 2.40x longer on the host than its peers"),
+        ("input", "is 2.40x as late as its peers at each step, waiting for its input"),
+        ("host", "is 2.40x as late as its peers at each step, waiting for a CPU"),
     ],
 )
 def test_the_straggler_sentence_names_its_phase(phase: str, words: str) -> None:

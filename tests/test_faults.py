@@ -15,6 +15,7 @@ from torshmon.faults import KINDS, Fault, FaultError, FaultRunner, parse_fault
 def test_every_kind_parses_with_its_defaults() -> None:
     assert set(KINDS) == {
         "straggler",
+        "slow-input",
         "regression",
         "hang",
         "memory-leak",
@@ -22,6 +23,7 @@ def test_every_kind_parses_with_its_defaults() -> None:
         "slow-link",
     }
     assert parse_fault("straggler") == Fault("straggler", 1, 20, None, 0.5)
+    assert parse_fault("slow-input:rank=2,slowdown=1") == Fault("slow-input", 2, 20, None, 1.0)
     assert parse_fault("regression:slowdown=1,from=30,to=40") == Fault(
         "regression", None, 30, 40, 1.0
     )
@@ -231,3 +233,24 @@ def test_a_leak_that_ends_hands_its_pages_back_so_the_next_one_shows_in_rss() ->
 
     assert released("with-trim") > 0.8
     assert released("without-trim") < 0.2  # what a later leak would have reused unseen
+
+
+def test_a_slow_input_waits_before_the_step_not_inside_it() -> None:
+    """A slow data loader: the rank waits ``slowdown`` x its normal step time before the
+    step (where the loop fetches its batch), and its steps themselves are not slower."""
+    runner = FaultRunner(1, (parse_fault("slow-input:rank=1,slowdown=1,from=6"),))
+    waits = []
+    for step in range(1, 9):
+        started = time.perf_counter()
+        runner.before_step(step)
+        waits.append(time.perf_counter() - started)
+        runner.begin_step(step)
+        time.sleep(0.02)
+        runner.end_compute(step)
+    assert max(waits[:5]) < 0.005
+    assert all(0.018 < w < 0.06 for w in waits[5:])
+    assert runner.events["fault0_onset_step"] == 6.0
+    other = FaultRunner(0, runner.faults)
+    started = time.perf_counter()
+    other.before_step(7)
+    assert time.perf_counter() - started < 0.005

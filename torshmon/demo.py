@@ -162,6 +162,7 @@ def train_rank(
     try:
         for step in range(config.steps):
             x = torch.randn(config.batch_size, config.hidden, generator=generator)
+            faults.before_step(step + 1)
             with monitor.step(batch_size=config.batch_size) as scope:
                 faults.begin_step(step + 1)  # the probe numbers steps from 1
                 x, y = faults.batch(step + 1, x, x @ target)

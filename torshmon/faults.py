@@ -50,6 +50,7 @@ from typing import Any, Final
 #: Every kind, and the parameters each takes.
 PARAMS: Final[dict[str, frozenset[str]]] = {
     "straggler": frozenset({"rank", "slowdown", "from", "to"}),
+    "slow-input": frozenset({"rank", "slowdown", "from", "to"}),
     "regression": frozenset({"slowdown", "from", "to"}),
     "hang": frozenset({"rank", "from", "seconds"}),
     "memory-leak": frozenset({"rank", "from", "to", "mb"}),
@@ -93,6 +94,7 @@ class Fault:
         who = f"rank {self.rank}" if self.rank is not None else "every rank"
         what = {
             "straggler": f"computes {1 + self.amount:g}x slower",
+            "slow-input": f"waits {self.amount:g}x its step time for each batch",
             "regression": f"computes {1 + self.amount:g}x slower",
             "hang": f"stops for {self.amount:g} s before a collective",
             "memory-leak": f"leaks {self.amount:g} MB per step",
@@ -132,7 +134,7 @@ def parse_fault(spec: str) -> Fault:
         raise FaultError(f"'to' ({stop}) must be after 'from' ({start}) in {spec!r}")
     rank = None if kind == "regression" else _int(params, "rank", 1, spec)
     fault = Fault(kind=kind, rank=rank, start_step=start, stop_step=stop)
-    if kind in ("straggler", "regression"):
+    if kind in ("straggler", "slow-input", "regression"):
         return _with_amount(fault, params, "slowdown", 0.5, spec)
     if kind == "hang":
         return _with_amount(fault, params, "seconds", 8.0, spec)
@@ -191,7 +193,8 @@ def _float(params: dict[str, str], key: str, default: float, spec: str) -> float
 class FaultRunner:
     """Applies the faults that hit ``rank``, from inside its training loop.
 
-    The loop calls ``begin_step(step)`` first thing in a step, passes its batch
+    The loop calls ``before_step(step)`` where it fetches the step's batch,
+    ``begin_step(step)`` first thing in the step, passes its batch
     through ``batch(step, x, y)``, and calls ``end_compute(step)`` after the
     optimizer. ``events`` records when each fault started and stopped on this
     rank (``fault<i>_onset_step``, ``fault<i>_onset_unix_s``, ``fault<i>_end_unix_s``,
@@ -226,6 +229,13 @@ class FaultRunner:
         elif not active and onset in self.events and f"fault{index}_end_unix_s" not in self.events:
             self.events[f"fault{index}_end_unix_s"] = time.time()
         return active
+
+    def before_step(self, step: int) -> None:
+        """Call before ``step`` begins, where the loop fetches its batch: a slow data
+        loader waits ``slowdown`` x this rank's normal step time here."""
+        slow = [f for i, f in self._mine(("slow-input",)) if self._track(i, f, step)]
+        if slow:
+            time.sleep(sum(f.amount for f in slow) * self.normal_step_s(0.0))
 
     def begin_step(self, step: int) -> None:
         for index, fault in self._mine(("slow-link",)):

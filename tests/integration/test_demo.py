@@ -216,3 +216,35 @@ async def test_injected_straggler_fires_names_the_rank_notifies_slack_and_resolv
     assert re.search(r"^Straggler\s+1\s+high\s+\d+\s+[1-9]", alerts, re.M), alerts
     page = render_page(report)
     assert f'<g id="alert-{alert["id"]}"><title>Straggler rank 1 (high, resolved)' in page
+
+
+async def test_a_rank_with_a_slow_data_loader_is_the_straggler_named_by_its_input(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 waits a step's time for each batch from step 40: its compute is its peers',
+    they wait for it in the all-reduce. It is the one paged, with its input phase, and
+    the report leads with it; the peers' wait is its consequence, not a finding of its
+    own (the detector once compared compute only and named nobody)."""
+    config = DemoConfig(
+        world_size=3,
+        steps=140,
+        hidden=512,
+        layers=3,
+        db=tmp_path / "history.db",
+        faults=(parse_fault("slow-input:rank=1,slowdown=1,from=40"),),
+        quiet=True,
+    )
+    result = await run_system(config)
+    stragglers = [a for a in result.alerts if a["rule"] == "Straggler"]
+    assert {a["rank"] for a in stragglers} == {1}, stragglers
+    assert "waiting for its input" in stragglers[0]["annotations"]["summary"]
+    report = report_from_db(result.db_url, "demo")
+    text = render_text(report)
+    headline = text.split("In short: ")[1].split("\n\n")[0]
+    assert headline.startswith("rank 1 on node"), headline
+    assert "waiting for its input" in " ".join(headline.split())
+    findings = text.split("Top findings")[1].split("Alerts (")[0]
+    first = findings.split("\n- ")[1]
+    assert first.startswith("[critical, straggler, priority 1] rank 1 of job demo is"), first
+    for line in findings.split("\n- ")[2:]:
+        assert "communication" not in line.split("]")[0] or "explained by" in line, line

@@ -932,7 +932,7 @@ def headline(findings: Sequence[FindingItem], steps: Mapping[int, Columns]) -> s
         verb, comparative = phase_words(top.phase)
         on = f" on node {top.node}" if top.node else ""
         ratio = slowdown_text(top.slowdown_ratio)
-        what = f"rank {top.rank}{on} {verb} {ratio} {comparative} than its peers"
+        what = f"rank {top.rank}{on} {verb} {ratio} {comparative}"
         return f"{what}{cost}; {action}"
     if top.kind in CAUSE_KINDS:
         return f"{top.summary.split(': the job loses')[0]}{cost}" + (

@@ -378,9 +378,9 @@ LOSS_HIGH_RATIO: Final = 0.05
 #: The bottleneck categories a cause (straggler, hang, slow link) can explain.
 _SYMPTOMS: Final = ("communication", "efficiency")
 _PHASE_WORDS: Final = {
-    "compute": ("computes", "slower"),
-    "input": ("waits", "longer for its input"),
-    "host": ("spends", "longer on the host"),
+    "compute": ("computes", "slower than its peers"),
+    "input": ("is", "as late as its peers at each step, waiting for its input"),
+    "host": ("is", "as late as its peers at each step, waiting for a CPU"),
 }
 
 
@@ -417,8 +417,9 @@ def straggler_excess_s(finding: Finding) -> float | None:
 
 
 def phase_words(phase: str) -> tuple[str, str]:
-    """How a straggler's phase reads around its ratio: ``computes 2.40x slower``,
-    ``waits 2.40x longer for its input``, ``spends 2.40x longer on the host``."""
+    """How a straggler's phase reads around its ratio: ``computes 2.40x slower than its
+    peers``, ``is 2.40x as late as its peers at each step, waiting for its input`` (or
+    ``for a CPU``)."""
     return _PHASE_WORDS.get(phase, _PHASE_WORDS["compute"])
 
 
@@ -441,10 +442,7 @@ def straggler_summary(
         if loss_ratio is not None
         else ""
     )
-    return (
-        f"rank {rank} of job {job} {verb} {slowdown_text(ratio)} {comparative} "
-        f"than its peers{median}{loss}"
-    )
+    return f"rank {rank} of job {job} {verb} {slowdown_text(ratio)} {comparative}{median}{loss}"
 
 
 def symptom_advice(category: str, cause: str) -> str:
