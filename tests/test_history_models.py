@@ -86,6 +86,8 @@ CONTRACT: dict[str, list[str]] = {
         "gpu_memory_peak_bytes",
         "cpu_wait_s",
         "process_cpu_wait_s",
+        "eval_s",
+        "between_steps_comm_s",
     ],
     "collectives": [
         "id",

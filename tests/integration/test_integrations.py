@@ -201,6 +201,16 @@ async def test_hugging_face_trainer_callback(tmp_path: Path) -> None:
         after_eval = by_rank[rank][2][2]
         assert after_eval is not None and after_eval < evaluation / 4, (after_eval, evaluation)
     _check_straggler(by_rank)
+    # What came between the steps, stored: the evaluation before step 3, the Trainer's
+    # logging gathers (blocking collectives) before steps 2-4.
+    split = _rows(
+        db_url,
+        "SELECT rank, step, eval_s, between_steps_comm_s FROM steps "
+        "WHERE job = 'hf-run' AND step > 1 ORDER BY rank, step",
+    )
+    for rank, step, eval_s, comm_s in split:
+        assert (eval_s >= 2 * EVAL_PASS_S) == (step == 3), (rank, step, eval_s)
+        assert comm_s > 0, (rank, step)
     # The Trainer's logging gathers after each step, seen by the probe on both ranks and
     # filed with the step after them (split out of its input wait).
     gathers = _rows(

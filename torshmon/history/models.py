@@ -202,8 +202,9 @@ class Step(Base):
     optimizer_s: Mapped[float | None] = mapped_column(Float, comment="Optimizer step, seconds.")
     input_wait_s: Mapped[float | None] = mapped_column(
         Float,
-        comment="Input wait before the step (the previous step's end to this one's start: "
-        "the data loader), seconds; NULL where the probe did not measure it.",
+        comment="Input wait before the step (the previous step's end to this one's start, "
+        "less eval_s and between_steps_comm_s: the data loader), seconds; NULL where the "
+        "probe did not measure it.",
     )
     batch_size: Mapped[int | None] = mapped_column(
         BigInteger, comment="Samples in this rank's batch (count)."
@@ -242,6 +243,17 @@ class Step(Base):
         "CPU during the step (run-queue delay summed over its threads, communication "
         "threads included), seconds; NULL where the kernel does not report it or the job "
         "attached with cpu_wait=False.",
+    )
+    eval_s: Mapped[float | None] = mapped_column(
+        Float,
+        comment="Evaluation before the step: forward passes of the job's model outside any "
+        "step since the previous step's end (first start to last end), seconds; NULL for "
+        "a job's first step and from probes that do not split that time.",
+    )
+    between_steps_comm_s: Mapped[float | None] = mapped_column(
+        Float,
+        comment="Collectives before the step, since the previous step's end and outside its "
+        "evaluation (a trainer's logging gathers), seconds; NULL as eval_s.",
     )
 
 
