@@ -320,6 +320,15 @@ async def test_lightning_callback(tmp_path: Path) -> None:
         after_eval = by_rank[rank][2][2]
         assert after_eval is not None and after_eval < EVAL_PASS_S, after_eval
     _check_straggler(by_rank)
+    # The validation's sync_dist all-reduces, recorded with the step after them (and
+    # Lightning's own at fit start and end, with the first step and the closing record).
+    reduces = _rows(
+        db_url,
+        "SELECT DISTINCT rank, step FROM collectives WHERE job = 'pl-run' "
+        "AND op = 'all_reduce' ORDER BY rank, step",
+    )
+    assert {(0, 3), (1, 3)} <= set(reduces), reduces
+    assert not {step for _, step in reduces} & {2, 4}, reduces  # no validation before them
 
 
 # -- Accelerate -------------------------------------------------------------------------
@@ -357,6 +366,8 @@ def _acc_train(rank: int, sock: str | None) -> tuple[Any, list[float], float]:
             optimizer.step()
             optimizer.zero_grad()
         losses.append(float(loss.detach()))
+        if i % ACC_ACCUMULATION == ACC_ACCUMULATION - 1:
+            accelerator.gather(loss.detach())  # the loop's logging, between steps
         if i == 2 * ACC_ACCUMULATION - 1:  # evaluation after optimizer step 2
             started = time.perf_counter()
             ddp.eval()
@@ -395,6 +406,20 @@ async def test_accelerate_watch(tmp_path: Path) -> None:
         after_eval = by_rank[rank][2][2]
         assert after_eval is not None and after_eval < EVAL_PASS_S, after_eval
     _check_straggler(by_rank)
+    # The loop's logging gathers, recorded with the step after each and split out of its
+    # input wait.
+    comm = _rows(
+        db_url,
+        "SELECT count(*) FROM steps WHERE job = 'acc-run' AND step > 1 "
+        "AND between_steps_comm_s > 0",
+    )
+    assert comm == [(2 * (ACC_STEPS - 1),)], comm
+    gathers = _rows(
+        db_url,
+        "SELECT count(DISTINCT step) FROM collectives WHERE job = 'acc-run' "
+        "AND op LIKE 'all_gather%'",
+    )
+    assert gathers[0][0] >= ACC_STEPS - 1, gathers
     # ... and the straggler detector names it, from the steps the integration delimited.
     named = _rows(
         db_url, "SELECT DISTINCT rank FROM findings WHERE job = 'acc-run' AND kind = 'straggler'"
