@@ -6,8 +6,9 @@ instead of re-running the jobs for a quarter of an hour. Each complete step goes
 the aggregator feeds it: every rank's compute less its CPU wait, in step order.
 
 For each job it prints the stragglers in scope (``_scoring.straggler_in_scope``) that
-were not named, or named more than ``--late`` slow steps after their onset, and every
-rank named outside the episodes that slowed it (each episode's steps, its last slow
+were not named (a finding that pages, as the Straggler rule fires only then), or named
+more than ``--late`` slow steps after their onset, and every rank named outside the
+episodes that slowed it (each episode's steps, its last slow
 step plus the detector's ``hold_steps`` and ``window_steps`` after it). These are the
 detector's own decisions; the benchmark's figures add the pipeline's delays (shipping,
 evaluation) on top. The last line of stdout is one JSON object.
@@ -58,11 +59,13 @@ def complete_steps(dump: dict[str, Any]) -> list[tuple[int, dict[int, float]]]:
 def replay(dump: dict[str, Any], settings: StragglerSettings) -> dict[str, Any]:
     """One job's outcome: per straggler episode the slow steps before it was named
     (None: never), and the ranks named outside their episodes (rank: first step)."""
-    detector = StragglerDetector(**msgspec.structs.asdict(settings))
+    detector = StragglerDetector(settings)
     named: dict[int, list[int]] = defaultdict(list)
     for step, compute in complete_steps(dump):
         for finding in detector.observe_step("job", step, compute, float(step)):
-            named[int(finding.labels["rank"])].append(step)
+            # A finding that does not page (a few slow steps) is shown, never fired.
+            if finding.details.get("page", True):
+                named[int(finding.labels["rank"])].append(step)
     world = dump["world_size"]
     after = settings.hold_steps + settings.window_steps
     allowed: dict[int, set[int]] = defaultdict(set)

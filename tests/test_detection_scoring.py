@@ -582,8 +582,9 @@ def _dump(world: int, steps: int, slow: dict[int, tuple[int, int, float]]) -> di
 
 def test_the_replay_names_a_planned_straggler_and_flags_an_unplanned_one(tmp_path: Path) -> None:
     """``detection_replay.py`` on made-up dumps: a planned 1.5x straggler at 2 ranks is
-    named within a few slow steps; the same slowdown in a job without a plan is a
-    wrongly named rank; and ``--set`` reaches the detector (a 2x floor names nothing)."""
+    paged within the 20 steps the detector may take; the same slowdown in a job without
+    a plan is a wrongly named rank; and ``--set`` reaches the detector (a 2x floor
+    names nothing)."""
     from benchmarks import detection_replay
 
     planned = _dump(2, 300, {1: (100, 200, 1.5)})
@@ -601,9 +602,9 @@ def test_the_replay_names_a_planned_straggler_and_flags_an_unplanned_one(tmp_pat
     (tmp_path / "clean-2-0.json").write_text(json.dumps(_dump(2, 300, {0: (150, 200, 1.5)})))
     summary = detection_replay.main([str(tmp_path)])
     assert summary["in_scope"] == 1 and summary["missed"] == 0
-    assert summary["worst_named_after_steps"] <= 5
+    assert 1 <= summary["worst_named_after_steps"] <= 20
     assert summary["jobs_with_a_wrong_name"] == 1
-    loose = detection_replay.main([str(tmp_path), "--set", "pair_min_slowdown=1.0"])
+    loose = detection_replay.main([str(tmp_path), "--set", "min_slowdown=1.0"])
     assert loose["missed"] == 1 and loose["jobs_with_a_wrong_name"] == 0
-    with pytest.raises(SystemExit, match="max_window_noise"):
-        detection_replay.main([str(tmp_path), "--set", "max_window_noise=-1"])
+    with pytest.raises(SystemExit, match="min_slowdown"):
+        detection_replay.main([str(tmp_path), "--set", "min_slowdown=-1"])
