@@ -79,8 +79,23 @@ def test_torch_is_an_extra_not_a_dependency() -> None:
     assert not [d for d in project["dependencies"] if TORCH.match(d)]
     assert project["optional-dependencies"]["torch"] == ["torch>=2.4"]
     setup = (ROOT / "scripts" / "setup").read_text()
-    # The README's commands need torch; the integrations' tests their trainers.
-    assert '-e ".[dev,torch,integrations-test]"' in setup
+    # The README's commands need torch and the aggregator; the integrations' tests their
+    # trainers.
+    assert '-e ".[dev,torch,aggregator,integrations-test]"' in setup
+
+
+def test_the_aggregator_extra_is_what_the_cli_names_when_one_is_missing() -> None:
+    """A command run where the aggregator's packages are not installed says in one line
+    to install the extra: the CLI's list of them is the extra's."""
+    from torshmon.cli import AGGREGATOR_PACKAGES
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    names = {re.split(r"[\[<>=]", r)[0].split("-")[0] for r in extras["aggregator"]}
+    assert names == AGGREGATOR_PACKAGES
+    base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not {re.split(r"[\[<>=]", r)[0] for r in base} & AGGREGATOR_PACKAGES
 
 
 def test_the_wheel_is_built_once_from_the_package() -> None:
@@ -98,7 +113,7 @@ def test_the_daemons_image_is_the_default_and_holds_no_torch() -> None:
         for instruction in stage.instructions:
             assert not TORCH.search(instruction), f"{stage.name}: {instruction}"
     (install,) = wheel_installs(chain[0])
-    assert install == ({"gpu"}, [])
+    assert install == ({"aggregator", "gpu"}, [])
     assert chain[0].lines("ENTRYPOINT") == ['ENTRYPOINT ["torshmon"]']
 
 

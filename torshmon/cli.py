@@ -908,6 +908,13 @@ def _announcer(redact: Redactor) -> Callable[[str], None]:
     return announce
 
 
+#: The import names of the ``aggregator`` extra's packages (pyproject.toml): what the
+#: aggregator, the report, ``query --db`` and ``db`` need beyond a training host's install.
+AGGREGATOR_PACKAGES: frozenset[str] = frozenset(
+    {"sqlalchemy", "alembic", "psycopg", "scipy", "optuna", "opentelemetry", "matplotlib", "jinja2"}
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -943,11 +950,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         if exc.name is not None and exc.name.partition(".")[0] != "torshmon":
             # A dependency missing (an install with --no-deps or --target): say which.
+            package = exc.name.partition(".")[0]
+            extra = "'torshmon[aggregator]'" if package in AGGREGATOR_PACKAGES else "torshmon"
             return _fail(
                 args.command,
                 redact,
-                f"needs the Python package {exc.name.partition('.')[0]!r}, which is not "
-                "installed here (pip install torshmon brings it)",
+                f"needs the Python package {package!r}, which is not installed here "
+                f"(pip install {extra} brings it)",
                 1,
             )
         log.exception("torshmon %s failed", args.command)  # our own module: a broken install

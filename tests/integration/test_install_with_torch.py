@@ -33,7 +33,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     pip_install(bin_dir, TORCH)
     constraints = work / "constraints.txt"
     constraints.write_text(f"{TORCH}\n")
-    pip_install(bin_dir, "-c", str(constraints), f"torshmon[torch] @ {wheel.as_uri()}")
+    pip_install(bin_dir, "-c", str(constraints), f"torshmon[torch,aggregator] @ {wheel.as_uri()}")
     yield bin_dir
 
 

@@ -1,4 +1,4 @@
-"""An aggregator host: ``pip install torshmon`` in a fresh venv with no torch.
+"""An aggregator host: ``pip install 'torshmon[aggregator]'`` in a fresh venv, no torch.
 
 The wheel is built from this checkout and installed with its real dependencies into a
 venv of its own (one for the module: about 30 s, most of it unpacking scipy and numpy),
@@ -40,7 +40,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     work = tmp_path_factory.mktemp("no-torch")
     wheel = build_wheel(work / "dist")
     bin_dir = make_venv(work / "venv")
-    pip_install(bin_dir, str(wheel))
+    pip_install(bin_dir, f"torshmon[aggregator] @ {wheel.as_uri()}")
     yield bin_dir
 
 
