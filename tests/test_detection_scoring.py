@@ -363,11 +363,13 @@ def test_the_magnitude_scored_is_the_measured_one() -> None:
 
 
 def test_the_sweep_plans_faults_that_parse_and_do_not_overlap() -> None:
-    from benchmarks.detection import FAULT_STEPS, GAP_STEPS, plan_jobs
+    from benchmarks.detection import FAULT_STEPS, GAP_STEPS, SWEPT_KINDS, plan_jobs
     from torshmon.faults import KINDS, parse_fault
 
     for seed in (0, 1, 100):
         jobs = plan_jobs(KINDS, seed, quick=False)
+        # every kind the benchmark offers is swept; none offered is left unplanned
+        assert {e.kind for j in jobs for e in j.episodes} == set(SWEPT_KINDS)
         assert {j.name for j in jobs} >= {"timing-2", "timing-4", "hang", "memory-leak"}
         regressions = [e.magnitude for j in jobs for e in j.episodes if e.kind == "regression"]
         assert sorted(regressions) == [1.3, 2.0]  # each in a job of its own
