@@ -194,6 +194,23 @@ def test_a_finding_pages_only_once_the_slowness_lasts() -> None:
     assert all(p == [True] for p in pages[55:])
 
 
+def test_no_page_once_the_slowness_has_ended() -> None:
+    """Spells of 10, 5 and 1 slow steps reach 16 of 28 at the last one, while the rank is
+    mostly back in line (5 of its last 8 slow): shown, not paged for what just ended."""
+    det = StragglerDetector()
+    rows = _noisy(3, 40, sigma=0.01)
+    for seed, (length, factor) in enumerate(
+        [(10, 2.0), (6, 1.0), (5, 2.0), (3, 1.0), (1, 2.0), (30, 1.0)]
+    ):
+        rows += _noisy(3, length, sigma=0.01, seed=40 + seed, slow={1: factor})
+    seen = []
+    for i, row in enumerate(rows):
+        findings = det.observe_step("j", i, dict(enumerate(row)), float(i))
+        seen.append([bool(f.details["page"]) for f in findings])
+    assert seen[64] == [False]  # the 16th slow step of the last 28
+    assert not any(True in step for step in seen)
+
+
 def test_a_burst_is_shown_then_clears_without_paging() -> None:
     det = StragglerDetector()
     rows = _noisy(4, 60, sigma=0.01) + _noisy(4, 8, sigma=0.01, seed=3, slow={3: 3.0})

@@ -19,7 +19,8 @@ rates in ``docs/detectors/straggler.md``):
   steps of its last ``window_steps``, or ``streak_steps`` in a row. It clears after
   ``hold_steps`` steps in a row without that, so an on/off straggler stays one finding.
 - A finding *pages* (``details["page"]``: the Straggler rule fires only then) once the
-  rank was slow in ``page_steps`` of its last ``page_window_steps``: slowness lasting a
+  rank was slow in ``page_steps`` of its last ``page_window_steps`` and the finding's
+  condition holds at that step (it is slow now, not just back in line): slowness lasting a
   few steps (a preempted process, a garbage collection, another job's burst) is shown
   but never wakes anybody. With slow steps independent at rate ``p`` on a healthy rank
   the chance a window pages is the binomial tail ``P(X >= page_steps)``.
@@ -379,7 +380,9 @@ class StragglerDetector:
         if rank_state.quiet_steps >= self.settings.hold_steps:
             self._close(rank_state)
             return
-        rank_state.paged = rank_state.paged or self._pages(rank_state)
+        # A page needs the slowness now too: a count that reached page_steps only as the
+        # rank came back in line would page for what has just ended.
+        rank_state.paged = rank_state.paged or (holds and self._pages(rank_state))
         rank_state.finding = self._finding(job, step, rank, rank_state, bar)
 
     def _open(self, rank_state: _RankState, ts: float) -> None:
