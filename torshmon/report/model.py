@@ -383,6 +383,8 @@ _STEP_FIELDS: Final = (
     "optimizer_s",
     "samples_per_s",
     "input_wait_s",
+    "eval_s",
+    "between_steps_comm_s",
 )
 
 Columns = dict[str, "np.ndarray[Any, Any]"]
@@ -447,8 +449,25 @@ def _rank_stats(rank: int, cols: Columns, node: str) -> RankStats:
         median_compute_s=_median(cols["compute_s"]),
         median_comm_wait_s=_median(cols["comm_wait_s"]),
         median_comm_ratio=_median(cols["communication_time_ratio"]),
-        median_samples_per_s=_median(cols["samples_per_s"]),
+        median_samples_per_s=_median(_period_samples_per_s(cols)),
     )
+
+
+def _period_samples_per_s(cols: Columns) -> np.ndarray[Any, Any]:
+    """Each step's samples over its period: the step and the time since the previous one
+    ended (input wait, evaluation, collectives between steps). In synchronous training
+    every rank runs at the job's pace; a rank whose data loader makes the others wait
+    has short steps, and its samples over its step time alone would make it the
+    fastest."""
+    duration = cols["duration_s"]
+    between = np.nansum(
+        np.stack([cols["input_wait_s"], cols["eval_s"], cols["between_steps_comm_s"]]), axis=0
+    )
+    with np.errstate(divide="ignore", invalid="ignore"):
+        period_samples: np.ndarray[Any, Any] = (
+            cols["samples_per_s"] * duration / (duration + between)
+        )
+    return period_samples
 
 
 def _phases(rank: int, cols: Columns) -> StepPhases:

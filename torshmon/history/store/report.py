@@ -42,7 +42,7 @@ STEP_COLUMNS: Final[tuple[str, ...]] = (
     "samples_per_s",
     "config_version",
 )
-OPTIONAL_STEP_COLUMNS: Final[tuple[str, ...]] = ("input_wait_s",)
+OPTIONAL_STEP_COLUMNS: Final[tuple[str, ...]] = ("input_wait_s", "eval_s", "between_steps_comm_s")
 
 
 @dataclass(frozen=True, slots=True)
