@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from torshmon.aggregator.core.alert import Alert, fingerprint
 from torshmon.aggregator.core.alert_engine import AlertEngine
 from torshmon.aggregator.core.findings import Finding
-from torshmon.aggregator.core.rule_file import default_rules, load_rules_text
+from torshmon.aggregator.core.rule_file import load_rules_text
 from torshmon.aggregator.core.rules import RuleSet
 from torshmon.aggregator.core.series import LabelSet, SeriesStore, labelset
+from torshmon.aggregator.rule_files import default_rules
 
 RANK0 = labelset(job="j", rank="0")
 

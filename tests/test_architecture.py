@@ -1,4 +1,4 @@
-"""The package's shape: no import cycles, and no aggregator module too long to read.
+"""The package's shape: no import cycles, no module too long to read, a core that does no I/O.
 
 The import graph is read from the source with ``ast``, so it counts every import:
 module level, inside functions and under ``if TYPE_CHECKING:``. A cycle hidden behind
@@ -11,8 +11,19 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "torshmon"
-#: A reader should not have to scroll through more than this in one aggregator module.
-MAX_AGGREGATOR_LINES = 800
+#: A reader should not have to scroll through more than this in one module.
+MAX_LINES = 800
+#: Modules already over the bar, each with its line count when the bar went package-wide
+#: as a ceiling: it may only go down (lower it when a module shrinks, drop the entry once
+#: the module is under the bar). Alembic's migrations are generated and exempt.
+OVER_THE_BAR = {
+    "torshmon.cli": 993,
+    "torshmon.history.models": 908,
+    "torshmon.history.store.state": 802,
+    "torshmon.probe.monitor": 946,
+    "torshmon.report.model": 1029,
+}
+CORE = "torshmon.aggregator.core"
 
 
 def _module_name(path: Path) -> str:
@@ -95,14 +106,25 @@ def test_the_package_has_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-def test_no_aggregator_module_is_longer_than_the_bar() -> None:
+def test_no_module_is_longer_than_the_bar() -> None:
     too_long = {
         name: lines
         for name, path in _modules().items()
-        if name.startswith("torshmon.aggregator")
-        and (lines := len(path.read_text("utf-8").splitlines())) > MAX_AGGREGATOR_LINES
+        if ".migrations." not in name
+        and (lines := len(path.read_text("utf-8").splitlines())) > OVER_THE_BAR.get(name, MAX_LINES)
     }
-    assert not too_long, f"over {MAX_AGGREGATOR_LINES} lines: {too_long}"
+    assert not too_long, f"over {MAX_LINES} lines (or over their ceiling): {too_long}"
+
+
+def test_the_ceilings_of_long_modules_are_not_stale() -> None:
+    """An allowed module that shrank lowers its ceiling: the allow-list only goes down."""
+    modules = _modules()
+    stale = {
+        name: (ceiling, len(modules[name].read_text("utf-8").splitlines()))
+        for name, ceiling in OVER_THE_BAR.items()
+        if name not in modules or len(modules[name].read_text("utf-8").splitlines()) <= MAX_LINES
+    }
+    assert not stale, f"under the bar now, drop from OVER_THE_BAR: {stale}"
 
 
 def test_the_aggregator_core_does_no_io() -> None:
@@ -115,15 +137,88 @@ def test_the_aggregator_core_does_no_io() -> None:
         "torshmon.wire",
         "torshmon.yamlfile",
     }
-    core = "torshmon.aggregator.core"
     outside = {
         f"{name} -> {target}"
         for name, targets in import_graph().items()
-        if name.startswith(core)
+        if name.startswith(CORE)
         for target in targets
-        if not target.startswith(core) and target not in allowed
+        if not target.startswith(CORE) and target not in allowed
     }
     assert not outside, sorted(outside)
+
+
+#: What the core must not touch: threads, the console, the process, files, the network,
+#: the clock's sleep. The shell (torshmon.aggregator) does these and hands the core values.
+_BANNED_MODULES = (
+    "asyncio",
+    "concurrent",
+    "multiprocessing",
+    "os",
+    "pathlib",
+    "prometheus_client",
+    "shutil",
+    "socket",
+    "subprocess",
+    "sys",
+    "threading",
+    "importlib.resources",
+)
+_BANNED_CALLS = ("open", "print", "input", "exec", "eval")
+
+
+def core_impurities(tree: ast.AST) -> list[str]:
+    """What a core module does that the core must not: banned imports and calls."""
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:  # ``from importlib import resources`` loads importlib.resources
+                base = "." * node.level + (node.module or "")
+                names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            banned = [
+                name
+                for name in names
+                if any(name == b or name.startswith(b + ".") for b in _BANNED_MODULES)
+            ]
+            if banned:
+                found.append(f"import {banned[0]} (line {node.lineno})")
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else None
+            if isinstance(func, ast.Attribute) and func.attr in ("read_text", "read_bytes"):
+                called = func.attr
+            if called in (*_BANNED_CALLS, "read_text", "read_bytes"):
+                found.append(f"{called}() (line {node.lineno})")
+    return found
+
+
+def test_the_aggregator_core_has_no_threads_files_or_console() -> None:
+    impure = {
+        name: found
+        for name, path in _modules().items()
+        if name.startswith(CORE) and (found := core_impurities(ast.parse(path.read_text("utf-8"))))
+    }
+    assert not impure, impure
+
+
+def test_the_purity_check_sees_each_banned_thing() -> None:
+    source = (
+        "import threading\nfrom pathlib import Path\nimport sys\nfrom importlib import resources\n"
+        "def f(p):\n    print(p)\n    open(p)\n    return p.read_text()\n"
+    )
+    found = core_impurities(ast.parse(source))
+    assert [entry.split(" (")[0] for entry in found] == [
+        "import threading",
+        "import pathlib",
+        "import sys",
+        "import importlib.resources",
+        "print()",
+        "open()",
+        "read_text()",
+    ]
+    pure = "import math\nfrom torshmon import yamlfile\ndef f(x):\n    return math.sqrt(x)\n"
+    assert core_impurities(ast.parse(pure)) == []
 
 
 def test_the_cycle_finder_reports_a_cycle_hidden_behind_type_checking() -> None:

@@ -23,8 +23,8 @@ from torshmon.aggregator.core.bottleneck import (
 )
 from torshmon.aggregator.core.findings import EXPLAINED_BY_KEY, LOSS_KEY, WHAT_IF_KEY, Finding
 from torshmon.aggregator.core.live import LiveState
-from torshmon.aggregator.core.live_metrics import LiveCollector
 from torshmon.aggregator.core.stored import Stored
+from torshmon.aggregator.live_metrics import LiveCollector
 from torshmon.wire import CollectiveStat, GpuSample, NodeSample, RankProcess, StepRecord
 
 DATA = Path(__file__).parent / "data" / "bottleneck"

@@ -28,8 +28,8 @@ from prometheus_client import CollectorRegistry
 from torshmon.agent.daemon import AgentSettings
 from torshmon.agent.metrics import AgentMetrics
 from torshmon.aggregator.core.promrules import to_prometheus
-from torshmon.aggregator.core.rule_file import default_rules
 from torshmon.aggregator.core.rules import alert_name
+from torshmon.aggregator.rule_files import default_rules
 from torshmon.aggregator.service import Aggregator
 from torshmon.aggregator.settings import DEFAULT_PORT, AggregatorSettings
 from torshmon.cli import build_parser

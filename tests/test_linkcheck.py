@@ -16,9 +16,10 @@ from torshmon.aggregator.core.alert_engine import AlertEngine
 from torshmon.aggregator.core.linkcheck import LinkChecker, LinkCheckSettings, _Baseline
 from torshmon.aggregator.core.localization import localize, pair_bandwidths, pair_link_bounds
 from torshmon.aggregator.core.promrules import expression, to_prometheus
-from torshmon.aggregator.core.rule_file import default_rules, load_rules_text
+from torshmon.aggregator.core.rule_file import load_rules_text
 from torshmon.aggregator.core.rules import RuleError
 from torshmon.aggregator.core.series import SeriesStore
+from torshmon.aggregator.rule_files import default_rules
 from torshmon.wire import LinkCheckResult, LinkPeerResult
 
 MB = 4 * 2**20

@@ -11,9 +11,9 @@ from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.alert_engine import AlertEngine
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.live import LiveState
-from torshmon.aggregator.core.live_metrics import LiveCollector
-from torshmon.aggregator.core.rule_file import default_rules
 from torshmon.aggregator.core.stored import Stored
+from torshmon.aggregator.live_metrics import LiveCollector
+from torshmon.aggregator.rule_files import default_rules
 from torshmon.labels import MAX_LABEL_VALUES, OTHER
 from torshmon.wire import AppliedConfig, BucketStat, DdpStats, Hello, InflightOp, StepRecord
 

@@ -12,15 +12,11 @@ import yaml
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.alert_engine import AlertEngine
 from torshmon.aggregator.core.findings import Finding
-from torshmon.aggregator.core.promrules import (
-    check_rules_cli,
-    export_rules_cli,
-    expression,
-    to_prometheus,
-)
-from torshmon.aggregator.core.rule_file import default_rules, load_rules_text
+from torshmon.aggregator.core.promrules import expression, to_prometheus
+from torshmon.aggregator.core.rule_file import load_rules_text
 from torshmon.aggregator.core.rules import FINDING_LABELS, METRIC_LABELS, Rule, RuleSet
 from torshmon.aggregator.core.series import SeriesStore
+from torshmon.aggregator.rule_files import check_rules_cli, default_rules, export_rules_cli
 from torshmon.catalogue import metrics as catalogue
 
 PROMTOOL = "/usr/bin/promtool"

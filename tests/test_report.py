@@ -15,9 +15,9 @@ from torshmon.aggregator.core.alert_engine import AlertEngine
 from torshmon.aggregator.core.bottleneck import JobSnapshot, bottleneck_report, rank_findings
 from torshmon.aggregator.core.episodes import FindingEpisodes
 from torshmon.aggregator.core.findings import Finding, slowdown_text
-from torshmon.aggregator.core.rule_file import default_rules
 from torshmon.aggregator.core.series import SeriesStore
 from torshmon.aggregator.notify.slack import slack_payload
+from torshmon.aggregator.rule_files import default_rules
 from torshmon.cli import main
 from torshmon.history.db import make_engine
 from torshmon.history.models import Base

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from torshmon.aggregator.core.findings import SEVERITIES
-from torshmon.aggregator.core.rule_file import default_rules, load_rules, load_rules_text
+from torshmon.aggregator.core.rule_file import load_rules_text
 from torshmon.aggregator.core.rules import (
     KNOWN_METRICS,
     Rule,
@@ -17,6 +17,7 @@ from torshmon.aggregator.core.rules import (
     prometheus_duration,
 )
 from torshmon.aggregator.core.templates import render_template
+from torshmon.aggregator.rule_files import default_rules, load_rules
 
 DATA = Path(__file__).parent / "data" / "rules"
 

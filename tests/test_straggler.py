@@ -22,7 +22,6 @@ from tests.straggler_draws import (
 )
 from torshmon.aggregator.core.alert_engine import AlertEngine
 from torshmon.aggregator.core.complete_steps import CompleteStep, StepCollector
-from torshmon.aggregator.core.rule_file import default_rules
 from torshmon.aggregator.core.series import SeriesStore
 from torshmon.aggregator.core.straggler import (
     RankStep,
@@ -31,6 +30,7 @@ from torshmon.aggregator.core.straggler import (
     _log_ratios,
     _median,
 )
+from torshmon.aggregator.rule_files import default_rules
 
 DATA = Path(__file__).parent / "data" / "detection"
 RECORDED = sorted(DATA.glob("straggler_*.json"))

@@ -892,7 +892,7 @@ def _run_lifecycle(args: argparse.Namespace, redact: Redactor) -> int:
 
 
 def _run_rules(args: argparse.Namespace) -> int:
-    from torshmon.aggregator.core.promrules import check_rules_cli, export_rules_cli
+    from torshmon.aggregator.rule_files import check_rules_cli, export_rules_cli
 
     if args.rules_command == "check":
         return check_rules_cli(args.file)

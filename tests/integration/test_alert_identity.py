@@ -26,11 +26,11 @@ import yaml
 
 from tests.test_promrules import SHARED_RULES, engine_alert, firing_value, scraped_series
 from torshmon.aggregator.core.promrules import to_prometheus
-from torshmon.aggregator.core.rule_file import default_rules
 from torshmon.aggregator.core.rules import Rule
 from torshmon.aggregator.notify.alertmanager import rfc3339
 from torshmon.aggregator.notify.delivery import Notifier
 from torshmon.aggregator.notify.targets import AlertmanagerTarget
+from torshmon.aggregator.rule_files import default_rules
 
 pytestmark = pytest.mark.integration
 

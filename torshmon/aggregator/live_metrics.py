@@ -1,7 +1,7 @@
 """The job-level ``/metrics`` of the live view: a Prometheus collector built at scrape time.
 
-``LiveCollector(live)`` reads ``LiveState.snapshot_for_export`` (a copy taken under the
-live state's lock) and names every family as ``torshmon.catalogue.metrics`` does;
+``LiveCollector(live)`` reads ``LiveState.snapshot_for_export`` (a copy, taken on the
+event loop that serves ``/metrics``) and names every family as ``torshmon.catalogue.metrics`` does;
 register it with the registry the service exposes. It exports the training series
 only: node and process series are the agents' (one exporter per series).
 """

@@ -40,9 +40,7 @@ from torshmon.aggregator.core.alert_engine import AlertEngine
 from torshmon.aggregator.core.commands import CommandBook, CommandStatus
 from torshmon.aggregator.core.episodes import FindingChange, FindingEpisodes
 from torshmon.aggregator.core.live import LiveState
-from torshmon.aggregator.core.live_metrics import LiveCollector
 from torshmon.aggregator.core.memory_report import memory_report
-from torshmon.aggregator.core.rule_file import default_rules, load_rules
 from torshmon.aggregator.core.rules import WINDOW_KINDS, RuleSet
 from torshmon.aggregator.core.silences import SilenceBook
 from torshmon.aggregator.core.stored import Stored
@@ -55,9 +53,11 @@ from torshmon.aggregator.http.connections import Connections
 from torshmon.aggregator.http.guard import RequestGuard, ServerLog, log_rejection, read_body
 from torshmon.aggregator.http.queries import QueryPool
 from torshmon.aggregator.ingest import IngestStore
+from torshmon.aggregator.live_metrics import LiveCollector
 from torshmon.aggregator.notify import otel
 from torshmon.aggregator.notify.delivery import STAT_NAMES, Notifier
 from torshmon.aggregator.notify.targets import Target
+from torshmon.aggregator.rule_files import default_rules, load_rules
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.aggregator.tuning_manager import TuningManager
 from torshmon.aggregator.writer import (

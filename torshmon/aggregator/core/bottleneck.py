@@ -1,7 +1,7 @@
 """The bottleneck report: where a job's step time goes, and what to do about it.
 
 ``bottleneck_report`` judges one snapshot of a job's recent means (``JobSnapshot``)
-against ``Thresholds`` (DESIGN.md's and the seeds': communication > 30% of the step
+against ``Thresholds`` (the documented defaults: communication > 30% of the step
 high, > 50% critical; input wait > 40% high; efficiency < 0.7 critical; host or GPU
 memory > 0.95 critical; GPU utilisation < 0.8 medium; node I/O wait > 0.1 high where
 the probe measures no input wait). ``rank_findings`` adds the straggler and slow-link
@@ -160,8 +160,8 @@ class JobSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
-    """Where the report starts to complain (ratios in 0..1); defaults from DESIGN.md
-    and the seeds (data loading > 40% of the step).
+    """Where the report starts to complain (ratios in 0..1); the defaults are the
+    documented ones (docs/bottlenecks.md), data loading > 40% of the step among them.
 
     Raises ValueError for a value outside 0..1, or a critical communication threshold
     below the high one.

@@ -1,18 +1,17 @@
 """The command book: commands for running jobs, from submission to acknowledgement.
 
-Only a job's rank 0 takes commands (DESIGN: consensus, never timing), so a command
+Only a job's rank 0 takes commands (a config switch needs consensus, never timing), so a command
 waits here until the agent serving that rank posts its next batch; it goes back in
 the ingest reply, and the probe's acknowledgement (accepted, applied at step N, or
 rejected with a reason) comes back in a later batch. The exception is an evidence
 capture, which every rank takes at once (a hung job agrees on no step): it goes to
 every agent serving a rank of the job while it is young (``fan_out``). A command sent but never
 acknowledged (the reply was lost, the job ended) expires after ``timeout_s``.
-Thread-safe.
+Not thread-safe: the aggregator calls it from its event loop only.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -61,7 +60,6 @@ class CommandBook:
         self.timeout_s = timeout_s
         self._clock = clock
         self._on_change = on_change
-        self._lock = threading.Lock()
         self._status: dict[str, CommandStatus] = {}
         self._pending: dict[str, list[str]] = {}
         #: job -> {fan-out command id: the agents it was handed to}
@@ -87,12 +85,11 @@ class CommandBook:
         """Queue ``command`` for its job's rank-0 agent."""
         now = self._clock()
         status = CommandStatus(command, "pending", now, now)
-        with self._lock:
-            self._status[command.id] = status
-            if command.kind in FAN_OUT_KINDS:
-                self._fan_out.setdefault(command.job, {})[command.id] = set()
-            else:
-                self._pending.setdefault(command.job, []).append(command.id)
+        self._status[command.id] = status
+        if command.kind in FAN_OUT_KINDS:
+            self._fan_out.setdefault(command.job, {})[command.id] = set()
+        else:
+            self._pending.setdefault(command.job, []).append(command.id)
         self._changed(status)
         return status
 
@@ -101,85 +98,79 @@ class CommandBook:
         not handed yet, oldest first; handed from now on (``unfan`` if the reply fails)."""
         now = self._clock()
         out: list[Command] = []
-        with self._lock:
-            for job in jobs:
-                offers = self._fan_out.get(job)
-                if not offers:
-                    continue
-                for command_id, agents in list(offers.items()):
-                    status = self._status.get(command_id)
-                    if status is None or now - status.created_unix_s > self.timeout_s:
-                        del offers[command_id]
-                    elif agent not in agents:
-                        agents.add(agent)
-                        out.append(status.command)
+        for job in jobs:
+            offers = self._fan_out.get(job)
+            if not offers:
+                continue
+            for command_id, agents in list(offers.items()):
+                status = self._status.get(command_id)
+                if status is None or now - status.created_unix_s > self.timeout_s:
+                    del offers[command_id]
+                elif agent not in agents:
+                    agents.add(agent)
+                    out.append(status.command)
         return out
 
     def unfan(self, agent: str, ids: Iterable[str]) -> None:
         """Fan-out commands whose reply to ``agent`` failed: hand them to it again."""
-        with self._lock:
-            for command_id in ids:
-                status = self._status.get(command_id)
-                if status is not None:
-                    self._fan_out.get(status.command.job, {}).get(command_id, set()).discard(agent)
+        for command_id in ids:
+            status = self._status.get(command_id)
+            if status is not None:
+                self._fan_out.get(status.command.job, {}).get(command_id, set()).discard(agent)
 
     def reserve(self, jobs: Iterable[str]) -> list[Command]:
         """Take the commands of ``jobs`` not yet sent out of their queues, oldest first,
         for one ingest reply: ``sent`` once it is committed, ``release`` if it fails.
         Until then no other reply takes them."""
-        with self._lock:
-            out: list[Command] = []
-            for job in jobs:
-                queue = self._pending.pop(job, None)
-                if queue:
-                    out.extend(self._status[i].command for i in queue)
-            return out
+        out: list[Command] = []
+        for job in jobs:
+            queue = self._pending.pop(job, None)
+            if queue:
+                out.extend(self._status[i].command for i in queue)
+        return out
 
     def release(self, ids: Iterable[str]) -> None:
         """Reserved commands whose reply failed: first in their queues again."""
-        with self._lock:
-            for command_id in reversed(list(ids)):
-                status = self._status.get(command_id)
-                if status is None or status.status != "pending":
-                    continue
-                if status.command.kind in FAN_OUT_KINDS:
-                    continue
-                queue = self._pending.setdefault(status.command.job, [])
-                if command_id not in queue:
-                    queue.insert(0, command_id)
+        for command_id in reversed(list(ids)):
+            status = self._status.get(command_id)
+            if status is None or status.status != "pending":
+                continue
+            if status.command.kind in FAN_OUT_KINDS:
+                continue
+            queue = self._pending.setdefault(status.command.job, [])
+            if command_id not in queue:
+                queue.insert(0, command_id)
 
     def sent(self, ids: Iterable[str]) -> None:
         """Those commands went out in a committed ingest reply."""
         changed = []
-        with self._lock:
-            for command_id in ids:
-                status = self._status.get(command_id)
-                if status is None or status.status != "pending":
-                    continue
-                queue = self._pending.get(status.command.job, [])
-                if command_id in queue:
-                    queue.remove(command_id)
-                status = replace(status, status="sent", updated_unix_s=self._clock())
-                self._status[command_id] = status
-                changed.append(status)
+        for command_id in ids:
+            status = self._status.get(command_id)
+            if status is None or status.status != "pending":
+                continue
+            queue = self._pending.get(status.command.job, [])
+            if command_id in queue:
+                queue.remove(command_id)
+            status = replace(status, status="sent", updated_unix_s=self._clock())
+            self._status[command_id] = status
+            changed.append(status)
         for status in changed:
             self._changed(status)
 
     def acked(self, ack: CommandAck) -> CommandStatus | None:
         """Apply a probe's acknowledgement; None for an unknown command."""
-        with self._lock:
-            status = self._status.get(ack.id)
-            if status is None or status.done:
-                return None
-            status = replace(
-                status,
-                status=ack.status,
-                reason=ack.reason,
-                version=ack.version,
-                effective_step=ack.effective_step,
-                updated_unix_s=self._clock(),
-            )
-            self._status[ack.id] = status
+        status = self._status.get(ack.id)
+        if status is None or status.done:
+            return None
+        status = replace(
+            status,
+            status=ack.status,
+            reason=ack.reason,
+            version=ack.version,
+            effective_step=ack.effective_step,
+            updated_unix_s=self._clock(),
+        )
+        self._status[ack.id] = status
         self._changed(status)
         return status
 
@@ -187,39 +178,37 @@ class CommandBook:
         """Mark sent commands with no final answer after ``timeout_s`` as expired."""
         now = self._clock()
         expired = []
-        with self._lock:
-            for command_id, status in self._status.items():
-                if not status.done and (now - status.created_unix_s > self.timeout_s):
-                    status = replace(
-                        status,
-                        status="expired",
-                        reason=f"no final acknowledgement within {self.timeout_s:g} s",
-                        updated_unix_s=now,
-                    )
-                    self._status[command_id] = status
-                    queue = self._pending.get(status.command.job, [])
-                    if command_id in queue:
-                        queue.remove(command_id)
-                    expired.append(status)
-            # Forget finished commands after a while so the book stays small.
-            for command_id in [
-                i
-                for i, s in self._status.items()
-                if s.done and now - s.updated_unix_s > 10 * self.timeout_s
-            ]:
-                del self._status[command_id]
-            for job, offers in list(self._fan_out.items()):
-                for command_id in [i for i in offers if i not in self._status]:
-                    del offers[command_id]
-                if not offers:
-                    del self._fan_out[job]
+        for command_id, status in self._status.items():
+            if not status.done and (now - status.created_unix_s > self.timeout_s):
+                status = replace(
+                    status,
+                    status="expired",
+                    reason=f"no final acknowledgement within {self.timeout_s:g} s",
+                    updated_unix_s=now,
+                )
+                self._status[command_id] = status
+                queue = self._pending.get(status.command.job, [])
+                if command_id in queue:
+                    queue.remove(command_id)
+                expired.append(status)
+        # Forget finished commands after a while so the book stays small.
+        for command_id in [
+            i
+            for i, s in self._status.items()
+            if s.done and now - s.updated_unix_s > 10 * self.timeout_s
+        ]:
+            del self._status[command_id]
+        for job, offers in list(self._fan_out.items()):
+            for command_id in [i for i in offers if i not in self._status]:
+                del offers[command_id]
+            if not offers:
+                del self._fan_out[job]
         for status in expired:
             self._changed(status)
         return expired
 
     def get(self, command_id: str) -> CommandStatus | None:
-        with self._lock:
-            return self._status.get(command_id)
+        return self._status.get(command_id)
 
     def _changed(self, status: CommandStatus) -> None:
         if self._on_change is not None:

@@ -3,8 +3,9 @@
 ``LiveState.observe`` takes what one ingest stored and feeds the series store
 (for the rules), the detectors (step-time and loss z-scores, the cross-rank
 straggler detector, the hang detector, the link checker) and the per-rank state behind the
-job-level ``/metrics``. Everything here runs on the event loop thread; the
-Prometheus collector (``live_metrics``) copies what it needs under a lock at scrape time.
+job-level ``/metrics``. Everything here runs on the aggregator's event loop, the
+Prometheus collector too (``torshmon.aggregator.live_metrics``, called by the loop's
+``/metrics`` handler), so nothing here takes a lock.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import dataclasses
 import functools
 import math
 import operator
-import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import repeat
 from typing import Any, cast
@@ -91,7 +91,7 @@ _first: Callable[[tuple[int, Finding]], int] = operator.itemgetter(0)
 
 
 class LiveState:
-    """Live state of every job and node this aggregator serves (event-loop thread only)."""
+    """Live state of every job and node this aggregator serves (not thread-safe: one event loop)."""
 
     def __init__(
         self,
@@ -119,7 +119,7 @@ class LiveState:
         checks and how to read them.
         ``label_cap``: how many op, pg and codec values a job's probes may name; the
         rest fold into ``other`` as they are taken in (``torshmon.labels``).
-        ``bottleneck``: the bottleneck report's thresholds (None: DESIGN.md's).
+        ``bottleneck``: the bottleneck report's thresholds (None: ``Thresholds()``'s defaults).
         ``anomaly_metrics``: the z-scores to run beyond step time and loss
         (``comm_wait_seconds``, ``throughput_samples_per_second``; None: both); the
         service passes those its rules name, as each costs ingest time.
@@ -177,25 +177,23 @@ class LiveState:
         # appeared since: the service then evaluates at once instead of on its timer.
         self._evaluated: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
         self._fresh = False
-        self._lock = threading.Lock()
 
     # -- feeding -------------------------------------------------------------------------
     def observe(self, stored: Stored, now_unix_s: float, agent_node: str | None = None) -> None:
         """Take in what one ingest stored, POSTed by the agent of ``agent_node`` (None:
         the nodes the data names)."""
-        with self._lock:
-            self._contact(stored, now_unix_s, agent_node)
-            for hello in stored.hellos:
-                job = self._job(hello.job)
-                if job.world_size != hello.world_size:
-                    self._set_world(hello.job, job, hello.world_size)
-                self._rank(hello.job, job, hello.rank).node = hello.node
-                self.links.set_node(hello.job, hello.rank, hello.node)
-            for batch, node in stored.batches:
-                self._observe_batch(batch, node, now_unix_s)
-            for sample in stored.node_samples:
-                self._observe_node(sample)
-                self._node_seen[sample.node] = now_unix_s
+        self._contact(stored, now_unix_s, agent_node)
+        for hello in stored.hellos:
+            job = self._job(hello.job)
+            if job.world_size != hello.world_size:
+                self._set_world(hello.job, job, hello.world_size)
+            self._rank(hello.job, job, hello.rank).node = hello.node
+            self.links.set_node(hello.job, hello.rank, hello.node)
+        for batch, node in stored.batches:
+            self._observe_batch(batch, node, now_unix_s)
+        for sample in stored.node_samples:
+            self._observe_node(sample)
+            self._node_seen[sample.node] = now_unix_s
 
     def _contact(self, stored: Stored, now_unix_s: float, agent_node: str | None) -> None:
         """Date what the POST carries: every node's stamps, before any batch is read,
@@ -213,13 +211,12 @@ class LiveState:
         to the old process, and will not again: without the world size from SQL the
         straggler, hang and link checks would stay off for the job. Its ranks count as
         seen at ``last_seen_unix_s``, so the job expires as it would have."""
-        with self._lock:
-            job = self._job(name)
-            if job.world_size is None:
-                self._set_world(name, job, world_size)
-            for rank in range(world_size):
-                r = self._rank(name, job, rank)
-                r.last_seen_unix_s = max(r.last_seen_unix_s, last_seen_unix_s)
+        job = self._job(name)
+        if job.world_size is None:
+            self._set_world(name, job, world_size)
+        for rank in range(world_size):
+            r = self._rank(name, job, rank)
+            r.last_seen_unix_s = max(r.last_seen_unix_s, last_seen_unix_s)
 
     def _set_world(self, name: str, job: JobState, world_size: int) -> None:
         job.world_size = world_size
@@ -552,63 +549,56 @@ class LiveState:
     def take_fresh(self) -> bool:
         """Whether a finding (or a non-finite loss, or a link check result) appeared
         since the last ``findings()`` or ``take_fresh()``; clears the mark."""
-        with self._lock:
-            fresh, self._fresh = self._fresh, False
+        fresh, self._fresh = self._fresh, False
         return fresh
 
     # -- conclusions ---------------------------------------------------------------------
     def findings(self, now_unix_s: float) -> list[Finding]:
         """Every active finding of every detector."""
-        with self._lock:
-            out = self._anomalies() + self.straggler.active()
-            current = {f.key() for f in out}
-            out.extend(f for key, f in self._latched.items() if key not in current)
-            self._latched.clear()
-            self._silence = self.agents.silence_s(now_unix_s)
-            for node, silence_s in self._silence.items():
-                self.series.add("agent_silence_seconds", (("node", node),), now_unix_s, silence_s)
-            gone = {
-                pair
-                for node, listed in self._listed.items()
-                for pair in listed - self._running.get(node, set())
-            }
-            self._hangs = self.hang.evaluate(now_unix_s, self.agents.horizons(), gone)
-            out.extend(self._hangs)
-            self.links.evaluate(now_unix_s)
-            out.extend(self.links.active())
-            out = self._with_reports(out, now_unix_s)
-            self._evaluated = {f.key() for f in out}
-            self._fresh = False
+        out = self._anomalies() + self.straggler.active()
+        current = {f.key() for f in out}
+        out.extend(f for key, f in self._latched.items() if key not in current)
+        self._latched.clear()
+        self._silence = self.agents.silence_s(now_unix_s)
+        for node, silence_s in self._silence.items():
+            self.series.add("agent_silence_seconds", (("node", node),), now_unix_s, silence_s)
+        gone = {
+            pair
+            for node, listed in self._listed.items()
+            for pair in listed - self._running.get(node, set())
+        }
+        self._hangs = self.hang.evaluate(now_unix_s, self.agents.horizons(), gone)
+        out.extend(self._hangs)
+        self.links.evaluate(now_unix_s)
+        out.extend(self.links.active())
+        out = self._with_reports(out, now_unix_s)
+        self._evaluated = {f.key() for f in out}
+        self._fresh = False
         return out
 
     def config_switches(self) -> dict[str, float]:
         """Per job, when (aggregator clock) a rank first reported its newest config
         switch; jobs that never switched are left out."""
-        with self._lock:
-            return {
-                name: job.config_switched_unix_s
-                for name, job in self.jobs.items()
-                if job.config_switched_unix_s is not None
-            }
+        return {
+            name: job.config_switched_unix_s
+            for name, job in self.jobs.items()
+            if job.config_switched_unix_s is not None
+        }
 
     # -- link checks (the service sends the commands) --------------------------------------
     def link_checks_due(self, now_unix_s: float) -> list[tuple[str, str]]:
         """Jobs that need a link check now, each with the reason."""
-        with self._lock:
-            return self.links.due(now_unix_s)
+        return self.links.due(now_unix_s)
 
     def link_check_args(self, job: str) -> dict[str, object]:
-        with self._lock:
-            return self.links.check_args(job)
+        return self.links.check_args(job)
 
     def link_check_sent(self, job: str, check_id: str, reason: str, now_unix_s: float) -> None:
-        with self._lock:
-            self.links.sent(job, check_id, reason, now_unix_s)
+        self.links.sent(job, check_id, reason, now_unix_s)
 
     def link_check_done(self, job: str, check_id: str, status: str, now_unix_s: float) -> None:
         """The final status of a link_check command (any thread)."""
-        with self._lock:
-            self.links.command_done(job, check_id, status, now_unix_s)
+        self.links.command_done(job, check_id, status, now_unix_s)
 
     def _anomalies(self) -> list[Finding]:
         return (
@@ -653,47 +643,39 @@ class LiveState:
     def report(self, job: str, now_unix_s: float) -> list[Finding] | None:
         """The bottleneck report of ``job``, highest priority first (None if the job is
         unknown): its bottlenecks, stragglers and slow links, ranked."""
-        with self._lock:
-            state = self.jobs.get(job)
-            if state is None:
-                return None
-            others = [
-                f
-                for f in self.straggler.active() + self.links.active()
-                if f.labels.get("job") == job
-            ]
-            return self._job_report(job, state, others, now_unix_s)
+        state = self.jobs.get(job)
+        if state is None:
+            return None
+        others = [
+            f for f in self.straggler.active() + self.links.active() if f.labels.get("job") == job
+        ]
+        return self._job_report(job, state, others, now_unix_s)
 
     def job_kind(self, job: str) -> str | None:
         """What ``job``'s probes were attached to (``JobState.kind``), None if unknown."""
-        with self._lock:
-            state = self.jobs.get(job)
-            return None if state is None else state.kind
+        state = self.jobs.get(job)
+        return None if state is None else state.kind
 
     def set_tuning(self, name: str, active: bool) -> None:
         """An autotuner session on job ``name`` began (``active``) or ended: its trials
         switch configs every few dozen steps and it judges their step time itself, so the
         step-time z-scores leave the job alone until past the settling steps after it."""
-        with self._lock:
-            job = self._job(name)
-            job.tuning = active
-            self._settle(name, job, max((r.last_step for r in job.ranks.values()), default=0))
+        job = self._job(name)
+        job.tuning = active
+        self._settle(name, job, max((r.last_step for r in job.ranks.values()), default=0))
 
     def link_reading(self, job: str) -> dict[str, Any] | None:
         """``job``'s latest link check as JSON (bytes/s; per node pair when ranks share
         hosts), or None before its first."""
-        with self._lock:
-            reading = self.links.last(job)
+        reading = self.links.last(job)
         return None if reading is None else reading_json(reading)
 
     def memory_history(self, labels: Mapping[str, str]) -> tuple[list[RankMemory], list[GpuMemory]]:
         """The memory behind an alert on ``labels`` (``memory_report.memory_of``)."""
-        with self._lock:
-            return memory_of(labels, self.jobs, self.series, self.nodes)
+        return memory_of(labels, self.jobs, self.series, self.nodes)
 
     def set_alerts(self, alerts: Sequence[Alert]) -> None:
-        with self._lock:
-            self._alerts = list(alerts)
+        self._alerts = list(alerts)
 
     def expire(self, now_unix_s: float) -> None:
         """Drop old points, and jobs and nodes idle for ``idle_s`` (they ended)."""
@@ -701,72 +683,66 @@ class LiveState:
         idle_jobs = [name for name, job in self.jobs.items() if job.last_seen_unix_s() < cutoff]
         for name in idle_jobs:
             self.forget(name)
-        with self._lock:
-            for node in [n for n, seen in self._node_seen.items() if seen < cutoff]:
-                del self._node_seen[node]
-                self.nodes.pop(node, None)
-                self.series.forget({"node": node})
-            for node in self.agents.forget_idle(cutoff):
-                self._silence.pop(node, None)
-                self._listed.pop(node, None)
-                self._running.pop(node, None)
-                self.series.forget({"node": node})
-            self.series.expire(now_unix_s)
+        for node in [n for n, seen in self._node_seen.items() if seen < cutoff]:
+            del self._node_seen[node]
+            self.nodes.pop(node, None)
+            self.series.forget({"node": node})
+        for node in self.agents.forget_idle(cutoff):
+            self._silence.pop(node, None)
+            self._listed.pop(node, None)
+            self._running.pop(node, None)
+            self.series.forget({"node": node})
+        self.series.expire(now_unix_s)
 
     def forget(self, job: str) -> None:
         """Drop a finished job: its ranks, series and detector state."""
-        with self._lock:
-            self.jobs.pop(job, None)
-            self._labels.forget(job)
-            self.series.forget({"job": job})
-            z_scores = (self.step_z, self.loss_z, self.comm_z, self.throughput_z)
-            for detector in (*z_scores, self.straggler, self.hang, self.links):
-                detector.forget(job)
+        self.jobs.pop(job, None)
+        self._labels.forget(job)
+        self.series.forget({"job": job})
+        z_scores = (self.step_z, self.loss_z, self.comm_z, self.throughput_z)
+        for detector in (*z_scores, self.straggler, self.hang, self.links):
+            detector.forget(job)
 
     # -- summaries for the API (core.summaries) -----------------------------------------
     def job_summary(self, job: str) -> dict[str, Any] | None:
-        with self._lock:
-            state = self.jobs.get(job)
-            return None if state is None else summaries.job_summary(state)
+        state = self.jobs.get(job)
+        return None if state is None else summaries.job_summary(state)
 
     def job_config(self, job: str) -> dict[str, Any] | None:
-        with self._lock:
-            state = self.jobs.get(job)
-            config = state.config if state is not None else None
+        state = self.jobs.get(job)
+        config = state.config if state is not None else None
         return None if config is None else summaries.config_summary(config)
 
     def rank_summaries(self, job: str) -> dict[int, dict[str, Any]]:
-        with self._lock:
-            state = self.jobs.get(job)
-            return {} if state is None else summaries.rank_summaries(state)
+        state = self.jobs.get(job)
+        return {} if state is None else summaries.rank_summaries(state)
 
     # -- export --------------------------------------------------------------------------
     def snapshot_for_export(self) -> dict[str, Any]:
         """A copy of what the collector needs, taken under the lock."""
-        with self._lock:
-            return {
-                "jobs": {
-                    name: (
-                        job.bucket_cap_bytes,
-                        job.config.codec if job.config else None,
-                        [(rank, copy_rank(r)) for rank, r in job.ranks.items()],
-                    )
-                    for name, job in self.jobs.items()
-                },
-                "agent_silence": dict(self._silence),
-                "anomalies": self._anomalies(),
-                "stragglers": self.straggler.active(),
-                "hangs": list(self._hangs),
-                "slow_links": self.links.active(),
-                "link_bandwidth": {
-                    name: reading  # frozen: safe to read outside the lock
-                    for name in self.jobs
-                    if (reading := self.links.last(name)) is not None
-                },
-                "alerts": list(self._alerts),
-                "reports": dict(self._reports),  # lists of frozen findings, replaced whole
-                "labels_folded": self._labels.folded(),
-            }
+        return {
+            "jobs": {
+                name: (
+                    job.bucket_cap_bytes,
+                    job.config.codec if job.config else None,
+                    [(rank, copy_rank(r)) for rank, r in job.ranks.items()],
+                )
+                for name, job in self.jobs.items()
+            },
+            "agent_silence": dict(self._silence),
+            "anomalies": self._anomalies(),
+            "stragglers": self.straggler.active(),
+            "hangs": list(self._hangs),
+            "slow_links": self.links.active(),
+            "link_bandwidth": {
+                name: reading  # frozen: safe to read outside the lock
+                for name in self.jobs
+                if (reading := self.links.last(name)) is not None
+            },
+            "alerts": list(self._alerts),
+            "reports": dict(self._reports),  # lists of frozen findings, replaced whole
+            "labels_folded": self._labels.folded(),
+        }
 
 
 def _rank_steps(

@@ -43,16 +43,13 @@ from __future__ import annotations
 
 import re
 import string
-import sys
 from collections.abc import Mapping
 from typing import Final
 
 import yaml
 
-from torshmon.aggregator.core.rule_file import default_rules, load_rules
 from torshmon.aggregator.core.rules import (
     Rule,
-    RuleError,
     RuleSet,
     alert_name,
     default_summary,
@@ -63,8 +60,6 @@ from torshmon.catalogue import metrics as catalogue
 __all__ = [
     "FORMATS",
     "PER_STEP_MEANS",
-    "check_rules_cli",
-    "export_rules_cli",
     "expression",
     "to_prometheus",
 ]
@@ -267,35 +262,3 @@ def _go_value(spec: str) -> str:
     if _FLOAT_SPEC.match(spec):
         return f'{{{{ printf "%{spec}" $value }}}}'
     return "{{ $value }}"
-
-
-# -- the command line ---------------------------------------------------------------------
-
-
-def check_rules_cli(path: str) -> int:
-    """``torshmon rules check FILE``: prints ``OK: N rules`` (exit 0) or every error to
-    stderr (exit 1)."""
-    try:
-        ruleset = load_rules(path)
-    except RuleError as exc:
-        for line in exc.errors:
-            print(line, file=sys.stderr)
-        return 1
-    print(f"OK: {len(ruleset)} rules")
-    return 0
-
-
-def export_rules_cli(path: str | None, fmt: str) -> int:
-    """``torshmon rules export --format prometheus [FILE]``: the translated rule file on
-    stdout (the default rules without FILE); errors on stderr with exit 1."""
-    if fmt not in FORMATS:
-        print(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}", file=sys.stderr)
-        return 1
-    try:
-        ruleset = default_rules() if path is None else load_rules(path)
-    except RuleError as exc:
-        for line in exc.errors:
-            print(line, file=sys.stderr)
-        return 1
-    sys.stdout.write(to_prometheus(ruleset))
-    return 0

@@ -1,5 +1,8 @@
 """Alert rule files: YAML in, a checked ``RuleSet`` out (or every mistake at once).
 
+This module parses text; reading a file (and the shipped ``default_rules.yaml``) is the
+shell's, in ``torshmon.aggregator.rule_files``.
+
 A rule file is a mapping with one key, ``rules``, holding a list of rules::
 
     rules:
@@ -72,10 +75,8 @@ Every mistake is reported with file, line and field, all of them at once:
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from importlib import resources
 from typing import Final, TypeVar, cast
 
 from yaml.constructor import SafeConstructor
@@ -141,25 +142,6 @@ _T = TypeVar("_T")
 
 
 # -- loading ------------------------------------------------------------------------------
-
-
-def default_rules() -> RuleSet:
-    """The rules shipped with torshmon (``default_rules.yaml``, DESIGN.md's table)."""
-    shipped = resources.files("torshmon.aggregator.core").joinpath("default_rules.yaml")
-    text = shipped.read_text("utf-8")
-    return load_rules_text(text, source="default_rules.yaml")
-
-
-def load_rules(path: str | os.PathLike[str]) -> RuleSet:
-    """Load and validate a rule file; RuleError lists every mistake with file and line.
-
-    Size, nesting and tags are bounded as ``torshmon.yamlfile`` says.
-    """
-    try:
-        text = yamlfile.read_text(path, what="rule file")
-    except yamlfile.YamlFileError as exc:
-        raise RuleError([str(exc)]) from None
-    return load_rules_text(text, source=os.fspath(path))
 
 
 def load_rules_text(text: str, *, source: str = "<string>") -> RuleSet:
@@ -565,7 +547,5 @@ def _describe_value(value: object) -> str:
 
 
 __all__ = [
-    "default_rules",
-    "load_rules",
     "load_rules_text",
 ]
