@@ -1,77 +1,28 @@
 """Hung collectives, named by the rank that holds them up, from in-flight reports.
 
-Every batch of a rank carries its in-flight operations: the oldest unfinished op per
-process group (per group and peer for point-to-point), numbered per group so the same
-``seq`` on two ranks is the same collective. A collective that some ranks have been
-in for more than the timeout while other members of its group are not in it is
-blocked, and the members that are not in it hold it up:
+In: per rank, its latest report of in-flight operations (``observe``: the oldest
+unfinished op per process group, numbered per group; per group and peer for
+point-to-point), the groups each probe belongs to (``observe_groups``), the job's world
+size (``set_world``) and typical step duration (``observe_step_duration``); at
+``evaluate``, each node's horizon (the newest time its agent's data is current for) and
+the ranks whose process ended.
 
-- a rank whose report has no op on that group never joined (it is computing, stuck
-  in Python or a data loader, or took a different code path);
-- a rank in flight on an OLDER ``seq`` of the group is stuck on an earlier op;
-- a rank with no report for more than ``timeout_s`` (crashed, frozen, node gone), or
-  none at all, stopped reporting.
+Out: ``Finding`` records of kind ``hang``. A collective some members have been in for
+longer than the timeout while others are not in it is blocked; the chain of waits is
+followed to its end and the rank there is named (the culprit: it never joined, is stuck
+on an older op, stopped reporting, exited, or is in a deadlock), with the ranks waiting
+behind it in ``details["victims"]``; victims are never named. A collective every member
+joined that is still stuck gets one finding without a rank. Ranks whose node's agent
+has gone quiet are neither waiting nor named, and a rank that said it closed is never a
+culprit.
 
-Root cause and consequence: a rank missing from one blocked op may itself be waiting
-in another blocked op (of another group, or a point-to-point op) - it is a victim,
-and the chain is followed to the rank at its end, the culprit. One finding names each
-culprit, with the blocked op it has held up longest, that group's members, and every
-rank waiting behind it (``details["victims"]``); victims are never named. A rank
-missing from a blocked op while in flight elsewhere for less than the timeout is not
-named yet (its own wait is judged once it has lasted). Blocked ops whose missing ranks
-only wait for each other are a deadlock (collectives issued in different orders):
-each such rank is named, with reason ``deadlock``.
+Knobs (``HangSettings``, section ``hang``): ``timeout_s`` (5 s) makes a collective
+hung, lowered in jobs of short steps to ``step_multiple`` (20) typical steps but never
+under ``min_timeout_s`` (2 s); ``fresh_s`` (3 s) is how long a node's agent may send
+nothing new before its ranks' reports stop counting as evidence.
 
-If every member of a group has been in its collective for more than the timeout, all
-joined and the collective itself is stuck (network, backend): one finding for that
-group, without a rank, naming the ranks waiting behind it. Point-to-point ops pair
-per peer: rank r's op #k with peer p matches p's op #k with peer r, only those two
-ranks are compared, and a peer that never posted the matching op is named.
-
-Membership: a group's members are those the probes reported (``observe_groups``:
-each probe lists the groups it belongs to, by the label its in-flight ops carry). The
-default group ("default") otherwise holds ranks ``0..world_size-1`` once
-``set_world`` was called, else every rank that has reported; another group whose
-members were never reported holds the ranks seen in flight on it so far (a member
-that was never seen on it cannot be named missing, and an all-joined verdict says
-the members are unknown).
-
-Timeouts: a collective counts as hung after ``timeout_s`` (5 s), or sooner in a job
-whose steps are short: ``step_multiple`` (20) times its typical step duration (fed by
-``observe_step_duration``), but never under ``min_timeout_s`` (2 s). A job of 100 ms
-steps whose peers have waited 2 s for one rank is stuck, not slow; one of 1 s steps
-keeps 5 s. A rank that stopped reporting is judged on ``timeout_s`` alone (its
-reports come every second at best).
-
-Ages: an op's age at evaluation is its reported ``age_s`` plus the time since the
-report, so ``ts_unix_s`` given to ``observe`` must be on the clock of ``now_unix_s``
-(when the report was current, on the aggregator's clock: ``core.agents`` dates it).
-Only ranks that reported within ``timeout_s`` count as waiting: a silent rank's old
-report is no evidence.
-
-Silence is not a hang. A report travels through its node's agent, so it is evidence
-only as far as that channel vouches for: ``evaluate`` takes each node's horizon (the
-newest time its agent's data is current for) and extrapolates an op's age no further
-than it. A node whose horizon is more than ``fresh_s`` old has gone quiet (its agent
-is down or cut off, or replays an old spool): its ranks neither count as waiting nor
-are named, whatever their last reports said; the Agent Down alert tells of it
-instead. A rank named as missing has a fresh report showing it elsewhere, or is
-silent while its node's agent is heard (its process stopped reporting), or has exited
-(its agent listed its process, and lists it no more), or has never reported at all. An
-exited rank waits in nothing: a job's last reports, frozen when its processes end, are
-no hang. A report that arrived late (more than ``LATE_ALLOWANCE_S`` after its own time,
-as a probe's buffered batches do when it catches up after its agent came back)
-vouches for that much less of the time since: the rank's newer reports may be on
-their way just as late.
-
-A rank that finished is never a culprit. A probe's last batch says its rank closed
-(``close()``, or the process's exit): from then on the rank waits in nothing and is
-never named missing, and an op held up only by ranks that closed is no hang - what a
-closed rank does since is unknown (it ended, or runs on unmonitored), and a clean job's
-last reports, taken while a rank waited in a final gather, would otherwise age into
-one. A rank's next report (it attached again) opens it again. The agent's view of an
-exited process comes later (its next node sample) and cannot tell a clean exit from a
-crash: an exited rank that never said it closed is still named, as exited.
+Why each rule is as it is (membership, ages, silence, closed ranks):
+docs/detectors/hang.md.
 """
 
 from __future__ import annotations

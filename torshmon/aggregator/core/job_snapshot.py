@@ -3,7 +3,7 @@
 ``job_kind_after`` reads what the probe was attached to from the steps it sends;
 ``job_snapshot`` takes a job's recent steps and its nodes' latest samples to the
 ``JobSnapshot`` the report (``bottleneck``) judges. Pure: the live state passes its
-records in, under its lock.
+records in.
 """
 
 from __future__ import annotations

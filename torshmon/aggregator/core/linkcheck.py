@@ -1,35 +1,28 @@
 """Slow-link localisation: when to run a pairwise link check, and whose link is slow.
 
-A slow network link slows every rank's collectives alike (a ring all-reduce runs
-at the pace of its slowest link) while compute time stays as it was, so neither
-the straggler detector nor per-rank timings can name the rank. The probe can run
-an active test (``torshmon.probe.linkcheck``): every pair of ranks exchanges a
-block of bytes, timed. This module decides when a job needs one and reads the
-results (whose link is slow is ``localization``'s part; when ranks share hosts it
-is read node by node, and a finding names the node: ``node`` label). It is pure: observations
-and an explicit ``now`` in, decisions and ``Finding`` records out; the service
-submits the commands.
+A slow link slows every rank's collectives alike while compute stays as it was, so
+neither the straggler detector nor per-rank timings can name it; the probe's active
+test (``torshmon.probe.linkcheck``: every pair of ranks exchanges a block of bytes,
+timed) can. This module is pure: observations and an explicit ``now`` in, decisions and
+``Finding`` records out; the service submits the commands.
 
-When: a job's communication wait rises while its compute does not (the median
-over ranks of recent comm wait at least ``comm_rise`` times its baseline, and
-no rank's compute up by ``compute_flat`` and by half that rise in seconds), at
-most once per ``min_interval_s``
-(the reference check does not count); once per job after warm-up as a
-reference; and every ``recheck_s`` while a
-slow-link finding is active, so that the finding clears when the link recovers.
-A rise that ``max_unexplained`` checks in a row do not explain becomes the new
-baseline. Baselines keep only steps that were not elevated, so a slow period
-does not become normal while checks keep finding its cause.
+In: per rank and step, communication wait and compute (``observe_step(s)``); the
+world size and each rank's node; the results of checks (``observe_result``) and the
+fate of their commands (``command_done``).
 
-Noise: each pair exchanges ``repeats`` times and its fastest exchange counts. A
-naming stands only once the next check names the same, and that check is sent
-``confirm_after_s`` after the one before: a rank its busy host holds up (a burst of
-another process's CPU, a straggler burning the cores its peers share) reads slow in
-every pair it is in, and two checks sent back to back fell inside one such burst
-(held-out seeds 51 and 52 of benchmarks/detection.py: a clean 2-rank job and a 4-rank
-straggler job each got a Slow Link alert). A recheck of a rank already named needs
-no confirmation. A reading whose slowness the ranks' own CPU wait accounts for
-(``localization``: contended) names nothing and sets no reference.
+Out: ``due`` names the jobs to check now and why (a rise of communication wait with
+compute flat, the one reference check after warm-up, or a recheck while a finding is
+active); ``check_args`` the command's arguments; after ``evaluate``, ``active`` holds
+the ``slow_link`` findings (by rank, or by node when ranks share hosts: ``node``
+label), which clear when a recheck finds the link well; ``last`` the latest reading.
+
+Knobs (``LinkCheckSettings``, section ``link_check``): ``comm_rise``,
+``min_comm_rise_s`` and ``compute_flat`` say what a rise is; ``min_interval_s``,
+``recheck_s`` and ``confirm_after_s`` space the checks (a naming stands once a second
+check names the same); ``max_unexplained`` rises left unexplained become the baseline;
+``slow_ratio``, ``size_bytes`` and ``repeats`` shape the test.
+
+Why (noise, confirmation, the seeds that set them): docs/detectors/linkcheck.md.
 """
 
 from __future__ import annotations
@@ -236,7 +229,7 @@ class _Job:
 class LinkChecker:
     """Decides when each job needs a link check and turns results into findings.
 
-    Not thread-safe: the aggregator's live state calls it under its lock. Feed
+    Not thread-safe: the aggregator's live state calls it from its event loop. Feed
     ``observe_step`` (hot path: appends only), ``observe_result``, ``command_done``;
     ask ``due`` for the jobs to check now, tell ``sent`` which command went out, and
     read ``active`` findings after ``evaluate``.

@@ -719,7 +719,7 @@ class LiveState:
 
     # -- export --------------------------------------------------------------------------
     def snapshot_for_export(self) -> dict[str, Any]:
-        """A copy of what the collector needs, taken under the lock."""
+        """A copy of what the collector needs (it runs on the same event loop)."""
         return {
             "jobs": {
                 name: (

@@ -5,7 +5,7 @@ is short or growing; this says where, from the job's own numbers: for each rank 
 alert concerns, its resident memory at the start and end of the live window, the
 steps those samples fell in, the growth per step and the largest rise between two
 samples. The service puts it in the alert's ``description`` before it is stored and
-sent. Pure: the live state hands in its records (``memory_of``), under its lock.
+sent. Pure: the live state hands in its records (``memory_of``).
 """
 
 from __future__ import annotations

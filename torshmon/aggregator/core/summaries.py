@@ -1,6 +1,6 @@
 """What the API says of a live job and its ranks: plain JSON from the live state.
 
-Pure functions of one job's state; ``LiveState`` calls them under its lock.
+Pure functions of one job's state; ``LiveState`` calls them.
 """
 
 from __future__ import annotations
