@@ -10,13 +10,10 @@ Prometheus collector too (``torshmon.aggregator.live_metrics``, called by the lo
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import functools
 import math
 import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
-from itertools import repeat
 from typing import Any, cast
 
 import msgspec
@@ -28,7 +25,7 @@ from torshmon.aggregator.core.bottleneck import Thresholds, bottleneck_report, r
 from torshmon.aggregator.core.complete_steps import StepCollector
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.hang import HangDetector, HangSettings
-from torshmon.aggregator.core.job_snapshot import job_kind_after, job_snapshot
+from torshmon.aggregator.core.job_snapshot import job_snapshot
 from torshmon.aggregator.core.linkcheck import LinkChecker, LinkCheckSettings, reading_json
 from torshmon.aggregator.core.memory_report import GpuMemory, RankMemory, memory_of
 from torshmon.aggregator.core.rank_state import (
@@ -40,53 +37,23 @@ from torshmon.aggregator.core.rank_state import (
 )
 from torshmon.aggregator.core.rules import ANOMALY_METRICS
 from torshmon.aggregator.core.series import SeriesStore
-from torshmon.aggregator.core.step_series import observe_collective_series, observe_input_waits
+from torshmon.aggregator.core.step_columns import (
+    StepColumns,
+    add_step_series,
+    fold_extras,
+    fold_latest,
+    fold_totals,
+)
+from torshmon.aggregator.core.step_series import observe_collective_series
 from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.straggler import RankStep, StragglerDetector, StragglerSettings
 from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings, observe_from
 from torshmon.labels import LabelCap
 from torshmon.wire import (
-    STEP_DURATION_BUCKETS_S,
     Batch,
     NodeSample,
-    StepRecord,
 )
 
-#: The fields of a batch's steps that ``_observe_steps`` reads, as columns.
-_STEP_FIELDS = (
-    "end_unix_ns",
-    "duration_s",
-    "comm_wait_s",
-    "compute_s",
-    "communication_time_ratio",
-    "samples_per_s",
-    "batch_size",
-    "loss",
-    "loss_nonfinite",
-    "step",
-    "collectives",
-    "buckets",
-    "ddp",
-    "applied_config",
-    "config_version",
-    "input_wait_s",
-    "forward_s",
-    "cpu_wait_s",
-    "process_cpu_wait_s",
-)
-#: Those columns out of the ``zip`` of the steps' ``astuple`` (a step's fields in one C
-#: call, cheaper than fetching them one by one).
-_Row = tuple[Any, ...]
-_STEP_COLUMNS: Callable[[list[_Row]], tuple[_Row, ...]] = operator.itemgetter(
-    *map(StepRecord.__struct_fields__.index, _STEP_FIELDS)
-)
-_astuple: Callable[[StepRecord], tuple[Any, ...]] = msgspec.structs.astuple
-#: The step-duration histogram bucket of a duration (as ``Histogram.counts`` indexes).
-_STEP_BUCKET: Callable[[float], int] = functools.partial(
-    bisect.bisect_left, STEP_DURATION_BUCKETS_S
-)
-#: ``x > 0`` as a C call (False for NaN, as the comparison is).
-_POSITIVE: Callable[[float], bool] = functools.partial(operator.lt, 0.0)
 _first: Callable[[tuple[int, Finding]], int] = operator.itemgetter(0)
 
 
@@ -287,177 +254,102 @@ class LiveState:
         # The ingest hot path. Each consumer takes the batch's steps as columns in one
         # call (series, detectors, collector), as it would step by step; the findings
         # are latched in the per-step order: loss, step time, straggler.
-        steps = batch.steps
-        n = len(steps)
-        (
-            ends,
-            durations,
-            waits,
-            computes,
-            ratios,
-            throughputs,
-            sizes,
-            losses,
-            nonfinite,
-            numbers,
-            collectives,
-            buckets,
-            ddps,
-            applied,
-            config_versions,
-            input_waits,
-            forwards,
-            cpu_waits,
-            process_waits,
-        ) = _STEP_COLUMNS(list(zip(*map(_astuple, steps), strict=True)))
-        ts = list(map(operator.truediv, ends, repeat(1e9)))
-        hist = r.step_hist
-        counts = hist.counts
-        for bucket in map(_STEP_BUCKET, durations):
-            counts[bucket] += 1
-        hist.sum = functools.reduce(operator.add, durations, hist.sum)  # in step order
-        hist.count += n
-        r.comm_wait_s_total = functools.reduce(operator.add, waits, r.comm_wait_s_total)
-        r.compute_s_total = functools.reduce(operator.add, computes, r.compute_s_total)
-        recent = r.recent
-        recent.duration_s.extend(durations)
-        recent.wait_s.extend(waits)
-        recent.compute_s.extend(computes)
-        if input_waits.count(None) == n:
-            recent.input_wait_s.extend(repeat(math.nan, n))
-        columns_by_metric: dict[str, Sequence[float]] = {
-            "step_duration_seconds": durations,
-            "comm_wait_seconds": waits,
-            "compute_seconds": computes,
-            "communication_time_ratio": ratios,
-        }
-        if input_waits.count(None) < n:
-            # Efficiency too: the input wait is part of the step period.
-            observe_input_waits(self.series, r, ts, durations, computes, input_waits)
-        elif all(map(_POSITIVE, durations)):
-            columns_by_metric["training_efficiency_ratio"] = list(
-                map(operator.truediv, computes, durations)
-            )
-        else:
-            kept = [i for i, d in enumerate(durations) if d > 0]
-            self.series.add_many(
-                r.labels,
-                [ts[i] for i in kept],
-                {"training_efficiency_ratio": [computes[i] / durations[i] for i in kept]},
-            )
-        if None not in throughputs:
-            r.samples_per_s = throughputs[-1]
-            columns_by_metric["throughput_samples_per_second"] = throughputs
-        else:
-            kept = [i for i, v in enumerate(throughputs) if v is not None]
-            if kept:
-                r.samples_per_s = throughputs[kept[-1]]
-                self.series.add_many(
-                    r.labels,
-                    [ts[i] for i in kept],
-                    {"throughput_samples_per_second": [throughputs[i] for i in kept]},
-                )
-        every_loss = True not in nonfinite and None not in losses
-        if every_loss:
-            columns_by_metric["loss"] = losses
-        self.series.add_many(r.labels, ts, columns_by_metric)
-        if None in sizes:
-            sizes = tuple(size for size in sizes if size is not None)
-        r.samples_total += sum(sizes)  # integers: exact in any order
-        if every_loss:
-            r.loss = losses[-1]
-            loss_found = self.loss_z.observe_many(r.labels, ts, losses)
-        else:
-            loss_found = self._observe_losses(r, ts, losses, nonfinite)
-        if config_versions[-1] > job.config_version:
-            self._config_switched(batch.job, job, numbers, config_versions)
+        cols = StepColumns.of(batch.steps)
+        fold_totals(r, cols)
+        add_step_series(self.series, r, cols)
+        loss_found = self._judge_losses(r, cols)
+        versions = cols.config_versions
+        if versions[-1] > job.config_version:
+            self._config_switched(batch.job, job, cols.numbers, versions)
             job.config_switched_unix_s = now_unix_s
-        self.links.observe_steps(batch.job, batch.rank, waits, computes)
-        step_found: list[tuple[int, Finding]] = []
-        straggler_found: list[tuple[int, Finding]] = []
-        collector = job.collector
-        if collector is not None and batch.rank < collector.world_size:
-            at: list[int] = []
-            job_ts: list[float] = []
-            job_durations: list[float] = []
-            job_waits: list[float] = []
-            for i, complete in collector.add_many(
-                batch.job,
-                batch.rank,
-                numbers,
-                _rank_steps(computes, cpu_waits, input_waits),
-                ts,
-                durations,
-                process_waits,
-            ):
-                for found in self.straggler.observe_step(
-                    complete.job, complete.step, complete.compute_s_by_rank, complete.ts_unix_s
-                ):
-                    straggler_found.append((i, found))
-                if complete.step >= job.judged_from():
-                    at.append(i)
-                    job_ts.append(complete.ts_unix_s)
-                    job_durations.append(complete.duration_s)
-                    job_waits.append(complete.cpu_wait_s)
-            if at:
-                # The job's step time, one series per job: in synchronous training every
-                # rank's step takes as long as the slowest rank's, so a slowdown is one
-                # job-level finding, not one per rank. A rise the job's threads spent
-                # waiting for a CPU is the node's, not the job's (step_cpu_wait_share).
-                found_at = self.step_z.observe_many(job.labels, job_ts, job_durations, job_waits)
-                step_found = [(at[j], finding) for j, finding in found_at]
-        # The opt-in z-scores, per rank, past a config switch's settling (as step time).
-        if self._comm_z_on:
-            step_found += observe_from(self.comm_z, r.labels, numbers, ts, waits, job.judged_from())
-        if self._throughput_z_on:
-            step_found += observe_from(
-                self.throughput_z, r.labels, numbers, ts, throughputs, job.judged_from()
-            )
+        self.links.observe_steps(batch.job, batch.rank, cols.waits, cols.computes)
+        step_found, straggler_found = self._judge_complete_steps(batch, job, cols)
+        step_found += self._judge_opt_in(job, r, cols)
         if loss_found or step_found or straggler_found:
             # Sorting is stable: within a step, loss before step time before straggler.
             for _, found in sorted(loss_found + step_found + straggler_found, key=_first):
                 self._latch(found)
-        # Each kind of step extra changes its own part of the state, so each is taken
-        # for the whole batch (usually none of a batch's steps has any).
-        if any(collectives):
-            for step_collectives in collectives:
-                if step_collectives:
-                    observe_collectives(r, step_collectives, batch.job, self._labels)
-            if self._collective_series:
-                observe_collective_series(self.series, batch.job, r, ts, collectives)
-        if any(buckets):
-            fold = self._labels.value
-            for step_buckets in buckets:
-                for b in step_buckets:
-                    codec = fold(batch.job, "codec", b.codec)
-                    r.compression[codec] = b.compression_ratio
-                    total = r.wire_bytes_total.get(codec, 0.0)
-                    r.wire_bytes_total[codec] = total + b.wire_bytes
-                    if b.relative_error is not None:
-                        r.relative_error[codec] = b.relative_error
-        if job.kind != "ddp":
-            job.kind = job_kind_after(job.kind, ddps, forwards, buckets, collectives)
-        if ddps.count(None) < n or applied.count(None) < n:
-            for ddp, config in zip(ddps, applied, strict=True):
-                if ddp is not None:
-                    job.bucket_cap_bytes = ddp.bucket_cap_bytes
-                if config is not None:
-                    job.config = config
-                    job.bucket_cap_bytes = config.bucket_cap_bytes
-        self.hang.observe_step_duration(batch.job, durations[-1])
-        r.step_marks.extend(zip(ts, numbers, strict=True))
-        r.last_step = numbers[-1]
-        r.steps_total += n
-        r.duration_s = durations[-1]
-        r.comm_wait_s = waits[-1]
-        r.compute_s = computes[-1]
-        r.communication_time_ratio = ratios[-1]
-        r.config_version = config_versions[-1]
-        last = batch.steps[-1]
-        if last.gpu_memory_reserved_bytes is not None:
-            r.gpu_memory_allocated_bytes = float(last.gpu_memory_allocated_bytes or 0)
-            r.gpu_memory_reserved_bytes = float(last.gpu_memory_reserved_bytes)
-            r.gpu_memory_peak_bytes = float(last.gpu_memory_peak_bytes or 0)
+        fold_extras(
+            r,
+            job,
+            cols,
+            job_name=batch.job,
+            labels=self._labels,
+            series=self.series if self._collective_series else None,
+        )
+        self.hang.observe_step_duration(batch.job, cols.durations[-1])
+        fold_latest(r, cols, batch.steps[-1])
+
+    def _judge_losses(self, r: RankState, cols: StepColumns) -> list[tuple[int, Finding]]:
+        """The steps' losses into the loss z-score (and, where some are missing or not
+        finite, into the loss series: ``add_step_series`` took the others); the
+        findings, by step."""
+        if cols.every_loss:
+            losses = cast(Sequence[float], cols.losses)
+            r.loss = losses[-1]
+            return self.loss_z.observe_many(r.labels, cols.ts, losses)
+        return self._observe_losses(r, cols.ts, cols.losses, cols.nonfinite)
+
+    def _judge_complete_steps(
+        self, batch: Batch, job: JobState, cols: StepColumns
+    ) -> tuple[list[tuple[int, Finding]], list[tuple[int, Finding]]]:
+        """The steps every rank has now reported into the straggler detector and the
+        job's step-time z-score; (step-time findings, straggler findings), by step."""
+        step_found: list[tuple[int, Finding]] = []
+        straggler_found: list[tuple[int, Finding]] = []
+        collector = job.collector
+        if collector is None or batch.rank >= collector.world_size:
+            return step_found, straggler_found
+        at: list[int] = []
+        job_ts: list[float] = []
+        job_durations: list[float] = []
+        job_waits: list[float] = []
+        for i, complete in collector.add_many(
+            batch.job,
+            batch.rank,
+            cols.numbers,
+            _rank_steps(cols.computes, cols.cpu_waits, cols.input_waits),
+            cols.ts,
+            cols.durations,
+            cols.process_waits,
+        ):
+            for found in self.straggler.observe_step(
+                complete.job, complete.step, complete.compute_s_by_rank, complete.ts_unix_s
+            ):
+                straggler_found.append((i, found))
+            if complete.step >= job.judged_from():
+                at.append(i)
+                job_ts.append(complete.ts_unix_s)
+                job_durations.append(complete.duration_s)
+                job_waits.append(complete.cpu_wait_s)
+        if at:
+            # The job's step time, one series per job: in synchronous training every
+            # rank's step takes as long as the slowest rank's, so a slowdown is one
+            # job-level finding, not one per rank. A rise the job's threads spent
+            # waiting for a CPU is the node's, not the job's (step_cpu_wait_share).
+            found_at = self.step_z.observe_many(job.labels, job_ts, job_durations, job_waits)
+            step_found = [(at[j], finding) for j, finding in found_at]
+        return step_found, straggler_found
+
+    def _judge_opt_in(
+        self, job: JobState, r: RankState, cols: StepColumns
+    ) -> list[tuple[int, Finding]]:
+        """The opt-in z-scores, per rank, past a config switch's settling (as step time)."""
+        found: list[tuple[int, Finding]] = []
+        if self._comm_z_on:
+            found += observe_from(
+                self.comm_z, r.labels, cols.numbers, cols.ts, cols.waits, job.judged_from()
+            )
+        if self._throughput_z_on:
+            found += observe_from(
+                self.throughput_z,
+                r.labels,
+                cols.numbers,
+                cols.ts,
+                cols.throughputs,
+                job.judged_from(),
+            )
+        return found
 
     def _config_switched(
         self, name: str, job: JobState, numbers: Sequence[int], versions: Sequence[int]
