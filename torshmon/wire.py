@@ -330,6 +330,12 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="hello", ta
     backend: Label
     torch_version: Label
     probe_version: Label
+    #: The launch this rank belongs to, the same on every rank of it (torchrun's run id,
+    #: ``$TORSHMON_RUN_ID``, or one rank 0 made at attach); "" from older probes.
+    run_id: Label = ""
+    #: When this rank attached (Unix ns, the probe's clock): where its run begins; 0
+    #: from older probes.
+    attached_unix_ns: Int64 = 0
 
 
 class Closing(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -34,6 +34,7 @@ from torshmon.probe.groups import GroupRegistry
 from torshmon.probe.inflight import InflightTable
 from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkCheckRequest
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
+from torshmon.probe.runid import run_id_at_attach
 from torshmon.probe.runqueue import ProcessRunQueue, RunQueueClock
 from torshmon.probe.shipper import Ending, Shipper, StepOutbox
 from torshmon.probe.timing import DeviceClock, StepMarks
@@ -505,6 +506,9 @@ class Monitor:
             backend=str(dist.get_backend()),
             torch_version=str(torch.__version__),
             probe_version=__version__,
+            # Once, at attach: the launch's id, as every rank of it has it.
+            run_id=run_id_at_attach(self.rank),
+            attached_unix_ns=time.time_ns(),
         )
 
     def _begin(self, scope: StepScope) -> None:

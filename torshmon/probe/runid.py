@@ -1,0 +1,60 @@
+"""A launch's run id, the same on every rank of it, found at ``attach``.
+
+torchrun's ``$TORCHELASTIC_RUN_ID`` where it names one (its ``--rdzv-id``, a fresh id
+per launch under ``--standalone``; "none" when neither was given), else
+``$TORSHMON_RUN_ID``, else one rank 0 makes and the others read from the process
+group's own rendezvous store (no collective on the job's groups). Rank 0 writes it
+under a key of that store; a rank that cannot read it within ``timeout_s`` (a store
+that the launcher does not share, a rank 0 that attached late) falls back to an id
+derived from the rendezvous address, the same on every rank of one launch at one port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any, Final
+
+log = logging.getLogger(__name__)
+
+#: The rendezvous store's key under which rank 0 leaves the run id it made.
+STORE_KEY: Final = "torshmon/run_id"
+
+
+def env_run_id(env: Mapping[str, str]) -> str | None:
+    """The run id the launcher gave, or None."""
+    torchrun = env.get("TORCHELASTIC_RUN_ID", "")
+    if torchrun and torchrun != "none":
+        return torchrun[:64]
+    own = env.get("TORSHMON_RUN_ID", "")
+    return own[:64] or None
+
+
+def agreed_run_id(rank: int, store: Any, timeout_s: float = 30.0) -> str:
+    """Rank 0's fresh id, shared through ``store`` (a ``torch.distributed.Store``)."""
+    if rank == 0:
+        made = uuid.uuid4().hex[:16]
+        store.set(STORE_KEY, made)
+        return made
+    store.wait([STORE_KEY], datetime.timedelta(seconds=timeout_s))
+    return bytes(store.get(STORE_KEY)).decode()[:64]
+
+
+def run_id_at_attach(rank: int, env: Mapping[str, str] | None = None) -> str:
+    """This launch's run id (see the module's text); never raises."""
+    env = os.environ if env is None else env
+    given = env_run_id(env)
+    if given is not None:
+        return given
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return agreed_run_id(rank, _get_default_store())
+    except Exception:  # the job comes first: any failure falls back
+        log.warning("torshmon: no shared run id from the rendezvous store", exc_info=True)
+    where = f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+    return "port-" + hashlib.sha256(where.encode()).hexdigest()[:12]
