@@ -42,6 +42,7 @@ CONTRACT: dict[str, list[str]] = {
         "last_seen_unix_ns",
         "aggregator_id",
     ],
+    "runs": ["job", "run_id", "started_unix_ns", "world_size"],
     "probe_sessions": [
         "session",
         "job",
@@ -58,6 +59,8 @@ CONTRACT: dict[str, list[str]] = {
         "last_seq",
         "dropped_records_total",
         "closed_unix_ns",
+        "run_id",
+        "attached_unix_ns",
     ],
     "ingest_seqs": ["agent_id", "seq", "node", "received_unix_ns"],
     "steps": [

@@ -446,6 +446,8 @@ def _session_row(hello: Hello, sessions: dict[str, _Session], rows: _Rows, now_n
             "last_seen_unix_ns": now_ns,
             "last_seq": info.last_seq,
             "dropped_records_total": 0,
+            "run_id": hello.run_id or None,
+            "attached_unix_ns": hello.attached_unix_ns or None,
         },
     )
     info.exists = True

@@ -103,6 +103,27 @@ class Job(Base):
     )
 
 
+class Run(Base):
+    __tablename__ = "runs"
+    __table_args__ = _table(
+        "One row per launch of a job: the rows of the job from its start to the next "
+        "run's start belong to it (steps, collectives, alerts, findings, samples)."
+    )
+
+    job: Mapped[str] = mapped_column(String(200), primary_key=True, comment="Job name.")
+    run_id: Mapped[str] = mapped_column(
+        String(64),
+        primary_key=True,
+        comment="The launch's id, the same on every rank (torchrun's run id, "
+        "$TORSHMON_RUN_ID, or one made at attach; 'legacy-N' for runs found by migration).",
+    )
+    started_unix_ns: Mapped[int] = mapped_column(
+        BigInteger,
+        comment="When its first rank attached (the probe's clock), Unix time in nanoseconds.",
+    )
+    world_size: Mapped[int | None] = mapped_column(Integer, comment="Number of ranks.")
+
+
 class ProbeSession(Base):
     __tablename__ = "probe_sessions"
     __table_args__ = _table(
@@ -141,6 +162,16 @@ class ProbeSession(Base):
         BigInteger,
         comment="When the probe said its monitoring ended (close() or process exit), Unix "
         "time in nanoseconds; NULL while it runs, or if it ended without a word.",
+    )
+    run_id: Mapped[str | None] = mapped_column(
+        String(64),
+        comment="The run (launch) of the job this process belongs to; NULL from probes "
+        "before runs.",
+    )
+    attached_unix_ns: Mapped[int | None] = mapped_column(
+        BigInteger,
+        comment="When the probe attached (its clock), Unix time in nanoseconds; NULL from "
+        "probes before runs.",
     )
 
 

@@ -72,6 +72,37 @@ def upsert_sessions(conn: Connection, rows: list[dict[str, Any]]) -> None:
     table = _T["probe_sessions"]
     refreshed = [c.name for c in table.columns if c.name not in _SESSION_KEPT]
     conn.execute(upsert(conn, table, index_elements=["session"], update_columns=refreshed), rows)
+    _note_runs(conn, rows)
+
+
+def _note_runs(conn: Connection, sessions: Sequence[Mapping[str, Any]]) -> None:
+    """The runs these sessions belong to: a new one is stored; a known one starts at
+    its earliest rank's attach."""
+    table = _T["runs"]
+    starts: dict[tuple[str, str], tuple[int, int | None]] = {}
+    for row in sessions:
+        if not row.get("run_id"):
+            continue
+        key = (row["job"], row["run_id"])
+        start = int(row.get("attached_unix_ns") or row["started_unix_ns"])
+        known = starts.get(key)
+        starts[key] = (min(start, known[0]) if known else start, row.get("world_size"))
+    for (job, run_id), (start, world_size) in starts.items():
+        stored = conn.execute(
+            select(table.c.started_unix_ns).where(table.c.job == job, table.c.run_id == run_id)
+        ).scalar()
+        if stored is None:
+            conn.execute(
+                table.insert().values(
+                    job=job, run_id=run_id, started_unix_ns=start, world_size=world_size
+                )
+            )
+        elif start < stored:
+            conn.execute(
+                update(table)
+                .where(table.c.job == job, table.c.run_id == run_id)
+                .values(started_unix_ns=start)
+            )
 
 
 def add_missing_sessions(conn: Connection, rows: list[dict[str, Any]]) -> None:
