@@ -152,6 +152,11 @@ class LiveState:
         self._contact(stored, now_unix_s, agent_node)
         for hello in stored.hellos:
             job = self._job(hello.job)
+            if hello.run_id and job.run_id not in ("", hello.run_id):
+                # A new launch under the same name: the last one's state is not its own.
+                self.forget(hello.job)
+                job = self._job(hello.job)
+            job.run_id = hello.run_id or job.run_id
             if job.world_size != hello.world_size:
                 self._set_world(hello.job, job, hello.world_size)
             self._rank(hello.job, job, hello.rank).node = hello.node

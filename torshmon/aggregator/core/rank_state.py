@@ -103,6 +103,8 @@ class JobState:
     #: The job's own series labels (job-level step time).
     labels: tuple[tuple[str, str], ...] = ()
     world_size: int | None = None
+    #: The launch its state is of (the hellos' run id; "" before one was seen).
+    run_id: str = ""
     ranks: dict[int, RankState] = field(default_factory=dict)
     config: AppliedConfig | None = None
     bucket_cap_bytes: int | None = None
