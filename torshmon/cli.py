@@ -108,7 +108,12 @@ _EXAMPLES: Mapping[str, tuple[str, ...]] = {
     "report": (
         "torshmon report demo",
         "torshmon report demo --html demo.html",
+        "torshmon report demo --run 1 --compare -1",
         "torshmon report bert --aggregator http://aggregator-host:9470 --token-file token",
+    ),
+    "run": (
+        "torshmon run -- torchrun --nproc-per-node 2 train.py",
+        "TORSHMON_JOB=bert torshmon run -- python -m torch.distributed.run --nnodes 1 train.py",
     ),
     "db": ("torshmon db upgrade --db postgresql://torshmon@db-host/torshmon",),
     "db upgrade": (
@@ -328,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --db: the aggregator's evidence folder ($TORSHMON_EVIDENCE_DIR; default "
         "beside a SQLite history, <db>.evidence)",
     )
+    _run_flags(report)
 
     db = command("db", "history database maintenance", env="db")
     db_commands = db.add_subparsers(dest="db_command", required=True)
@@ -373,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--wait", action="store_true", help="print trials until the session ends")
     tune.add_argument("--poll-s", type=float, default=2.0, help=argparse.SUPPRESS)
+    run = command(
+        "run", "run a launcher (torchrun) with the probe attached to an unmodified script"
+    )
+    run.add_argument(
+        "launch", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run"
+    )
     cli_alerts.add_commands(command, _aggregator_flags)
     _add_examples(parser)
     return parser
@@ -445,6 +457,20 @@ def _redactor(args: argparse.Namespace, env: Mapping[str, str]) -> Redactor:
         if isinstance(value, str):  # demo's --db is a file
             redact.add_url(value)
     return redact
+
+
+def _run_run(args: argparse.Namespace, redact: Redactor) -> int:
+    from torshmon import zerocode
+
+    try:
+        words = zerocode.resolve(args.launch)
+    except ValueError as exc:
+        return _fail("run", redact, str(exc), USAGE_ERROR)
+    try:
+        zerocode.exec_command(words)
+    except OSError as exc:
+        return _fail("run", redact, f"cannot run {words[0]}: {exc.strerror}", USAGE_ERROR)
+    return 0  # not reached: exec replaced this process
 
 
 def _fail(command: str, redact: Redactor, message: str, code: int) -> int:
@@ -610,6 +636,22 @@ def _run_query(args: argparse.Namespace, redact: Redactor) -> int:
     return 0
 
 
+def _run_flags(report: argparse.ArgumentParser) -> None:
+    """``report``'s choice of runs: which launch of the job, and another beside it."""
+    report.add_argument(
+        "--run",
+        metavar="RUN",
+        help="which launch of the job: its run id, or its number (1 the first, -1 the "
+        "latest); default the latest",
+    )
+    report.add_argument(
+        "--compare",
+        metavar="RUN",
+        help="put this run beside the one shown (--run, else the latest): step time, "
+        "throughput, communication, findings",
+    )
+
+
 def _run_report(args: argparse.Namespace, redact: Redactor) -> int:
     from torshmon.history.db import DatabaseConfigError, db_url
     from torshmon.history.reader import query_db_url
@@ -626,15 +668,23 @@ def _run_report(args: argparse.Namespace, redact: Redactor) -> int:
         if args.aggregator is not None:
             base = _aggregator_url(args, {})
             token = _token(args, redact, os.environ) or os.environ.get("TORSHMON_TOKEN", "")
-            report = report_from_aggregator(base, args.job, token.strip() or None)
+            runs = [args.run] if args.compare is None else [args.run, args.compare]
+            found = [report_from_aggregator(base, args.job, token.strip() or None, r) for r in runs]
             read_evidence = evidence_from_aggregator(base, token.strip() or None)
         else:
             url = db_url(args.db)
-            report = report_from_db(query_db_url(None, url), args.job)
+            runs = [args.run] if args.compare is None else [args.run, args.compare]
+            found = [report_from_db(query_db_url(None, url), args.job, run=r) for r in runs]
             read_evidence = evidence_from_db(url, args.evidence_dir)
     except (ReportError, DatabaseConfigError, ValueError) as exc:
         return _fail("report", redact, str(exc), USAGE_ERROR)
-    print(render_text(report), end="")
+    report = found[0]
+    if len(found) == 2:
+        from torshmon.report.compare import render_comparison
+
+        print(render_comparison(*found), end="")
+    else:
+        print(render_text(report), end="")
     if args.html is not None:
         from torshmon.report.page import render_page
 
@@ -982,8 +1032,8 @@ def _dispatch(args: argparse.Namespace, redact: Redactor) -> int:
         return _run_report(args, redact)
     if args.command == "rules":
         return _run_rules(args)
-    if args.command == "tune":
-        return _run_tune(args, redact)
+    if args.command in ("tune", "run"):
+        return {"tune": _run_tune, "run": _run_run}[args.command](args, redact)
     if args.command in ("alerts", "silence"):
         return _run_lifecycle(args, redact)
     raise AssertionError(f"unhandled command {args.command}")  # argparse enforces the choices

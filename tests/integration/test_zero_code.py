@@ -1,0 +1,156 @@
+"""``torshmon run`` on the README's example with its torshmon lines removed: a real
+``torchrun`` (``python -m torch.distributed.run``) of 2 gloo ranks, a real agent and
+aggregator on loopback, the history they write. The script is cut from README.md, so
+the test follows the README as it changes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import secrets
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from torshmon.aggregator.service import Aggregator
+from torshmon.aggregator.settings import AggregatorSettings
+from torshmon.history.query import run_query
+from torshmon.zerocode import BOOTSTRAP_DIR, child_env, resolve
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 12
+BATCH = 8
+#: what the README's loop leaves to the reader: the net, its data, its loss, its optimizer
+PRELUDE = f"""\
+import torch
+
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+loader = [(torch.randn({BATCH}, 32), torch.randn({BATCH}, 4)) for _ in range({STEPS})]
+loss_fn = torch.nn.MSELoss()
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+"""
+
+
+def readme_script_without_torshmon() -> str:
+    """The README's ``train.py``, every torshmon line dropped and the ``with mon.step``
+    block's body dedented into the loop: what the user would have had before torshmon."""
+    readme = (ROOT / "README.md").read_text()
+    intro = readme.index("`train.py` needs")
+    block = re.search(r"```python\n(.*?)```", readme[intro:], re.S)
+    assert block is not None
+    out: list[str] = []
+    inside_step = False
+    for line in block.group(1).splitlines():
+        if "mon.step(" in line:
+            inside_step = True
+            continue
+        code = line.split("  #")[0].rstrip()
+        if "torshmon" in code or re.match(r"\s*(mon\.|step\.)", code):
+            continue
+        if inside_step and code.startswith(" " * 8):
+            code = code[4:]
+        out.append(code)
+    body = "\n".join(out)
+    assert "torshmon" not in body and "mon" not in re.sub(r"\w+mon\w*", "", body)
+    # The net must exist before the README's ``DDP(net)``: the prelude goes after the
+    # process group starts (its seed is the same on both ranks).
+    head, _, tail = body.partition("model = DDP(net)")
+    return head + PRELUDE + "model = DDP(net)" + tail + "\n"
+
+
+def test_the_readme_script_loses_every_torshmon_line() -> None:
+    script = readme_script_without_torshmon()
+    assert "import torshmon" not in script and "mon.step" not in script
+    assert 'dist.init_process_group("gloo")\n' in script
+    # The step's body, now the loop's.
+    assert "for x, y in loader:\n    loss = loss_fn(model(x), y)\n" in script
+    assert "\n    opt.step()\n" in script
+    compile(script, "train.py", "exec")
+
+
+def test_run_sets_the_switch_and_puts_the_bootstrap_first_once() -> None:
+    env = child_env({"PYTHONPATH": f"/x{os.pathsep}{BOOTSTRAP_DIR}"})
+    assert env["TORSHMON_AUTO"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(BOOTSTRAP_DIR), "/x"]
+    assert (BOOTSTRAP_DIR / "sitecustomize.py").is_file()
+    with pytest.raises(ValueError, match="no command"):
+        resolve(["--"])
+    with pytest.raises(ValueError, match="not a program"):
+        resolve(["--", "no-such-launcher-here"])
+
+
+def _rows(db_url: str, sql: str) -> list[tuple[Any, ...]]:
+    return [tuple(row) for row in run_query(db_url, sql).rows]
+
+
+async def test_torshmon_run_watches_the_readme_script_unmodified(tmp_path: Path) -> None:
+    from torshmon.agent.daemon import Agent, AgentSettings
+
+    script = tmp_path / "train.py"
+    script.write_text(readme_script_without_torshmon())
+    db_url = f"sqlite:///{tmp_path / 'history.db'}"
+    token = secrets.token_hex(8)
+    settings = AggregatorSettings(port=0, db_url=db_url, token=token, aggregator_id="zero")
+    async with Aggregator(settings, registry=CollectorRegistry(), targets=[]) as aggregator:
+        agent_settings = AgentSettings(
+            socket_path=str(tmp_path / "agent.sock"),
+            metrics_port=0,
+            aggregator_url=f"http://127.0.0.1:{aggregator.port}",
+            token=token,
+            spool_path=str(tmp_path / "spool.db"),
+            sample_interval_s=1.0,
+        )
+        async with Agent(agent_settings, registry=CollectorRegistry()):
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "TORSHMON_AGENT_SOCKET": agent_settings.socket_path,
+                "TORSHMON_JOB": "zero-code",
+            }
+            env.pop("TORSHMON_AUTO", None)
+            command = [
+                str(Path(sys.executable).parent / "torshmon"),
+                "run",
+                "--",
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(script),
+            ]
+            done = await asyncio.to_thread(
+                subprocess.run,
+                command,
+                env=env,
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+    steps = _rows(
+        db_url,
+        "SELECT rank, step, batch_size, compute_s, forward_s, backward_s FROM steps "
+        "WHERE job = 'zero-code' ORDER BY rank, step",
+    )
+    for rank in (0, 1):
+        mine = [row for row in steps if row[0] == rank]
+        # One row per optimizer step, each with the loader's batch size.
+        assert [row[1] for row in mine] == list(range(1, STEPS + 1)), steps
+        assert {row[2] for row in mine} == {BATCH}
+        # The DDP forward pass began each step, before the probe's own hook ran:
+        # the forward/backward split is there.
+        for _, step, _, compute_s, forward_s, backward_s in mine[1:]:
+            assert 0 < forward_s < compute_s and backward_s > 0, (rank, step)
+    assert "monitoring is off" not in done.stderr, textwrap.shorten(done.stderr, 2000)
