@@ -284,6 +284,16 @@ class SessionItem:
 
 
 @dataclass(frozen=True, slots=True)
+class RunItem:
+    """One launch of the job (``runs``): its rows are those from its start to the next's."""
+
+    run_id: str
+    started_unix_s: float
+    ended_unix_s: float | None
+    world_size: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class JobReport:
     """Everything ``torshmon report`` shows of one job."""
 
@@ -306,6 +316,10 @@ class JobReport:
     trials: tuple[TrialItem, ...]
     #: One sentence: what the job suffers most from and what it costs (``headline``).
     headline: str = ""
+    #: The run this report is of ("" for a history without runs), and all the job's
+    #: runs, the oldest first (``ended_unix_s``: the next one's start).
+    run_id: str = ""
+    runs: tuple[RunItem, ...] = ()
 
 
 def to_json(report: JobReport) -> bytes:
@@ -367,6 +381,18 @@ def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
         sessions=tuple(_session(s) for s in history.tuning_sessions),
         trials=tuple(_trial(t) for t in history.tuning_trials),
         headline=headline(findings, steps),
+        run_id="" if history.run is None else history.run["run_id"],
+        runs=tuple(_run_item(r) for r in history.runs),
+    )
+
+
+def _run_item(row: Mapping[str, Any]) -> RunItem:
+    end = row["ended_unix_ns"]
+    return RunItem(
+        run_id=row["run_id"],
+        started_unix_s=row["started_unix_ns"] / 1e9,
+        ended_unix_s=None if end is None else end / 1e9,
+        world_size=row["world_size"],
     )
 
 

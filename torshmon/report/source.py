@@ -21,7 +21,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from torshmon.history.db import DatabaseConfigError, make_engine
-from torshmon.history.store.report import job_names, load_job_history
+from torshmon.history.store.report import UnknownRun, job_names, load_job_history
 from torshmon.redact import redact_url
 from torshmon.report.model import EvidenceLink, JobReport, build_report, from_json
 
@@ -41,15 +41,18 @@ class HistoryReports:
     def __init__(self, engine: Callable[[], Engine]) -> None:
         self._engine = engine
 
-    async def job_report(self, job: str, now_unix_s: float) -> JobReport | None:
-        """``job``'s report as of ``now_unix_s``; None if the history has no such job."""
+    async def job_report(
+        self, job: str, now_unix_s: float, run: str | None = None
+    ) -> JobReport | None:
+        """``job``'s report as of ``now_unix_s``, of its run ``run`` (the latest when
+        None); None if the history has no such job, UnknownRun if no such run."""
         return await asyncio.get_running_loop().run_in_executor(
-            None, self._job_report, job, now_unix_s
+            None, self._job_report, job, now_unix_s, run
         )
 
-    def _job_report(self, job: str, now_unix_s: float) -> JobReport | None:
+    def _job_report(self, job: str, now_unix_s: float, run: str | None) -> JobReport | None:
         with self._engine().connect() as conn:
-            history = load_job_history(conn, job)
+            history = load_job_history(conn, job, run=run)
         return build_report(history, now_unix_s) if history is not None else None
 
     async def job_list(self) -> list[dict[str, Any]]:
@@ -66,8 +69,11 @@ class ReportError(Exception):
     reach); the text says why in one line."""
 
 
-def report_from_db(url: str, job: str, *, now_unix_s: float | None = None) -> JobReport:
-    """``job``'s report from the history at ``url``, opened read-only."""
+def report_from_db(
+    url: str, job: str, *, run: str | None = None, now_unix_s: float | None = None
+) -> JobReport:
+    """``job``'s report from the history at ``url``, opened read-only: of its run
+    ``run`` (an id, or its number: 1 the first, -1 the latest), the latest when None."""
     shown = redact_url(url)
     try:
         engine = make_engine(url, read_only=True)
@@ -75,7 +81,9 @@ def report_from_db(url: str, job: str, *, now_unix_s: float | None = None) -> Jo
         raise ReportError(str(exc)) from None
     try:
         with engine.connect() as conn:
-            history = load_job_history(conn, job)
+            history = load_job_history(conn, job, run=run)
+    except UnknownRun as exc:
+        raise ReportError(f"job {job!r}: {exc}") from None
     except SQLAlchemyError as exc:
         orig = getattr(exc, "orig", None) or exc
         why = " ".join(f"{type(orig).__name__}: {orig}".split())
@@ -87,9 +95,14 @@ def report_from_db(url: str, job: str, *, now_unix_s: float | None = None) -> Jo
     return build_report(history, time.time() if now_unix_s is None else now_unix_s)
 
 
-def report_from_aggregator(base_url: str, job: str, token: str | None) -> JobReport:
-    """``job``'s report as the aggregator at ``base_url`` makes it from its history."""
+def report_from_aggregator(
+    base_url: str, job: str, token: str | None, run: str | None = None
+) -> JobReport:
+    """``job``'s report as the aggregator at ``base_url`` makes it from its history (of
+    its run ``run``, the latest when None)."""
     path = REPORT_DATA_PATH.format(job=urllib.parse.quote(job, safe=""))
+    if run is not None:
+        path += "?" + urllib.parse.urlencode({"run": run})
     request = urllib.request.Request(base_url.rstrip("/") + path)
     if token:
         request.add_header("Authorization", f"Bearer {token}")

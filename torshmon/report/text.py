@@ -79,11 +79,23 @@ def _header(r: JobReport) -> str:
         f"{r.backend or '?'}, {state}; first seen {when(r.first_seen_unix_s)}, "
         f"last seen {when(r.last_seen_unix_s)}",
     ]
+    if r.runs:
+        lines.append(runs_line(r))
     if r.steps_truncated:
         lines.append(f"(the latest {r.steps_read} step records only)")
     if r.headline:
         lines.append(_wrap(f"In short: {r.headline}", ""))
     return "\n".join(lines)
+
+
+def runs_line(r: JobReport) -> str:
+    """``run 2 of 2 (b31f...), started ...; other runs: 1 a9e0... (--run)``."""
+    ids = [run.run_id for run in r.runs]
+    n = ids.index(r.run_id) + 1 if r.run_id in ids else 0
+    started = next((run.started_unix_s for run in r.runs if run.run_id == r.run_id), None)
+    others = ", ".join(f"{i} {rid}" for i, rid in enumerate(ids, 1) if rid != r.run_id)
+    line = f"run {n} of {len(ids)} ({r.run_id}), started {when(started)}"
+    return line + (f"; other runs: {others} (--run)" if others else "")
 
 
 def _ranks(r: JobReport) -> str:

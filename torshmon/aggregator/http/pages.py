@@ -27,6 +27,7 @@ from torshmon.aggregator.http.guard import (
     read_body,
     session_cookie,
 )
+from torshmon.history.store.report import UnknownRun
 from torshmon.report.model import JobReport, to_json
 from torshmon.report.page import (
     CONTENT_SECURITY_POLICY,
@@ -55,7 +56,9 @@ _HEADERS: Final = {
 class ReportSource(Protocol):
     """Reports and the list of jobs from the history (``HistoryStore``)."""
 
-    async def job_report(self, job: str, now_unix_s: float) -> JobReport | None: ...
+    async def job_report(
+        self, job: str, now_unix_s: float, run: str | None = None
+    ) -> JobReport | None: ...
 
     async def job_list(self) -> list[dict[str, Any]]: ...
 
@@ -107,31 +110,41 @@ class Pages:
         if not self._signed_in(request):
             return self._login_page(request)
         job = request.match_info["job"]
-        # One render per job at a time, reused for a while: each open browser reloads a
-        # running job's page, and a render takes a core for a second or more.
+        run = request.query.get("run") or None
+        key = job if run is None else f"{job}\0{run}"
+        # One render per job (and run) at a time, reused for a while: each open browser
+        # reloads a running job's page, and a render takes a core for a second or more.
         now = self._clock()
         self._pages = {k: v for k, v in self._pages.items() if now - v[0] < PAGE_REUSE_S}
-        async with self._locks.setdefault(job, asyncio.Lock()):
-            cached = self._pages.get(job)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            cached = self._pages.get(key)
             if cached is not None and self._clock() - cached[0] < PAGE_REUSE_S:
                 return html_response(cached[1])
             started = time.monotonic()
-            report = await self._reports.job_report(job, self._clock())
+            try:
+                report = await self._reports.job_report(job, self._clock(), run)
+            except UnknownRun:
+                report = None
             if report is None:
-                self._locks.pop(job, None)  # else every unknown name would stay here
+                self._locks.pop(key, None)  # else every unknown name would stay here
                 return html_response(render_not_found(job), 404)
             loop = asyncio.get_running_loop()
             page = await loop.run_in_executor(None, _render, report, self._refresh_s.get(job))
             # A large job's page takes long to make: its viewers reload it less often.
             self._refresh_s[job] = max(REFRESH_S, math.ceil(3 * (time.monotonic() - started)))
-            self._pages[job] = (self._clock(), page)
+            self._pages[key] = (self._clock(), page)
         return html_response(page)
 
     async def summary(self, request: web.Request) -> web.Response:
         if not self._guard.authorized(request.headers):
             raise web.HTTPUnauthorized(text="missing or wrong bearer token")
         job = request.match_info["job"]
-        report = await self._reports.job_report(job, self._clock())
+        try:
+            report = await self._reports.job_report(
+                job, self._clock(), request.query.get("run") or None
+            )
+        except UnknownRun as exc:
+            raise web.HTTPNotFound(text=f"job {job!r}: {exc}") from None
         if report is None:
             raise web.HTTPNotFound(text=f"no job {job!r} in the history")
         return web.Response(body=to_json(report), content_type="application/json")

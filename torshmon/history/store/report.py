@@ -63,6 +63,52 @@ class JobHistory:
     tuning_sessions: list[dict[str, Any]]
     tuning_trials: list[dict[str, Any]]
     evidence: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    #: The run shown (a ``runs`` row), None for a history that has no runs of the job.
+    run: dict[str, Any] | None = None
+    #: All the job's runs, the oldest first, each a ``runs`` row with ``ended_unix_ns``
+    #: (the next run's start; None for the latest).
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+
+class UnknownRun(LookupError):
+    """The run asked for is not one of the job's; the text names those it has."""
+
+
+#: Bounds of all time: a job without runs is read whole.
+_NO_BOUNDS: Final = (-(2**62), 2**62)
+
+
+def job_runs(conn: Connection, job: str) -> list[dict[str, Any]]:
+    """``job``'s runs, the oldest first, each with ``ended_unix_ns``: the next run's
+    start (a run's rows are those from its start to the next's), None for the latest.
+    Empty where the history has no runs (a schema before them, or probes before them)."""
+    if not inspect(conn).has_table("runs"):
+        return []
+    runs = _T["runs"]
+    query = select(runs).where(runs.c.job == job).order_by(runs.c.started_unix_ns, runs.c.run_id)
+    rows = [dict(r) for r in conn.execute(query).mappings()]
+    for row, after in zip(rows, [*rows[1:], None], strict=True):
+        row["ended_unix_ns"] = None if after is None else after["started_unix_ns"]
+    return rows
+
+
+def pick_run(runs: Sequence[Mapping[str, Any]], run: str | None) -> Mapping[str, Any] | None:
+    """The run ``run`` names (its id, or ``-1`` for the latest, ``1`` for the first), the
+    latest when None; None when there are no runs; UnknownRun for a run not among them."""
+    if not runs:
+        if run is None:
+            return None
+        raise UnknownRun(f"the history has no runs of this job, so no run {run!r}")
+    if run is None:
+        return runs[-1]
+    for row in runs:
+        if row["run_id"] == run:
+            return row
+    if run.lstrip("-").isdigit() and 1 <= abs(int(run)) <= len(runs) and int(run) != 0:
+        n = int(run)
+        return runs[n - 1] if n > 0 else runs[n]
+    names = ", ".join(r["run_id"] for r in runs)
+    raise UnknownRun(f"no run {run!r}; the job's runs, oldest first: {names}")
 
 
 def job_names(conn: Connection, limit: int = 1000) -> list[dict[str, Any]]:
@@ -73,31 +119,59 @@ def job_names(conn: Connection, limit: int = 1000) -> list[dict[str, Any]]:
 
 
 def load_job_history(
-    conn: Connection, job: str, *, max_steps: int = MAX_STEPS, max_samples: int = MAX_SAMPLES
+    conn: Connection,
+    job: str,
+    *,
+    run: str | None = None,
+    max_steps: int = MAX_STEPS,
+    max_samples: int = MAX_SAMPLES,
 ) -> JobHistory | None:
-    """Everything the report shows of ``job``; None when the history has no such job."""
+    """Everything the report shows of one run of ``job`` (``run``: its id, the latest
+    when None; see ``pick_run``); None when the history has no such job, UnknownRun
+    when it has no such run. A job without runs in the history is read whole."""
     jobs = _T["jobs"]
     row = conn.execute(select(jobs).where(jobs.c.job == job)).mappings().first()
     if row is None:
         return None
+    runs = job_runs(conn, job)
+    chosen = pick_run(runs, run)
+    job_row = dict(row)
+    bounds = _NO_BOUNDS
     sessions = _all(conn, _T["probe_sessions"], job, "rank")
-    steps = _steps(conn, job, max_steps + 1)
+    if chosen is not None:
+        end = chosen["ended_unix_ns"]
+        bounds = (chosen["started_unix_ns"], _NO_BOUNDS[1] if end is None else end)
+        sessions = [s for s in sessions if s.get("run_id") == chosen["run_id"]]
+        job_row["world_size"] = chosen["world_size"] or job_row["world_size"]
+        job_row["first_seen_unix_ns"] = chosen["started_unix_ns"]
+        if sessions:
+            job_row["last_seen_unix_ns"] = max(s["last_seen_unix_ns"] for s in sessions)
+        elif end is not None:
+            job_row["last_seen_unix_ns"] = min(job_row["last_seen_unix_ns"], end)
+    steps = _steps(conn, job, max_steps + 1, bounds)
     read = len(next(iter(steps.values()), []))
     nodes = sorted({s["node"] for s in sessions if s["node"]})
-    alerts = _all(conn, _T["alerts"], job, "starts_at_unix_s")
+    seconds = (bounds[0] / 1e9, bounds[1] / 1e9)
+    alerts = _all(conn, _T["alerts"], job, "starts_at_unix_s", seconds)
+    tuning = _all(conn, _T["tuning_sessions"], job, "started_unix_s", seconds)
+    tuned = {t["id"] for t in tuning}
     return JobHistory(
-        job=dict(row),
+        job=job_row,
         sessions=sessions,
         steps={name: values[:max_steps] for name, values in steps.items()},
         steps_truncated=read > max_steps,
-        node_samples=_node_samples(conn, nodes, row, max_samples),
-        rank_samples=_rank_samples(conn, job, max_samples),
+        node_samples=_node_samples(conn, nodes, job_row, max_samples),
+        rank_samples=_rank_samples(conn, job, max_samples, bounds),
         alerts=alerts,
-        findings=_all(conn, _T["findings"], job, "detected_unix_s"),
+        findings=_all(conn, _T["findings"], job, "detected_unix_s", seconds),
         configs=_all(conn, _T["configs"], job, "version"),
-        tuning_sessions=_all(conn, _T["tuning_sessions"], job, "started_unix_s"),
-        tuning_trials=_all(conn, _T["tuning_trials"], job, "id"),
+        tuning_sessions=tuning,
+        tuning_trials=[
+            t for t in _all(conn, _T["tuning_trials"], job, "id") if t["session_id"] in tuned
+        ],
         evidence=evidence_links(conn, alerts),
+        run=None if chosen is None else dict(chosen),
+        runs=runs,
     )
 
 
@@ -155,12 +229,24 @@ def evidence_links(
     return links
 
 
-def _all(conn: Connection, table: Table, job: str, order: str) -> list[dict[str, Any]]:
+def _all(
+    conn: Connection,
+    table: Table,
+    job: str,
+    order: str,
+    bounds: tuple[float, float] | None = None,
+) -> list[dict[str, Any]]:
+    """``job``'s rows of ``table`` by ``order``; with ``bounds``, those whose ``order``
+    is in [start, end)."""
     query = select(table).where(table.c.job == job).order_by(table.c[order])
+    if bounds is not None:
+        query = query.where(table.c[order] >= bounds[0], table.c[order] < bounds[1])
     return [dict(r) for r in conn.execute(query).mappings()]
 
 
-def _steps(conn: Connection, job: str, limit: int) -> dict[str, list[Any]]:
+def _steps(
+    conn: Connection, job: str, limit: int, bounds: tuple[int, int] = _NO_BOUNDS
+) -> dict[str, list[Any]]:
     steps = _T["steps"]
     present = {c["name"] for c in inspect(conn).get_columns("steps")}
     names = [*STEP_COLUMNS, *(c for c in OPTIONAL_STEP_COLUMNS if c in present)]
@@ -170,6 +256,7 @@ def _steps(conn: Connection, job: str, limit: int) -> dict[str, list[Any]]:
         select(*columns)
         .select_from(steps)
         .where(steps.c.job == job)
+        .where(steps.c.end_unix_ns >= bounds[0], steps.c.end_unix_ns < bounds[1])
         .order_by(steps.c.end_unix_ns.desc())
         .limit(limit)
     )
@@ -198,11 +285,14 @@ def _node_samples(
     return [dict(r) for r in conn.execute(query).mappings()]
 
 
-def _rank_samples(conn: Connection, job: str, limit: int) -> list[dict[str, Any]]:
+def _rank_samples(
+    conn: Connection, job: str, limit: int, bounds: tuple[int, int] = _NO_BOUNDS
+) -> list[dict[str, Any]]:
     samples = _T["rank_samples"]
     query = (
         select(samples.c.rank, samples.c.ts_unix_ns, samples.c.rss_bytes)
         .where(samples.c.job == job)
+        .where(samples.c.ts_unix_ns >= bounds[0], samples.c.ts_unix_ns < bounds[1])
         .order_by(samples.c.ts_unix_ns.desc())
         .limit(limit)
     )

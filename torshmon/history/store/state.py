@@ -45,6 +45,7 @@ Row = dict[str, Any]
 #: The tables the API lists, each with the column it lists them by, newest first.
 Listing = Literal[
     "jobs",
+    "runs",
     "probe_sessions",
     "alerts",
     "findings",
@@ -55,6 +56,7 @@ Listing = Literal[
 ]
 LISTING_ORDER: Final[Mapping[str, str]] = {
     "jobs": "last_seen_unix_ns",
+    "runs": "started_unix_ns",
     "probe_sessions": "last_seen_unix_ns",
     "alerts": "id",
     "findings": "id",
