@@ -11,7 +11,6 @@ import re
 import secrets
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +66,16 @@ def readme_script_without_torshmon() -> str:
     return head + PRELUDE + "model = DDP(net)" + tail + "\n"
 
 
+def readme_script() -> str:
+    """The README's ``train.py`` as it is, torshmon lines and all, with the same prelude."""
+    readme = (ROOT / "README.md").read_text()
+    intro = readme.index("`train.py` needs")
+    block = re.search(r"```python\n(.*?)```", readme[intro:], re.S)
+    assert block is not None
+    head, _, tail = block.group(1).partition("model = DDP(net)")
+    return head + PRELUDE + "model = DDP(net)" + tail
+
+
 def test_the_readme_script_loses_every_torshmon_line() -> None:
     script = readme_script_without_torshmon()
     assert "import torshmon" not in script and "mon.step" not in script
@@ -97,6 +106,9 @@ async def test_torshmon_run_watches_the_readme_script_unmodified(tmp_path: Path)
 
     script = tmp_path / "train.py"
     script.write_text(readme_script_without_torshmon())
+    # The README's own script, also under torshmon run: its attach and steps win.
+    own = tmp_path / "own.py"
+    own.write_text(readme_script())
     db_url = f"sqlite:///{tmp_path / 'history.db'}"
     token = secrets.token_hex(8)
     settings = AggregatorSettings(port=0, db_url=db_url, token=token, aggregator_id="zero")
@@ -129,16 +141,18 @@ async def test_torshmon_run_watches_the_readme_script_unmodified(tmp_path: Path)
                 "2",
                 str(script),
             ]
-            done = await asyncio.to_thread(
-                subprocess.run,
-                command,
-                env=env,
-                cwd=tmp_path,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert done.returncode == 0, done.stderr[-3000:]
+            for path in (script, own):
+                done = await asyncio.to_thread(
+                    subprocess.run,
+                    [*command[:-1], str(path)],
+                    env=env,
+                    cwd=tmp_path,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                assert done.returncode == 0, done.stderr[-3000:]
+                assert "monitoring is off" not in done.stderr, done.stderr[-2000:]
     steps = _rows(
         db_url,
         "SELECT rank, step, batch_size, compute_s, forward_s, backward_s FROM steps "
@@ -153,4 +167,14 @@ async def test_torshmon_run_watches_the_readme_script_unmodified(tmp_path: Path)
         # the forward/backward split is there.
         for _, step, _, compute_s, forward_s, backward_s in mine[1:]:
             assert 0 < forward_s < compute_s and backward_s > 0, (rank, step)
-    assert "monitoring is off" not in done.stderr, textwrap.shorten(done.stderr, 2000)
+    # The same rows as the script that attaches itself (job my-job): the same steps and
+    # batch sizes; its own steps carry the loss, which no zero-code hook hands over.
+    own_rows = _rows(
+        db_url,
+        "SELECT rank, step, batch_size, loss FROM steps WHERE job = 'my-job' ORDER BY rank, step",
+    )
+    assert [r[:3] for r in own_rows] == [r[:3] for r in steps]
+    assert all(r[3] is not None for r in own_rows)
+    assert _rows(
+        db_url, "SELECT count(*) FROM steps WHERE job = 'zero-code' AND loss IS NOT NULL"
+    ) == [(0,)]
