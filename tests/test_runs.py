@@ -1,0 +1,264 @@
+"""Runs: each launch of a job kept apart, from the probe's run id to the report."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import msgspec
+import pytest
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from prometheus_client import CollectorRegistry
+
+from tests.integration import wire_factory as wf
+from torshmon.aggregator.core.live import LiveState
+from torshmon.aggregator.core.stored import Stored
+from torshmon.aggregator.live_metrics import LiveCollector
+from torshmon.history.db import make_engine
+from torshmon.history.migrate import alembic_dir, upgrade
+from torshmon.history.store.report import UnknownRun, load_job_history, pick_run
+from torshmon.probe.runid import agreed_run_id, env_run_id
+from torshmon.report import render_text, report_from_db
+from torshmon.report.compare import render_comparison
+from torshmon.report.source import ReportError
+
+S = 10**9
+T0 = 1_800_000_000 * S
+
+
+# -- the probe's run id --------------------------------------------------------------------
+def test_torchruns_default_none_is_no_run_id_and_ours_comes_next() -> None:
+    assert env_run_id({"TORCHELASTIC_RUN_ID": "none"}) is None
+    assert env_run_id({"TORCHELASTIC_RUN_ID": "none", "TORSHMON_RUN_ID": "r7"}) == "r7"
+    assert env_run_id({"TORCHELASTIC_RUN_ID": "abc", "TORSHMON_RUN_ID": "r7"}) == "abc"
+    assert env_run_id({}) is None
+
+
+def test_every_rank_reads_the_id_rank_0_made_from_the_store() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    got: dict[int, str] = {}
+
+    def rank(n: int) -> None:
+        got[n] = agreed_run_id(n, store, timeout_s=10)
+
+    threads = [threading.Thread(target=rank, args=(n,)) for n in (3, 2, 1)]
+    for t in threads:
+        t.start()
+    rank(0)
+    for t in threads:
+        t.join()
+    assert len(got[0]) == 16
+    assert got == {0: got[0], 1: got[0], 2: got[0], 3: got[0]}
+    # A rank whose rank 0 never wrote waits its bound, then fails (attach falls back).
+    with pytest.raises(RuntimeError):
+        agreed_run_id(1, dist.HashStore(), timeout_s=0.2)
+
+
+# -- the live state ------------------------------------------------------------------------
+def test_a_new_run_id_starts_the_jobs_live_state_over() -> None:
+    live = LiveState(idle_s=60.0)
+    registry = CollectorRegistry()
+    registry.register(LiveCollector(live))
+    first = [msgspec.structs.replace(wf.hello("j", r, 2), run_id="a") for r in (0, 1)]
+    steps = [wf.step(n) for n in range(1, 31)]
+    live.observe(
+        Stored(acked_seq=1, hellos=first, batches=[(wf.batch(h, 1, steps), "n") for h in first]),
+        now_unix_s=1000.0,
+    )
+    assert registry.get_sample_value("torshmon_steps_total", {"job": "j", "rank": "0"}) == 30
+    # The same run's hello again (a reconnect) keeps the state.
+    live.observe(Stored(acked_seq=2, hellos=first[:1]), now_unix_s=1001.0)
+    assert registry.get_sample_value("torshmon_steps_total", {"job": "j", "rank": "0"}) == 30
+    second = [
+        msgspec.structs.replace(wf.hello("j", r, 2), session=f"s2-{r}", run_id="b") for r in (0, 1)
+    ]
+    live.observe(
+        Stored(
+            acked_seq=3,
+            hellos=second,
+            batches=[(wf.batch(h, 1, steps[:5]), "n") for h in second],
+        ),
+        now_unix_s=1002.0,
+    )
+    assert registry.get_sample_value("torshmon_steps_total", {"job": "j", "rank": "0"}) == 5
+    assert live.jobs["j"].run_id == "b"
+
+
+# -- the history: runs chosen, rows split by run, migration -----------------------------
+def test_pick_run_by_id_by_number_and_unknown() -> None:
+    runs = [{"run_id": "a"}, {"run_id": "b"}, {"run_id": "c"}]
+    assert pick_run(runs, None) == {"run_id": "c"}
+    assert pick_run(runs, "a") == {"run_id": "a"}
+    assert pick_run(runs, "2") == {"run_id": "b"}
+    assert pick_run(runs, "-1") == {"run_id": "c"}
+    assert pick_run([], None) is None
+    with pytest.raises(UnknownRun, match="no run '4'; the job's runs, oldest first: a, b, c"):
+        pick_run(runs, "4")
+    with pytest.raises(UnknownRun):
+        pick_run(runs, "0")
+
+
+def _step(rank: int, step: int, at_ns: int, duration_s: float) -> dict[str, object]:
+    return {
+        "job": "j",
+        "rank": rank,
+        "node": "n0",
+        "step": step,
+        "end_unix_ns": at_ns,
+        "duration_s": duration_s,
+        "comm_wait_s": duration_s / 4,
+        "compute_s": duration_s * 3 / 4,
+        "communication_time_ratio": 0.25,
+        "comm_busy_s": None,
+        "forward_s": None,
+        "backward_s": None,
+        "optimizer_s": None,
+        "batch_size": 8,
+        "samples_per_s": 8 / duration_s,
+        "loss": 1.0,
+        "loss_nonfinite": False,
+        "config_version": 0,
+    }
+
+
+def _upgrade_to(url: str, revision: str) -> None:
+    config = Config()
+    config.set_main_option("script_location", str(alembic_dir()))
+    engine = make_engine(url)
+    with engine.connect() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, revision)
+        conn.commit()
+    engine.dispose()
+
+
+def _two_launches(conn: sa.Connection, *, second_run: int = 40) -> None:
+    """Job ``j`` ran twice: 60 steps of 0.1 s from T0, then ``second_run`` of 0.3 s
+    from T0 + 100 s, on 2 ranks, with an alert in each launch."""
+    meta = sa.MetaData()
+    meta.reflect(conn)
+    t = meta.tables
+    conn.execute(
+        t["jobs"].insert(),
+        {
+            "job": "j",
+            "world_size": 2,
+            "backend": "gloo",
+            "first_seen_unix_ns": T0,
+            "last_seen_unix_ns": T0 + 200 * S,
+        },
+    )
+    steps = [_step(rank, n, T0 + n * S // 10, 0.1) for rank in (0, 1) for n in range(1, 61)] + [
+        _step(rank, n, T0 + 100 * S + n * 3 * S // 10, 0.3)
+        for rank in (0, 1)
+        for n in range(1, second_run + 1)
+    ]
+    conn.execute(t["steps"].insert(), steps)
+    for n, (start, ends) in enumerate([(T0, T0 + 7 * S), (T0 + 100 * S, T0 + 115 * S)]):
+        for rank in (0, 1):
+            conn.execute(
+                t["probe_sessions"].insert(),
+                {
+                    "session": f"s{n}-{rank}",
+                    "job": "j",
+                    "rank": rank,
+                    "started_unix_ns": start + S // 2,
+                    "last_seen_unix_ns": ends,
+                    "last_seq": 3,
+                    "dropped_records_total": 0,
+                },
+            )
+    for n, at in enumerate((T0 + 3 * S, T0 + 105 * S)):
+        conn.execute(
+            t["alerts"].insert(),
+            {
+                "fingerprint": f"f{n}",
+                "rule": "Straggler" if n else "High Communication Overhead",
+                "severity": "warning",
+                "state": "resolved",
+                "job": "j",
+                "rank": 1 if n else None,
+                "labels": {},
+                "annotations": {},
+                "value": 2.0,
+                "starts_at_unix_s": at / 1e9,
+                "fired_at_unix_s": at / 1e9,
+                "ends_at_unix_s": at / 1e9 + 2,
+                "updated_unix_s": at / 1e9 + 2,
+            },
+        )
+
+
+def test_an_older_history_gets_one_run_per_launch_where_steps_start_over(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    _upgrade_to(url, "0015")
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        _two_launches(conn)
+    engine.dispose()
+    upgrade(url)  # 0016: runs found from the steps
+
+    engine = make_engine(url)
+    with engine.connect() as conn:
+        runs = conn.execute(sa.text("SELECT run_id, started_unix_ns FROM runs ORDER BY 2")).all()
+        rows = conn.execute(sa.text("SELECT session, run_id FROM probe_sessions")).all()
+        sessions: dict[str, str] = {r[0]: r[1] for r in rows}
+        latest = load_job_history(conn, "j")
+        first = load_job_history(conn, "j", run="legacy-1")
+    engine.dispose()
+    # Each run starts at its first step's start (a nanosecond before).
+    assert [r[0] for r in runs] == ["legacy-1", "legacy-2"]
+    assert runs[0][1] == T0 - 1  # its first step's start (its end less its 0.1 s)
+    assert runs[1][1] == T0 + 100 * S - 1
+    assert sessions == {
+        "s0-0": "legacy-1",
+        "s0-1": "legacy-1",
+        "s1-0": "legacy-2",
+        "s1-1": "legacy-2",
+    }
+    assert latest is not None and first is not None
+    assert len(latest.steps["step"]) == 2 * 40
+    assert sorted(set(latest.steps["step"])) == list(range(1, 41))
+    assert len(first.steps["step"]) == 2 * 60
+    assert [a["rule"] for a in latest.alerts] == ["Straggler"]
+    assert [a["rule"] for a in first.alerts] == ["High Communication Overhead"]
+    assert [s["session"] for s in latest.sessions] == ["s1-0", "s1-1"]
+
+
+def test_report_shows_the_latest_run_lists_the_others_and_compares_two(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    _upgrade_to(url, "0015")
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        _two_launches(conn)
+    engine.dispose()
+    upgrade(url)
+
+    latest = report_from_db(url, "j", now_unix_s=T0 / 1e9 + 1000)
+    assert latest.run_id == "legacy-2"
+    assert [r.run_id for r in latest.runs] == ["legacy-1", "legacy-2"]
+    assert {r.rank: r.steps for r in latest.ranks} == {0: 40, 1: 40}
+    assert [s.step for s in latest.series][:1] == [tuple(range(1, 41))]
+    assert [a.rule for a in latest.alerts] == ["Straggler"]
+    text = render_text(latest)
+    assert "run 2 of 2 (legacy-2)" in text
+    assert "other runs: 1 legacy-1 (--run)" in text
+
+    first = report_from_db(url, "j", run="1", now_unix_s=T0 / 1e9 + 1000)
+    assert {r.rank: r.steps for r in first.ranks} == {0: 60, 1: 60}
+    assert not first.running
+
+    table = render_comparison(first, latest)
+    lines = {line.split("  ")[0]: line for line in table.splitlines()}
+    assert lines["step records"].split()[-2:] == ["120", "80"]
+    assert lines["median step time"].split()[-5:] == ["100", "ms", "300", "ms", "+200%"]
+    assert "Findings of run legacy-1:" in table and "Findings of run legacy-2:" in table
+
+    with pytest.raises(ReportError, match="no run 'x'; the job's runs, oldest first"):
+        report_from_db(url, "j", run="x")
