@@ -17,9 +17,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import matplotlib
+import numpy as np
 from matplotlib.figure import Figure
 
-from torshmon.report.model import PHASES, JobReport
+from torshmon.report.model import PHASES, AlertItem, JobReport, RankSeries
 from torshmon.report.text import percent, seconds, when
 
 if TYPE_CHECKING:  # the tuner's package imports optuna and scipy: types only
@@ -93,30 +94,238 @@ def _style() -> Iterator[None]:
         yield
 
 
-def _elapsed(report: JobReport, unix_s: float) -> float:
-    return (unix_s - report.first_seen_unix_s) / 60.0
+class _Clock:
+    """Step <-> time for a job: every series' points (step, end time), as two increasing
+    arrays. The plots' x axis is the step; time goes on a second axis and in hovers."""
+
+    def __init__(self, report: JobReport) -> None:
+        steps = np.array([s for r in report.series for s in r.step], dtype=float)
+        times = np.array([t for r in report.series for t in r.time_unix_s], dtype=float)
+        order = np.argsort(times, kind="stable")
+        self.times = times[order]
+        self.steps = np.maximum.accumulate(steps[order]) if len(order) else steps
+        self.origin = report.first_seen_unix_s
+        span = (self.times[-1] - self.origin) if len(self.times) else 0.0
+        #: seconds below ten minutes, else minutes: the demo's 20 s is not "0.3"
+        self.unit_s, self.unit = (1.0, "s") if span < 600 else (60.0, "min")
+
+    def step(self, unix_s: float) -> float:
+        if len(self.times) == 0:
+            return 0.0
+        return float(np.interp(unix_s, self.times, self.steps))
+
+    def usable(self) -> bool:
+        return len(self.times) > 1 and self.steps[-1] > self.steps[0]
+
+    def to_time(self, steps: Any) -> Any:
+        return (np.interp(steps, self.steps, self.times) - self.origin) / self.unit_s
+
+    def to_step(self, elapsed: Any) -> Any:
+        return np.interp(np.asarray(elapsed) * self.unit_s + self.origin, self.times, self.steps)
 
 
-_ELAPSED_LABEL: Final = "minutes since the job started"
+_STEP_LABEL: Final = "step"
+#: More ranks than this: each plot draws the spread of all ranks as bands, and the
+#: worst ``_WORST`` ranks as lines.
+MAX_LINES: Final = 8
+_WORST: Final = 4
+#: The y axis ends at ``_HEADROOM`` x the pooled ``_TYPICAL_Q`` quantile when a value
+#: lies above that: the outliers are marked on the edge, the typical range stays readable.
+_TYPICAL_Q: Final = 0.95
+_HEADROOM: Final = 1.5
+_MAX_LABELS: Final = 12
+
+
+def _time_axis(ax: Any, clock: _Clock) -> None:
+    if clock.usable():
+        top = ax.secondary_xaxis("top", functions=(clock.to_time, clock.to_step))
+        top.set_xlabel(f"time since the job started ({clock.unit})", fontsize=8)
+        top.tick_params(labelsize=7)
+
+
+def _drawn(report: JobReport, key: str) -> tuple[list[RankSeries], bool]:
+    """The series drawn as lines, and whether the others go into bands."""
+    if len(report.series) <= MAX_LINES:
+        return list(report.series), False
+    stats = {s.rank: s for s in report.ranks}
+
+    def badness(series: RankSeries) -> float:
+        s = stats.get(series.rank)
+        value = None if s is None else getattr(s, key)
+        return -1.0 if value is None else float(value)
+
+    worst = sorted(report.series, key=badness, reverse=True)[:_WORST]
+    return sorted(worst, key=lambda s: s.rank), True
+
+
+def _values(series: RankSeries, what: str, scale: float) -> np.ndarray:
+    values = getattr(series, what)
+    return np.array([math.nan if v is None else v * scale for v in values], dtype=float)
+
+
+def _limit(report: JobReport, what: str, scale: float) -> tuple[float, float] | None:
+    """(top of the y axis, largest value) when outliers must be clipped, else None."""
+    pooled = np.concatenate([_values(s, what, scale) for s in report.series] or [np.zeros(0)])
+    pooled = pooled[~np.isnan(pooled)]
+    if len(pooled) < 4:
+        return None
+    typical = float(np.quantile(pooled, _TYPICAL_Q))
+    top = max(typical * _HEADROOM, float(np.median(pooled)) * 2.0)
+    highest = float(pooled.max())
+    return (top, highest) if highest > top and top > 0 else None
+
+
+def _gaps(steps: np.ndarray) -> list[tuple[int, int]]:
+    """The runs of missing steps: (last step before, first step after)."""
+    if len(steps) < 3:
+        return []
+    stride = np.diff(steps)
+    typical = max(1.0, float(np.median(stride)))
+    return [(int(steps[i]), int(steps[i + 1])) for i in np.flatnonzero(stride > 2.5 * typical)]
+
+
+def _broken(steps: np.ndarray, y: np.ndarray, top: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """A line that does not join across missing steps (a NaN between) and leaves out the
+    points above ``top`` (they are marked on the edge instead)."""
+    if top is not None:
+        y = np.where(y > top, np.nan, y)
+    gaps = {a for a, _ in _gaps(steps)}
+    xs: list[float] = []
+    ys: list[float] = []
+    for step, value in zip(steps, y, strict=True):
+        xs.append(float(step))
+        ys.append(float(value))
+        if int(step) in gaps:
+            xs.append(float(step) + 0.5)
+            ys.append(math.nan)
+    return np.array(xs), np.array(ys)
+
+
+def _bands(ax: Any, report: JobReport, what: str, scale: float, top: float | None) -> str:
+    """All ranks' spread per step: min to max light, the middle 80 % darker, the median
+    a line. Returns the hover text."""
+    steps = np.concatenate([np.asarray(s.step, dtype=float) for s in report.series])
+    values = np.concatenate([_values(s, what, scale) for s in report.series])
+    keep = ~np.isnan(values)
+    steps, values = steps[keep], values[keep]
+    if not len(steps):
+        return ""
+    order = np.lexsort((values, steps))
+    steps, values = steps[order], values[order]
+    unique, first = np.unique(steps, return_index=True)
+    groups = np.split(values, first[1:])
+    q = np.array([np.quantile(g, [0.0, 0.1, 0.5, 0.9, 1.0]) for g in groups])
+    if top is not None:
+        q = np.where(q > top, top, q)
+    x = unique
+    low = ax.fill_between(x, q[:, 0], q[:, 4], color="#9ecae1", alpha=0.35, linewidth=0)
+    mid = ax.fill_between(x, q[:, 1], q[:, 3], color="#4292c6", alpha=0.45, linewidth=0)
+    (median,) = ax.plot(x, q[:, 2], color="#08519c", linewidth=1.0, label="median of ranks")
+    low.set_gid(f"{what}-band-all")
+    mid.set_gid(f"{what}-band-p10-p90")
+    median.set_gid(f"{what}-median")
+    low.set_label(f"all {len(report.series)} ranks: min-max")
+    mid.set_label("p10-p90")
+    return f"{len(report.series)} ranks"
+
+
+def _outliers(
+    ax: Any,
+    report: JobReport,
+    what: str,
+    scale: float,
+    top: float,
+    unit: str,
+    titles: dict[str, str],
+    clock: _Clock,
+) -> None:
+    """A marker on the top edge at each step with a value above ``top``, labelled with
+    the step and the largest value there (the ``_MAX_LABELS`` largest labelled)."""
+    worst: dict[int, tuple[float, int]] = {}
+    for series in report.series:
+        y = _values(series, what, scale)
+        for step, value in zip(series.step, y, strict=True):
+            if value > top and value > worst.get(step, (-1.0, 0))[0]:
+                worst[step] = (float(value), series.rank)
+    if not worst:
+        return
+    steps = sorted(worst)
+    markers = ax.scatter(
+        steps,
+        [top] * len(steps),
+        marker="^",
+        color="#b2182b",
+        s=28,
+        zorder=5,
+        clip_on=False,
+        label="above the axis (value on the label)",
+    )
+    markers.set_gid(f"{what}-outliers")
+    titles[f"{what}-outliers"] = "; ".join(
+        f"step {s}: {_ms(worst[s][0], unit)} on rank {worst[s][1]}" for s in steps[:50]
+    )
+    for step in sorted(steps, key=lambda s: worst[s][0], reverse=True)[:_MAX_LABELS]:
+        value, rank = worst[step]
+        text = ax.annotate(
+            f"step {step}: {_ms(value, unit)} (rank {rank})",
+            (step, top), xytext=(4, -10), textcoords="offset points",
+            fontsize=7, color="#b2182b", annotation_clip=False,
+        )  # fmt: skip
+        gid = f"{what}-outlier-step-{step}"
+        text.set_gid(gid)
+        titles[gid] = (
+            f"step {step}: {_ms(value, unit)} on rank {rank}, "
+            f"{when(float(clock.to_time(step)) * clock.unit_s + clock.origin)}"
+        )
+
+
+def _ms(value: float, unit: str) -> str:
+    return seconds(value / 1e3) if unit == "ms" else f"{value:.3g} {unit}"
+
+
+def _gap_labels(ax: Any, report: JobReport, titles: dict[str, str], prefix: str) -> None:
+    """A label over each run of steps no rank recorded."""
+    seen: set[tuple[int, int]] = set()
+    for series in report.series:
+        for before, after in _gaps(np.asarray(series.step, dtype=float)):
+            if (before, after) in seen or len(seen) >= _MAX_LABELS:
+                continue
+            seen.add((before, after))
+            ax.axvspan(before, after, color="#eeeeee", alpha=0.8, linewidth=0, zorder=0)
+            text = ax.text(
+                (before + after) / 2, 0.5, f"no steps {before + 1}-{after - 1}",
+                transform=ax.get_xaxis_transform(), ha="center", va="center",
+                rotation=90, fontsize=7, color="#555555",
+            )  # fmt: skip
+            gid = f"{prefix}-gap-{before}-{after}"
+            text.set_gid(gid)
+            titles[gid] = f"no step recorded between step {before} and step {after}"
 
 
 def _step_time(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
-    """Step time per rank, and compute time under it: in a synchronous job every rank's
-    step takes as long as the slowest's, so a straggler shows in its compute time."""
+    """Step time per rank, and compute time under it, against the step: in a synchronous
+    job every rank's step takes as long as the slowest's, so a straggler shows in its
+    compute time. With many ranks: bands of all ranks and the worst ranks' lines."""
     if not report.series:
         return None
-    figure = Figure(figsize=(_WIDTH_IN, 5.0), layout="constrained")
+    clock = _Clock(report)
+    figure = Figure(figsize=(_WIDTH_IN, 5.6), layout="constrained")
     step_ax, compute_ax = figure.subplots(2, 1, sharex=True)
-    titles = {}
+    titles: dict[str, str] = {}
     stats = {s.rank: s for s in report.ranks}
-    for series in report.series:
-        x = [_elapsed(report, t) for t in series.time_unix_s]
-        s = stats[series.rank]
-        for ax, values, what, median in (
-            (step_ax, series.duration_s, "step-time", s.median_step_s),
-            (compute_ax, series.compute_s, "compute-time", s.median_compute_s),
-        ):
-            y = [math.nan if v is None else v * 1e3 for v in values]
+    for ax, field, what, key in (
+        (step_ax, "duration_s", "step-time", "median_step_s"),
+        (compute_ax, "compute_s", "compute-time", "median_compute_s"),
+    ):
+        limit = _limit(report, field, 1e3)
+        top = None if limit is None else limit[0]
+        lines, banded = _drawn(report, key)
+        if banded:
+            titles[f"{field}-band-all"] = _bands(ax, report, field, 1e3, top)
+        for series in lines:
+            s = stats[series.rank]
+            median = getattr(s, key)
+            x, y = _broken(np.asarray(series.step, dtype=float), _values(series, field, 1e3), top)
             (line,) = ax.plot(x, y, label=f"rank {series.rank}", linewidth=1.1)
             gid = f"{what}-rank-{series.rank}"
             line.set_gid(gid)
@@ -125,28 +334,77 @@ def _step_time(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
                 + (f", p95 {seconds(s.p95_step_s)}" if what == "step-time" else "")
                 + f" over {s.steps} steps"
             )
-    for ax, label in ((step_ax, "step time (ms)"), (compute_ax, "compute time (ms)")):
-        _alert_marks(ax, report)
-        ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
-    step_ax.legend(loc="upper left", ncols=min(8, len(report.series)), fontsize=8)
-    compute_ax.set_xlabel(_ELAPSED_LABEL)
+        if top is not None:
+            ax.set_ylim(0, top)
+            _outliers(ax, report, field, 1e3, top, "ms", titles, clock)
+        else:
+            ax.set_ylim(bottom=0)
+        _gap_labels(ax, report, titles, what)
+    _alert_marks(step_ax, report, clock, titles, labelled=True)
+    _alert_marks(compute_ax, report, clock, titles, labelled=False)
+    _config_marks(step_ax, report, clock, titles)
+    step_ax.set_ylabel("step time (ms)")
+    compute_ax.set_ylabel("compute time (ms)")
+    step_ax.legend(loc="lower left", ncols=min(6, len(report.series) + 2), fontsize=7)
+    compute_ax.set_xlabel(_STEP_LABEL)
+    _time_axis(step_ax, clock)
     return figure, titles
 
 
-def _alert_marks(ax: Any, report: JobReport) -> None:
-    """A shaded span per firing alert behind a time plot."""
-    for alert in report.alerts:
-        if alert.fired_at_unix_s is None:
-            continue
+def _alert_marks(
+    ax: Any, report: JobReport, clock: _Clock, titles: dict[str, str], *, labelled: bool
+) -> None:
+    """A shaded span per firing alert behind a step plot, labelled with its rule and rank
+    (the first ``_MAX_LABELS`` episodes of each rule and rank)."""
+    labels = 0
+    for i, alert in enumerate(a for a in report.alerts if a.fired_at_unix_s is not None):
         end = alert.ends_at_unix_s or report.last_seen_unix_s
-        ax.axvspan(
-            _elapsed(report, alert.starts_at_unix_s),
-            _elapsed(report, max(end, alert.starts_at_unix_s)),
+        start_step = clock.step(alert.starts_at_unix_s)
+        end_step = max(clock.step(max(end, alert.starts_at_unix_s)), start_step + 0.5)
+        span = ax.axvspan(
+            start_step, end_step,
             color=_SEVERITY_COLORS.get(alert.severity, "#cccccc"),
             alpha=0.12,  # light: several alerts often fire at once (they stack)
             linewidth=0,
+        )  # fmt: skip
+        if not labelled:
+            continue
+        rank = "" if alert.rank is None else f" rank {alert.rank}"
+        span.set_gid(f"alert-span-{alert.id}")
+        titles[f"alert-span-{alert.id}"] = (
+            f"{alert.rule}{rank} ({alert.severity}): steps {start_step:.0f}-{end_step:.0f}, "
+            f"{when(alert.starts_at_unix_s)} to {when(alert.ends_at_unix_s)}"
         )
+        if labels >= _MAX_LABELS:
+            continue
+        labels += 1
+        text = ax.text(
+            start_step, 0.97 - 0.09 * (i % 4), f" {alert.rule}{rank}",
+            transform=ax.get_xaxis_transform(), ha="left", va="top", fontsize=7,
+            color="#67001f", clip_on=True,
+        )  # fmt: skip
+        text.set_gid(f"alert-label-{alert.id}")
+
+
+def _config_marks(ax: Any, report: JobReport, clock: _Clock, titles: dict[str, str]) -> None:
+    """A dashed line where a tuning trial applied a config, labelled with that config."""
+    for trial in report.trials:
+        if trial.started_unix_s is None:
+            continue
+        step = clock.step(trial.started_unix_s)
+        line = ax.axvline(step, color="#542788", linestyle="--", linewidth=0.8)
+        gid = f"config-{trial.session_id}-{trial.trial_index}"
+        line.set_gid(gid)
+        titles[gid] = (
+            f"step {step:.0f}, {when(trial.started_unix_s)}: trial {trial.trial_index} "
+            f"applies {trial.config_text} ({trial.decision or 'undecided'})"
+        )
+        text = ax.text(
+            step, 0.03, f" #{trial.trial_index} {trial.config_text}",
+            transform=ax.get_xaxis_transform(), rotation=90, ha="right", va="bottom",
+            fontsize=6.5, color="#542788",
+        )  # fmt: skip
+        text.set_gid(gid + "-label")
 
 
 def _phases(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
@@ -179,13 +437,18 @@ def _phases(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
 def _comm_ratio(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
     if not any(any(r is not None for r in s.comm_ratio) for s in report.series):
         return None
-    figure = Figure(figsize=(_WIDTH_IN, 2.6), layout="constrained")
+    clock = _Clock(report)
+    figure = Figure(figsize=(_WIDTH_IN, 2.8), layout="constrained")
     ax = figure.add_subplot()
-    titles = {}
+    titles: dict[str, str] = {}
     stats = {s.rank: s for s in report.ranks}
-    for series in report.series:
-        x = [_elapsed(report, t) for t in series.time_unix_s]
-        y = [math.nan if r is None else r * 100 for r in series.comm_ratio]
+    lines, banded = _drawn(report, "median_comm_ratio")
+    if banded:
+        titles["comm_ratio-band-all"] = _bands(ax, report, "comm_ratio", 100.0, None)
+    for series in lines:
+        x, y = _broken(
+            np.asarray(series.step, dtype=float), _values(series, "comm_ratio", 100.0), None
+        )
         (line,) = ax.plot(x, y, label=f"rank {series.rank}", linewidth=1.2)
         gid = f"comm-ratio-rank-{series.rank}"
         line.set_gid(gid)
@@ -194,9 +457,12 @@ def _comm_ratio(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
     ax.axhline(30, color="#ef8a62", linestyle="--", linewidth=1)
     ax.axhline(50, color="#b2182b", linestyle="--", linewidth=1)
     ax.set_ylim(0, 100)
-    ax.set_xlabel(_ELAPSED_LABEL)
+    _alert_marks(ax, report, clock, titles, labelled=False)
+    _config_marks(ax, report, clock, titles)
+    ax.set_xlabel(_STEP_LABEL)
     ax.set_ylabel("comm wait (% of step)")
-    ax.legend(loc="upper left", ncols=min(8, len(report.series)), fontsize=8)
+    ax.legend(loc="upper left", ncols=min(6, len(lines) + 2), fontsize=7)
+    _time_axis(ax, clock)
     return figure, titles
 
 
@@ -204,13 +470,18 @@ def _memory(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
     kinds = [k for k in ("node", "rank") if any(m.kind == k for m in report.memory)]
     if not kinds:
         return None
+    clock = _Clock(report)
     figure = Figure(figsize=(_WIDTH_IN, 2.4 * len(kinds)), layout="constrained")
     axes = figure.subplots(len(kinds), 1, squeeze=False)[:, 0]
     titles = {}
     for ax, kind in zip(axes, kinds, strict=True):
         scale = 100.0 if kind == "node" else 1 / 2**20
-        for series in (m for m in report.memory if m.kind == kind):
-            x = [_elapsed(report, t) for t in series.time_unix_s]
+        of_kind = [m for m in report.memory if m.kind == kind]
+        if len(of_kind) > MAX_LINES:  # the largest: a leak is the one that grows
+            of_kind.sort(key=lambda m: max((v for v in m.value if v is not None), default=0.0))
+            of_kind = of_kind[-_WORST:]
+        for series in of_kind:
+            x = [clock.step(t) for t in series.time_unix_s]
             y = [math.nan if v is None else v * scale for v in series.value]
             label = f"node {series.name}" if kind == "node" else f"rank {series.name}"
             (line,) = ax.plot(x, y, label=label, linewidth=1.2)
@@ -222,24 +493,34 @@ def _memory(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
         ax.set_ylabel("node memory (%)" if kind == "node" else "process RSS (MiB)")
         ax.set_ylim(bottom=0)
         ax.legend(loc="upper left", fontsize=8, ncols=4)
-    axes[-1].set_xlabel(_ELAPSED_LABEL)
+    axes[-1].set_xlabel(_STEP_LABEL)
+    _time_axis(axes[0], clock)
     return figure, titles
 
 
 def _alerts(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
     if not report.alerts:
         return None
-    rules = sorted({a.rule for a in report.alerts})
-    figure = Figure(figsize=(_WIDTH_IN, 0.8 + 0.35 * len(rules)), layout="constrained")
+    clock = _Clock(report)
+    rows = sorted({_alert_row(a) for a in report.alerts})
+    if len(rows) > 3 * MAX_LINES:  # 1 000 ranks: the rows whose alerts fired longest
+        firing: dict[str, float] = {}
+        for a in report.alerts:
+            end = a.ends_at_unix_s or report.last_seen_unix_s
+            firing[_alert_row(a)] = firing.get(_alert_row(a), 0.0) + end - a.starts_at_unix_s
+        rows = sorted(sorted(rows, key=lambda r: -firing[r])[: 3 * MAX_LINES])
+    figure = Figure(figsize=(_WIDTH_IN, 1.0 + 0.3 * len(rows)), layout="constrained")
     ax = figure.add_subplot()
     titles = {}
-    end_of_job = _elapsed(report, report.last_seen_unix_s)
+    end_of_job = max(clock.step(report.last_seen_unix_s), 1.0)
     for alert in report.alerts:
-        start = _elapsed(report, alert.starts_at_unix_s)
-        end = _elapsed(report, alert.ends_at_unix_s) if alert.ends_at_unix_s else end_of_job
-        width = max(end - start, end_of_job / 200 if end_of_job > 0 else 0.01)
+        if _alert_row(alert) not in rows:
+            continue
+        start = clock.step(alert.starts_at_unix_s)
+        end = clock.step(alert.ends_at_unix_s) if alert.ends_at_unix_s else end_of_job
+        width = max(end - start, end_of_job / 200)
         (bar,) = ax.barh(
-            rules.index(alert.rule),
+            rows.index(_alert_row(alert)),
             width,
             left=start,
             color=_SEVERITY_COLORS.get(alert.severity, "#cccccc"),
@@ -251,13 +532,19 @@ def _alerts(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
         rank = "" if alert.rank is None else f" rank {alert.rank}"
         titles[gid] = (
             f"{alert.rule}{rank} ({alert.severity}, {alert.state}): "
-            f"{when(alert.starts_at_unix_s)} to {when(alert.ends_at_unix_s)}. {alert.summary}"
+            f"{when(alert.starts_at_unix_s)} to {when(alert.ends_at_unix_s)}, "
+            f"steps {start:.0f}-{start + width:.0f}. {alert.summary}"
         )
-    ax.set_yticks(range(len(rules)), rules)
+    ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
-    ax.set_xlim(0, max(end_of_job, 0.01))
-    ax.set_xlabel(_ELAPSED_LABEL)
+    ax.set_xlim(0, end_of_job)
+    ax.set_xlabel(_STEP_LABEL)
+    _time_axis(ax, clock)
     return figure, titles
+
+
+def _alert_row(alert: AlertItem) -> str:
+    return alert.rule if alert.rank is None else f"{alert.rule} · rank {alert.rank}"
 
 
 def _tuning(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
