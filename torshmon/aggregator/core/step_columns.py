@@ -21,9 +21,8 @@ import functools
 import math
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from itertools import repeat
-from typing import Any, Final, cast
+from typing import Any, Final, NamedTuple, cast
 
 import msgspec
 
@@ -77,10 +76,10 @@ _STEP_BUCKET: Callable[[float], int] = functools.partial(
 _POSITIVE: Callable[[float], bool] = functools.partial(operator.lt, 0.0)
 
 
-@dataclass(frozen=True, slots=True)
-class StepColumns:
+class StepColumns(NamedTuple):
     """One batch's steps (at least one), field by field, in step order; ``ts`` is the
-    steps' end in Unix seconds."""
+    steps' end in Unix seconds. A named tuple: built in one C call per batch, read by
+    name at a tuple's cost."""
 
     ts: list[float]
     durations: tuple[float, ...]
@@ -106,7 +105,7 @@ class StepColumns:
     def of(cls, steps: Sequence[StepRecord]) -> StepColumns:
         columns = _COLUMNS(list(zip(*map(_astuple, steps), strict=True)))
         ts = list(map(operator.truediv, columns[0], repeat(1e9)))
-        return cls(ts, *columns[1:])
+        return cls._make((ts, *columns[1:]))
 
     @property
     def every_loss(self) -> bool:
@@ -131,9 +130,10 @@ def fold_totals(r: RankState, cols: StepColumns) -> None:
     recent.compute_s.extend(cols.computes)
     if cols.input_waits.count(None) == n:
         recent.input_wait_s.extend(repeat(math.nan, n))
-    sizes = cols.sizes
-    # integers: exact in any order
-    r.samples_total += sum(size for size in sizes if size is not None)
+    sizes: Sequence[int | None] = cols.sizes
+    if None in sizes:
+        sizes = [size for size in sizes if size is not None]
+    r.samples_total += sum(cast(Sequence[int], sizes))  # integers: exact in any order
 
 
 def add_step_series(series: SeriesStore, r: RankState, cols: StepColumns) -> None:
