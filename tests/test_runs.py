@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -13,6 +14,7 @@ from alembic.config import Config
 from prometheus_client import CollectorRegistry
 
 from tests.integration import wire_factory as wf
+from tests.pg import pg_database
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.live_metrics import LiveCollector
@@ -193,10 +195,20 @@ def _two_launches(conn: sa.Connection, *, second_run: int = 40) -> None:
         )
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def history_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty history database of each dialect (PostgreSQL: the local test server)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'h.db'}"
+    else:
+        with pg_database() as url:
+            yield url
+
+
 def test_an_older_history_gets_one_run_per_launch_where_steps_start_over(
-    tmp_path: Path,
+    history_url: str,
 ) -> None:
-    url = f"sqlite:///{tmp_path / 'old.db'}"
+    url = history_url
     _upgrade_to(url, "0015")
     engine = make_engine(url)
     with engine.begin() as conn:
@@ -231,8 +243,8 @@ def test_an_older_history_gets_one_run_per_launch_where_steps_start_over(
     assert [s["session"] for s in latest.sessions] == ["s1-0", "s1-1"]
 
 
-def test_report_shows_the_latest_run_lists_the_others_and_compares_two(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'h.db'}"
+def test_report_shows_the_latest_run_lists_the_others_and_compares_two(history_url: str) -> None:
+    url = history_url
     _upgrade_to(url, "0015")
     engine = make_engine(url)
     with engine.begin() as conn:
