@@ -15,8 +15,9 @@ no duration or bus bandwidth per bucket. NCCL fills ``duration_ms`` where
 
 Cost (measured on this project's 2-core test box, one gloo rank, 16-float all-reduces):
 recording adds about 0.4-0.6 us of the calling thread's CPU per collective (7.0 -> 7.4-8.0
-us); a dump is 0.25 ms for 14 entries but 23 ms for a full 2000-entry buffer, during
-which the GIL is held: size the buffer to what one read needs, and read often.
+us); a dump is 0.25 ms for 14 entries but 23 ms for a full 2000-entry buffer (whether
+it holds the GIL throughout, stalling the training thread, is not measured yet): size
+the buffer to what one read needs, and read often.
 
 Not yet wired into the shipper: see docs/zero-code.md.
 """
