@@ -30,6 +30,7 @@ pytestmark = pytest.mark.integration
 #: What the test reads from the page: the data block, the plots' hover titles, and the
 #: vertices of the plotted lines (SVG y grows downwards).
 _PROBE = """(() => {
+  const text = id => document.getElementById(id)?.textContent.trim() ?? null;
   const title = id => document.getElementById(id)?.querySelector('title')?.textContent ?? null;
   const ys = id => {
     const d = document.getElementById(id)?.querySelector('path')?.getAttribute('d') ?? '';
@@ -49,6 +50,11 @@ _PROBE = """(() => {
     alert: title('alert-1'), alert_box: box('alert-1'),
     trials: [title('trial-0'), title('trial-1')],
     rss0: title('memory-rank-0'),
+    alert_label: text('alert-label-1'),
+    configs: [text('config-sess1-0-label'), text('config-sess1-1-label')],
+    config1: title('config-sess1-1'),
+    axes: [...document.querySelectorAll('g[id^="matplotlib.axis_"]')]
+      .map(g => [...g.querySelectorAll('text')].at(-1)?.textContent ?? ''),
   };
 })()"""
 
@@ -75,6 +81,13 @@ def _check(seen: dict[str, Any]) -> None:
     assert seen["trials"][0].startswith("trial 0: fp16, bucket 25 MB: 700, kept")
     assert seen["trials"][1].startswith("trial 1: int8, bucket 25 MB: 450, worse")
     assert seen["rss0"] == "rank 0: peak 690 MiB resident"  # (500 + 10 * 19) MiB
+    # Plots against the step, time on a second axis; the alert's span names its rule and
+    # rank, and each tuning trial's config change is marked with the config it applied.
+    assert seen["axes"].count("step") >= 3
+    assert "time since the job started (s)" in seen["axes"]
+    assert seen["alert_label"] == "Straggler rank 1"
+    assert seen["configs"] == ["#0 fp16, bucket 25 MB", "#1 int8, bucket 25 MB"]
+    assert "trial 1 applies int8, bucket 25 MB (worse)" in seen["config1"]
 
 
 async def test_the_written_page_renders_with_its_data(tmp_path: Path) -> None:

@@ -163,13 +163,22 @@ def _values(series: RankSeries, what: str, scale: float) -> np.ndarray:
     return np.array([math.nan if v is None else v * scale for v in values], dtype=float)
 
 
-def _limit(report: JobReport, what: str, scale: float) -> tuple[float, float] | None:
-    """(top of the y axis, largest value) when outliers must be clipped, else None."""
+def _limit(
+    report: JobReport, what: str, scale: float, lines: list[RankSeries]
+) -> tuple[float, float] | None:
+    """(top of the y axis, largest value) when outliers must be clipped, else None. The
+    top: ``_HEADROOM`` x the larger of all ranks' ``_TYPICAL_Q`` quantile and each drawn
+    line's 90th percentile, so a straggler among 1 000 ranks stays on the axis."""
     pooled = np.concatenate([_values(s, what, scale) for s in report.series] or [np.zeros(0)])
     pooled = pooled[~np.isnan(pooled)]
     if len(pooled) < 4:
         return None
     typical = float(np.quantile(pooled, _TYPICAL_Q))
+    for series in lines:
+        own = _values(series, what, scale)
+        own = own[~np.isnan(own)]
+        if len(own) >= 4:
+            typical = max(typical, float(np.quantile(own, 0.9)))
     top = max(typical * _HEADROOM, float(np.median(pooled)) * 2.0)
     highest = float(pooled.max())
     return (top, highest) if highest > top and top > 0 else None
@@ -264,7 +273,12 @@ def _outliers(
     titles[f"{what}-outliers"] = "; ".join(
         f"step {s}: {_ms(worst[s][0], unit)} on rank {worst[s][1]}" for s in steps[:50]
     )
-    for step in sorted(steps, key=lambda s: worst[s][0], reverse=True)[:_MAX_LABELS]:
+    near = max(1.0, (steps[-1] - steps[0]) / 12) if len(steps) > 1 else 1.0
+    labelled: list[int] = []
+    for step in sorted(steps, key=lambda s: worst[s][0], reverse=True):
+        if len(labelled) >= _MAX_LABELS or any(abs(step - o) < near for o in labelled):
+            continue  # the largest of a cluster speaks for it; the hover lists them all
+        labelled.append(step)
         value, rank = worst[step]
         text = ax.annotate(
             f"step {step}: {_ms(value, unit)} (rank {rank})",
@@ -317,9 +331,9 @@ def _step_time(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
         (step_ax, "duration_s", "step-time", "median_step_s"),
         (compute_ax, "compute_s", "compute-time", "median_compute_s"),
     ):
-        limit = _limit(report, field, 1e3)
-        top = None if limit is None else limit[0]
         lines, banded = _drawn(report, key)
+        limit = _limit(report, field, 1e3, lines)
+        top = None if limit is None else limit[0]
         if banded:
             titles[f"{field}-band-all"] = _bands(ax, report, field, 1e3, top)
         for series in lines:
@@ -345,7 +359,11 @@ def _step_time(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
     _config_marks(step_ax, report, clock, titles)
     step_ax.set_ylabel("step time (ms)")
     compute_ax.set_ylabel("compute time (ms)")
-    step_ax.legend(loc="lower left", ncols=min(6, len(report.series) + 2), fontsize=7)
+    # under the plots, not over the lines, and every figure as wide as the others
+    figure.legend(
+        handles=step_ax.get_legend_handles_labels()[0], loc="outside lower center",
+        ncols=min(6, len(report.series) + 3), fontsize=7,
+    )  # fmt: skip
     compute_ax.set_xlabel(_STEP_LABEL)
     _time_axis(step_ax, clock)
     return figure, titles
@@ -461,7 +479,7 @@ def _comm_ratio(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
     _config_marks(ax, report, clock, titles)
     ax.set_xlabel(_STEP_LABEL)
     ax.set_ylabel("comm wait (% of step)")
-    ax.legend(loc="upper left", ncols=min(6, len(lines) + 2), fontsize=7)
+    figure.legend(loc="outside lower center", ncols=min(6, len(lines) + 3), fontsize=7)
     _time_axis(ax, clock)
     return figure, titles
 
