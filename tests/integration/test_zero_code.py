@@ -178,3 +178,25 @@ async def test_torshmon_run_watches_the_readme_script_unmodified(tmp_path: Path)
     assert _rows(
         db_url, "SELECT count(*) FROM steps WHERE job = 'zero-code' AND loss IS NOT NULL"
     ) == [(0,)]
+
+
+def _python(code: str, env: dict[str, str]) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_the_bootstrap_imports_torch_nowhere_and_waits_for_it() -> None:
+    env = child_env({k: v for k, v in os.environ.items() if k != "TORSHMON_AUTO"})
+    probe = (
+        "import sys; "
+        "print(sorted(m for m in ('torch', 'torshmon.probe.autoattach') if m in sys.modules))"
+    )
+    # A process that never imports torch: neither torch nor the probe is loaded.
+    assert _python(probe, env) == "[]"
+    # One that does: the automatic attach is installed once torch has imported.
+    assert _python("import torch; " + probe, env) == "['torch', 'torshmon.probe.autoattach']"
+    # The switch off: the bootstrap on the path does nothing.
+    assert _python("import torch; " + probe, {**env, "TORSHMON_AUTO": "0"}) == "['torch']"
