@@ -87,8 +87,8 @@ def job_runs(conn: Connection, job: str) -> list[dict[str, Any]]:
     runs = _T["runs"]
     query = select(runs).where(runs.c.job == job).order_by(runs.c.started_unix_ns, runs.c.run_id)
     rows = [dict(r) for r in conn.execute(query).mappings()]
-    for row, after in zip(rows, [*rows[1:], None], strict=True):
-        row["ended_unix_ns"] = None if after is None else after["started_unix_ns"]
+    for i, row in enumerate(rows):
+        row["ended_unix_ns"] = rows[i + 1]["started_unix_ns"] if i + 1 < len(rows) else None
     return rows
 
 
