@@ -190,3 +190,7 @@ def test_a_thousand_ranks_render_as_bands_and_the_worst_ranks_in_bounded_time() 
     _by_id(root, "compute_s-band-all")
     _by_id(root, "compute_s-band-p10-p90")
     assert _texts(_by_id(root, "compute_s-outlier-step-200")) == ["step 200: 8 s (rank 1)"]
+    # the median of all ranks breaks at the hang (above the axis) and at the missing steps
+    assert len(_vertices(_by_id(root, "duration_s-median"))) == 3
+    # the straggler's 60 ms stays on the axis though 999 ranks compute in 20 ms
+    assert max(_axis(root, "compute time (ms)")) >= 60

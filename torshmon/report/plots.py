@@ -224,9 +224,14 @@ def _bands(ax: Any, report: JobReport, what: str, scale: float, top: float | Non
     unique, first = np.unique(steps, return_index=True)
     groups = np.split(values, first[1:])
     q = np.array([np.quantile(g, [0.0, 0.1, 0.5, 0.9, 1.0]) for g in groups])
-    if top is not None:
-        q = np.where(q > top, top, q)
-    x = unique
+    # a step above the axis or missing is a gap in the bands too, never a ramp
+    x, q = (
+        _broken(unique, q[:, 2], top)[0],
+        np.column_stack([_broken(unique, q[:, i], top)[1] for i in range(5)]),
+    )
+    if top is not None:  # the spread reaches the edge where only some ranks are above it
+        q[:, 4] = np.where(np.isnan(q[:, 4]) & ~np.isnan(q[:, 0]), top, q[:, 4])
+        q[:, 3] = np.where(np.isnan(q[:, 3]) & ~np.isnan(q[:, 1]), top, q[:, 3])
     low = ax.fill_between(x, q[:, 0], q[:, 4], color="#9ecae1", alpha=0.35, linewidth=0)
     mid = ax.fill_between(x, q[:, 1], q[:, 3], color="#4292c6", alpha=0.45, linewidth=0)
     (median,) = ax.plot(x, q[:, 2], color="#08519c", linewidth=1.0, label="median of ranks")
