@@ -7,8 +7,9 @@ touches nothing the script sees until the script trains:
 - every ``DistributedDataParallel`` built afterwards gets one forward pre-hook, run
   before any other. At the first training forward pass (grad enabled, module in
   training mode) of a distributed job, the probe attaches to that module, as
-  ``torshmon.attach(ddp)`` would, unless the script attached one itself by then (its
-  own ``attach`` and ``mon.step()`` win, and this module stays out of the way). At
+  ``torshmon.attach(ddp)`` would, unless the script attached one itself by then. The
+  script's own ``attach`` and ``mon.step()`` always win: ``torshmon.attach`` closes the
+  automatic monitor, if any, and this module stays out of the way from then on. At
   every training forward pass with no step open, a step begins, its batch size the
   first dimension of the first tensor argument;
 - one global optimizer step post-hook ends the open step. An optimizer step with no
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from torshmon.probe import monitor as _monitor_module
 from torshmon.probe.collectives import CollectiveTracer
 from torshmon.probe.monitor import Monitor, NullMonitor, attach
 
@@ -76,6 +78,9 @@ def install() -> None:
 
     _state.ddp_init = original
     DistributedDataParallel.__init__ = ddp_init
+    # The script's own torshmon.attach (resolved through this module at call time):
+    # the automatic monitor, if attached already, closes first and stands aside.
+    _monitor_module.attach = _script_attach
 
 
 def uninstall() -> None:
@@ -83,6 +88,7 @@ def uninstall() -> None:
     global _state
     if _state.ddp_init is not None:
         DistributedDataParallel.__init__ = _state.ddp_init
+        _monitor_module.attach = attach
     if _state.optimizer_handle is not None:
         _state.optimizer_handle.remove()
     if _state.monitor is not None:
@@ -103,6 +109,21 @@ def _switch_off(what: str, exc: BaseException) -> None:
         type(exc).__name__,
         exc,
     )
+
+
+def _script_attach(module: Any = None, **options: Any) -> Monitor | NullMonitor:
+    """``torshmon.attach`` while the automatic attach is installed: the script's own
+    monitor wins, after any the automatic attach made is closed."""
+    _state.off = True
+    mon = _state.monitor
+    if mon is not None:
+        _state.monitor = None
+        log.info("torshmon: the script attaches the probe itself; the automatic one closes")
+        mon.close()
+    return attach(module, **options)
+
+
+_script_attach.__doc__ = (_script_attach.__doc__ or "") + "\n\n" + (attach.__doc__ or "")
 
 
 def _script_attached() -> bool:
