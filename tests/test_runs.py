@@ -2,27 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
 import pytest
 import sqlalchemy as sa
+from aiohttp.test_utils import TestClient, TestServer
 from alembic import command
 from alembic.config import Config
 from prometheus_client import CollectorRegistry
 
 from tests.integration import wire_factory as wf
 from tests.pg import pg_database
+from tests.test_api import AUTH, TOKEN, Api
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.live_metrics import LiveCollector
 from torshmon.history.db import make_engine
 from torshmon.history.migrate import alembic_dir, upgrade
+from torshmon.history.store import HistoryStore
 from torshmon.history.store.report import UnknownRun, load_job_history, pick_run
 from torshmon.probe.runid import agreed_run_id, env_run_id
-from torshmon.report import render_text, report_from_db
+from torshmon.report import from_json, render_text, report_from_aggregator, report_from_db
 from torshmon.report.compare import render_comparison
 from torshmon.report.source import ReportError
 
@@ -274,3 +280,60 @@ def test_report_shows_the_latest_run_lists_the_others_and_compares_two(history_u
 
     with pytest.raises(ReportError, match="no run 'x'; the job's runs, oldest first"):
         report_from_db(url, "j", run="x")
+
+
+# -- the aggregator's API and pages ----------------------------------------------------------
+async def test_the_api_and_the_page_list_the_runs_and_take_one(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    _upgrade_to(url, "0015")
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        _two_launches(conn)
+    engine.dispose()
+    upgrade(url)  # 0016 finds the two runs
+    writer = ThreadPoolExecutor(1)
+    store = HistoryStore(url, aggregator_id="a1", writer=writer)
+    store.open()
+    try:
+        api = Api(store)
+        async with TestClient(TestServer(api.app())) as client:
+
+            async def get(path: str) -> tuple[int, bytes]:
+                async with client.get(path, headers=AUTH) as response:
+                    return response.status, await response.read()
+
+            status, body = await get("/api/v1/jobs/j")
+            job = json.loads(body)
+            assert status == 200
+            assert [r["run_id"] for r in job["runs"]] == ["legacy-1", "legacy-2"]
+            assert job["run"]["run_id"] == "legacy-2"
+            status, body = await get("/api/v1/jobs/j?run=legacy-1")
+            assert status == 200 and json.loads(body)["run"]["run_id"] == "legacy-1"
+            assert json.loads(body)["live"] is None  # an older run has no live state
+            status, body = await get("/api/v1/jobs/j?run=zz")
+            assert status == 404 and json.loads(body)["error"] == "job 'j' has no run 'zz'"
+
+            status, body = await get("/api/v1/jobs/j/summary?run=legacy-1")
+            assert status == 200
+            assert {r.rank: r.steps for r in from_json(body).ranks} == {0: 60, 1: 60}
+            status, body = await get("/api/v1/jobs/j/summary")
+            assert {r.rank: r.steps for r in from_json(body).ranks} == {0: 40, 1: 40}
+            status, body = await get("/api/v1/jobs/j/summary?run=zz")
+            assert status == 404 and b"no run 'zz'" in body
+
+            status, body = await get("/jobs/j")
+            page = body.decode()
+            assert status == 200
+            assert "<strong>2 legacy-2 (shown)</strong>" in page
+            assert '<a href="?run=legacy-1">1 legacy-1</a>' in page
+            status, body = await get("/jobs/j?run=legacy-1")
+            assert status == 200 and "<strong>1 legacy-1 (shown)</strong>" in body.decode()
+            status, _ = await get("/jobs/j?run=zz")
+            assert status == 404
+
+            base = str(client.make_url("")).rstrip("/")
+            first = await asyncio.to_thread(report_from_aggregator, base, "j", TOKEN, "1")
+            assert first.run_id == "legacy-1"
+    finally:
+        writer.shutdown(wait=True)
+        store.close()
