@@ -111,6 +111,10 @@ _EXAMPLES: Mapping[str, tuple[str, ...]] = {
         "torshmon report demo --run 1 --compare -1",
         "torshmon report bert --aggregator http://aggregator-host:9470 --token-file token",
     ),
+    "run": (
+        "torshmon run -- torchrun --nproc-per-node 2 train.py",
+        "torshmon run -- python -m torch.distributed.run --standalone --nproc-per-node 8 train.py",
+    ),
     "db": ("torshmon db upgrade --db postgresql://torshmon@db-host/torshmon",),
     "db upgrade": (
         "torshmon db upgrade",
@@ -375,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--wait", action="store_true", help="print trials until the session ends")
     tune.add_argument("--poll-s", type=float, default=2.0, help=argparse.SUPPRESS)
+    run = command(
+        "run", "run a launcher (torchrun) with the probe attached to an unmodified script"
+    )
+    run.add_argument(
+        "launch", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run"
+    )
     cli_alerts.add_commands(command, _aggregator_flags)
     _add_examples(parser)
     return parser
@@ -447,6 +457,20 @@ def _redactor(args: argparse.Namespace, env: Mapping[str, str]) -> Redactor:
         if isinstance(value, str):  # demo's --db is a file
             redact.add_url(value)
     return redact
+
+
+def _run_run(args: argparse.Namespace, redact: Redactor) -> int:
+    from torshmon import zerocode
+
+    try:
+        words = zerocode.resolve(args.launch)
+    except ValueError as exc:
+        return _fail("run", redact, str(exc), USAGE_ERROR)
+    try:
+        zerocode.exec_command(words)
+    except OSError as exc:
+        return _fail("run", redact, f"cannot run {words[0]}: {exc.strerror}", USAGE_ERROR)
+    return 0  # not reached: exec replaced this process
 
 
 def _fail(command: str, redact: Redactor, message: str, code: int) -> int:
@@ -1008,8 +1032,8 @@ def _dispatch(args: argparse.Namespace, redact: Redactor) -> int:
         return _run_report(args, redact)
     if args.command == "rules":
         return _run_rules(args)
-    if args.command == "tune":
-        return _run_tune(args, redact)
+    if args.command in ("tune", "run"):
+        return {"tune": _run_tune, "run": _run_run}[args.command](args, redact)
     if args.command in ("alerts", "silence"):
         return _run_lifecycle(args, redact)
     raise AssertionError(f"unhandled command {args.command}")  # argparse enforces the choices
