@@ -113,7 +113,7 @@ _EXAMPLES: Mapping[str, tuple[str, ...]] = {
     ),
     "run": (
         "torshmon run -- torchrun --nproc-per-node 2 train.py",
-        "TORSHMON_JOB=bert torshmon run -- python -m torch.distributed.run --nnodes 1 train.py",
+        "torshmon run -- python -m torch.distributed.run --standalone --nproc-per-node 8 train.py",
     ),
     "db": ("torshmon db upgrade --db postgresql://torshmon@db-host/torshmon",),
     "db upgrade": (
