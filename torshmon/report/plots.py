@@ -402,7 +402,7 @@ def _alert_marks(
             continue
         labels += 1
         text = ax.text(
-            start_step, 0.97 - 0.09 * (i % 4), f" {alert.rule}{rank}",
+            start_step, 0.88 - 0.08 * (i % 4), f" {alert.rule}{rank}",  # under the outliers' labels
             transform=ax.get_xaxis_transform(), ha="left", va="top", fontsize=7,
             color="#67001f", clip_on=True,
         )  # fmt: skip
@@ -549,12 +549,14 @@ def _alerts(report: JobReport) -> tuple[Figure, dict[str, str]] | None:
             color=_SEVERITY_COLORS.get(alert.severity, "#cccccc"),
             edgecolor="#333333",
             linewidth=0.5,
+            alpha=1.0 if alert.fired_at_unix_s is not None else 0.3,  # pending: faint
         )
         gid = f"alert-{alert.id}"
         bar.set_gid(gid)
         rank = "" if alert.rank is None else f" rank {alert.rank}"
         titles[gid] = (
-            f"{alert.rule}{rank} ({alert.severity}, {alert.state}): "
+            f"{alert.rule}{rank} ({alert.severity}, {alert.state}"
+            f"{'' if alert.fired_at_unix_s is not None else ', never fired'}): "
             f"{when(alert.starts_at_unix_s)} to {when(alert.ends_at_unix_s)}, "
             f"steps {start:.0f}-{start + width:.0f}. {alert.summary}"
         )
