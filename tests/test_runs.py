@@ -311,7 +311,13 @@ async def test_the_api_and_the_page_list_the_runs_and_take_one(tmp_path: Path) -
             assert status == 200 and json.loads(body)["run"]["run_id"] == "legacy-1"
             assert json.loads(body)["live"] is None  # an older run has no live state
             status, body = await get("/api/v1/jobs/j?run=zz")
-            assert status == 404 and json.loads(body)["error"] == "job 'j' has no run 'zz'"
+            assert status == 404
+            assert json.loads(body)["error"] == (
+                "job 'j': no run 'zz'; the job's runs, oldest first: legacy-1, legacy-2"
+            )
+            status, body = await get("/api/v1/jobs/j?run=-1")
+            assert status == 200 and json.loads(body)["run"]["run_id"] == "legacy-2"
+            assert json.loads(body)["live"] == {"last_step": 7}  # the latest run's
 
             status, body = await get("/api/v1/jobs/j/summary?run=legacy-1")
             assert status == 200

@@ -44,6 +44,7 @@ from torshmon.history.query import (
     run_query,
 )
 from torshmon.history.store import FilterError, Listing, Row
+from torshmon.history.store.report import UnknownRun, pick_run
 
 log = logging.getLogger(__name__)
 
@@ -255,15 +256,15 @@ class _Handlers:
         if not rows:
             return error(404, f"no job {job!r}")
         row = rows[0]
-        # Its runs, the oldest first; the one asked for (?run=: an id), else the latest.
+        # Its runs, the oldest first; the one asked for (?run=: id or number), else the latest.
         runs = list(reversed(await self._rows("runs", {"job": job}, 10_000)))
-        run = request.query.get("run")
-        chosen = [r for r in runs if r["run_id"] == run] if run else runs[-1:]
-        if run and not chosen:
-            return error(404, f"job {job!r} has no run {run!r}")
+        try:
+            chosen = pick_run(runs, request.query.get("run") or None)
+        except UnknownRun as exc:
+            return error(404, f"job {job!r}: {exc}")
         row["runs"] = runs
-        row["run"] = chosen[0] if chosen else None
-        latest = not runs or chosen[0] is runs[-1]
+        row["run"] = chosen
+        latest = chosen is None or chosen is runs[-1]
         # The live state is the latest run's: an older one has none.
         row["live"] = self._live.job_summary(job) if latest else None
         row["config"] = self._live.job_config(job) if latest else None

@@ -123,6 +123,14 @@ def openapi_document() -> dict[str, Any]:
 
     job_param = {"name": "job", "in": "path", "required": True, "schema": {"type": "string"}}
     id_param = {"name": "id", "in": "path", "required": True, "schema": {"type": "integer"}}
+    run_param = {
+        "name": "run",
+        "in": "query",
+        "required": False,
+        "description": "One run (launch) of the job: its id, or its number (1 the first, "
+        "-1 the latest); the latest when absent",
+        "schema": {"type": "string"},
+    }
     silence = {
         "allOf": [
             ref("row_silences"),
@@ -153,8 +161,10 @@ def openapi_document() -> dict[str, Any]:
         "/api/v1/jobs": listing("jobs", "row_jobs", ()),
         "/api/v1/jobs/{job}": {
             "get": {
-                "summary": "One job with its live summary and communication config",
-                "parameters": [job_param],
+                "summary": "One job with its runs (runs, the oldest first; run, the one "
+                "asked for or the latest) and, for its latest run, its live summary and "
+                "communication config",
+                "parameters": [job_param, run_param],
                 "responses": {
                     "200": _json_response(ref("row_jobs")),
                     "404": _json_response(ref("Error")),
@@ -183,8 +193,8 @@ def openapi_document() -> dict[str, Any]:
             "get": {
                 "summary": "The job's report from the history, as torshmon report shows it: "
                 "per-rank statistics, phases of a step, series, findings, alerts, tuning "
-                "(the page of it is /jobs/{job})",
-                "parameters": [job_param],
+                "(the page of it is /jobs/{job}); of one run, the latest by default",
+                "parameters": [job_param, run_param],
                 "responses": {
                     "200": _json_response({"type": "object"}),
                     "404": _json_response(ref("Error")),
