@@ -26,6 +26,7 @@ from torshmon.aggregator.live_metrics import LiveCollector
 from torshmon.history.db import make_engine
 from torshmon.history.migrate import alembic_dir, upgrade
 from torshmon.history.store import HistoryStore
+from torshmon.history.store.ingest import upsert_sessions
 from torshmon.history.store.report import UnknownRun, load_job_history, pick_run
 from torshmon.probe.runid import agreed_run_id, env_run_id
 from torshmon.report import from_json, render_text, report_from_aggregator, report_from_db
@@ -343,3 +344,39 @@ async def test_the_api_and_the_page_list_the_runs_and_take_one(tmp_path: Path) -
     finally:
         writer.shutdown(wait=True)
         store.close()
+
+
+def _session(name: str, rank: int, run_id: str | None, attached: int | None) -> dict[str, object]:
+    return {
+        "session": name,
+        "job": "j",
+        "rank": rank,
+        "local_rank": rank,
+        "world_size": 2,
+        "node": "n0",
+        "pid": 1,
+        "backend": "gloo",
+        "torch_version": "t",
+        "probe_version": "p",
+        "started_unix_ns": T0 + 5 * S,
+        "last_seen_unix_ns": T0 + 5 * S,
+        "last_seq": 0,
+        "dropped_records_total": 0,
+        "run_id": run_id,
+        "attached_unix_ns": attached,
+    }
+
+
+def test_a_run_starts_at_its_earliest_ranks_attach_whichever_hello_came_first(
+    history_url: str,
+) -> None:
+    upgrade(history_url)
+    engine = make_engine(history_url)
+    with engine.begin() as conn:
+        upsert_sessions(conn, [_session("a1", 1, "r1", T0 + 2 * S)])
+        upsert_sessions(conn, [_session("a0", 0, "r1", T0 + S), _session("old", 0, None, None)])
+        upsert_sessions(conn, [_session("a1", 1, "r1", T0 + 2 * S)])  # a reconnect
+        rows = conn.execute(sa.text("SELECT job, run_id, started_unix_ns, world_size FROM runs"))
+        runs = [tuple(r) for r in rows]
+    engine.dispose()
+    assert runs == [("j", "r1", T0 + S, 2)]

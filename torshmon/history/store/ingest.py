@@ -88,21 +88,17 @@ def _note_runs(conn: Connection, sessions: Sequence[Mapping[str, Any]]) -> None:
         known = starts.get(key)
         starts[key] = (min(start, known[0]) if known else start, row.get("world_size"))
     for (job, run_id), (start, world_size) in starts.items():
-        stored = conn.execute(
-            select(table.c.started_unix_ns).where(table.c.job == job, table.c.run_id == run_id)
-        ).scalar()
-        if stored is None:
-            conn.execute(
-                table.insert().values(
-                    job=job, run_id=run_id, started_unix_ns=start, world_size=world_size
-                )
-            )
-        elif start < stored:
-            conn.execute(
-                update(table)
-                .where(table.c.job == job, table.c.run_id == run_id)
-                .values(started_unix_ns=start)
-            )
+        # Kept if another writer stored it first; then its start moves to the earliest.
+        conn.execute(
+            insert_ignore(conn, table),
+            [{"job": job, "run_id": run_id, "started_unix_ns": start, "world_size": world_size}],
+        )
+        conn.execute(
+            update(table)
+            .where(table.c.job == job, table.c.run_id == run_id)
+            .where(table.c.started_unix_ns > start)
+            .values(started_unix_ns=start)
+        )
 
 
 def add_missing_sessions(conn: Connection, rows: list[dict[str, Any]]) -> None:
