@@ -62,6 +62,9 @@ def test_every_rank_reads_the_id_rank_0_made_from_the_store() -> None:
         t.join()
     assert len(got[0]) == 16
     assert got == {0: got[0], 1: got[0], 2: got[0], 3: got[0]}
+    # After a restart (torchrun's agent store outlives it) no rank reads the old id.
+    again = agreed_run_id(0, store, attempt="1")
+    assert again != got[0] and agreed_run_id(1, store, timeout_s=1, attempt="1") == again
     # A rank whose rank 0 never wrote waits its bound, then fails (attach falls back).
     with pytest.raises(RuntimeError):
         agreed_run_id(1, dist.HashStore(), timeout_s=0.2)

@@ -34,14 +34,17 @@ def env_run_id(env: Mapping[str, str]) -> str | None:
     return own[:64] or None
 
 
-def agreed_run_id(rank: int, store: Any, timeout_s: float = 30.0) -> str:
-    """Rank 0's fresh id, shared through ``store`` (a ``torch.distributed.Store``)."""
+def agreed_run_id(rank: int, store: Any, timeout_s: float = 30.0, attempt: str = "0") -> str:
+    """Rank 0's fresh id, shared through ``store`` (a ``torch.distributed.Store``).
+    ``attempt``: torchrun's restart count; its agent's store outlives a restart, so each
+    attempt has its own key (no rank reads the previous attempt's id)."""
+    key = f"{STORE_KEY}/{attempt}"
     if rank == 0:
         made = uuid.uuid4().hex[:16]
-        store.set(STORE_KEY, made)
+        store.set(key, made)
         return made
-    store.wait([STORE_KEY], datetime.timedelta(seconds=timeout_s))
-    return bytes(store.get(STORE_KEY)).decode()[:64]
+    store.wait([key], datetime.timedelta(seconds=timeout_s))
+    return bytes(store.get(key)).decode()[:64]
 
 
 def run_id_at_attach(rank: int, env: Mapping[str, str] | None = None) -> str:
@@ -53,7 +56,8 @@ def run_id_at_attach(rank: int, env: Mapping[str, str] | None = None) -> str:
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
-        return agreed_run_id(rank, _get_default_store())
+        attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return agreed_run_id(rank, _get_default_store(), attempt=attempt)
     except Exception:  # the job comes first: any failure falls back
         log.warning("torshmon: no shared run id from the rendezvous store", exc_info=True)
     where = f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
