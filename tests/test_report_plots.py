@@ -11,11 +11,19 @@ from __future__ import annotations
 import re
 import time
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from torshmon.report.model import AlertItem, JobReport, RankSeries, RankStats, TrialItem
+from torshmon.report.model import (
+    AlertItem,
+    ConfigChange,
+    JobReport,
+    RankSeries,
+    RankStats,
+    TrialItem,
+)
 from torshmon.report.plots import MAX_LINES, plots
 
 T0 = 1_700_000_000.0
@@ -174,6 +182,23 @@ def test_a_config_change_is_marked_with_what_changed() -> None:
     assert _texts(_by_id(root, "config-s1-1-label")) == ["#1 fp16, bucket 25 MB"]
     title = _by_id(root, "config-s1-1").findtext(f"{_NS}title", "")
     assert title.startswith("step 150, ") and "trial 1 applies fp16, bucket 25 MB (kept)" in title
+
+
+def test_each_config_version_applied_is_marked_at_its_step_rollbacks_too() -> None:
+    report = _report()
+    at = {s: t for s, t in zip(report.series[0].step, report.series[0].time_unix_s, strict=True)}
+    configs = (
+        ConfigChange(2, 150, at[150], "fp16, bucket 25 MB"),  # the trial above
+        ConfigChange(3, 180, at[180], "none, bucket 25 MB"),  # the tuner rolls back
+    )
+    root = _svg(replace(report, configs=configs))
+    assert _texts(_by_id(root, "config-v2-label")) == ["v2: fp16, bucket 25 MB"]
+    assert _texts(_by_id(root, "config-v3-label")) == ["v3: none, bucket 25 MB"]
+    hover = _by_id(root, "config-v2").findtext(f"{_NS}title", "")
+    assert hover.startswith("step 150, ") and hover.endswith(
+        "config version 2 applied, fp16, bucket 25 MB (trial 1, kept)"
+    )
+    assert root.find(".//*[@id='config-s1-1']") is None  # the versions, not the trials
 
 
 def test_a_thousand_ranks_render_as_bands_and_the_worst_ranks_in_bounded_time() -> None:

@@ -252,6 +252,16 @@ class FindingItem:
 
 
 @dataclass(frozen=True, slots=True)
+class ConfigChange:
+    """A config version the job applied (``configs``: the tuner's or ``request_config``'s)."""
+
+    version: int
+    effective_step: int
+    applied_unix_s: float
+    config_text: str
+
+
+@dataclass(frozen=True, slots=True)
 class TrialItem:
     """One config a tuning session tried, with its throughput and what was decided."""
 
@@ -320,6 +330,8 @@ class JobReport:
     #: runs, the oldest first (``ended_unix_s``: the next one's start).
     run_id: str = ""
     runs: tuple[RunItem, ...] = ()
+    #: The config versions the job applied, the oldest first (the plots mark them).
+    configs: tuple[ConfigChange, ...] = ()
 
 
 def to_json(report: JobReport) -> bytes:
@@ -383,6 +395,21 @@ def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
         headline=headline(findings, steps),
         run_id="" if history.run is None else history.run["run_id"],
         runs=tuple(_run_item(r) for r in history.runs),
+        configs=tuple(_config_change(c) for c in history.configs),
+    )
+
+
+def _config_change(row: Mapping[str, Any]) -> ConfigChange:
+    config = {
+        "codec": row["codec"],
+        "codec_params": row["codec_params"],
+        "bucket_cap_mb": row["bucket_cap_bytes"] / 2**20,
+    }
+    return ConfigChange(
+        version=row["version"],
+        effective_step=row["effective_step"],
+        applied_unix_s=row["applied_unix_ns"] / 1e9,
+        config_text=config_text(config),
     )
 
 

@@ -410,20 +410,50 @@ def _alert_marks(
 
 
 def _config_marks(ax: Any, report: JobReport, clock: _Clock, titles: dict[str, str]) -> None:
-    """A dashed line where a tuning trial applied a config, labelled with that config."""
-    for trial in report.trials:
-        if trial.started_unix_s is None:
-            continue
-        step = clock.step(trial.started_unix_s)
-        line = ax.axvline(step, color="#542788", linestyle="--", linewidth=0.8)
-        gid = f"config-{trial.session_id}-{trial.trial_index}"
-        line.set_gid(gid)
-        titles[gid] = (
-            f"step {step:.0f}, {when(trial.started_unix_s)}: trial {trial.trial_index} "
-            f"applies {trial.config_text} ({trial.decision or 'undecided'})"
+    """A dashed line at each config the job applied (the tuner's trials, its rollbacks,
+    ``request_config``), labelled with that config; with no config versions stored,
+    each tuning trial's start."""
+    first, last = report.first_seen_unix_s - 30, report.last_seen_unix_s + 30
+    changes = [c for c in report.configs if first <= c.applied_unix_s <= last]
+    marks: list[tuple[str, float, str, str]] = []  # gid, step, label, hover
+    for change in changes:
+        trial = next(
+            (
+                t
+                for t in report.trials
+                if t.started_unix_s is not None
+                and abs(t.started_unix_s - change.applied_unix_s) < 5
+            ),
+            None,
         )
+        by = (
+            ""
+            if trial is None
+            else f" (trial {trial.trial_index}, {trial.decision or 'undecided'})"
+        )
+        marks.append((
+            f"config-v{change.version}", float(change.effective_step),
+            f" v{change.version}: {change.config_text}",
+            f"step {change.effective_step}, {when(change.applied_unix_s)}: config version "
+            f"{change.version} applied, {change.config_text}{by}",
+        ))  # fmt: skip
+    if not changes:
+        for trial in report.trials:
+            if trial.started_unix_s is None:
+                continue
+            step = clock.step(trial.started_unix_s)
+            marks.append((
+                f"config-{trial.session_id}-{trial.trial_index}", step,
+                f" #{trial.trial_index} {trial.config_text}",
+                f"step {step:.0f}, {when(trial.started_unix_s)}: trial {trial.trial_index} "
+                f"applies {trial.config_text} ({trial.decision or 'undecided'})",
+            ))  # fmt: skip
+    for gid, step, label, hover in marks[: 4 * _MAX_LABELS]:
+        line = ax.axvline(step, color="#542788", linestyle="--", linewidth=0.8)
+        line.set_gid(gid)
+        titles[gid] = hover
         text = ax.text(
-            step, 0.03, f" #{trial.trial_index} {trial.config_text}",
+            step, 0.03, label,
             transform=ax.get_xaxis_transform(), rotation=90, ha="right", va="bottom",
             fontsize=6.5, color="#542788",
         )  # fmt: skip
