@@ -98,6 +98,9 @@ class FakeTuning:
         self.started.append((job, max_trials, list(pinned)))
         return "s1"
 
+    async def abort_session(self, job: str, reason: str, *, restore: bool = True) -> bool:
+        return False  # no session to abort
+
 
 class Api:
     """The fakes behind the API, and a client of it (``serve``)."""
