@@ -142,7 +142,9 @@ class LiveState:
         self._latched: dict[tuple[str, tuple[tuple[str, str], ...]], Finding] = {}
         # What the last ``findings()`` returned, and whether something not among it has
         # appeared since: the service then evaluates at once instead of on its timer.
-        self._evaluated: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+        #: The findings the last evaluation saw, by key and whether they paged: a finding
+        #: that starts paging is news to the rules as much as a new one.
+        self._evaluated: set[tuple[tuple[str, tuple[tuple[str, str], ...]], bool]] = set()
         self._fresh = False
 
     # -- feeding -------------------------------------------------------------------------
@@ -440,7 +442,7 @@ class LiveState:
     def _latch(self, finding: Finding) -> None:
         key = finding.key()
         self._latched[key] = finding
-        if key not in self._evaluated:
+        if (key, _pages(finding)) not in self._evaluated:
             self._fresh = True
 
     def take_fresh(self) -> bool:
@@ -469,7 +471,7 @@ class LiveState:
         self.links.evaluate(now_unix_s)
         out.extend(self.links.active())
         out = self._with_reports(out, now_unix_s)
-        self._evaluated = {f.key() for f in out}
+        self._evaluated = {(f.key(), _pages(f)) for f in out}
         self._fresh = False
         return out
 
@@ -656,3 +658,8 @@ def _rank_steps(
         wait = i if i is not None and i > 0 else 0.0
         out.append(RankStep(c - host, wait, host))
     return out
+
+
+def _pages(finding: Finding) -> bool:
+    """Whether ``finding`` pages (a straggler's ``details["page"]``; other kinds always)."""
+    return finding.details.get("page") is not False
