@@ -303,7 +303,8 @@ def test_the_cli_refuses_in_one_line_and_takes_a_query_url(history_db: str) -> N
         "(permission denied for function pg_read_file)\n"
     )
     done = query("--query-db", history_db, "SELECT pg_read_file('/etc/passwd')")
-    assert (done.returncode, done.stderr) == (1, f"torshmon query: {SUPERUSER_REFUSAL}\n")
+    # A superuser for the query URL is a mistake the user fixes: exit 2, one line.
+    assert (done.returncode, done.stderr) == (2, f"torshmon query: {SUPERUSER_REFUSAL}\n")
     missing = reader_url(history_db, unique_name("torshmon_missing"))
     done = query("--query-db", missing, "SELECT 1")
     assert done.returncode == 2 and done.stderr.count("\n") == 1  # cannot connect: exit 2
