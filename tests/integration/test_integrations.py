@@ -12,7 +12,6 @@ is downloaded.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import statistics
 import subprocess
 import sys
@@ -22,10 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
 
-from torshmon.aggregator.service import Aggregator
-from torshmon.aggregator.settings import AggregatorSettings
+from tests.integration.loopback import aggregator_and_agent
 from torshmon.history.query import run_query
 from torshmon.launch import run_ranks
 
@@ -47,32 +44,18 @@ async def _run_with_stack(
 ) -> tuple[list[Any], str]:
     """Aggregator + agent on loopback, ``target`` on 2 gloo ranks; the history's URL once
     the agent has flushed and the aggregator written everything."""
-    from torshmon.agent.daemon import Agent, AgentSettings
-
-    db_url = f"sqlite:///{tmp_path / 'history.db'}"
-    token = secrets.token_hex(8)
-    settings = AggregatorSettings(port=0, db_url=db_url, token=token, aggregator_id="integ")
-    async with Aggregator(settings, registry=CollectorRegistry(), targets=[]) as aggregator:
-        agent_settings = AgentSettings(
-            socket_path=str(tmp_path / "agent.sock"),
-            metrics_port=0,
-            aggregator_url=f"http://127.0.0.1:{aggregator.port}",
-            token=token,
-            spool_path=str(tmp_path / "spool.db"),
-            sample_interval_s=1.0,
+    async with aggregator_and_agent(tmp_path, "integ") as (_, agent_settings):
+        results = await asyncio.to_thread(
+            run_ranks,
+            target,
+            2,
+            agent_settings.socket_path,
+            str(tmp_path),
+            *args,
+            timeout_s=TIMEOUT_S,
+            env=ENV,
         )
-        async with Agent(agent_settings, registry=CollectorRegistry()):
-            results = await asyncio.to_thread(
-                run_ranks,
-                target,
-                2,
-                agent_settings.socket_path,
-                str(tmp_path),
-                *args,
-                timeout_s=TIMEOUT_S,
-                env=ENV,
-            )
-    return results, db_url
+    return results, f"sqlite:///{tmp_path / 'history.db'}"
 
 
 def _rows(db_url: str, sql: str) -> list[tuple[Any, ...]]:

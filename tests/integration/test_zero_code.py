@@ -8,17 +8,14 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import secrets
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
 
-from torshmon.aggregator.service import Aggregator
-from torshmon.aggregator.settings import AggregatorSettings
+from tests.integration.loopback import aggregator_and_agent
 from torshmon.history.query import run_query
 from torshmon.zerocode import BOOTSTRAP_DIR, child_env, resolve
 
@@ -102,57 +99,44 @@ def _rows(db_url: str, sql: str) -> list[tuple[Any, ...]]:
 
 
 async def test_torshmon_run_watches_the_readme_script_unmodified(tmp_path: Path) -> None:
-    from torshmon.agent.daemon import Agent, AgentSettings
-
     script = tmp_path / "train.py"
     script.write_text(readme_script_without_torshmon())
     # The README's own script, also under torshmon run: its attach and steps win.
     own = tmp_path / "own.py"
     own.write_text(readme_script())
     db_url = f"sqlite:///{tmp_path / 'history.db'}"
-    token = secrets.token_hex(8)
-    settings = AggregatorSettings(port=0, db_url=db_url, token=token, aggregator_id="zero")
-    async with Aggregator(settings, registry=CollectorRegistry(), targets=[]) as aggregator:
-        agent_settings = AgentSettings(
-            socket_path=str(tmp_path / "agent.sock"),
-            metrics_port=0,
-            aggregator_url=f"http://127.0.0.1:{aggregator.port}",
-            token=token,
-            spool_path=str(tmp_path / "spool.db"),
-            sample_interval_s=1.0,
-        )
-        async with Agent(agent_settings, registry=CollectorRegistry()):
-            env = {
-                **os.environ,
-                "OMP_NUM_THREADS": "1",
-                "TORSHMON_AGENT_SOCKET": agent_settings.socket_path,
-                "TORSHMON_JOB": "zero-code",
-            }
-            env.pop("TORSHMON_AUTO", None)
-            command = [
-                str(Path(sys.executable).parent / "torshmon"),
-                "run",
-                "--",
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-                str(script),
-            ]
-            for path in (script, own):
-                done = await asyncio.to_thread(
-                    subprocess.run,
-                    [*command[:-1], str(path)],
-                    env=env,
-                    cwd=tmp_path,
-                    capture_output=True,
-                    text=True,
-                    timeout=120,
-                )
-                assert done.returncode == 0, done.stderr[-3000:]
-                assert "monitoring is off" not in done.stderr, done.stderr[-2000:]
+    async with aggregator_and_agent(tmp_path, "zero") as (_, agent_settings):
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "TORSHMON_AGENT_SOCKET": agent_settings.socket_path,
+            "TORSHMON_JOB": "zero-code",
+        }
+        env.pop("TORSHMON_AUTO", None)
+        command = [
+            str(Path(sys.executable).parent / "torshmon"),
+            "run",
+            "--",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+        ]
+        for path in (script, own):
+            done = await asyncio.to_thread(
+                subprocess.run,
+                [*command[:-1], str(path)],
+                env=env,
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert "monitoring is off" not in done.stderr, done.stderr[-2000:]
     steps = _rows(
         db_url,
         "SELECT rank, step, batch_size, compute_s, forward_s, backward_s FROM steps "
