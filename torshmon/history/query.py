@@ -206,7 +206,13 @@ def _run_sqlite(url: str, sql: str, limits: _Limits, interrupt: Interrupt) -> Qu
     except sqlite3.Error as exc:
         raise HistoryUnreachable(f"cannot open the history database at {path}: {exc}") from exc
     deadline = time.monotonic() + limits.timeout_s
-    conn.set_progress_handler(lambda: int(time.monotonic() > deadline), _PROGRESS_STEPS)
+    # The handler also ends an interrupted query: SQLite's own interrupt does nothing
+    # when it comes before the statement runs (between ``_bind`` and ``execute``, or
+    # between two fetches), and the query then ran on to its timeout (a CI run, stop 52).
+    conn.set_progress_handler(
+        lambda: int(interrupt.reason is not None or time.monotonic() > deadline),
+        _PROGRESS_STEPS,
+    )
     # SQLite then refuses to make any longer string or blob (randomblob, zeroblob,
     # group_concat, ...), so none is built in this process's memory.
     conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, limits.max_cell_bytes)
