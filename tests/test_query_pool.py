@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -130,6 +131,25 @@ def test_an_interrupt_before_the_query_stops_it_as_it_starts(tmp_path: Path) -> 
     interrupt.interrupt("a second reason is ignored")
     with pytest.raises(QueryError, match=r"^query cancelled: no longer wanted$"):
         run_query(f"sqlite:///{path}", "SELECT 1", interrupt=interrupt)
+
+
+class _InterruptedOnceBound(Interrupt):
+    """Interrupted right after the query binds it, before its statement runs."""
+
+    def _bind(self, stop: Any) -> None:
+        super()._bind(stop)
+        self.interrupt("the client hung up")
+
+
+def test_an_interrupt_between_binding_and_running_still_stops_the_query(tmp_path: Path) -> None:
+    """SQLite's own interrupt is a no-op while no statement runs (stop 52 CI: the query
+    ran on to its timeout); the query still ends at once."""
+    path = tmp_path / "h.db"
+    sqlite3.connect(path).close()
+    started = time.monotonic()
+    with pytest.raises(QueryError, match=r"^query cancelled: the client hung up$"):
+        run_query(f"sqlite:///{path}", RUNAWAY, timeout_s=30, interrupt=_InterruptedOnceBound())
+    assert time.monotonic() - started < 5
 
 
 def test_a_statement_timeout_is_still_told_as_one(tmp_path: Path) -> None:
