@@ -36,7 +36,8 @@ class _JobLabels:
 class LabelCap:
     """The label values each job may still add, and what was folded into ``OTHER``.
 
-    Not thread-safe: its owner calls it under its own lock.
+    Not thread-safe: one owner (the aggregator's ``LiveState``, on its event loop)
+    calls it.
     """
 
     def __init__(
