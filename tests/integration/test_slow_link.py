@@ -173,14 +173,28 @@ async def test_slow_link_alert_names_the_rank_and_resolves(
             ).all()
             kinds = conn.execute(text("SELECT kind FROM commands WHERE job = :j"), {"j": JOB}).all()
             blamed = conn.execute(
-                text("SELECT rule, rank FROM alerts WHERE rule IN ('Straggler', 'Hung Collective')")
+                text(
+                    "SELECT rule, rank, starts_at_unix_s, annotations FROM alerts "
+                    "WHERE rule IN ('Straggler', 'Hung Collective')"
+                )
             ).all()
+            late, ends = {}, {}
+            for r in conn.execute(
+                text("SELECT rank, step, end_unix_ns, compute_s, input_wait_s FROM steps")
+            ):
+                late[(r.rank, r.step)] = r.compute_s + (r.input_wait_s or 0.0)
+                ends[(r.rank, r.step)] = r.end_unix_ns / 1e9
     finally:
         engine.dispose()
     assert [tuple(r) for r in rows] == [(1 if world == 3 else None, "resolved")]
     # A slow link is neither a straggler nor a hang: no rank was blamed for it (the job
-    # did slow down and communicate more, so the job-level alerts may fire).
-    assert [tuple(r) for r in blamed] == []
+    # did slow down and communicate more, so the job-level alerts may fire). Three ranks
+    # share two cores with the daemons here, so a rank can really fall behind its peers
+    # for a while (stop 52 CI: rank 0 paged); such a page must then be what the stored
+    # steps show, and never name the rank whose link was slowed.
+    for alert in blamed:
+        assert alert.rule == "Straggler" and alert.rank != 1, tuple(alert)
+        assert _was_late(late, ends, alert.rank, world, alert.starts_at_unix_s), tuple(alert)
     assert {k for (k,) in kinds} == {"link_check"}
     print(
         f"\nslow link at {world} ranks: detected {fired_at - onset:.2f} s after onset, resolved "
@@ -188,6 +202,25 @@ async def test_slow_link_alert_names_the_rank_and_resolves(
         f" ms healthy, {slow.duration_s * 1e3:.0f} ms with rank 1 at {SLOW_RATE}; "
         f"{len(kinds)} link checks"
     )
+
+
+def _was_late(
+    late: dict[tuple[int, int], float],
+    ends: dict[tuple[int, int], float],
+    rank: int,
+    world: int,
+    paged_at: float,
+) -> bool:
+    """Whether ``rank`` was late as a page says, by the stored steps alone: late (its
+    compute and input wait) by at least 5 % over its peers' median in 16 of some 28
+    consecutive steps that ended before ``paged_at``, the least the detector pages for."""
+    flags = []
+    for step in sorted(s for r, s in late if r == rank and ends[(r, s)] <= paged_at):
+        peers = [late.get((r, step)) for r in range(world) if r != rank]
+        if None in peers:
+            continue
+        flags.append(late[(rank, step)] >= 1.05 * statistics.median(p for p in peers if p))
+    return any(sum(flags[i : i + 28]) >= 16 for i in range(max(1, len(flags) - 27)))
 
 
 def _time_checks(rank: int, world: int, size_bytes: int, repeats: int, reps: int) -> list[float]:
