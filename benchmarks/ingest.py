@@ -1,9 +1,10 @@
 """Ingest throughput of the aggregator: samples per second through ingest, detection,
 rules and SQL, for SQLite and PostgreSQL, against a bare bulk insert of the same rows.
 
-A *sample* is one stored measurement: each of ``STEP_SAMPLE_FIELDS`` (step time,
-communication wait, compute, communication ratio, busy time, forward, backward,
-optimizer, throughput, loss) that a step record carries, plus 4 per collective
+A *sample* is one stored measurement: each of ``STEP_SAMPLE_FIELDS`` (the measured
+columns of the steps model: step time, communication wait, compute, communication ratio,
+busy time, phases, throughput, loss, the time between steps, CPU waits, GPU memory) that
+a step record carries (these records carry ten, step time to loss), plus 4 per collective
 (count, size, duration, bus bandwidth) and 4 per bucket - the count the aggregator
 itself keeps in ``torshmon_ingest_samples_total``. Node samples are ingested too (as
 agents send them) but not counted.

@@ -73,6 +73,32 @@ def test_steps_collectives_and_ddp_statistics_are_stored_as_sent(engine: Engine)
     assert ddp["avg_forward_compute_s"] == 0.01
 
 
+def test_the_time_between_steps_is_stored_and_counted(engine: Engine) -> None:
+    """eval_s and between_steps_comm_s (migration 0015) are measurements like the rest:
+    stored, and counted in torshmon_ingest_samples_total (``Stored.samples``)."""
+    hello = wf.hello("j", 0, 1)
+    plain = wf.step(1, end_unix_ns=10**18, collectives=False)
+    split = msgspec.structs.replace(
+        wf.step(2, end_unix_ns=10**18 + 1, collectives=False),
+        input_wait_s=0.125,
+        eval_s=2.5,
+        between_steps_comm_s=0.0625,
+    )
+    record = SpoolRecord(messages=[hello, wf.batch(hello, 1, [plain, split])], node_samples=[])
+    batch = IngestBatch(
+        v=SCHEMA_VERSION, agent_id="a", node="node-a", records=[IngestRecord(seq=1, record=record)]
+    )
+    stored = IngestStore(engine, aggregator_id="t").store(batch)
+    # The factory's step carries 10 measurements (step time, comm wait, compute, ratio,
+    # busy, forward, backward, optimizer, throughput, loss); the second 3 more.
+    assert stored.samples == 10 + 13
+    columns = T["steps"].c
+    query = select(columns.input_wait_s, columns.eval_s, columns.between_steps_comm_s)
+    with engine.connect() as conn:
+        rows = conn.execute(query.order_by(columns.step)).all()
+    assert [tuple(row) for row in rows] == [(None, None, None), (0.125, 2.5, 0.0625)]
+
+
 def test_insert_rows_are_the_rows_store_writes(engine: Engine) -> None:
     batch = _batch()
     rows = insert_rows(batch, 5)

@@ -296,6 +296,24 @@ def test_metrics_are_valid_exposition_with_design_names(agg: AggregatorThread) -
     assert "torshmon_memory_utilization_ratio" not in names
 
 
+def test_the_ingest_sample_counter_counts_the_time_between_steps(agg: AggregatorThread) -> None:
+    """eval_s and between_steps_comm_s are measurements: /metrics counts them."""
+    import msgspec
+    from prometheus_client.parser import text_string_to_metric_families
+
+    h0 = wf.hello("j", 0, 1)
+    step = msgspec.structs.replace(
+        wf.step(1, collectives=False), eval_s=1.5, between_steps_comm_s=0.25
+    )
+    body = wf.ingest_body("a", [(1, wf.record(h0, wf.batch(h0, 1, [step])))])
+    assert agg.post_ingest(body)[0] == 200
+    with urllib.request.urlopen(agg.url + "/metrics", timeout=10) as resp:
+        families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+    (sample,) = families["torshmon_ingest_samples"].samples[:1]
+    # The factory's 10 (step time to loss) and the two between the steps.
+    assert sample.name == "torshmon_ingest_samples_total" and sample.value == 12
+
+
 def test_plain_json_bodies_are_accepted_too(agg: AggregatorThread) -> None:
     h0 = wf.hello("j", 0, 1)
     body = wf.ingest_body("a", [(1, wf.record(h0, wf.batch(h0, 1, [wf.step(1)])))])

@@ -31,7 +31,7 @@ from itertools import chain
 from typing import Any, Final
 
 import msgspec
-from sqlalchemy import JSON, Float
+from sqlalchemy import JSON, Float, Integer
 from sqlalchemy.engine import Connection, Engine
 
 from torshmon.aggregator.core.stored import Stored
@@ -57,20 +57,6 @@ log = logging.getLogger(__name__)
 
 _T = Base.metadata.tables
 
-#: Numeric measurements one step record contributes (the unit of ingest throughput).
-STEP_SAMPLE_FIELDS: tuple[str, ...] = (
-    "duration_s",
-    "comm_wait_s",
-    "compute_s",
-    "communication_time_ratio",
-    "comm_busy_s",
-    "forward_s",
-    "backward_s",
-    "optimizer_s",
-    "input_wait_s",
-    "samples_per_s",
-    "loss",
-)
 #: Measurements one collective (count, size, duration, bus bandwidth) and one bucket
 #: (size, wire bytes, duration, compression ratio) contribute.
 SAMPLES_PER_COLLECTIVE: Final = 4
@@ -88,12 +74,22 @@ class _BulkTable:
     model's other columns, read from one ``record`` of the wire by name (``renames``:
     column -> attribute where they differ).
 
-    The column list comes from the model: a context name that is not a column, or a
-    column the wire record lacks, fails at import, naming them. JSON columns are
+    The column list comes from the model, and the model is the one definition the wire
+    record is checked against at import: a context name that is not a column, a column
+    the wire record lacks, or a field of the record that is neither a column nor in
+    ``elsewhere`` (field -> where it goes instead) fails, naming them. JSON columns are
     written as JSON text (as SQLAlchemy's JSON type writes them).
     """
 
-    __slots__ = ("_float_at", "_floats", "_json_at", "_values", "columns", "name", "sample_at")
+    __slots__ = (
+        "_float_at",
+        "_floats",
+        "_json_at",
+        "_values",
+        "columns",
+        "name",
+        "record_columns",
+    )
 
     def __init__(
         self,
@@ -101,21 +97,31 @@ class _BulkTable:
         context: tuple[str, ...],
         record: type[msgspec.Struct] | None,
         renames: Mapping[str, str] | None = None,
+        elsewhere: Mapping[str, str] | None = None,
     ) -> None:
         table = _T[name]
         self.name = name
         insertable = [c.name for c in table.columns if c.identity is None]
         record_columns = tuple(c for c in insertable if c not in context)
+        self.record_columns = record_columns
         self.columns = (*context, *record_columns)
-        renames = renames or {}
+        renames, elsewhere = renames or {}, elsewhere or {}
         fields = record.__struct_fields__ if record is not None else ()
         lacking = [c for c in record_columns if renames.get(c, c) not in fields]
         unknown = sorted(set(context) - set(insertable))
-        if unknown or lacking or len(set(context)) != len(context):
-            raise RuntimeError(
-                f"ingest rows of {name} do not match its model: unknown context columns "
-                f"{unknown}, columns the wire record lacks {lacking}"
-            )
+        stored = {renames.get(c, c) for c in record_columns}
+        unplaced = [f for f in fields if f not in stored and f not in elsewhere]
+        stale = sorted(f for f in elsewhere if f in stored or f not in fields)
+        problems = {
+            "unknown context columns": unknown,
+            "columns the wire record lacks": lacking,
+            "fields of the wire record neither columns nor stored elsewhere": unplaced,
+            "fields said to be stored elsewhere that are columns or not fields": stale,
+            "context columns named twice": sorted({c for c in context if context.count(c) > 1}),
+        }
+        if any(problems.values()):
+            found = "; ".join(f"{what} {items}" for what, items in problems.items() if items)
+            raise RuntimeError(f"ingest rows of {name} do not match its model: {found}")
         self._values = _tuple_getter(
             operator.attrgetter, [renames.get(c, c) for c in record_columns]
         )
@@ -124,11 +130,6 @@ class _BulkTable:
         self._floats = _tuple_getter(operator.itemgetter, float_at)
         self._json_at = frozenset(
             i for i, c in enumerate(record_columns) if isinstance(table.c[c].type, JSON)
-        )
-        #: The record's values of ``STEP_SAMPLE_FIELDS`` it has, by position.
-        self.sample_at = _tuple_getter(
-            operator.itemgetter,
-            [record_columns.index(f) for f in STEP_SAMPLE_FIELDS if f in record_columns],
         )
 
     def row(self, context: tuple[Any, ...], record: Any) -> tuple[Any, ...]:
@@ -174,16 +175,68 @@ def _tuple_getter(
 
 
 _SEQS = _BulkTable("ingest_seqs", ("agent_id", "seq", "node", "received_unix_ns"), None)
-_STEPS = _BulkTable("steps", ("job", "rank", "node"), StepRecord)
-_COLLECTIVES = _BulkTable("collectives", ("job", "rank", "step", "end_unix_ns"), CollectiveStat)
+#: A step record's fields that are not columns of ``steps``, and where each goes.
+STEP_FIELDS_ELSEWHERE: Final[Mapping[str, str]] = {
+    "collectives": "rows of collectives",
+    "buckets": "rows of buckets",
+    "ddp": "a row of ddp_stats",
+    "applied_config": "a row of configs (rank 0's)",
+    "config_rejections": "not stored: the rejected command's ack says why (commands)",
+    "collective_clock": "not stored: the history does not say which clock timed a step",
+}
+_STEPS = _BulkTable("steps", ("job", "rank", "node"), StepRecord, elsewhere=STEP_FIELDS_ELSEWHERE)
+_COLLECTIVES = _BulkTable(
+    "collectives",
+    ("job", "rank", "step", "end_unix_ns"),
+    CollectiveStat,
+    elsewhere={"duration_hist": "not stored: the live duration histogram"},
+)
 _BUCKETS = _BulkTable(
     "buckets", ("job", "rank", "step", "end_unix_ns"), BucketStat, {"bucket_index": "index"}
 )
 _DDP = _BulkTable("ddp_stats", ("job", "rank", "step", "end_unix_ns"), DdpStats)
 _INFLIGHT = _BulkTable("inflight_reports", ("job", "rank", "sent_unix_ns"), InflightOp)
-_NODES = _BulkTable("node_samples", (), NodeSample)
-_GPUS = _BulkTable("gpu_samples", ("node", "ts_unix_ns"), GpuSample, {"gpu_index": "index"})
-_RANK_SAMPLES = _BulkTable("rank_samples", ("node", "ts_unix_ns"), RankProcess)
+_NODES = _BulkTable(
+    "node_samples",
+    (),
+    NodeSample,
+    elsewhere={
+        "gpus": "rows of gpu_samples",
+        "ranks": "rows of rank_samples",
+        "interfaces": "not stored: the agent's /metrics (the totals are columns)",
+    },
+)
+_GPUS = _BulkTable(
+    "gpu_samples",
+    ("node", "ts_unix_ns"),
+    GpuSample,
+    {"gpu_index": "index"},
+    elsewhere={"uuid": "not stored: a label of the agent's /metrics"},
+)
+_RANK_SAMPLES = _BulkTable(
+    "rank_samples",
+    ("node", "ts_unix_ns"),
+    RankProcess,
+    elsewhere={
+        "cpu_s_total": "not stored: the agent's /metrics",
+        "gpu": "not stored: the live state (which GPUs a job uses)",
+    },
+)
+#: The step's numbers that are not measurements: which step it is, and the settings
+#: it ran with.
+_STEP_NOT_MEASURED: Final = frozenset({"step", "end_unix_ns", "batch_size", "config_version"})
+#: Measurements one step record contributes (the unit of ingest throughput,
+#: ``torshmon_ingest_samples_total``): the numeric columns of ``steps`` the record fills,
+#: read from the model so that a measurement added there is counted.
+STEP_SAMPLE_FIELDS: Final[tuple[str, ...]] = tuple(
+    c
+    for c in _STEPS.record_columns
+    if c not in _STEP_NOT_MEASURED and isinstance(_T["steps"].c[c].type, Float | Integer)
+)
+#: A step's values (``_STEPS.values``) of ``STEP_SAMPLE_FIELDS``.
+_step_samples = _tuple_getter(
+    operator.itemgetter, [_STEPS.record_columns.index(f) for f in STEP_SAMPLE_FIELDS]
+)
 #: Insert order: the seqs first, so a concurrent duplicate fails before the bulk work.
 _BULK: Final = (
     _SEQS,
@@ -513,7 +566,7 @@ def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
     values = _STEPS.values(steps)
     # Samples are the wire values present (a non-finite one counts, stored as NULL).
     samples = len(values) * len(STEP_SAMPLE_FIELDS) - sum(
-        map(_count_none, map(_STEPS.sample_at, values))
+        map(_count_none, map(_step_samples, values))
     )
     bulk["steps"].extend(_STEPS.rows((job, rank, node), values))
     for step in steps:

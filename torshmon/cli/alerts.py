@@ -1,4 +1,5 @@
-"""``torshmon alerts`` and ``torshmon silence``: the alert lifecycle from a terminal.
+"""``torshmon alerts`` and ``torshmon silence``: the alert lifecycle from a terminal;
+``torshmon rules``: the rule files alerts come from.
 
 Both talk to a running aggregator's API (``--aggregator``, the token as for ``tune``)::
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import os
 import re
 import socket
 import sys
@@ -23,7 +25,10 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-__all__ = ["Call", "add_commands", "parse_duration", "run"]
+from torshmon.cli.common import USAGE_ERROR, aggregator_url, fail, http_json, read_token
+from torshmon.redact import Redactor, redact_url
+
+__all__ = ["Call", "add_commands", "lifecycle", "parse_duration", "rules", "run"]
 
 #: One API request: (method, path with query, JSON body or None) -> (status, JSON object).
 Call = Callable[[str, str, "dict[str, object] | None"], "tuple[int, Mapping[str, Any]]"]
@@ -62,7 +67,7 @@ def add_commands(
     command: Callable[..., argparse.ArgumentParser],
     aggregator_flags: Callable[[argparse.ArgumentParser], None],
 ) -> None:
-    """Add ``alerts`` and ``silence`` with ``command`` (cli.build_parser's factory);
+    """Add ``alerts`` and ``silence`` with ``command`` (build_parser's factory);
     ``aggregator_flags`` adds --aggregator and --token-file to a parser."""
     alerts = command("alerts", "list and acknowledge alerts on a running aggregator", env="tune")
     alert_commands = alerts.add_subparsers(dest="alerts_command", required=True)
@@ -121,7 +126,7 @@ def run(args: argparse.Namespace, call: Call) -> int:
 
 def _refused(command: str, status: int, reply: Mapping[str, Any]) -> int:
     print(f"torshmon {command}: HTTP {status}: {reply.get('error', '')}", file=sys.stderr)
-    return 2 if 400 <= status < 500 else 1  # a user's mistake is 2, as in torshmon.cli
+    return 2 if 400 <= status < 500 else 1  # a user's mistake is 2 (USAGE_ERROR)
 
 
 def _when(unix_s: float | None) -> str:
@@ -203,3 +208,34 @@ def _expire_silence(args: argparse.Namespace, call: Call) -> int:
 
 def _labels(silence: Mapping[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(silence["matchers"].items()))
+
+
+def lifecycle(args: argparse.Namespace, redact: Redactor) -> int:
+    """``alerts`` and ``silence`` against the aggregator's API."""
+    import urllib.error
+
+    try:
+        base = aggregator_url(args, os.environ)
+    except ValueError as exc:
+        return fail(args.command, redact, str(exc), USAGE_ERROR)
+    redact.add_url(base)
+    token = read_token(args, redact, os.environ) or os.environ.get("TORSHMON_TOKEN", "").strip()
+
+    def call(
+        method: str, path: str, body: dict[str, object] | None
+    ) -> tuple[int, Mapping[str, Any]]:
+        return http_json(method, base + path, token or None, body)
+
+    try:
+        return run(args, call)
+    except (urllib.error.URLError, OSError) as exc:
+        why = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        return fail(args.command, redact, f"cannot reach {redact_url(base)}: {why}", USAGE_ERROR)
+
+
+def rules(args: argparse.Namespace) -> int:
+    from torshmon.aggregator.rule_files import check_rules_cli, export_rules_cli
+
+    if args.rules_command == "check":
+        return check_rules_cli(args.file)
+    return export_rules_cli(args.file, args.format)
