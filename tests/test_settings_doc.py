@@ -22,6 +22,8 @@ def test_every_setting_has_its_variable_and_help() -> None:
         "TORSHMON_AGGREGATOR_HANG__TIMEOUT_S",
         "TORSHMON_SLACK_WEBHOOK_URL",
         "TORSHMON_AGENT_SPOOL",
+        "TORSHMON_FAST_LANE",
+        "TORSHMON_PROBE_SYNC_EVERY",
         "`--config FILE`",
     ):
         assert name in page

@@ -26,8 +26,9 @@ _INTRO = f"""\
 # Configuration
 
 This page is generated from the settings models (`torshmon/agent/settings.py`,
-`torshmon/aggregator/settings.py` and the detectors' sections); do not edit it by hand
-(`python -m torshmon.settings_doc docs/configuration.md`).
+`torshmon/aggregator/settings.py` and the detectors' sections, `torshmon/probe/settings.py`);
+do not edit it by hand (`python -m torshmon.settings_doc docs/configuration.md`). The
+probe's settings, `torshmon.attach`'s keywords, are [at the end](#the-probe-torshmonattach).
 
 `torshmon agent` and `torshmon aggregator` take each setting from the first of:
 
@@ -76,6 +77,29 @@ that holds secrets must be readable by the daemon's user only. The aggregator's
 `hang_timeout_s` of earlier versions is `hang: {{timeout_s: ...}}` now.
 """
 
+_PROBE_INTRO = """\
+## The probe (`torshmon.attach`)
+
+The probe in each training process takes each setting from the first of:
+
+1. `torshmon.attach`'s keyword of the same name (`attach(ddp, fast_lane=False)`; None
+   counts as not given), or the integration's (`TorshmonCallback(fast_lane=False)`),
+2. its environment variable, so that an operator can set it for every rank under
+   torchrun, the script unchanged,
+3. its default.
+
+There is no config file and there are no flags. A keyword is checked strictly: one the
+probe has not, or of the wrong type (`fast_lane="off"`), is a TypeError; a variable is
+read as the daemons read theirs. Any bad value stops `attach` with one line naming the
+keyword or the variable, before the first step: a mistake in the settings fails fast at
+start-up, never mid-run. Under `torshmon run` (the zero-code attach) the settings are read from the
+variables once, as torch is imported; a bad one leaves the job training unwatched, with
+one line on stderr. `TORSHMON_AUTO` switches the zero-code attach on (`torshmon run`
+sets it); `TORSHMON_AGENT_USER` names the agent's user where it is not the job's own
+([security.md](security.md)); `TORSHMON_RUN_ID` names the launch where torchrun does not
+([report.md](report.md)).
+"""
+
 
 def render() -> str:
     """The whole page."""
@@ -83,10 +107,14 @@ def render() -> str:
     from torshmon.agent.settings import AgentSettings
     from torshmon.aggregator.settings import ENV_PREFIX as AGGREGATOR_PREFIX
     from torshmon.aggregator.settings import AggregatorSettings
+    from torshmon.probe.settings import ENV_PREFIX as PROBE_PREFIX
+    from torshmon.probe.settings import ProbeSettings
 
     parts = [_INTRO]
     parts += _model("torshmon agent", AgentSettings, AGENT_PREFIX)
     parts += _model("torshmon aggregator", AggregatorSettings, AGGREGATOR_PREFIX)
+    parts += [_PROBE_INTRO]
+    parts += _table(ProbeSettings, (), Layers(ProbeSettings, env_prefix=PROBE_PREFIX), flags=False)
     return "\n".join(parts)
 
 
@@ -101,29 +129,29 @@ def _model(title: str, model: type, env_prefix: str) -> Iterator[str]:
             yield from _table(spec.section, (spec.name,), layers)
 
 
-def _table(model: type, prefix: tuple[str, ...], layers: Layers[Any]) -> Iterator[str]:
-    rows = [
-        "| setting | default | allowed | variable | flag | what |",
-        "|---|---|---|---|---|---|",
-    ]
+def _table(
+    model: type, prefix: tuple[str, ...], layers: Layers[Any], *, flags: bool = True
+) -> Iterator[str]:
+    """The settings of one section; without ``flags``, no flag column (the probe's)."""
+    header = ["setting", "default", "allowed", "variable", "flag", "what"]
+    if not flags:
+        header.remove("flag")
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for spec in field_specs(model):
         if spec.section is not None:
             continue
         path = (*prefix, spec.name)
-        rows.append(
-            "| "
-            + " | ".join(
-                (
-                    f"`{spec.name}`",
-                    _default(spec),
-                    _allowed(spec),
-                    f"`{layers.env_name(path, spec)}`",
-                    f"`{spec.flag}`" if spec.flag else "",
-                    _cell(spec.description or "") + (" (secret)" if spec.secret else ""),
-                )
-            )
-            + " |"
-        )
+        cells = [
+            f"`{spec.name}`",
+            _default(spec),
+            _allowed(spec),
+            f"`{layers.env_name(path, spec)}`",
+            f"`{spec.flag}`" if spec.flag else "",
+            _cell(spec.description or "") + (" (secret)" if spec.secret else ""),
+        ]
+        if not flags:
+            del cells[4]
+        rows.append("| " + " | ".join(cells) + " |")
     yield "\n".join(rows) + "\n"
 
 

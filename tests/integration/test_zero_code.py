@@ -184,3 +184,19 @@ def test_the_bootstrap_imports_torch_nowhere_and_waits_for_it() -> None:
     assert _python("import torch; " + probe, env) == "['torch', 'torshmon.probe.autoattach']"
     # The switch off: the bootstrap on the path does nothing.
     assert _python("import torch; " + probe, {**env, "TORSHMON_AUTO": "0"}) == "['torch']"
+
+
+def test_a_bad_variable_leaves_the_job_unwatched_with_one_line() -> None:
+    env = child_env({k: v for k, v in os.environ.items() if k != "TORSHMON_AUTO"})
+    done = subprocess.run(
+        [sys.executable, "-c", "import torch; print('trained')"],
+        env={**env, "TORSHMON_CPU_WAIT": "nope"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (0, "trained\n")
+    assert done.stderr == (
+        "torshmon: could not prepare the automatic attach (SettingsError: TORSHMON_CPU_WAIT: "
+        "cpu_wait must be true or false, got 'nope'); monitoring is off\n"
+    )

@@ -8,7 +8,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from torshmon.probe.monitor import Monitor, NullMonitor, attach, default_job_name
+from torshmon.probe.api import attach_with
+from torshmon.probe.monitor import Monitor, NullMonitor
+from torshmon.probe.settings import default_job_name, load_probe_settings
 from torshmon.wire import NAME_MAX_CHARS
 
 log = logging.getLogger(__name__)
@@ -38,14 +40,16 @@ def attach_to(
 ) -> Monitor | NullMonitor:
     """Attach to the framework's wrapped module: DDP is timed; any other wrapper (FSDP,
     a module left unwrapped) gets collectives only. Both modules' forward passes
-    outside steps count as evaluation."""
+    outside steps count as evaluation. ``options`` are ``torshmon.attach``'s keywords,
+    read as it reads them (``torshmon.probe.settings``)."""
+    settings = load_probe_settings({**options, "job": job})
     module = wrapped if is_ddp(wrapped) else None
     if module is None and wrapped is not None and os.environ.get("WORLD_SIZE", "1") != "1":
         log.info(
             "torshmon: %s is not DistributedDataParallel: collectives and steps only",
             type(wrapped).__name__,
         )
-    monitor = attach(module, job=job, **options)
+    monitor = attach_with(module, settings)
     for candidate in (wrapped, unwrapped):
         if candidate is not None:
             monitor.watch_forward(candidate)

@@ -26,8 +26,9 @@ if importlib.util.find_spec("torch") is None:
 from torshmon.probe.config import CommConfig, ConfigError  # noqa: E402
 
 if TYPE_CHECKING:
+    from torshmon.probe.api import attach
     from torshmon.probe.codecs import CODECS
-    from torshmon.probe.monitor import Monitor, NullMonitor, StepScope, attach
+    from torshmon.probe.monitor import Monitor, NullMonitor, StepScope
 
 __all__ = ["CODECS", "CommConfig", "ConfigError", "Monitor", "NullMonitor", "StepScope", "attach"]
 
@@ -36,7 +37,7 @@ _LAZY = {
     "Monitor": "torshmon.probe.monitor",
     "NullMonitor": "torshmon.probe.monitor",
     "StepScope": "torshmon.probe.monitor",
-    "attach": "torshmon.probe.monitor",
+    "attach": "torshmon.probe.api",
 }
 
 

@@ -34,9 +34,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from torshmon.probe import monitor as _monitor_module
+from torshmon.probe import api as _api_module
+from torshmon.probe.api import attach, attach_with
 from torshmon.probe.collectives import CollectiveTracer
-from torshmon.probe.monitor import Monitor, NullMonitor, attach
+from torshmon.probe.monitor import Monitor, NullMonitor
+from torshmon.probe.settings import ProbeSettings, load_probe_settings
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +59,22 @@ class _State:
         self.forward_delimited = False
         self.ddp_init: Any = None
         self.optimizer_handle: Any = None
+        #: loaded once, at install: a bad variable is told at start-up, not mid-run
+        self.settings: ProbeSettings | None = None
 
 
 _state = _State()
 
 
 def install() -> None:
-    """Wrap ``DistributedDataParallel.__init__`` and add the global optimizer hook.
-    Idempotent; attaches nothing yet."""
+    """Load the probe's settings from the environment, wrap
+    ``DistributedDataParallel.__init__`` and add the global optimizer hook.
+    Idempotent; attaches nothing yet. SettingsError for a bad ``TORSHMON_*`` variable,
+    before anything is installed (the bootstrap says so in one line; the job trains
+    unwatched)."""
     if _state.installed:
         return
+    _state.settings = load_probe_settings({})
     _state.installed = True
     _state.optimizer_handle = register_optimizer_step_post_hook(_on_optimizer_step)
     original = DistributedDataParallel.__init__
@@ -80,7 +88,7 @@ def install() -> None:
     DistributedDataParallel.__init__ = ddp_init
     # The script's own torshmon.attach (resolved through this module at call time):
     # the automatic monitor, if attached already, closes first and stands aside.
-    _monitor_module.attach = _script_attach
+    _api_module.attach = _script_attach
 
 
 def uninstall() -> None:
@@ -88,7 +96,7 @@ def uninstall() -> None:
     global _state
     if _state.ddp_init is not None:
         DistributedDataParallel.__init__ = _state.ddp_init
-        _monitor_module.attach = attach
+        _api_module.attach = attach
     if _state.optimizer_handle is not None:
         _state.optimizer_handle.remove()
     if _state.monitor is not None:
@@ -136,7 +144,9 @@ def _attach(module: Any) -> Monitor | NullMonitor | None:
         log.info("torshmon: the script attached the probe itself; automatic attach stands aside")
         _state.off = True
         return None
-    mon = attach(module)
+    if _state.settings is None:
+        return None  # uninstalled meanwhile
+    mon = attach_with(module, _state.settings)
     _state.monitor = mon
     log.info(
         "torshmon: attached automatically to %s (job %s)",

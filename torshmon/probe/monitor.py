@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -21,7 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torshmon.paths import default_agent_socket
 from torshmon.probe import _torch_compat
 from torshmon.probe.collectives import CollectiveTracer
 from torshmon.probe.commhook import DispatchingCommHook
@@ -36,12 +34,12 @@ from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkChec
 from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
 from torshmon.probe.runid import run_id_at_attach
 from torshmon.probe.runqueue import ProcessRunQueue, RunQueueClock
+from torshmon.probe.settings import ProbeSettings
 from torshmon.probe.shipper import Ending, Shipper, StepOutbox
 from torshmon.probe.timing import DeviceClock, StepMarks
 from torshmon.ratelog import LogLimiter
 from torshmon.version import __version__
 from torshmon.wire import (
-    NAME_MAX_CHARS,
     SCHEMA_VERSION,
     TEXT_MAX_CHARS,
     AckStatus,
@@ -107,21 +105,7 @@ class Monitor:
     the training thread. ``close()`` is idempotent.
     """
 
-    def __init__(
-        self,
-        module: Any = None,
-        *,
-        job: str | None = None,
-        agent_socket: str | None = None,
-        flush_interval_s: float = 0.5,
-        max_buffered_steps: int = 10_000,
-        ddp_stats_every: int = 50,
-        sync_every: int = 10,
-        error_sample_every: int = 50,
-        bucket_timing: bool = False,
-        fast_lane: bool | None = None,
-        cpu_wait: bool | None = None,
-    ) -> None:
+    def __init__(self, module: Any = None, *, settings: ProbeSettings) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "torch.distributed is not initialized: call init_process_group() "
@@ -132,34 +116,17 @@ class Monitor:
                 "torshmon.attach() takes a DistributedDataParallel module or None, "
                 f"got {type(module).__name__}"
             )
-        for name, value in (
-            ("ddp_stats_every", ddp_stats_every),
-            ("sync_every", sync_every),
-            ("error_sample_every", error_sample_every),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        for name, flag in (("fast_lane", fast_lane), ("cpu_wait", cpu_wait)):
-            if flag is not None and not isinstance(flag, bool):
-                # "off" or 0 would read as a wish, silently
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
-        # Not given: the operator's word under torchrun, else on.
-        fast_lane = env_flag(FAST_LANE_ENV, os.environ) if fast_lane is None else fast_lane
-        cpu_wait = env_flag(CPU_WAIT_ENV, os.environ) if cpu_wait is None else cpu_wait
-        self.job = job or default_job_name(os.environ)
-        if len(self.job) > NAME_MAX_CHARS:
-            # The agent would reject every frame of this job, and nothing would say why.
-            raise ValueError(
-                f"job name must be at most {NAME_MAX_CHARS} characters, got {len(self.job)}"
-            )
+        # Checked where they were loaded (probe.settings); this reads no variable itself.
+        self.settings = settings
+        self.job = settings.job
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.agent_socket = agent_socket or default_agent_socket()
+        self.agent_socket = settings.agent_socket
         self._module = module
-        self._ddp_stats_every = ddp_stats_every
-        self._sync_every = sync_every
-        self._error_sample_every = error_sample_every
-        self._bucket_timing = bucket_timing
+        self._ddp_stats_every = settings.ddp_stats_every
+        self._sync_every = settings.sync_every
+        self._error_sample_every = settings.error_sample_every
+        self._bucket_timing = settings.bucket_timing
         self._reconfig: Reconfigurator | None = None
         self._events = StepEvents()
         self._step = 0
@@ -186,7 +153,7 @@ class Monitor:
         self._process_runqueue = ProcessRunQueue()
         self._process_runqueue.watch(threading.get_native_id())
         self._training_thread = threading.get_ident()
-        if not cpu_wait:
+        if not settings.cpu_wait:
             # Closed clocks read None, touching no file: cpu_wait_s and
             # process_cpu_wait_s go unreported, as off Linux.
             self._runqueue.close()
@@ -224,16 +191,16 @@ class Monitor:
                 self._tracer.uninstall()
                 self._remove_hooks()
                 raise
-        self._outbox = StepOutbox(max_buffered_steps)
+        self._outbox = StepOutbox(settings.max_buffered_steps)
         self._shipper = Shipper(
             socket_path=self.agent_socket,
             hello=self._hello(),
             outbox=self._outbox,
             inflight=self._inflight,
-            flush_interval_s=flush_interval_s,
-            max_buffered_steps=max_buffered_steps,
+            flush_interval_s=settings.flush_interval_s,
+            max_buffered_steps=settings.max_buffered_steps,
             on_commands=self._on_commands,
-            fast_lane=FastLane(enabled=fast_lane),
+            fast_lane=FastLane(enabled=settings.fast_lane),
             groups=GroupRegistry(dist.group.WORLD, self.world_size),
         )
         self._evidence = EvidenceCapture(self.rank, self._shipper.evidence.put)
@@ -499,9 +466,8 @@ class Monitor:
             job=self.job,
             rank=self.rank,
             world_size=self.world_size,
-            local_rank=int(os.environ.get("LOCAL_RANK", self.rank)),
-            # The agent's --node where the launcher says it (TORSHMON_NODE), else the host.
-            node=os.environ.get("TORSHMON_NODE") or socket.gethostname(),
+            local_rank=self.rank if self.settings.local_rank is None else self.settings.local_rank,
+            node=self.settings.node,
             pid=os.getpid(),
             backend=str(dist.get_backend()),
             torch_version=str(torch.__version__),
@@ -791,36 +757,6 @@ class Monitor:
             log.warning("torshmon: recording %s failed; skipping", what, exc_info=True)
 
 
-def default_job_name(env: Mapping[str, str]) -> str:
-    """``$TORSHMON_JOB``, else torchrun's run id (``$TORCHELASTIC_RUN_ID``, its
-    ``--rdzv-id``; a fresh id per run under ``--standalone``; not its default "none"),
-    else ``default``: jobs under torchrun are told apart without naming them."""
-    run_id = env.get("TORCHELASTIC_RUN_ID", "")
-    return env.get("TORSHMON_JOB") or (run_id if run_id not in ("", "none") else "default")
-
-
-#: ``attach``'s ``fast_lane`` and ``cpu_wait`` where the script does not pass them, so
-#: an operator can turn either off for a job without editing it
-FAST_LANE_ENV = "TORSHMON_FAST_LANE"
-CPU_WAIT_ENV = "TORSHMON_CPU_WAIT"
-_ENV_TRUE = frozenset({"1", "true", "yes", "on"})
-_ENV_FALSE = frozenset({"0", "false", "no", "off"})
-
-
-def env_flag(name: str, env: Mapping[str, str], default: bool = True) -> bool:
-    """The boolean ``env[name]`` says (1/0, true/false, yes/no, on/off, any case), else
-    ``default`` where it is unset or empty; ValueError naming it for any other word,
-    rather than a guess that would leave the job measured otherwise than asked."""
-    raw = env.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in _ENV_TRUE:
-        return True
-    if raw in _ENV_FALSE:
-        return False
-    raise ValueError(f"${name} must be 1 or 0 (true/false, yes/no, on/off), got {env[name]!r}")
-
-
 class NullMonitor:
     """What ``attach`` returns in a process that is not part of a distributed job: the
     Monitor's API, measuring and sending nothing (steps are counted)."""
@@ -878,55 +814,6 @@ class NullMonitor:
         if scope is self._open:
             self._open = None
             self._step += 0 if failed else 1
-
-
-def is_distributed(env: Mapping[str, str]) -> bool:
-    """Whether this process belongs to a distributed job: torch.distributed is
-    initialised, or the launcher said it is one of several ranks (``$WORLD_SIZE``)."""
-    if dist.is_available() and dist.is_initialized():
-        return True
-    try:
-        return int(env.get("WORLD_SIZE") or 1) > 1
-    except ValueError:
-        return False
-
-
-def attach(module: Any = None, *, job: str | None = None, **options: Any) -> Monitor | NullMonitor:
-    """Start monitoring this rank.
-
-    ``module`` is the DistributedDataParallel module (or None to watch
-    collectives only); ``job`` names the job (default ``$TORSHMON_JOB``, else
-    torchrun's run id ``$TORCHELASTIC_RUN_ID``, else ``default``).
-    Options: ``agent_socket`` (default ``$TORSHMON_AGENT_SOCKET``),
-    ``flush_interval_s``, ``max_buffered_steps``, ``ddp_stats_every``,
-    ``sync_every`` (steps between config consensus points, 10) and
-    ``error_sample_every`` (steps between codec error measurements, 50) and
-    ``bucket_timing`` (False): time every DDP bucket through torshmon's Python
-    comm hook even while no codec runs. Off, DDP reduces in C++ and buckets are
-    described by DDP's own sampled statistics: a Python hook costs about 0.3 ms
-    per bucket on CPU gloo, far above the probe's 1% budget on many-bucket models.
-    ``fast_lane`` (default ``$TORSHMON_FAST_LANE``, else True): send a step out of line
-    with the rank's recent ones at once (probe.fastlane); False: every step waits for
-    the next flush (alerts up to a second later, 0-2.4% less step time where a rank has
-    no core to spare).
-    ``cpu_wait`` (default ``$TORSHMON_CPU_WAIT``, else True): read the run-queue clocks
-    (probe.runqueue) for ``cpu_wait_s`` and ``process_cpu_wait_s``; False: neither is
-    reported (1-2% less step time on a 10 ms step of a rank with one core; the straggler
-    detector then cannot tell a busy node from a slow rank).
-    Every rank must call ``attach`` (it creates a gloo group for the consensus)
-    and ``step`` equally often. In a process that is no rank of a distributed job
-    (torch.distributed not initialised and ``$WORLD_SIZE`` unset or 1) it logs one
-    line and returns a ``NullMonitor``: the same API, measuring nothing.
-    Raises RuntimeError if torch.distributed is not initialized in a rank of a
-    distributed job (``$WORLD_SIZE`` > 1: attach came before ``init_process_group``)
-    or a monitor is already attached in this process, TypeError for a module that is not DDP or a
-    ``fast_lane`` or ``cpu_wait`` that is not a bool, ValueError for an option out of
-    range or ``$TORSHMON_FAST_LANE`` / ``$TORSHMON_CPU_WAIT`` set to no boolean.
-    """
-    if not is_distributed(os.environ):
-        log.info("torshmon: not a distributed run (no process group): monitoring is off")
-        return NullMonitor(job or default_job_name(os.environ))
-    return Monitor(module, job=job, **options)
 
 
 def _host_loss(loss: object) -> object:
