@@ -28,15 +28,17 @@ from torshmon.probe.config import CommConfig, ConfigError  # noqa: E402
 if TYPE_CHECKING:
     from torshmon.probe.api import attach
     from torshmon.probe.codecs import CODECS
-    from torshmon.probe.monitor import Monitor, NullMonitor, StepScope
+    from torshmon.probe.monitor import Monitor
+    from torshmon.probe.nullmonitor import NullMonitor
+    from torshmon.probe.scope import StepScope
 
 __all__ = ["CODECS", "CommConfig", "ConfigError", "Monitor", "NullMonitor", "StepScope", "attach"]
 
 _LAZY = {
     "CODECS": "torshmon.probe.codecs",
     "Monitor": "torshmon.probe.monitor",
-    "NullMonitor": "torshmon.probe.monitor",
-    "StepScope": "torshmon.probe.monitor",
+    "NullMonitor": "torshmon.probe.nullmonitor",
+    "StepScope": "torshmon.probe.scope",
     "attach": "torshmon.probe.api",
 }
 

@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Mapping
 from multiprocessing import util as mp_util
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -22,18 +21,20 @@ import torch.distributed as dist
 
 from torshmon.probe import _torch_compat
 from torshmon.probe.collectives import CollectiveTracer
+from torshmon.probe.commands import CommandDesk
 from torshmon.probe.commhook import DispatchingCommHook
-from torshmon.probe.config import CommConfig, ConfigError
+from torshmon.probe.config import CommConfig
 from torshmon.probe.events import RawStep, StepEvents
 from torshmon.probe.evidence import EvidenceCapture
 from torshmon.probe.fastlane import FastLane
 from torshmon.probe.gpu import cuda_memory
 from torshmon.probe.groups import GroupRegistry
 from torshmon.probe.inflight import InflightTable
-from torshmon.probe.linkcheck import DEFAULT_SIZE_BYTES, LinkCheckDone, LinkCheckRequest
-from torshmon.probe.reconfig import Applied, Reconfigurator, Rejected
+from torshmon.probe.nullmonitor import NullMonitor
+from torshmon.probe.reconfig import Reconfigurator
 from torshmon.probe.runid import run_id_at_attach
 from torshmon.probe.runqueue import ProcessRunQueue, RunQueueClock
+from torshmon.probe.scope import StepScope
 from torshmon.probe.settings import ProbeSettings
 from torshmon.probe.shipper import Ending, Shipper, StepOutbox
 from torshmon.probe.timing import DeviceClock, StepMarks
@@ -41,24 +42,15 @@ from torshmon.ratelog import LogLimiter
 from torshmon.version import __version__
 from torshmon.wire import (
     SCHEMA_VERSION,
-    TEXT_MAX_CHARS,
-    AckStatus,
     AppliedConfig,
     Command,
-    CommandAck,
     ConfigRejection,
     Hello,
-    LinkCheckResult,
-    LinkPeerResult,
 )
 
-log = logging.getLogger(__name__)
+__all__ = ["Monitor", "NullMonitor", "StepScope"]
 
-#: What a "config" command may set: ``request_config``'s arguments.
-_CONFIG_ARGS = frozenset({"bucket_cap_mb", "first_bucket_cap_mb", "codec", "codec_params"})
-#: What a "link_check" command may set.
-_LINK_CHECK_ARGS = frozenset({"size_bytes", "repeats"})
-_COMMAND_KINDS = "config, link_check, evidence"
+log = logging.getLogger(__name__)
 
 #: Steps during which every parameter's gradient is watched to find the last one;
 #: DDP's statistics are sampled then too (it has rebuilt its buckets by then).
@@ -70,32 +62,6 @@ _GRAD_CALIBRATION_STEPS = 3
 #: the next start (torshmon's end-of-step work and at most this long) moves to the next
 #: step; none is lost.
 _REUSE_END_READINGS_NS = 200_000
-
-
-class StepScope:
-    """One training step: ``with mon.step():`` or what ``mon.begin_step()`` returns;
-    ``loss`` and ``batch_size`` may be set until it ends."""
-
-    __slots__ = ("_monitor", "batch_size", "loss")
-
-    def __init__(
-        self, monitor: Monitor | NullMonitor, batch_size: int | None, loss: object
-    ) -> None:
-        self._monitor = monitor
-        self.batch_size = batch_size
-        self.loss = loss
-
-    def __enter__(self) -> StepScope:
-        self._monitor._begin(self)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._monitor._end(self, failed=exc_type is not None)
 
 
 class Monitor:
@@ -181,8 +147,6 @@ class Monitor:
         self._grad_hooks: dict[int, Any] = {}
         self._last_grad_param: int | None = None
         self._ddp_pg_label = "default"
-        self._commands_by_version: dict[int, Command] = {}
-        self._link_check_commands: dict[str, Command] = {}
         self._tracer.install()
         if module is not None:
             try:
@@ -204,6 +168,15 @@ class Monitor:
             groups=GroupRegistry(dist.group.WORLD, self.world_size),
         )
         self._evidence = EvidenceCapture(self.rank, self._shipper.evidence.put)
+        self._commands = CommandDesk(
+            job=self.job,
+            rank=self.rank,
+            shipper=self._shipper,
+            evidence=self._evidence,
+            reconfig=self._reconfig,
+            request_config=self.request_config,
+            current_step=lambda: self._step,
+        )
         self._shipper.start()
         if self._shipper.native_id is not None:
             # The shipper's wait for a CPU (it runs at a lower priority) holds no step back.
@@ -577,9 +550,7 @@ class Monitor:
             ddp_logging = _torch_compat.ddp_logging_data(self._module)
         config_version = 0 if self._reconfig is None else self._reconfig.current.version
         applied, rejections = self._sync_config()
-        if self._reconfig is not None:
-            for done in self._reconfig.take_link_checks():
-                self._report_link_check(done)
+        self._commands.report_link_checks()
         if self._hook is not None:
             self._hook.measure_error = (self._step + 1) % self._error_sample_every == 0
         try:
@@ -612,98 +583,7 @@ class Monitor:
 
     def _on_commands(self, commands: list[Command]) -> None:
         """Commands relayed by the agent (shipper thread): validate and queue them."""
-        for command in commands:
-            try:
-                if command.job != self.job:
-                    raise ConfigError(f"command for job {command.job!r} reached job {self.job!r}")
-                if command.kind == "link_check":
-                    self._accept_link_check(command)
-                    continue
-                if command.kind == "evidence":
-                    self._evidence.request(command)
-                    if self.rank == 0:  # every rank takes it; rank 0 answers for the job
-                        self._ack_command(command, "applied", effective_step=self._step)
-                    continue
-                version = self._accept_command(command)
-            except (ConfigError, RuntimeError, TypeError, ValueError) as exc:
-                self._ack_command(command, "rejected", reason=str(exc))
-            else:
-                self._commands_by_version[version] = command
-                self._ack_command(command, "accepted", version=version)
-
-    def _accept_link_check(self, command: Command) -> None:
-        unknown = sorted(set(command.args) - _LINK_CHECK_ARGS)
-        if unknown:
-            allowed = ", ".join(sorted(_LINK_CHECK_ARGS))
-            raise ConfigError(f"unknown link_check field {unknown[0]!r}; allowed: {allowed}")
-        size = _int_arg(command, "size_bytes", DEFAULT_SIZE_BYTES)
-        repeats = _int_arg(command, "repeats", 1)
-        if self._reconfig is None:
-            raise RuntimeError(
-                "link checks need a DDP module whose process group spans the whole job "
-                "(they run on the config consensus's gloo group)"
-            )
-        request = LinkCheckRequest(id=command.id, size_bytes=size, repeats=repeats)
-
-        def queued() -> None:
-            # Before the check can run: its "applied" must never come first.
-            self._link_check_commands[command.id] = command
-            self._ack_command(command, "accepted")
-
-        self._reconfig.request_link_check(request, on_queued=queued)
-
-    def _report_link_check(self, done: LinkCheckDone) -> None:
-        """Ship what this rank measured; rank 0 also answers the command."""
-        result = LinkCheckResult(
-            id=done.request.id,
-            job=self.job,
-            rank=self.rank,
-            step=done.step,
-            duration_s=done.duration_s,
-            host=done.host,
-            peers=[
-                LinkPeerResult(
-                    peer=p.peer,
-                    size_bytes=p.size_bytes,
-                    duration_s=p.duration_s,
-                    cpu_wait_s=p.cpu_wait_s,
-                )
-                for p in done.peers
-            ],
-        )
-        self._shipper.link_checks.put(result)
-        command = self._link_check_commands.pop(done.request.id, None)
-        if command is not None:
-            self._ack_command(command, "applied", effective_step=done.step)
-
-    def _accept_command(self, command: Command) -> int:
-        if command.kind != "config":
-            raise ConfigError(f"unknown command kind {command.kind!r}; allowed: {_COMMAND_KINDS}")
-        unknown = sorted(set(command.args) - _CONFIG_ARGS)
-        if unknown:
-            allowed = ", ".join(sorted(_CONFIG_ARGS))
-            raise ConfigError(f"unknown config field {unknown[0]!r}; allowed: {allowed}")
-        return self.request_config(**command.args)  # type: ignore[arg-type]
-
-    def _ack_command(self, command: Command, status: AckStatus, **details: Any) -> None:
-        if "reason" in details:
-            details["reason"] = details["reason"][:TEXT_MAX_CHARS]
-        ack = CommandAck(id=command.id, job=command.job, status=status, **details)
-        self._shipper.command_acks.put(ack)
-
-    def _ack_superseded(self, version: int) -> None:
-        """Commands queued before ``version`` were replaced by it (a later request
-        replaces a queued one): they get their final answer now, not never."""
-        # list(): the shipper thread adds commands while the training thread is here.
-        for older in sorted(v for v in list(self._commands_by_version) if v < version):
-            command = self._commands_by_version.pop(older, None)
-            if command is None:
-                continue
-            self._ack_command(
-                command,
-                "rejected",
-                reason=f"superseded by config version {version} before it was applied",
-            )
+        self._commands.take(commands)
 
     def _keep_last_grad_hook(self) -> None:
         last = self._last_grad_param
@@ -714,106 +594,13 @@ class Monitor:
 
     def _sync_config(self) -> tuple[AppliedConfig | None, list[ConfigRejection]]:
         """Join the config consensus at this step boundary (collective on sync steps)."""
-        if self._reconfig is None:
-            return None, []
-        # Not guarded: a failure here is a broken process group, which the job
-        # will see in its own next collective; swallowing it could desync ranks.
-        outcome = self._reconfig.sync(self._step)
-        rejected = [
-            ConfigRejection(version=r.version, reason=r.reason[:TEXT_MAX_CHARS])
-            for r in self._reconfig.take_rejections()
-        ]
-        if isinstance(outcome, Rejected):
-            rejected.append(
-                ConfigRejection(version=outcome.version, reason=outcome.reason[:TEXT_MAX_CHARS])
-            )
-            self._ack_superseded(outcome.version)
-            command = self._commands_by_version.pop(outcome.version, None)
-            if command is not None:
-                self._ack_command(command, "rejected", reason=outcome.reason)
-        if not isinstance(outcome, Applied):
-            return None, rejected
-        config = outcome.config
-        self._ack_superseded(config.version)
-        command = self._commands_by_version.pop(config.version, None)
-        if command is not None:
-            self._ack_command(
-                command, "applied", version=config.version, effective_step=outcome.effective_step
-            )
-        return (
-            AppliedConfig(
-                version=config.version,
-                bucket_cap_bytes=config.bucket_cap_bytes,
-                first_bucket_cap_bytes=config.first_bucket_cap_bytes,
-                codec=config.codec,
-                codec_params=dict(config.codec_params),
-                effective_step=outcome.effective_step,
-            ),
-            rejected,
-        )
+        return self._commands.sync(self._step)
 
     def _note_failure(self, what: str) -> None:
         if self._failure_log.allow(what):
             log.warning("torshmon: recording %s failed; skipping", what, exc_info=True)
 
 
-class NullMonitor:
-    """What ``attach`` returns in a process that is not part of a distributed job: the
-    Monitor's API, measuring and sending nothing (steps are counted)."""
-
-    rank = 0
-    world_size = 1
-    config = None
-    dropped_records_total = 0
-
-    def __init__(self, job: str) -> None:
-        self.job = job
-        self._step = 0
-        self._open: StepScope | None = None
-
-    def step(self, batch_size: int | None = None, loss: object = None) -> StepScope:
-        """A scope that only counts the step."""
-        return StepScope(self, batch_size, loss)
-
-    def begin_step(self, batch_size: int | None = None) -> StepScope:
-        """As ``Monitor.begin_step``; measures nothing."""
-        scope = StepScope(self, batch_size, None)
-        self._begin(scope)
-        return scope
-
-    def end_step(self, loss: object = None, *, batch_size: int | None = None) -> None:
-        """As ``Monitor.end_step``; measures nothing."""
-        if self._open is not None:
-            self._end(self._open, failed=False)
-
-    def watch_forward(self, module: Any) -> None:
-        """Nothing to watch."""
-
-    def request_config(self, **_config: Any) -> int:
-        """No job to reconfigure: RuntimeError, as a Monitor without DDP raises."""
-        raise RuntimeError("live reconfiguration needs a distributed job (torshmon is off)")
-
-    @property
-    def steps(self) -> int:
-        """Steps completed so far."""
-        return self._step
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Nothing to close."""
-
-    def __enter__(self) -> NullMonitor:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _begin(self, scope: StepScope) -> None:
-        self._open = scope
-
-    def _end(self, scope: StepScope, *, failed: bool) -> None:
-        if scope is self._open:
-            self._open = None
-            self._step += 0 if failed else 1
 
 
 def _host_loss(loss: object) -> object:
@@ -828,10 +615,3 @@ def _host_loss(loss: object) -> object:
         return loss.detach()
     detach = getattr(loss, "detach", None)
     return detach() if detach is not None else loss
-
-
-def _int_arg(command: Command, name: str, default: int) -> int:
-    value = command.args.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    return value
