@@ -253,6 +253,56 @@ def test_an_older_history_gets_one_run_per_launch_where_steps_start_over(
     assert [s["session"] for s in latest.sessions] == ["s1-0", "s1-1"]
 
 
+def _finding(n: int, at_s: float, rank: int) -> dict[str, object]:
+    return {
+        "kind": "straggler",
+        "job": "j",
+        "rank": rank,
+        "summary": f"rank {rank} is slow",
+        "recommendation": "",
+        "severity": "warning",
+        "since_unix_s": at_s,
+        "detected_unix_s": at_s + n,
+        "details": {},
+    }
+
+
+def test_a_history_at_0016_gets_the_run_id_of_each_row_by_its_runs_time(
+    history_url: str,
+) -> None:
+    url = history_url
+    _upgrade_to(url, "0015")
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        _two_launches(conn)
+    _upgrade_to(url, "0016")
+    with engine.begin() as conn:
+        findings = sa.Table("findings", sa.MetaData(), autoload_with=conn)
+        conn.execute(findings.insert(), [_finding(0, T0 / S + 4, 0), _finding(1, T0 / S + 110, 1)])
+    engine.dispose()
+    upgrade(url)  # 0017
+
+    engine = make_engine(url)
+    with engine.connect() as conn:
+        steps = conn.execute(sa.text("SELECT run_id, rank, count(*) FROM steps GROUP BY 1, 2"))
+        alerts = conn.execute(sa.text("SELECT run_id, rule FROM alerts"))
+        found = conn.execute(sa.text("SELECT run_id, rank FROM findings"))
+        by_run = (
+            {(r[0], r[1]): r[2] for r in steps},
+            set(map(tuple, alerts)),
+            set(map(tuple, found)),
+        )
+        first = load_job_history(conn, "j", run="legacy-1")
+    engine.dispose()
+    assert by_run == (
+        {("legacy-1", 0): 60, ("legacy-1", 1): 60, ("legacy-2", 0): 40, ("legacy-2", 1): 40},
+        {("legacy-1", "High Communication Overhead"), ("legacy-2", "Straggler")},
+        {("legacy-1", 0), ("legacy-2", 1)},
+    )
+    assert first is not None
+    assert [(f["run_id"], f["rank"]) for f in first.findings] == [("legacy-1", 0)]
+
+
 def test_report_shows_the_latest_run_lists_the_others_and_compares_two(history_url: str) -> None:
     url = history_url
     _upgrade_to(url, "0015")

@@ -174,13 +174,13 @@ def _tuple_getter(
 
 
 _SEQS = _BulkTable("ingest_seqs", ("agent_id", "seq", "node", "received_unix_ns"), None)
-_STEPS = _BulkTable("steps", ("job", "rank", "node"), StepRecord)
-_COLLECTIVES = _BulkTable("collectives", ("job", "rank", "step", "end_unix_ns"), CollectiveStat)
-_BUCKETS = _BulkTable(
-    "buckets", ("job", "rank", "step", "end_unix_ns"), BucketStat, {"bucket_index": "index"}
-)
-_DDP = _BulkTable("ddp_stats", ("job", "rank", "step", "end_unix_ns"), DdpStats)
-_INFLIGHT = _BulkTable("inflight_reports", ("job", "rank", "sent_unix_ns"), InflightOp)
+#: A probe row's context: its job and run (the session's, from its hello), then where.
+_STEP_AT: Final = ("job", "run_id", "rank", "step", "end_unix_ns")
+_STEPS = _BulkTable("steps", ("job", "run_id", "rank", "node"), StepRecord)
+_COLLECTIVES = _BulkTable("collectives", _STEP_AT, CollectiveStat)
+_BUCKETS = _BulkTable("buckets", _STEP_AT, BucketStat, {"bucket_index": "index"})
+_DDP = _BulkTable("ddp_stats", _STEP_AT, DdpStats)
+_INFLIGHT = _BulkTable("inflight_reports", ("job", "run_id", "rank", "sent_unix_ns"), InflightOp)
 _NODES = _BulkTable("node_samples", (), NodeSample)
 _GPUS = _BulkTable("gpu_samples", ("node", "ts_unix_ns"), GpuSample, {"gpu_index": "index"})
 _RANK_SAMPLES = _BulkTable("rank_samples", ("node", "ts_unix_ns"), RankProcess)
@@ -201,11 +201,13 @@ _BULK: Final = (
 @dataclass(slots=True)
 class _Session:
     """A probe session within one transaction: its highest stored batch seq, whether its
-    row exists, and the newest batch of it stored now (None: none)."""
+    row exists, the newest batch of it stored now (None: none), and its run (None: its
+    probe sent no run id)."""
 
     last_seq: int
     exists: bool
     batch: Batch | None = None
+    run_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -244,6 +246,7 @@ class IngestStore:
         self.aggregator_id = aggregator_id
         self._clock_ns = clock_ns
         self._session_seq: dict[str, int] = {}
+        self._session_run: dict[str, str | None] = {}
         self._agent_max_seq: dict[str, int] = {}
 
     def store(self, batch: IngestBatch, handed: Sequence[Command] = ()) -> Stored:
@@ -287,6 +290,7 @@ class IngestStore:
         self._agent_max_seq[batch.agent_id] = stored.acked_seq
         for session, info in sessions.items():
             self._session_seq[session] = info.last_seq
+            self._session_run[session] = info.run_id
         return stored
 
     def close(self) -> None:
@@ -322,10 +326,10 @@ class IngestStore:
             if seq is None:
                 missing.append(session)
             else:
-                out[session] = _Session(seq, exists=True)
+                out[session] = _Session(seq, exists=True, run_id=self._session_run.get(session))
         if missing:
-            for name, last_seq in sql.session_seqs(conn, missing).items():
-                out[name] = _Session(last_seq, exists=True)
+            for name, (last_seq, run_id) in sql.session_seqs(conn, missing).items():
+                out[name] = _Session(last_seq, exists=True, run_id=run_id)
         return out
 
     # -- flattening ----------------------------------------------------------------------
@@ -344,6 +348,7 @@ class IngestStore:
                 info = sessions[message.session] = _Session(0, exists=False)
             if isinstance(message, Hello):
                 stored.hellos.append(message)
+                info.run_id = message.run_id or None
                 continue
             if message.seq <= info.last_seq:
                 stored.duplicates += 1
@@ -352,7 +357,7 @@ class IngestStore:
             info.last_seq = message.seq
             info.batch = message
             stored.batches.append((message, node))
-            stored.samples += _batch_rows(message, node, rows)
+            stored.samples += _batch_rows(message, node, rows, info.run_id)
 
     def _job_rows(self, stored: Stored, now_ns: int) -> dict[str, dict[str, Any]]:
         jobs: dict[str, dict[str, Any]] = {}
@@ -409,11 +414,14 @@ def insert_rows(batch: IngestBatch, now_ns: int) -> dict[str, TableRows]:
     For benchmarks and checks: the same row builders as ``store``.
     """
     rows = _Rows()
+    runs: dict[str, str | None] = {}
     for item in batch.records:
         rows.bulk[_SEQS.name].append((batch.agent_id, item.seq, batch.node, now_ns))
         for message in item.record.messages:
-            if isinstance(message, Batch):
-                _batch_rows(message, batch.node, rows)
+            if isinstance(message, Hello):
+                runs[message.session] = message.run_id or None
+            else:
+                _batch_rows(message, batch.node, rows, runs.get(message.session))
         for sample in item.record.node_samples:
             _node_rows(sample, rows)
     out: dict[str, TableRows] = {}
@@ -505,8 +513,9 @@ def _finite(value: float | None) -> float | None:
     return None
 
 
-def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
-    """Rows of one probe batch; returns the number of measurements (samples) stored."""
+def _batch_rows(batch: Batch, node: str, rows: _Rows, run_id: str | None = None) -> int:
+    """Rows of one probe batch of run ``run_id``; returns the number of measurements
+    (samples) stored."""
     job, rank = batch.job, batch.rank
     bulk = rows.bulk
     steps = batch.steps
@@ -515,10 +524,10 @@ def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
     samples = len(values) * len(STEP_SAMPLE_FIELDS) - sum(
         map(_count_none, map(_STEPS.sample_at, values))
     )
-    bulk["steps"].extend(_STEPS.rows((job, rank, node), values))
+    bulk["steps"].extend(_STEPS.rows((job, run_id, rank, node), values))
     for step in steps:
         if step.collectives or step.buckets:
-            at = (job, rank, step.step, step.end_unix_ns)
+            at = (job, run_id, rank, step.step, step.end_unix_ns)
             if step.collectives:
                 bulk["collectives"].extend(
                     _COLLECTIVES.rows(at, _COLLECTIVES.values(step.collectives))
@@ -528,7 +537,7 @@ def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
                 bulk["buckets"].extend(_BUCKETS.rows(at, _BUCKETS.values(step.buckets)))
                 samples += SAMPLES_PER_BUCKET * len(step.buckets)
         if step.ddp is not None:
-            at = (job, rank, step.step, step.end_unix_ns)
+            at = (job, run_id, rank, step.step, step.end_unix_ns)
             bulk["ddp_stats"].append(_DDP.row(at, step.ddp))
         applied = step.applied_config
         if applied is not None and rank == 0:
@@ -548,12 +557,14 @@ def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
     closing = batch.closing
     if closing is not None and closing.collectives:
         # Run after the rank's last step: filed under the step that never ended.
-        at = (job, rank, closing.step, closing.end_unix_ns)
+        at = (job, run_id, rank, closing.step, closing.end_unix_ns)
         bulk["collectives"].extend(_COLLECTIVES.rows(at, _COLLECTIVES.values(closing.collectives)))
         samples += SAMPLES_PER_COLLECTIVE * len(closing.collectives)
     if batch.inflight:
         bulk["inflight_reports"].extend(
-            _INFLIGHT.rows((job, rank, batch.sent_unix_ns), _INFLIGHT.values(batch.inflight))
+            _INFLIGHT.rows(
+                (job, run_id, rank, batch.sent_unix_ns), _INFLIGHT.values(batch.inflight)
+            )
         )
     return samples
 

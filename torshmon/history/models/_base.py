@@ -31,6 +31,12 @@ COMMAND_STATUSES: Final[tuple[str, ...]] = (
 ALERT_STATES: Final[tuple[str, ...]] = get_args(AlertState)
 FINDING_KINDS: Final[tuple[str, ...]] = get_args(FindingKind)
 
+#: The comment of every ``run_id`` column of the rows that belong to one launch.
+RUN_ID_COMMENT: Final = (
+    "The run (launch) of the job the row belongs to (runs.run_id); NULL where its probe "
+    "sent no run id."
+)
+
 # Named constraints and indexes make migrations reproducible across backends.
 NAMING_CONVENTION: Final[dict[str, str]] = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",

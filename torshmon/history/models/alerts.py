@@ -16,6 +16,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 from torshmon.history.models._base import (
     ALERT_STATES,
     ID_TYPE,
+    RUN_ID_COMMENT,
     Base,
     _one_of,
     _surrogate_id,
@@ -28,6 +29,7 @@ class Alert(Base):
     __table_args__ = _table(
         "One alert episode: pending, then firing, then resolved update the same row.",
         Index(None, "job", "state"),
+        Index(None, "job", "run_id"),
         _one_of("state", ALERT_STATES),
     )
 
@@ -39,6 +41,7 @@ class Alert(Base):
     severity: Mapped[str] = mapped_column(String(32), comment="info .. critical.")
     state: Mapped[str] = mapped_column(String(16), comment="pending, firing or resolved.")
     job: Mapped[str] = mapped_column(String(200), comment="Job name.")
+    run_id: Mapped[str | None] = mapped_column(String(64), comment=RUN_ID_COMMENT)
     rank: Mapped[int | None] = mapped_column(Integer, comment="Rank at fault, if one.")
     labels: Mapped[dict[str, str]] = mapped_column(JSON, comment="Alert labels, JSON object.")
     annotations: Mapped[dict[str, str]] = mapped_column(

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from torshmon.history.models._base import (
     FINDING_KINDS,
+    RUN_ID_COMMENT,
     Base,
     _one_of,
     _surrogate_id,
@@ -31,6 +32,7 @@ class Finding(Base):
         "when it no longer does.",
         _one_of("kind", FINDING_KINDS),
         Index(None, "job", "detected_unix_s"),
+        Index(None, "job", "run_id"),
     )
 
     id: Mapped[int] = _surrogate_id()
@@ -38,6 +40,7 @@ class Finding(Base):
         String(16), comment="anomaly, straggler, hang, bottleneck or slow_link."
     )
     job: Mapped[str] = mapped_column(String(200), comment="Job name.")
+    run_id: Mapped[str | None] = mapped_column(String(64), comment=RUN_ID_COMMENT)
     rank: Mapped[int | None] = mapped_column(Integer, comment="Rank at fault, if one.")
     metric: Mapped[str | None] = mapped_column(
         String(64), comment="Metric, for anomalies and bottlenecks."

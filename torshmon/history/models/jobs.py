@@ -41,8 +41,9 @@ class Job(Base):
 class Run(Base):
     __tablename__ = "runs"
     __table_args__ = _table(
-        "One row per launch of a job: the rows of the job from its start to the next "
-        "run's start belong to it (steps, collectives, alerts, findings, samples)."
+        "One row per launch of a job: the rows that carry its run_id belong to it (steps, "
+        "collectives, alerts, findings, ...), and the job's samples from its start to the "
+        "next run's start."
     )
 
     job: Mapped[str] = mapped_column(String(200), primary_key=True, comment="Job name.")

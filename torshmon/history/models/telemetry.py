@@ -16,6 +16,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from torshmon.history.models._base import (
+    RUN_ID_COMMENT,
     Base,
     _surrogate_id,
     _table,
@@ -28,10 +29,12 @@ class Step(Base):
         "One training step of one rank.",
         Index(None, "job", "end_unix_ns"),
         Index(None, "job", "rank", "step"),
+        Index(None, "job", "run_id", "end_unix_ns"),
     )
 
     id: Mapped[int] = _surrogate_id()
     job: Mapped[str] = mapped_column(String(200), comment="Job name.")
+    run_id: Mapped[str | None] = mapped_column(String(64), comment=RUN_ID_COMMENT)
     rank: Mapped[int] = mapped_column(Integer, comment="Global rank.")
     node: Mapped[str] = mapped_column(String(200), comment="Node the rank runs on.")
     step: Mapped[int] = mapped_column(
@@ -122,6 +125,7 @@ class Collective(Base):
 
     id: Mapped[int] = _surrogate_id()
     job: Mapped[str] = mapped_column(String(200), comment="Job name.")
+    run_id: Mapped[str | None] = mapped_column(String(64), comment=RUN_ID_COMMENT)
     rank: Mapped[int] = mapped_column(Integer, comment="Global rank.")
     step: Mapped[int] = mapped_column(BigInteger, comment="Step number.")
     end_unix_ns: Mapped[int] = mapped_column(
@@ -157,6 +161,7 @@ class Bucket(Base):
 
     id: Mapped[int] = _surrogate_id()
     job: Mapped[str] = mapped_column(String(200), comment="Job name.")
+    run_id: Mapped[str | None] = mapped_column(String(64), comment=RUN_ID_COMMENT)
     rank: Mapped[int] = mapped_column(Integer, comment="Global rank.")
     step: Mapped[int] = mapped_column(BigInteger, comment="Step number.")
     end_unix_ns: Mapped[int] = mapped_column(
@@ -187,6 +192,7 @@ class DdpStat(Base):
 
     id: Mapped[int] = _surrogate_id()
     job: Mapped[str] = mapped_column(String(200), comment="Job name.")
+    run_id: Mapped[str | None] = mapped_column(String(64), comment=RUN_ID_COMMENT)
     rank: Mapped[int] = mapped_column(Integer, comment="Global rank.")
     step: Mapped[int] = mapped_column(BigInteger, comment="Step number.")
     end_unix_ns: Mapped[int] = mapped_column(
@@ -245,6 +251,7 @@ class InflightReport(Base):
 
     id: Mapped[int] = _surrogate_id()
     job: Mapped[str] = mapped_column(String(200), comment="Job name.")
+    run_id: Mapped[str | None] = mapped_column(String(64), comment=RUN_ID_COMMENT)
     rank: Mapped[int] = mapped_column(Integer, comment="Global rank.")
     sent_unix_ns: Mapped[int] = mapped_column(
         BigInteger, comment="When the probe sent the batch, Unix time in nanoseconds."

@@ -163,6 +163,7 @@ def finding_row(f: Finding, now: float) -> dict[str, Any]:
     return {
         "kind": f.kind,
         "job": f.labels.get("job", ""),
+        "run_id": f.labels.get("run") or None,
         "rank": label_rank(f.labels),
         "metric": f.labels.get("metric") or _text(f.details.get("metric")),
         "value": _finite(f.value),

@@ -194,6 +194,7 @@ class HistoryStore:
                     rule=alert.rule,
                     severity=alert.severity,
                     job=alert.labels.get("job", ""),
+                    run_id=alert.labels.get("run") or None,
                     rank=label_rank(alert.labels),
                     labels=dict(alert.labels),
                     starts_at_unix_s=alert.starts_at_unix_s,
