@@ -514,7 +514,7 @@ class Aggregator:
         transitions = [
             self._recommend_memory(a)
             for a in self.alerts.evaluate(
-                now, self.live.series, findings, self.live.config_switches()
+                now, self.live.series, findings, self.live.config_switches(), self.live.runs()
             )
         ]
         episodes = self.episodes.evaluate(findings, now)
