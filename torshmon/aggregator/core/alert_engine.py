@@ -55,12 +55,18 @@ from torshmon.aggregator.core.rules import (
 )
 from torshmon.aggregator.core.series import Cursor, LabelSet, SeriesStore, labelset_from
 from torshmon.aggregator.core.templates import render_template
+from torshmon.catalogue.metrics import METRICS, PREFIX
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AlertEngine"]
 
 _RESERVED: Final = frozenset({"alertname", "severity"})
+#: Rule metrics Prometheus scrapes from the agents, whose series carry no run: an alert
+#: on them names none either, so it is one alert whichever path sends it.
+_AGENT_METRICS: Final = frozenset(
+    name.removeprefix(PREFIX) for name, spec in METRICS.items() if spec.exporter == "agent"
+)
 _AGGREGATE: Final[Mapping[str, Callable[[list[float]], float]]] = {
     "mean": statistics.fmean,
     "max": max,
@@ -541,7 +547,7 @@ def _alert_labels(rule: Rule, key: LabelSet, runs: Mapping[str, str]) -> dict[st
     labels = dict(rule.labels)
     labels.update(key)
     run = runs.get(labels.get("job", ""))
-    if run and "run" not in labels:
+    if run and "run" not in labels and rule.metric not in _AGENT_METRICS:
         labels["run"] = run
     # The name Prometheus gives the exported rule's alert, so that Alertmanager sees
     # one alert whichever path sends it (the rule's own name stays the title).
