@@ -148,7 +148,11 @@ def test_an_alert_names_its_run_in_its_labels_and_payloads_and_keeps_it_on_resto
         [alert], receiver="r", group_key="k", external_url="http://a"
     )
     assert hook["alerts"][0]["labels"]["run"] == "r7"
-    # Restored after a restart (no hellos again, so no runs known): the same alert.
+    # A restarted aggregator learns the job's run from the history, not from hellos.
+    restarted = LiveState(idle_s=60.0)
+    restarted.restore_job("j", 2, 1000.0, "r7")
+    assert restarted.runs() == {"j": "r7"}
+    # Restored after a restart (the series alike, with no run): the same alert.
     again = AlertEngine(rules)
     again.restore([alert])
     assert again.evaluate(now + 1, live.series, [], runs={}) == []

@@ -191,12 +191,16 @@ class LiveState:
         for node, times in stamps.items():
             self.agents.contact(node, now_unix_s, times)
 
-    def restore_job(self, name: str, world_size: int, last_seen_unix_s: float) -> None:
+    def restore_job(
+        self, name: str, world_size: int, last_seen_unix_s: float, run_id: str = ""
+    ) -> None:
         """A job this aggregator served before it restarted. Its probes said hello once,
         to the old process, and will not again: without the world size from SQL the
-        straggler, hang and link checks would stay off for the job. Its ranks count as
-        seen at ``last_seen_unix_s``, so the job expires as it would have."""
+        straggler, hang and link checks would stay off for the job, and without its
+        latest run ``run_id`` its alerts and findings would name none. Its ranks count
+        as seen at ``last_seen_unix_s``, so the job expires as it would have."""
         job = self._job(name)
+        job.run_id = job.run_id or run_id
         if job.world_size is None:
             self._set_world(name, job, world_size)
         for rank in range(world_size):

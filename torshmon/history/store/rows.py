@@ -56,6 +56,8 @@ class RunningJob:
     job: str
     world_size: int
     last_seen_unix_s: float
+    #: Its latest run ("" where its probes sent no run id).
+    run_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -348,16 +348,27 @@ class HistoryStore:
     def _running_jobs(self, since_unix_s: float) -> list[RunningJob]:
         if self._engine is None:
             return []
-        table = _T["jobs"]
+        table, runs = _T["jobs"], _T["runs"]
+        latest_run = (
+            select(runs.c.run_id)
+            .where(runs.c.job == table.c.job)
+            .order_by(runs.c.started_unix_ns.desc())
+            .limit(1)
+            .scalar_subquery()
+        )
         with self._engine.connect() as conn:
+            columns = (table.c.job, table.c.world_size, table.c.last_seen_unix_ns, latest_run)
             rows = conn.execute(
-                select(table.c.job, table.c.world_size, table.c.last_seen_unix_ns).where(
+                select(*columns).where(
                     table.c.aggregator_id == self.aggregator_id,
                     table.c.world_size.is_not(None),
                     table.c.last_seen_unix_ns >= int(since_unix_s * 1e9),
                 )
             ).all()
-        return [RunningJob(job, int(size), seen_ns / 1e9) for job, size, seen_ns in rows]
+        return [
+            RunningJob(job, int(size), seen_ns / 1e9, run_id or "")
+            for job, size, seen_ns, run_id in rows
+        ]
 
     # -- commands ------------------------------------------------------------------------
 
