@@ -146,8 +146,8 @@ def test_every_series_has_one_exporter_but_build_info() -> None:
 
 def test_a_family_takes_the_specs_labels_and_its_kind() -> None:
     histogram = catalogue.COLLECTIVE_DURATION_SECONDS
-    assert histogram.label_names() == ("job", "op", "pg")
-    assert histogram.label_names(optional=True) == ("job", "op", "pg", "rank")
+    assert histogram.label_names() == ("job", "run", "op", "pg")
+    assert histogram.label_names(optional=True) == ("job", "run", "op", "pg", "rank")
     assert histogram.histogram(optional=True).samples == []
     with pytest.raises(TypeError, match="is a gauge, not a counter"):
         catalogue.DDP_BUCKET_CAP_BYTES.counter()
@@ -204,14 +204,18 @@ def test_build_info_names_the_daemon() -> None:
 
 def test_rule_metrics_are_catalogued_with_their_labels() -> None:
     """Each rule metric is a series one daemon exports, or a per-step mean of series
-    with its labels (so the exported Prometheus rules read what is scraped)."""
+    with its labels (so the exported Prometheus rules read what is scraped); the
+    export adds a job's run, which the rules' series leave to the alerts."""
     for name, labels in METRIC_LABELS.items():
         if name in PER_STEP_MEANS:
             names = [re.sub(r"_(sum|count)$", "", series) for series in PER_STEP_MEANS[name]]
         else:
             names = [catalogue.PREFIX + name]
         for series in names:
-            assert set(METRICS[series].labels) == set(labels), name
+            exported = set(METRICS[series].labels)
+            assert exported - {"run"} == set(labels), name
+            by_aggregator = METRICS[series].exporter == "aggregator"
+            assert ("run" in exported) == ("job" in labels and by_aggregator), name
 
 
 # -- docs -----------------------------------------------------------------------------------

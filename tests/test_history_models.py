@@ -66,6 +66,7 @@ CONTRACT: dict[str, list[str]] = {
     "steps": [
         "id",
         "job",
+        "run_id",
         "rank",
         "node",
         "step",
@@ -95,6 +96,7 @@ CONTRACT: dict[str, list[str]] = {
     "collectives": [
         "id",
         "job",
+        "run_id",
         "rank",
         "step",
         "end_unix_ns",
@@ -111,6 +113,7 @@ CONTRACT: dict[str, list[str]] = {
     "buckets": [
         "id",
         "job",
+        "run_id",
         "rank",
         "step",
         "end_unix_ns",
@@ -128,6 +131,7 @@ CONTRACT: dict[str, list[str]] = {
     "ddp_stats": [
         "id",
         "job",
+        "run_id",
         "rank",
         "step",
         "end_unix_ns",
@@ -181,6 +185,7 @@ CONTRACT: dict[str, list[str]] = {
     "inflight_reports": [
         "id",
         "job",
+        "run_id",
         "rank",
         "sent_unix_ns",
         "pg",
@@ -211,6 +216,7 @@ CONTRACT: dict[str, list[str]] = {
         "severity",
         "state",
         "job",
+        "run_id",
         "rank",
         "labels",
         "annotations",
@@ -238,6 +244,7 @@ CONTRACT: dict[str, list[str]] = {
         "id",
         "kind",
         "job",
+        "run_id",
         "rank",
         "metric",
         "value",

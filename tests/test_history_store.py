@@ -120,6 +120,17 @@ async def test_running_jobs_are_this_aggregators_recent_jobs_with_a_size(
             ],
         )
     assert await store.running_jobs(NOW - 60) == [RunningJob("recent", 4, NOW)]
+    # Its latest run comes with it, to label what it finds after the restart.
+    runs = Base.metadata.tables["runs"]
+    with store.engine.begin() as conn:
+        conn.execute(
+            runs.insert(),
+            [
+                {"job": "recent", "run_id": "old", "started_unix_ns": int(NOW * 1e9) - 9},
+                {"job": "recent", "run_id": "new", "started_unix_ns": int(NOW * 1e9) - 5},
+            ],
+        )
+    assert await store.running_jobs(NOW - 60) == [RunningJob("recent", 4, NOW, "new")]
 
 
 async def test_commands_are_stored_pending_then_updated(store: HistoryStore) -> None:

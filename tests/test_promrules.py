@@ -105,15 +105,15 @@ def test_promtool_rejects_what_it_should(tmp_path: Path) -> None:
 def test_expressions() -> None:
     rules = {rule.name: rule for rule in load_rules_text(RULES)}
     assert expression(rules["High Comm"]) == (
-        "avg by (job) (torshmon_communication_time_ratio) > 0.4"
+        "avg by (job, run) (torshmon_communication_time_ratio) > 0.4"
     )
     assert expression(rules["Slow Steps"]) == (
         'rate(torshmon_step_duration_seconds_sum{job="a"}[1m]) / '
         'rate(torshmon_step_duration_seconds_count{job="a"}[1m]) > 1.0'
     )
     assert expression(rules["Slow Job"]) == (
-        "sum by (job) (rate(torshmon_step_duration_seconds_sum[1m])) / "
-        "sum by (job) (rate(torshmon_step_duration_seconds_count[1m])) > 1.0"
+        "sum by (job, run) (rate(torshmon_step_duration_seconds_sum[1m])) / "
+        "sum by (job, run) (rate(torshmon_step_duration_seconds_count[1m])) > 1.0"
     )
     assert expression(rules["Growth"]) == "deriv(torshmon_rank_memory_rss_bytes[2m]) > 1000000.0"
     assert expression(rules["Diverged"]) == (
@@ -134,7 +134,7 @@ def test_rule_file_shape_and_translated_annotations() -> None:
     comm = group["rules"][0]
     assert comm == {
         "alert": "HighComm",
-        "expr": "avg by (job) (torshmon_communication_time_ratio) > 0.4",
+        "expr": "avg by (job, run) (torshmon_communication_time_ratio) > 0.4",
         "for": "2m",
         "labels": {"team": "ml", "severity": "high"},
         "annotations": {
@@ -348,6 +348,7 @@ def test_exported_good_file_passes_promtool(tmp_path: Path) -> None:
 #: One value per label name, for the series both paths see.
 LABEL_VALUES = {
     "job": "train",
+    "run": "r1",
     "rank": "1",
     "node": "n1",
     "gpu": "0",
@@ -413,7 +414,9 @@ def engine_alert(rule: Rule) -> Alert:
             point = value * second if rule.kind in ("rate", "increase") else value
             series.add(rule.metric or "", labels, float(second), point)
         firing = [
-            a for a in engine.evaluate(float(second), series, findings) if a.state == "firing"
+            a
+            for a in engine.evaluate(float(second), series, findings, runs={"train": "r1"})
+            if a.state == "firing"
         ]
         if firing:
             return firing[0]
@@ -426,7 +429,8 @@ def prometheus_alert_labels(rule: Rule, exported: Mapping[str, Any]) -> dict[str
     value removing one, and ``alertname``."""
     _, labels = scraped_series(rule)
     if rule.aggregate is not None:
-        labels = {name: labels[name] for name in rule.by}
+        by = [*rule.by, "run"] if "job" in rule.by else rule.by  # a job's run stays with it
+        labels = {name: labels[name] for name in by if name in labels}
     labels = {**labels, **exported["labels"], "alertname": exported["alert"]}
     return {name: value for name, value in labels.items() if value}
 
@@ -438,4 +442,9 @@ def test_default_rule_alerts_alike_from_both_paths(rule: Rule) -> None:
     alert = engine_alert(rule)
     assert alert.rule == rule.name  # the title people read stays the rule's own name
     assert alert.labels["alertname"] in exported
-    assert dict(alert.labels) == prometheus_alert_labels(rule, exported[alert.labels["alertname"]])
+    expected = prometheus_alert_labels(rule, exported[alert.labels["alertname"]])
+    # Both name the job's run where the series read carry it: the aggregator's, not
+    # the agent's process series.
+    carries_run = "job" in alert.labels and "run" in scraped_series(rule)[1]
+    assert alert.labels.get("run") == (LABEL_VALUES["run"] if carries_run else None)
+    assert dict(alert.labels) == expected

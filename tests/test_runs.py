@@ -20,9 +20,15 @@ from prometheus_client import CollectorRegistry
 from tests.integration import wire_factory as wf
 from tests.pg import pg_database
 from tests.test_api import AUTH, TOKEN, Api
+from torshmon.aggregator.core.alert_engine import AlertEngine
 from torshmon.aggregator.core.live import LiveState
+from torshmon.aggregator.core.rule_file import load_rules_text
 from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.live_metrics import LiveCollector
+from torshmon.aggregator.notify.alertmanager import (
+    alertmanager_v2_alerts,
+    alertmanager_webhook_payload,
+)
 from torshmon.history.db import make_engine
 from torshmon.history.migrate import alembic_dir, upgrade
 from torshmon.history.store import HistoryStore
@@ -81,10 +87,11 @@ def test_a_new_run_id_starts_the_jobs_live_state_over() -> None:
         Stored(acked_seq=1, hellos=first, batches=[(wf.batch(h, 1, steps), "n") for h in first]),
         now_unix_s=1000.0,
     )
-    assert registry.get_sample_value("torshmon_steps_total", {"job": "j", "rank": "0"}) == 30
+    run_a = {"job": "j", "run": "a", "rank": "0"}
+    assert registry.get_sample_value("torshmon_steps_total", run_a) == 30
     # The same run's hello again (a reconnect) keeps the state.
     live.observe(Stored(acked_seq=2, hellos=first[:1]), now_unix_s=1001.0)
-    assert registry.get_sample_value("torshmon_steps_total", {"job": "j", "rank": "0"}) == 30
+    assert registry.get_sample_value("torshmon_steps_total", run_a) == 30
     second = [
         msgspec.structs.replace(wf.hello("j", r, 2), session=f"s2-{r}", run_id="b") for r in (0, 1)
     ]
@@ -96,8 +103,60 @@ def test_a_new_run_id_starts_the_jobs_live_state_over() -> None:
         ),
         now_unix_s=1002.0,
     )
-    assert registry.get_sample_value("torshmon_steps_total", {"job": "j", "rank": "0"}) == 5
+    run_b = {"job": "j", "run": "b", "rank": "0"}
+    assert registry.get_sample_value("torshmon_steps_total", run_b) == 5
+    assert registry.get_sample_value("torshmon_steps_total", run_a) is None  # only live runs
     assert live.jobs["j"].run_id == "b"
+    # The first launch's ranks still run: stored as theirs, but the live state is b's.
+    live.observe(
+        Stored(acked_seq=4, batches=[(wf.batch(h, 2, steps[:7]), "n") for h in first]),
+        now_unix_s=1003.0,
+    )
+    assert registry.get_sample_value("torshmon_steps_total", run_b) == 5
+    assert registry.get_sample_value("torshmon_steps_total", run_a) is None
+
+
+LOSS_RULE = """
+rules:
+  - name: Loss Too High
+    kind: threshold
+    metric: loss
+    op: ">"
+    value: 50
+    for: 0s
+    severity: warning
+"""
+
+
+def test_an_alert_names_its_run_in_its_labels_and_payloads_and_keeps_it_on_restore() -> None:
+    live = LiveState(idle_s=60.0)
+    hellos = [msgspec.structs.replace(wf.hello("j", r, 2), run_id="r7") for r in (0, 1)]
+    batches = [
+        (wf.batch(h, 1, [wf.step(n, loss=100.0 if h.rank == 1 else 1.0) for n in (1, 2)]), "n")
+        for h in hellos
+    ]
+    live.observe(Stored(acked_seq=1, hellos=hellos, batches=batches), now_unix_s=1000.0)
+    rules = load_rules_text(LOSS_RULE)
+    engine = AlertEngine(rules)
+    now = batches[0][0].steps[-1].end_unix_ns / 1e9 + 1
+    (alert,) = engine.evaluate(now, live.series, live.findings(now), runs=live.runs())
+    assert alert.state == "firing"
+    assert (alert.labels["run"], alert.labels["rank"]) == ("r7", "1")
+    (sent,) = alertmanager_v2_alerts([alert], generator_url="http://a")
+    assert sent["labels"]["run"] == "r7"
+    hook = alertmanager_webhook_payload(
+        [alert], receiver="r", group_key="k", external_url="http://a"
+    )
+    assert hook["alerts"][0]["labels"]["run"] == "r7"
+    # A restarted aggregator learns the job's run from the history, not from hellos.
+    restarted = LiveState(idle_s=60.0)
+    restarted.restore_job("j", 2, 1000.0, "r7")
+    assert restarted.runs() == {"j": "r7"}
+    # Restored after a restart (the series alike, with no run): the same alert.
+    again = AlertEngine(rules)
+    again.restore([alert])
+    assert again.evaluate(now + 1, live.series, [], runs={}) == []
+    assert [a.labels["run"] for a in again.active()] == ["r7"]
 
 
 # -- the history: runs chosen, rows split by run, migration -----------------------------
@@ -251,6 +310,56 @@ def test_an_older_history_gets_one_run_per_launch_where_steps_start_over(
     assert [a["rule"] for a in latest.alerts] == ["Straggler"]
     assert [a["rule"] for a in first.alerts] == ["High Communication Overhead"]
     assert [s["session"] for s in latest.sessions] == ["s1-0", "s1-1"]
+
+
+def _finding(n: int, at_s: float, rank: int) -> dict[str, object]:
+    return {
+        "kind": "straggler",
+        "job": "j",
+        "rank": rank,
+        "summary": f"rank {rank} is slow",
+        "recommendation": "",
+        "severity": "warning",
+        "since_unix_s": at_s,
+        "detected_unix_s": at_s + n,
+        "details": {},
+    }
+
+
+def test_a_history_at_0016_gets_the_run_id_of_each_row_by_its_runs_time(
+    history_url: str,
+) -> None:
+    url = history_url
+    _upgrade_to(url, "0015")
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        _two_launches(conn)
+    _upgrade_to(url, "0016")
+    with engine.begin() as conn:
+        findings = sa.Table("findings", sa.MetaData(), autoload_with=conn)
+        conn.execute(findings.insert(), [_finding(0, T0 / S + 4, 0), _finding(1, T0 / S + 110, 1)])
+    engine.dispose()
+    upgrade(url)  # 0017
+
+    engine = make_engine(url)
+    with engine.connect() as conn:
+        steps = conn.execute(sa.text("SELECT run_id, rank, count(*) FROM steps GROUP BY 1, 2"))
+        alerts = conn.execute(sa.text("SELECT run_id, rule FROM alerts"))
+        found = conn.execute(sa.text("SELECT run_id, rank FROM findings"))
+        by_run = (
+            {(r[0], r[1]): r[2] for r in steps},
+            set(map(tuple, alerts)),
+            set(map(tuple, found)),
+        )
+        first = load_job_history(conn, "j", run="legacy-1")
+    engine.dispose()
+    assert by_run == (
+        {("legacy-1", 0): 60, ("legacy-1", 1): 60, ("legacy-2", 0): 40, ("legacy-2", 1): 40},
+        {("legacy-1", "High Communication Overhead"), ("legacy-2", "Straggler")},
+        {("legacy-1", 0), ("legacy-2", 1)},
+    )
+    assert first is not None
+    assert [(f["run_id"], f["rank"]) for f in first.findings] == [("legacy-1", 0)]
 
 
 def test_report_shows_the_latest_run_lists_the_others_and_compares_two(history_url: str) -> None:

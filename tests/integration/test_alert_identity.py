@@ -204,6 +204,7 @@ def test_alertmanager_holds_one_alert_when_both_paths_send_it(alertmanager: str)
         "alertname": "StepTimeAnomaly",
         "severity": "warning",
         "job": "train",
+        "run": "r1",
         "rank": "1",
         "metric": "step_duration_seconds",
     }

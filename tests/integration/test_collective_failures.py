@@ -122,6 +122,6 @@ def test_a_collective_that_raises_is_counted_exported_and_alerted(
         assert "imed out" in failure["last_error"], failure  # gloo: "Timed out waiting"
         line = (
             f'torshmon_collective_failures_total{{job="{JOB}",op="all_reduce",pg="{pg}",'
-            f'rank="1"}} 1.0'
+            f'rank="1",run="{job["run"]["run_id"]}"}} 1.0'
         )
         assert line in exported, [x for x in exported.splitlines() if "failures" in x]

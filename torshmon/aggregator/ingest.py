@@ -184,18 +184,20 @@ STEP_FIELDS_ELSEWHERE: Final[Mapping[str, str]] = {
     "config_rejections": "not stored: the rejected command's ack says why (commands)",
     "collective_clock": "not stored: the history does not say which clock timed a step",
 }
-_STEPS = _BulkTable("steps", ("job", "rank", "node"), StepRecord, elsewhere=STEP_FIELDS_ELSEWHERE)
+#: A probe row's context: its job and run (the session's, from its hello), then where.
+_STEP_AT: Final = ("job", "run_id", "rank", "step", "end_unix_ns")
+_STEPS = _BulkTable(
+    "steps", ("job", "run_id", "rank", "node"), StepRecord, elsewhere=STEP_FIELDS_ELSEWHERE
+)
 _COLLECTIVES = _BulkTable(
     "collectives",
-    ("job", "rank", "step", "end_unix_ns"),
+    _STEP_AT,
     CollectiveStat,
     elsewhere={"duration_hist": "not stored: the live duration histogram"},
 )
-_BUCKETS = _BulkTable(
-    "buckets", ("job", "rank", "step", "end_unix_ns"), BucketStat, {"bucket_index": "index"}
-)
-_DDP = _BulkTable("ddp_stats", ("job", "rank", "step", "end_unix_ns"), DdpStats)
-_INFLIGHT = _BulkTable("inflight_reports", ("job", "rank", "sent_unix_ns"), InflightOp)
+_BUCKETS = _BulkTable("buckets", _STEP_AT, BucketStat, {"bucket_index": "index"})
+_DDP = _BulkTable("ddp_stats", _STEP_AT, DdpStats)
+_INFLIGHT = _BulkTable("inflight_reports", ("job", "run_id", "rank", "sent_unix_ns"), InflightOp)
 _NODES = _BulkTable(
     "node_samples",
     (),
@@ -254,11 +256,13 @@ _BULK: Final = (
 @dataclass(slots=True)
 class _Session:
     """A probe session within one transaction: its highest stored batch seq, whether its
-    row exists, and the newest batch of it stored now (None: none)."""
+    row exists, the newest batch of it stored now (None: none), and its run (None: its
+    probe sent no run id)."""
 
     last_seq: int
     exists: bool
     batch: Batch | None = None
+    run_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -297,6 +301,7 @@ class IngestStore:
         self.aggregator_id = aggregator_id
         self._clock_ns = clock_ns
         self._session_seq: dict[str, int] = {}
+        self._session_run: dict[str, str | None] = {}
         self._agent_max_seq: dict[str, int] = {}
 
     def store(self, batch: IngestBatch, handed: Sequence[Command] = ()) -> Stored:
@@ -340,6 +345,7 @@ class IngestStore:
         self._agent_max_seq[batch.agent_id] = stored.acked_seq
         for session, info in sessions.items():
             self._session_seq[session] = info.last_seq
+            self._session_run[session] = info.run_id
         return stored
 
     def close(self) -> None:
@@ -375,10 +381,10 @@ class IngestStore:
             if seq is None:
                 missing.append(session)
             else:
-                out[session] = _Session(seq, exists=True)
+                out[session] = _Session(seq, exists=True, run_id=self._session_run.get(session))
         if missing:
-            for name, last_seq in sql.session_seqs(conn, missing).items():
-                out[name] = _Session(last_seq, exists=True)
+            for name, (last_seq, run_id) in sql.session_seqs(conn, missing).items():
+                out[name] = _Session(last_seq, exists=True, run_id=run_id)
         return out
 
     # -- flattening ----------------------------------------------------------------------
@@ -397,6 +403,7 @@ class IngestStore:
                 info = sessions[message.session] = _Session(0, exists=False)
             if isinstance(message, Hello):
                 stored.hellos.append(message)
+                info.run_id = message.run_id or None
                 continue
             if message.seq <= info.last_seq:
                 stored.duplicates += 1
@@ -405,7 +412,7 @@ class IngestStore:
             info.last_seq = message.seq
             info.batch = message
             stored.batches.append((message, node))
-            stored.samples += _batch_rows(message, node, rows)
+            stored.samples += _batch_rows(message, node, rows, info.run_id)
 
     def _job_rows(self, stored: Stored, now_ns: int) -> dict[str, dict[str, Any]]:
         jobs: dict[str, dict[str, Any]] = {}
@@ -462,11 +469,14 @@ def insert_rows(batch: IngestBatch, now_ns: int) -> dict[str, TableRows]:
     For benchmarks and checks: the same row builders as ``store``.
     """
     rows = _Rows()
+    runs: dict[str, str | None] = {}
     for item in batch.records:
         rows.bulk[_SEQS.name].append((batch.agent_id, item.seq, batch.node, now_ns))
         for message in item.record.messages:
-            if isinstance(message, Batch):
-                _batch_rows(message, batch.node, rows)
+            if isinstance(message, Hello):
+                runs[message.session] = message.run_id or None
+            else:
+                _batch_rows(message, batch.node, rows, runs.get(message.session))
         for sample in item.record.node_samples:
             _node_rows(sample, rows)
     out: dict[str, TableRows] = {}
@@ -558,8 +568,9 @@ def _finite(value: float | None) -> float | None:
     return None
 
 
-def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
-    """Rows of one probe batch; returns the number of measurements (samples) stored."""
+def _batch_rows(batch: Batch, node: str, rows: _Rows, run_id: str | None = None) -> int:
+    """Rows of one probe batch of run ``run_id``; returns the number of measurements
+    (samples) stored."""
     job, rank = batch.job, batch.rank
     bulk = rows.bulk
     steps = batch.steps
@@ -568,10 +579,10 @@ def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
     samples = len(values) * len(STEP_SAMPLE_FIELDS) - sum(
         map(_count_none, map(_step_samples, values))
     )
-    bulk["steps"].extend(_STEPS.rows((job, rank, node), values))
+    bulk["steps"].extend(_STEPS.rows((job, run_id, rank, node), values))
     for step in steps:
         if step.collectives or step.buckets:
-            at = (job, rank, step.step, step.end_unix_ns)
+            at = (job, run_id, rank, step.step, step.end_unix_ns)
             if step.collectives:
                 bulk["collectives"].extend(
                     _COLLECTIVES.rows(at, _COLLECTIVES.values(step.collectives))
@@ -581,7 +592,7 @@ def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
                 bulk["buckets"].extend(_BUCKETS.rows(at, _BUCKETS.values(step.buckets)))
                 samples += SAMPLES_PER_BUCKET * len(step.buckets)
         if step.ddp is not None:
-            at = (job, rank, step.step, step.end_unix_ns)
+            at = (job, run_id, rank, step.step, step.end_unix_ns)
             bulk["ddp_stats"].append(_DDP.row(at, step.ddp))
         applied = step.applied_config
         if applied is not None and rank == 0:
@@ -601,12 +612,14 @@ def _batch_rows(batch: Batch, node: str, rows: _Rows) -> int:
     closing = batch.closing
     if closing is not None and closing.collectives:
         # Run after the rank's last step: filed under the step that never ended.
-        at = (job, rank, closing.step, closing.end_unix_ns)
+        at = (job, run_id, rank, closing.step, closing.end_unix_ns)
         bulk["collectives"].extend(_COLLECTIVES.rows(at, _COLLECTIVES.values(closing.collectives)))
         samples += SAMPLES_PER_COLLECTIVE * len(closing.collectives)
     if batch.inflight:
         bulk["inflight_reports"].extend(
-            _INFLIGHT.rows((job, rank, batch.sent_unix_ns), _INFLIGHT.values(batch.inflight))
+            _INFLIGHT.rows(
+                (job, run_id, rank, batch.sent_unix_ns), _INFLIGHT.values(batch.inflight)
+            )
         )
     return samples
 

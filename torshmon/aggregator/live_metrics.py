@@ -15,14 +15,16 @@ from typing import Any, Final, TypeAlias
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
+from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.rank_state import RankState
 from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.metrics import MetricSpec
 from torshmon.wire import DURATION_BUCKETS_S, STEP_DURATION_BUCKETS_S
 
-#: What ``snapshot_for_export`` holds per job: bucket cap, codec, (rank, state) pairs.
-_Job: TypeAlias = tuple[int | None, str | None, list[tuple[int, RankState]]]
+#: What ``snapshot_for_export`` holds per job: bucket cap, codec, (rank, state) pairs,
+#: and the run its state is of ("" where the probes sent no run id).
+_Job: TypeAlias = tuple[int | None, str | None, list[tuple[int, RankState]], str]
 
 # prometheus-client leaves this helper unannotated; it formats `le` as its own histograms do.
 _go_float: Callable[[float], str] = floatToGoString
@@ -93,6 +95,17 @@ def _buckets(counts: Sequence[int], le: Sequence[str]) -> list[tuple[str, float]
     return out
 
 
+def _drop_empty_run(family: Metric) -> None:
+    """Leave the ``run`` label out of the series of jobs whose probes sent no run id
+    (Prometheus reads an empty label as no label; so do exact lookups then)."""
+    family.samples = [
+        s._replace(labels={k: v for k, v in s.labels.items() if k != "run"})
+        if s.labels.get("run") == ""
+        else s
+        for s in family.samples
+    ]
+
+
 class LiveCollector:
     """Job-level metrics as torshmon.catalogue.metrics names them, built at scrape time.
 
@@ -106,6 +119,11 @@ class LiveCollector:
         self._per_rank = collectives_per_rank
 
     def collect(self) -> Iterator[Metric]:
+        for family in self._families():
+            _drop_empty_run(family)
+            yield family
+
+    def _families(self) -> Iterator[Metric]:
         snap = self._live.snapshot_for_export()
         yield from self._rank_families(snap["jobs"])
         yield from self._collective_families(snap["jobs"])
@@ -125,11 +143,11 @@ class LiveCollector:
         counters = {spec: spec.counter() for spec in _RANK_COUNTERS}
         step_h = catalogue.STEP_DURATION_SECONDS.histogram()
         failures = catalogue.COLLECTIVE_FAILURES_TOTAL.counter()
-        for job, (_cap, _codec, ranks) in jobs.items():
+        for job, (_cap, _codec, ranks, run) in jobs.items():
             for rank, r in ranks:
-                lv = [job, str(rank)]
+                lv = [job, run, str(rank)]
                 for (op, pg), failed in r.collective_failures.items():
-                    failures.add_metric([job, str(rank), op, pg], float(failed.count))
+                    failures.add_metric([*lv, op, pg], float(failed.count))
                 for spec, value in _rank_gauge_values(r).items():
                     # A NaN loss is exported as NaN (the model diverged); others are skipped.
                     if math.isfinite(value) or (spec is catalogue.LOSS and r.steps_total):
@@ -149,12 +167,12 @@ class LiveCollector:
         durations = catalogue.COLLECTIVE_DURATION_SECONDS.histogram(optional=per_rank)
         sizes = catalogue.COLLECTIVE_BYTES_TOTAL.counter(optional=per_rank)
         busbw = catalogue.COLLECTIVE_BUSBW_BYTES_PER_SECOND.gauge()
-        for job, (_cap, _codec, ranks) in jobs.items():
+        for job, (_cap, _codec, ranks, run) in jobs.items():
             # (op, pg[, rank]) -> (bucket counts, sum, bytes), summed over ranks unless per rank
             merged: dict[tuple[str, ...], tuple[list[int], float, int]] = {}
             for rank, r in ranks:
                 for (op, pg), h in r.collectives.items():
-                    busbw.add_metric([job, str(rank), op, pg], r.busbw.get((op, pg), 0.0))
+                    busbw.add_metric([job, run, str(rank), op, pg], r.busbw.get((op, pg), 0.0))
                     key: tuple[str, ...] = (op, pg, str(rank)) if per_rank else (op, pg)
                     counts, total, size = merged.get(key, ([0] * len(h.counts), 0.0, 0))
                     merged[key] = (
@@ -163,8 +181,8 @@ class LiveCollector:
                         size + r.collective_bytes_total.get((op, pg), 0),
                     )
             for key, (counts, total, size) in sorted(merged.items()):
-                durations.add_metric([job, *key], _buckets(counts, _COLL_LE), total)
-                sizes.add_metric([job, *key], float(size))
+                durations.add_metric([job, run, *key], _buckets(counts, _COLL_LE), total)
+                sizes.add_metric([job, run, *key], float(size))
         yield from (durations, sizes, busbw)
 
     def _codec_families(self, jobs: dict[str, _Job]) -> Iterator[Metric]:
@@ -173,30 +191,37 @@ class LiveCollector:
         wire = catalogue.COMPRESSION_WIRE_BYTES_TOTAL.counter()
         cap = catalogue.DDP_BUCKET_CAP_BYTES.gauge()
         codec = catalogue.CODEC_INFO.gauge()
-        for job, (bucket_cap, codec_name, ranks) in jobs.items():
+        for job, (bucket_cap, codec_name, ranks, run) in jobs.items():
             if bucket_cap is not None:
-                cap.add_metric([job], float(bucket_cap))
-            codec.add_metric([job, codec_name or "none"], 1.0)
+                cap.add_metric([job, run], float(bucket_cap))
+            codec.add_metric([job, run, codec_name or "none"], 1.0)
             for rank, r in ranks:
                 for name, ratio in r.compression.items():
-                    compression.add_metric([job, str(rank), name], ratio)
+                    compression.add_metric([job, run, str(rank), name], ratio)
                 for name, err in r.relative_error.items():
-                    rel_err.add_metric([job, str(rank), name], err)
+                    rel_err.add_metric([job, run, str(rank), name], err)
                 for name, total in r.wire_bytes_total.items():
-                    wire.add_metric([job, str(rank), name], total)
+                    wire.add_metric([job, run, str(rank), name], total)
         yield from (compression, rel_err, wire, cap, codec)
 
     def _detector_families(self, snap: dict[str, Any]) -> Iterator[Metric]:
+        runs = {job: run for job, (*_, run) in snap["jobs"].items()}
+
+        def of(f: Finding, *names: str) -> list[str]:
+            """``f``'s job, its run, then its labels ``names`` ("" where missing)."""
+            job = f.labels.get("job", "")
+            return [job, runs.get(job, ""), *(f.labels.get(name, "") for name in names)]
+
         anomaly = catalogue.ANOMALY_ACTIVE.gauge()
         zscore = catalogue.ANOMALY_ZSCORE.gauge()
         for f in snap["anomalies"]:
-            lv = [f.labels.get("job", ""), f.labels.get("rank", ""), f.labels.get("metric", "")]
+            lv = of(f, "rank", "metric")
             anomaly.add_metric(lv, 1.0)
             zscore.add_metric(lv, f.score)
         straggler = catalogue.STRAGGLER_ACTIVE.gauge()
         score = catalogue.STRAGGLER_SCORE.gauge()
         for f in snap["stragglers"]:
-            lv = [f.labels.get("job", ""), f.labels.get("rank", "")]
+            lv = of(f, "rank")
             straggler.add_metric(lv, 1.0)
             score.add_metric(lv, f.score)
         active = catalogue.BOTTLENECK_ACTIVE.gauge()
@@ -209,35 +234,27 @@ class LiveCollector:
                 value = f.expected_gain_ratio
                 gains[f.category] = value if before is None else max(before, value or 0.0)
             for category, value in sorted(gains.items()):
-                active.add_metric([job, category], 1.0)
+                active.add_metric([job, runs.get(job, ""), category], 1.0)
                 if value is not None:
-                    gain.add_metric([job, category], value)
+                    gain.add_metric([job, runs.get(job, ""), category], value)
         hang = catalogue.HUNG_COLLECTIVE_AGE_SECONDS.gauge()
         for f in snap["hangs"]:
-            hang.add_metric(
-                [
-                    f.labels.get("job", ""),
-                    f.labels.get("rank", ""),
-                    f.labels.get("op", ""),
-                    f.labels.get("pg", ""),
-                ],
-                f.value,
-            )
+            hang.add_metric(of(f, "rank", "op", "pg"), f.value)
         slow_link = catalogue.SLOW_LINK_BANDWIDTH_BYTES_PER_SECOND.gauge()
         for f in snap["slow_links"]:
-            labels = [f.labels.get(name, "") for name in ("job", "rank", "node")]
-            slow_link.add_metric(labels, f.value)
+            slow_link.add_metric(of(f, "rank", "node"), f.value)
         link_bw = catalogue.LINK_BANDWIDTH_BYTES_PER_SECOND.gauge()
         node_bw = catalogue.NODE_LINK_BANDWIDTH_BYTES_PER_SECOND.gauge()
         for job, reading in snap["link_bandwidth"].items():
+            run = runs.get(job, "")
             for rank, bandwidth in sorted(reading.bandwidth_by_rank.items()):
-                link_bw.add_metric([job, str(rank)], bandwidth)
+                link_bw.add_metric([job, run, str(rank)], bandwidth)
             if reading.nodes is not None:
                 for (src, dst), bandwidth in reading.nodes.pairs.items():
-                    node_bw.add_metric([job, src, dst], bandwidth)
+                    node_bw.add_metric([job, run, src, dst], bandwidth)
                 for node, pairs in reading.nodes.intra.items():
                     if pairs:
-                        node_bw.add_metric([job, node, node], max(pairs.values()))
+                        node_bw.add_metric([job, run, node, node], max(pairs.values()))
         firing = catalogue.ALERTS.gauge()
         counts: dict[tuple[str, str, str], int] = {}
         for a in snap["alerts"]:

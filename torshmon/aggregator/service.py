@@ -514,7 +514,7 @@ class Aggregator:
         transitions = [
             self._recommend_memory(a)
             for a in self.alerts.evaluate(
-                now, self.live.series, findings, self.live.config_switches()
+                now, self.live.series, findings, self.live.config_switches(), self.live.runs()
             )
         ]
         episodes = self.episodes.evaluate(findings, now)
@@ -611,7 +611,7 @@ class Aggregator:
         stopped (and that were not idle yet): their probes will not say hello again."""
         jobs = await self.store.running_jobs(self.clock() - self.live.idle_s)
         for job in jobs:
-            self.live.restore_job(job.job, job.world_size, job.last_seen_unix_s)
+            self.live.restore_job(job.job, job.world_size, job.last_seen_unix_s, job.run_id)
         if jobs:
             log.info("resumed %d running jobs from the history", len(jobs))
 

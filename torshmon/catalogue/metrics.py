@@ -183,9 +183,13 @@ _NODE: Final = ("node",)
 _GPU: Final = ("node", "gpu")
 _INTERFACE: Final = ("node", "interface")
 _PROCESS: Final = ("job", "rank", "node")
-_RANK: Final = ("job", "rank")
-_COLLECTIVE: Final = ("job", "rank", "op", "pg")
-_CODEC: Final = ("job", "rank", "codec")
+#: A job's live series: its name and its current run (the launch's id; empty where the
+#: probes sent none). Only live runs have series: a run's go when it ends or another
+#: launch of the job takes over, as a finished job's do.
+_JOB: Final = ("job", "run")
+_RANK: Final = (*_JOB, "rank")
+_COLLECTIVE: Final = (*_JOB, "rank", "op", "pg")
+_CODEC: Final = (*_JOB, "rank", "codec")
 _LAST_STEP: Final = (
     " A last-step gauge, kept for threshold rules and current values; for the share over "
     "a window divide rates of the _seconds_total counters."
@@ -322,7 +326,7 @@ COLLECTIVE_FAILURES_TOTAL: Final = _counter(
     "collective_failures_total",
     "Collectives that raised instead of completing (a timeout, a peer gone, a NCCL "
     "error), per op and process group, counted by the probe since attach.",
-    ("job", "rank", "op", "pg"),
+    _COLLECTIVE,
 )
 INFLIGHT_OLDEST_AGE_SECONDS: Final = _gauge(
     "inflight_oldest_age_seconds",
@@ -369,9 +373,9 @@ CONFIG_VERSION: Final = _gauge(
     "config_version", "Communication config version the rank runs.", _RANK
 )
 DDP_BUCKET_CAP_BYTES: Final = _gauge(
-    "ddp_bucket_cap_bytes", "DDP gradient bucket cap in force.", ("job",)
+    "ddp_bucket_cap_bytes", "DDP gradient bucket cap in force.", _JOB
 )
-CODEC_INFO: Final = _gauge("codec_info", "Gradient codec in force (value 1)", ("job", "codec"))
+CODEC_INFO: Final = _gauge("codec_info", "Gradient codec in force (value 1)", (*_JOB, "codec"))
 COMPRESSION_RATIO: Final = _gauge(
     "compression_ratio",
     "Wire bytes over gradient bytes per codec in the latest step (1 uncompressed).",
@@ -390,14 +394,14 @@ COLLECTIVE_DURATION_SECONDS: Final = _histogram(
     "collective_duration_seconds",
     "Duration of each collective call, over the job's ranks (per rank with the "
     "aggregator's collective_metrics_per_rank setting).",
-    ("job", "op", "pg"),
+    (*_JOB, "op", "pg"),
     optional=("rank",),
 )
 COLLECTIVE_BYTES_TOTAL: Final = _counter(
     "collective_bytes_total",
     "Collective message bytes (nccl-tests size), over the job's ranks (per rank with "
     "the aggregator's collective_metrics_per_rank setting).",
-    ("job", "op", "pg"),
+    (*_JOB, "op", "pg"),
     optional=("rank",),
 )
 COLLECTIVE_BUSBW_BYTES_PER_SECOND: Final = _gauge(
@@ -425,10 +429,10 @@ ANOMALY_ACTIVE: Final = _gauge(
     "anomaly_active",
     "1 while a rolling z-score anomaly is active on the series (rank is empty for the "
     "job's step time, judged once per job)",
-    ("job", "rank", "metric"),
+    (*_JOB, "rank", "metric"),
 )
 ANOMALY_ZSCORE: Final = _gauge(
-    "anomaly_zscore", "z-score of the active anomaly", ("job", "rank", "metric")
+    "anomaly_zscore", "z-score of the active anomaly", (*_JOB, "rank", "metric")
 )
 STRAGGLER_ACTIVE: Final = _gauge("straggler_active", "1 while the rank is a straggler", _RANK)
 STRAGGLER_SCORE: Final = _gauge(
@@ -442,13 +446,13 @@ BOTTLENECK_ACTIVE: Final = _gauge(
     "1 while the job's bottleneck report has a finding of the category (communication, "
     "efficiency, input, memory, gpu_memory, gpu, network, straggler), as of the last "
     "rule evaluation",
-    ("job", "category"),
+    (*_JOB, "category"),
 )
 BOTTLENECK_EXPECTED_GAIN_RATIO: Final = _gauge(
     "bottleneck_expected_gain_ratio",
     "Estimated share of the step time the report's recommendation for the category would "
     "save, 0..1 (absent where it prevents a failure rather than saving time)",
-    ("job", "category"),
+    (*_JOB, "category"),
 )
 HUNG_COLLECTIVE_AGE_SECONDS: Final = _gauge(
     "hung_collective_age_seconds",
@@ -460,7 +464,7 @@ SLOW_LINK_BANDWIDTH_BYTES_PER_SECOND: Final = _gauge(
     "While a link check finds the rank's link slow: the rank's best pair bandwidth "
     "(rank is 'A-B' at world size 2, where only the pair can be named); when ranks "
     "share hosts, node names the slow node instead ('A-B' with two nodes) and rank is ''",
-    ("job", "rank", "node"),
+    (*_JOB, "rank", "node"),
 )
 LINK_BANDWIDTH_BYTES_PER_SECOND: Final = _gauge(
     "link_bandwidth_bytes_per_second",
@@ -471,7 +475,7 @@ NODE_LINK_BANDWIDTH_BYTES_PER_SECOND: Final = _gauge(
     "node_link_bandwidth_bytes_per_second",
     "Bandwidth between two nodes in the job's latest link check, when ranks share "
     "hosts; src_node = dst_node: the best pair within the node (another fabric)",
-    ("job", "src_node", "dst_node"),
+    (*_JOB, "src_node", "dst_node"),
 )
 ALERTS: Final = _gauge(
     "alerts",

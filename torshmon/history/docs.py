@@ -17,7 +17,7 @@ _INTRO = """\
 
 torshmon stores what it sees and decides in SQL: SQLite (`./torshmon.db`) on one
 machine, PostgreSQL beyond (`TORSHMON_DB_URL`, any SQLAlchemy URL). This page is
-generated from `torshmon/history/models.py`; do not edit it by hand
+generated from `torshmon/history/models/`; do not edit it by hand
 (`python -m torshmon.history.docs docs/tables.md`).
 
 ## Querying

@@ -55,12 +55,18 @@ from torshmon.aggregator.core.rules import (
 )
 from torshmon.aggregator.core.series import Cursor, LabelSet, SeriesStore, labelset_from
 from torshmon.aggregator.core.templates import render_template
+from torshmon.catalogue.metrics import METRICS, PREFIX
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AlertEngine"]
 
 _RESERVED: Final = frozenset({"alertname", "severity"})
+#: Rule metrics Prometheus scrapes from the agents, whose series carry no run: an alert
+#: on them names none either, so it is one alert whichever path sends it.
+_AGENT_METRICS: Final = frozenset(
+    name.removeprefix(PREFIX) for name, spec in METRICS.items() if spec.exporter == "agent"
+)
 _AGGREGATE: Final[Mapping[str, Callable[[list[float]], float]]] = {
     "mean": statistics.fmean,
     "max": max,
@@ -155,8 +161,9 @@ class AlertEngine:
         self._groups: dict[str, dict[int, LabelSet]] = {}
         # Per threshold rule: what it knows of its series' newest points.
         self._newest: dict[str, _Newest] = {}
-        # Per job: when its config last switched (as given to ``evaluate``).
+        # Per job: when its config last switched, and its run (as given to ``evaluate``).
         self._switched: Mapping[str, float] = {}
+        self._runs: Mapping[str, str] = {}
 
     # -- evaluation -----------------------------------------------------------------------
 
@@ -166,6 +173,7 @@ class AlertEngine:
         series: SeriesStore,
         findings: Sequence[Finding],
         config_switched_unix_s: Mapping[str, float] | None = None,
+        runs: Mapping[str, str] | None = None,
     ) -> list[Alert]:
         """Evaluate every rule at ``now_unix_s``; returns this evaluation's transitions.
 
@@ -174,8 +182,10 @@ class AlertEngine:
         (an autotuner trial). A ``rate`` rule does not judge a job's series while the
         switch is in its window: a new bucket layout or codec allocates its buffers over
         the first steps, a rise that is the switch's, not a trend.
+        ``runs``: per job, its current run; a new alert of the job is labelled ``run``.
         """
         self._switched = config_switched_unix_s or {}
+        self._runs = runs or {}
         now = now_unix_s
         transitions: list[Alert] = []
         for alert in self._orphans.values():
@@ -215,7 +225,7 @@ class AlertEngine:
                     continue
                 instance = instances[key] = _Instance(
                     rule=rule,
-                    labels=_alert_labels(rule, key),
+                    labels=_alert_labels(rule, key, self._runs),
                     state="pending",
                     active_since_s=min(hit.since_s, now),
                     fired_at_s=None,
@@ -497,7 +507,10 @@ class AlertEngine:
                 {
                     name: value
                     for name, value in alert.labels.items()
-                    if name not in _RESERVED and name not in rule.labels
+                    if name not in _RESERVED
+                    and name not in rule.labels
+                    # A series' key has no run; after a restart no finding's has either.
+                    and name != "run"
                 }
             )
             instances = self._instances[rule.name]
@@ -530,9 +543,12 @@ def _templates(rule: Rule) -> dict[str, str]:
     return {"summary": summary, **rule.annotations}
 
 
-def _alert_labels(rule: Rule, key: LabelSet) -> dict[str, str]:
+def _alert_labels(rule: Rule, key: LabelSet, runs: Mapping[str, str]) -> dict[str, str]:
     labels = dict(rule.labels)
     labels.update(key)
+    run = runs.get(labels.get("job", ""))
+    if run and "run" not in labels and rule.metric not in _AGENT_METRICS:
+        labels["run"] = run
     # The name Prometheus gives the exported rule's alert, so that Alertmanager sees
     # one alert whichever path sends it (the rule's own name stays the title).
     labels["alertname"] = alert_name(rule.name)

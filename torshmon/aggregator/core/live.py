@@ -102,6 +102,10 @@ class LiveState:
         self._labels = label_cap if label_cap is not None else LabelCap()
         self.series = SeriesStore(retention_s=series_retention_s, windows_s=series_windows_s)
         self.jobs: dict[str, JobState] = {}
+        # Per job, the runs a later launch of it took over from, and their sessions: the
+        # history keeps their rows apart, but the live state is the latest launch's.
+        self._superseded_runs: dict[str, set[str]] = {}
+        self._superseded_sessions: dict[str, set[str]] = {}
         self.nodes: dict[str, NodeSample] = {}
         self._node_seen: dict[str, float] = {}
         self.agents = Agents()
@@ -153,12 +157,19 @@ class LiveState:
         the nodes the data names)."""
         self._contact(stored, now_unix_s, agent_node)
         for hello in stored.hellos:
+            if hello.run_id in self._superseded_runs.get(hello.job, ()):
+                self._superseded_sessions[hello.job].add(hello.session)
+                continue
             job = self._job(hello.job)
             if hello.run_id and job.run_id not in ("", hello.run_id):
-                # A new launch under the same name: the last one's state is not its own.
+                # A new launch under the same name: the last one's state is not its own,
+                # and its ranks, if they still run, are no longer watched live.
+                self._superseded_runs.setdefault(hello.job, set()).add(job.run_id)
+                self._superseded_sessions.setdefault(hello.job, set()).update(job.sessions)
                 self.forget(hello.job)
                 job = self._job(hello.job)
             job.run_id = hello.run_id or job.run_id
+            job.sessions.add(hello.session)
             if job.world_size != hello.world_size:
                 self._set_world(hello.job, job, hello.world_size)
             self._rank(hello.job, job, hello.rank).node = hello.node
@@ -180,12 +191,16 @@ class LiveState:
         for node, times in stamps.items():
             self.agents.contact(node, now_unix_s, times)
 
-    def restore_job(self, name: str, world_size: int, last_seen_unix_s: float) -> None:
+    def restore_job(
+        self, name: str, world_size: int, last_seen_unix_s: float, run_id: str = ""
+    ) -> None:
         """A job this aggregator served before it restarted. Its probes said hello once,
         to the old process, and will not again: without the world size from SQL the
-        straggler, hang and link checks would stay off for the job. Its ranks count as
-        seen at ``last_seen_unix_s``, so the job expires as it would have."""
+        straggler, hang and link checks would stay off for the job, and without its
+        latest run ``run_id`` its alerts and findings would name none. Its ranks count
+        as seen at ``last_seen_unix_s``, so the job expires as it would have."""
         job = self._job(name)
+        job.run_id = job.run_id or run_id
         if job.world_size is None:
             self._set_world(name, job, world_size)
         for rank in range(world_size):
@@ -211,6 +226,8 @@ class LiveState:
         return state
 
     def _observe_batch(self, batch: Batch, node: str, now_unix_s: float) -> None:
+        if batch.session in self._superseded_sessions.get(batch.job, ()):
+            return
         job = self._job(batch.job)
         r = self._rank(batch.job, job, batch.rank)
         if r.node != node:
@@ -473,7 +490,19 @@ class LiveState:
         out = self._with_reports(out, now_unix_s)
         self._evaluated = {(f.key(), _pages(f)) for f in out}
         self._fresh = False
-        return out
+        return [self._of_run(f) for f in out]
+
+    def _of_run(self, finding: Finding) -> Finding:
+        """``finding`` labelled ``run`` with its job's run, where the job has one: its
+        episode, alerts and history rows are that run's."""
+        job = self.jobs.get(finding.labels.get("job", ""))
+        if job is None or not job.run_id or "run" in finding.labels:
+            return finding
+        return dataclasses.replace(finding, labels={**finding.labels, "run": job.run_id})
+
+    def runs(self) -> dict[str, str]:
+        """Each live job's run, where its probes sent one: the run its alerts are of."""
+        return {name: job.run_id for name, job in self.jobs.items() if job.run_id}
 
     def config_switches(self) -> dict[str, float]:
         """Per job, when (aggregator clock) a rank first reported its newest config
@@ -582,6 +611,8 @@ class LiveState:
         idle_jobs = [name for name, job in self.jobs.items() if job.last_seen_unix_s() < cutoff]
         for name in idle_jobs:
             self.forget(name)
+            self._superseded_runs.pop(name, None)
+            self._superseded_sessions.pop(name, None)
         for node in [n for n, seen in self._node_seen.items() if seen < cutoff]:
             del self._node_seen[node]
             self.nodes.pop(node, None)
@@ -625,6 +656,7 @@ class LiveState:
                     job.bucket_cap_bytes,
                     job.config.codec if job.config else None,
                     [(rank, copy_rank(r)) for rank, r in job.ranks.items()],
+                    job.run_id,
                 )
                 for name, job in self.jobs.items()
             },

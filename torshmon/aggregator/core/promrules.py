@@ -183,7 +183,13 @@ def _aggregated(rule: Rule, inner: str) -> str:
 
 
 def _by(rule: Rule) -> str:
-    return f" by ({', '.join(rule.by)})" if rule.by else ""
+    # A job's series carry its run: grouped by job they keep it, as the engine's alerts do.
+    names: list[str] = []
+    for name in rule.by:
+        names.append(name)
+        if name == "job" and "run" not in rule.by:
+            names.append("run")
+    return f" by ({', '.join(names)})" if names else ""
 
 
 def _matchers(matchers: Mapping[str, str | None]) -> str:

@@ -105,6 +105,8 @@ class JobState:
     world_size: int | None = None
     #: The launch its state is of (the hellos' run id; "" before one was seen).
     run_id: str = ""
+    #: The probe sessions that said hello with ``run_id``.
+    sessions: set[str] = field(default_factory=set)
     ranks: dict[int, RankState] = field(default_factory=dict)
     config: AppliedConfig | None = None
     bucket_cap_bytes: int | None = None

@@ -52,13 +52,12 @@ def max_seq(conn: Connection, agent_id: str) -> int:
     return int(value or 0)
 
 
-def session_seqs(conn: Connection, sessions: Sequence[str]) -> dict[str, int]:
-    """``last_seq`` of those probe sessions that have a row."""
+def session_seqs(conn: Connection, sessions: Sequence[str]) -> dict[str, tuple[int, str | None]]:
+    """``last_seq`` and ``run_id`` of those probe sessions that have a row."""
     table = _T["probe_sessions"]
-    rows = conn.execute(
-        select(table.c.session, table.c.last_seq).where(table.c.session.in_(sessions))
-    )
-    return {name: int(last_seq) for name, last_seq in rows}
+    query = select(table.c.session, table.c.last_seq, table.c.run_id)
+    rows = conn.execute(query.where(table.c.session.in_(sessions)))
+    return {name: (int(last_seq), run_id) for name, last_seq, run_id in rows}
 
 
 # -- writes --------------------------------------------------------------------------------

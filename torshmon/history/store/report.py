@@ -128,7 +128,11 @@ def load_job_history(
 ) -> JobHistory | None:
     """Everything the report shows of one run of ``job`` (``run``: its id, the latest
     when None; see ``pick_run``); None when the history has no such job, UnknownRun
-    when it has no such run. A job without runs in the history is read whole."""
+    when it has no such run. A job without runs in the history is read whole.
+
+    Steps, alerts and findings are the run's by their ``run_id`` (two launches that
+    ran at once keep theirs apart); samples and tuning sessions, and every row of a
+    schema before ``run_id``, by the run's time, from its start to the next's."""
     jobs = _T["jobs"]
     row = conn.execute(select(jobs).where(jobs.c.job == job)).mappings().first()
     if row is None:
@@ -148,11 +152,12 @@ def load_job_history(
             job_row["last_seen_unix_ns"] = max(s["last_seen_unix_ns"] for s in sessions)
         elif end is not None:
             job_row["last_seen_unix_ns"] = min(job_row["last_seen_unix_ns"], end)
-    steps = _steps(conn, job, max_steps + 1, bounds)
+    run_id = _run_id(conn, chosen)
+    steps = _steps(conn, job, max_steps + 1, bounds, run_id)
     read = len(next(iter(steps.values()), []))
     nodes = sorted({s["node"] for s in sessions if s["node"]})
     seconds = (bounds[0] / 1e9, bounds[1] / 1e9)
-    alerts = _all(conn, _T["alerts"], job, "starts_at_unix_s", seconds)
+    alerts = _all(conn, _T["alerts"], job, "starts_at_unix_s", seconds, run_id)
     tuning = _all(conn, _T["tuning_sessions"], job, "started_unix_s", seconds)
     tuned = {t["id"] for t in tuning}
     return JobHistory(
@@ -163,7 +168,7 @@ def load_job_history(
         node_samples=_node_samples(conn, nodes, job_row, max_samples),
         rank_samples=_rank_samples(conn, job, max_samples, bounds),
         alerts=alerts,
-        findings=_all(conn, _T["findings"], job, "detected_unix_s", seconds),
+        findings=_all(conn, _T["findings"], job, "detected_unix_s", seconds, run_id),
         configs=_all(conn, _T["configs"], job, "version"),
         tuning_sessions=tuning,
         tuning_trials=[
@@ -229,38 +234,51 @@ def evidence_links(
     return links
 
 
+def _run_id(conn: Connection, chosen: Mapping[str, Any] | None) -> str | None:
+    """The id the rows of ``chosen`` carry; None to read by time instead (no run
+    chosen, or a schema before ``run_id``)."""
+    if chosen is None:
+        return None
+    present = {c["name"] for c in inspect(conn).get_columns("steps")}
+    return str(chosen["run_id"]) if "run_id" in present else None
+
+
 def _all(
     conn: Connection,
     table: Table,
     job: str,
     order: str,
     bounds: tuple[float, float] | None = None,
+    run_id: str | None = None,
 ) -> list[dict[str, Any]]:
-    """``job``'s rows of ``table`` by ``order``; with ``bounds``, those whose ``order``
-    is in [start, end)."""
+    """``job``'s rows of ``table`` by ``order``: those of run ``run_id``, else with
+    ``bounds`` those whose ``order`` is in [start, end)."""
     query = select(table).where(table.c.job == job).order_by(table.c[order])
-    if bounds is not None:
+    if run_id is not None:
+        query = query.where(table.c.run_id == run_id)
+    elif bounds is not None:
         query = query.where(table.c[order] >= bounds[0], table.c[order] < bounds[1])
     return [dict(r) for r in conn.execute(query).mappings()]
 
 
 def _steps(
-    conn: Connection, job: str, limit: int, bounds: tuple[int, int] = _NO_BOUNDS
+    conn: Connection,
+    job: str,
+    limit: int,
+    bounds: tuple[int, int] = _NO_BOUNDS,
+    run_id: str | None = None,
 ) -> dict[str, list[Any]]:
     steps = _T["steps"]
     present = {c["name"] for c in inspect(conn).get_columns("steps")}
     names = [*STEP_COLUMNS, *(c for c in OPTIONAL_STEP_COLUMNS if c in present)]
     # The model may not know an optional column yet: name it as the table has it.
     columns = [steps.c[n] if n in steps.c else column(n) for n in names]
-    query = (
-        select(*columns)
-        .select_from(steps)
-        .where(steps.c.job == job)
-        .where(steps.c.end_unix_ns >= bounds[0], steps.c.end_unix_ns < bounds[1])
-        .order_by(steps.c.end_unix_ns.desc())
-        .limit(limit)
-    )
-    rows = conn.execute(query).all()
+    query = select(*columns).select_from(steps).where(steps.c.job == job)
+    if run_id is not None:
+        query = query.where(steps.c.run_id == run_id)
+    else:
+        query = query.where(steps.c.end_unix_ns >= bounds[0], steps.c.end_unix_ns < bounds[1])
+    rows = conn.execute(query.order_by(steps.c.end_unix_ns.desc()).limit(limit)).all()
     return {name: [row[i] for row in rows] for i, name in enumerate(names)}
 
 

@@ -16,163 +16,38 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
-import msgspec
 from sqlalchemy import Table, delete, func, select, update
 from sqlalchemy import types as sa_types
 from sqlalchemy.engine import Connection, Engine
 
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.episodes import FindingChange, FindingKey
-from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.silences import Silence, SilenceRequest
 from torshmon.history.db import insert_ignore, make_engine, upsert
 from torshmon.history.models import Base
 from torshmon.history.retention import RetentionReport, apply_retention
 from torshmon.history.store.evidence import list_evidence
+from torshmon.history.store.rows import (
+    LISTING_ORDER,
+    EvidenceCaptureRow,
+    EvidenceFileRow,
+    FilterError,
+    Listing,
+    Row,
+    RunningJob,
+    TuningSessionRow,
+    TuningTrialRow,
+    finding_row,
+    label_rank,
+    row_values,
+)
 
 T = TypeVar("T")
 _T = Base.metadata.tables
-
-#: A row as the API answers it: column name -> value, as the database returned it.
-Row = dict[str, Any]
-
-#: The tables the API lists, each with the column it lists them by, newest first.
-Listing = Literal[
-    "jobs",
-    "runs",
-    "probe_sessions",
-    "alerts",
-    "findings",
-    "tuning_sessions",
-    "tuning_trials",
-    "commands",
-    "silences",
-]
-LISTING_ORDER: Final[Mapping[str, str]] = {
-    "jobs": "last_seen_unix_ns",
-    "runs": "started_unix_ns",
-    "probe_sessions": "last_seen_unix_ns",
-    "alerts": "id",
-    "findings": "id",
-    "tuning_sessions": "started_unix_s",
-    "tuning_trials": "id",
-    "commands": "created_unix_s",
-    "silences": "id",
-}
-
-
-class FilterError(ValueError):
-    """A listing filter whose value does not fit its column; the text names it."""
-
-
-@dataclass(frozen=True, slots=True)
-class RunningJob:
-    """A job this aggregator served until it stopped, as ``jobs`` remembers it."""
-
-    job: str
-    world_size: int
-    last_seen_unix_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class TuningSessionRow:
-    """One row of ``tuning_sessions`` (the store adds ``aggregator_id``)."""
-
-    id: str
-    job: str
-    state: str
-    trigger: str
-    started_unix_s: float
-    ended_unix_s: float | None
-    baseline_config: Mapping[str, Any]
-    best_config: Mapping[str, Any] | None
-    baseline_score: float | None
-    best_score: float | None
-    reason: str
-    state_blob: Mapping[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class TuningTrialRow:
-    """One row of ``tuning_trials``; ``command_id`` None keeps the stored one."""
-
-    session_id: str
-    job: str
-    trial_index: int
-    config: Mapping[str, Any]
-    command_id: str | None
-    state: str
-    windows: Sequence[float]
-    score: float | None
-    decision: str | None
-    reason: str
-    started_unix_s: float | None
-    ended_unix_s: float | None
-
-
-def _check_fields(cls: type, table: str, added: frozenset[str] = frozenset()) -> None:
-    """Fail at import when ``cls``'s fields and ``added`` are not ``table``'s columns."""
-    columns = {c.name for c in _T[table].columns if c.identity is None}
-    names = {f.name for f in dataclasses.fields(cls)} | added
-    if names != columns:
-        raise RuntimeError(
-            f"{cls.__name__} does not match the model of {table}: missing "
-            f"{sorted(columns - names)}, unknown {sorted(names - columns)}"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class EvidenceCaptureRow:
-    """One row of ``evidence_captures`` (the store adds ``aggregator_id``)."""
-
-    id: str
-    job: str
-    alert_id: int | None
-    alert_fingerprint: str | None
-    rule: str
-    profile_ranks: Sequence[int]
-    created_unix_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class EvidenceFileRow:
-    """One row of ``evidence_files``: a file stored under ``path``, or ``error``."""
-
-    capture_id: str
-    rank: int
-    name: str
-    job: str
-    size_bytes: int
-    stored_bytes: int
-    path: str | None
-    error: str
-    taken_unix_s: float
-    received_unix_s: float
-
-
-_check_fields(TuningSessionRow, "tuning_sessions", frozenset({"aggregator_id"}))
-_check_fields(EvidenceCaptureRow, "evidence_captures", frozenset({"aggregator_id"}))
-_check_fields(EvidenceFileRow, "evidence_files")
-_check_fields(TuningTrialRow, "tuning_trials")
-
-
-def _row(record: Any) -> dict[str, Any]:
-    """A dataclass row as column values (mappings and sequences as plain JSON types)."""
-    values = {}
-    for f in dataclasses.fields(record):
-        value = getattr(record, f.name)
-        if isinstance(value, Mapping):
-            value = dict(value)
-        elif isinstance(value, tuple):
-            value = list(value)
-        values[f.name] = value
-    return values
 
 
 class HistoryStore:
@@ -266,7 +141,7 @@ class HistoryStore:
                     .values(ended_unix_s=ended, updated_unix_s=now)
                 )
             return None
-        values = _finding_row(change.finding, now)
+        values = finding_row(change.finding, now)
         if row_id is None:  # opened, or updated after its row was lost: open one
             values.update(detected_unix_s=now, aggregator_id=self.aggregator_id)
             result = conn.execute(table.insert().values(**values))
@@ -319,7 +194,8 @@ class HistoryStore:
                     rule=alert.rule,
                     severity=alert.severity,
                     job=alert.labels.get("job", ""),
-                    rank=_rank(alert.labels),
+                    run_id=alert.labels.get("run") or None,
+                    rank=label_rank(alert.labels),
                     labels=dict(alert.labels),
                     starts_at_unix_s=alert.starts_at_unix_s,
                     aggregator_id=self.aggregator_id,
@@ -472,16 +348,27 @@ class HistoryStore:
     def _running_jobs(self, since_unix_s: float) -> list[RunningJob]:
         if self._engine is None:
             return []
-        table = _T["jobs"]
+        table, runs = _T["jobs"], _T["runs"]
+        latest_run = (
+            select(runs.c.run_id)
+            .where(runs.c.job == table.c.job)
+            .order_by(runs.c.started_unix_ns.desc())
+            .limit(1)
+            .scalar_subquery()
+        )
         with self._engine.connect() as conn:
+            columns = (table.c.job, table.c.world_size, table.c.last_seen_unix_ns, latest_run)
             rows = conn.execute(
-                select(table.c.job, table.c.world_size, table.c.last_seen_unix_ns).where(
+                select(*columns).where(
                     table.c.aggregator_id == self.aggregator_id,
                     table.c.world_size.is_not(None),
                     table.c.last_seen_unix_ns >= int(since_unix_s * 1e9),
                 )
             ).all()
-        return [RunningJob(job, int(size), seen_ns / 1e9) for job, size, seen_ns in rows]
+        return [
+            RunningJob(job, int(size), seen_ns / 1e9, run_id or "")
+            for job, size, seen_ns, run_id in rows
+        ]
 
     # -- commands ------------------------------------------------------------------------
 
@@ -545,7 +432,7 @@ class HistoryStore:
             return
         sessions, trials_table = _T["tuning_sessions"], _T["tuning_trials"]
         with self._engine.begin() as conn:
-            row = _row(session) | {"aggregator_id": self.aggregator_id}
+            row = row_values(session) | {"aggregator_id": self.aggregator_id}
             conn.execute(upsert(conn, sessions).values(**row))
             existing = {
                 int(r.trial_index): int(r.id)
@@ -556,7 +443,7 @@ class HistoryStore:
                 )
             }
             for trial in trials:
-                values = _row(trial)
+                values = row_values(trial)
                 row_id = existing.get(trial.trial_index)
                 if row_id is None:
                     conn.execute(trials_table.insert().values(**values))
@@ -615,7 +502,7 @@ class HistoryStore:
     def _add_evidence_capture(self, capture: EvidenceCaptureRow) -> None:
         if self._engine is None:
             return
-        row = _row(capture)
+        row = row_values(capture)
         if row["alert_id"] is None and capture.alert_fingerprint is not None:
             row["alert_id"] = self._alert_rows.get(capture.alert_fingerprint)
         with self._engine.begin() as conn:
@@ -638,7 +525,7 @@ class HistoryStore:
             ).first()
             if known is None:
                 return False
-            result = conn.execute(insert_ignore(conn, _T["evidence_files"]), [_row(file)])
+            result = conn.execute(insert_ignore(conn, _T["evidence_files"]), [row_values(file)])
             return bool(result.rowcount)
 
     async def evidence_file(self, capture_id: str, rank: int, name: str) -> Row | None:
@@ -766,39 +653,3 @@ class HistoryStore:
             raw_retention_s=raw_retention_s,
             rollup_retention_s=rollup_retention_s,
         )
-
-
-def _rank(labels: Mapping[str, str]) -> int | None:
-    rank = labels.get("rank")
-    return int(rank) if rank is not None and rank.isdigit() else None
-
-
-def _finding_row(f: Finding, now: float) -> dict[str, Any]:
-    """The columns of ``f`` an episode's row takes when opened or updated."""
-    return {
-        "kind": f.kind,
-        "job": f.labels.get("job", ""),
-        "rank": _rank(f.labels),
-        "metric": f.labels.get("metric") or _text(f.details.get("metric")),
-        "value": _finite(f.value),
-        "score": _finite(f.score),
-        "summary": f.summary,
-        "recommendation": f.recommendation,
-        "severity": f.severity,
-        "category": f.category or None,
-        "priority": f.priority,
-        "expected_gain_ratio": f.expected_gain_ratio,
-        "difficulty": f.difficulty or None,
-        "since_unix_s": f.since_unix_s,
-        "updated_unix_s": now,
-        # Detectors may put tuples, sets or numpy scalars in details: JSON-safe as text.
-        "details": msgspec.to_builtins(dict(f.details), str_keys=True, enc_hook=str),
-    }
-
-
-def _text(value: object) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
