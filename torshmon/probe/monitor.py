@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from torshmon.paths import default_agent_socket
-from torshmon.probe import _torch_compat
+from torshmon.probe import _torch_compat, ddpcomm
 from torshmon.probe.collectives import CollectiveTracer
 from torshmon.probe.commhook import DispatchingCommHook
 from torshmon.probe.config import CommConfig, ConfigError
@@ -237,7 +237,7 @@ class Monitor:
             groups=GroupRegistry(dist.group.WORLD, self.world_size),
         )
         self._evidence = EvidenceCapture(self.rank, self._shipper.evidence.put)
-        self._shipper.start()
+        self._shipper.start(ddpcomm.for_module(module, self._ddp_pg_label, hooked=bucket_timing))
         if self._shipper.native_id is not None:
             # The shipper's wait for a CPU (it runs at a lower priority) holds no step back.
             self._process_runqueue.leave_out(self._shipper.native_id)
