@@ -117,15 +117,33 @@ def test_a_step_whose_buckets_the_hook_reduced_takes_none() -> None:
 
 def test_reads_are_spaced_to_the_budget_and_steps_wait_for_one() -> None:
     clocks = _Clocks()
-    reader = _reader([_entry(1, SINCE + 10)], clocks, cost_s=0.002)
+    reader = _reader([_entry(1, SINCE + 10)], clocks, cost_s=0.004)
     assert len(reader.file([_step(1, SINCE + 100)])) == 1
-    # A read took 2 ms of CPU: the next may come 2 / READ_BUDGET ms later.
-    wait_s = 0.002 / ddpcomm.READ_BUDGET
+    # A read took 4 ms of CPU: the next may come 4 / READ_BUDGET ms later, past the
+    # longest spacing the job's collectives would have asked for.
+    wait_s = 0.004 / ddpcomm.READ_BUDGET
+    assert wait_s > ddpcomm.MAX_SPACING_S
     clocks.now += wait_s * 0.9
     assert reader.file([_step(2, SINCE + 200)]) == []
     clocks.now += wait_s * 0.2
     assert [s.step for s in reader.file([_step(3, SINCE + 300)])] == [2, 3]
-    assert reader.reads == 2 and abs(reader.read_cpu_s - 0.004) < 1e-9
+    assert reader.reads == 2 and abs(reader.read_cpu_s - 0.008) < 1e-9
+
+
+def test_a_busy_job_is_read_before_half_the_buffer_fills() -> None:
+    clocks = _Clocks()
+    entries = [_entry(1, SINCE + 10)]
+    reader = _reader(entries, clocks, cost_s=0.0001)
+    reader.file([_step(1, SINCE + 100)])
+    clocks.now = ddpcomm.MAX_SPACING_S  # a quiet job: read at the longest spacing
+    entries += [_entry(i, SINCE + 100 + i) for i in range(2, 10)]
+    assert len(reader.file([_step(2, SINCE + 200)])) == 1
+    # 8 entries in 0.5 s: half the buffer (4) fills in 0.25 s.
+    clocks.now += 0.24
+    assert reader.file([_step(3, SINCE + 300)]) == []
+    clocks.now += 0.02
+    assert [s.step for s in reader.file([])] == [3]
+    assert reader.lost_total == 0
 
 
 def test_entries_the_buffer_lost_are_counted() -> None:

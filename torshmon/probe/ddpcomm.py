@@ -11,7 +11,8 @@ probe traced itself (a job's ``dist.all_reduce``) are that call's, already count
 
 Never on the training thread, but a dump holds the GIL throughout (``flightrec``), so the
 training thread waits for it: reads are spaced so they take at most ``READ_BUDGET`` of
-the time, and only a buffer of at most ``MAX_BUFFER_ENTRIES`` is read (a full default one,
+the time (and no closer than the job's collectives need: ``MAX_SPACING_S``), and only a
+buffer of at most ``MAX_BUFFER_ENTRIES`` is read (a full default one,
 2 000 entries, takes 60-130 ms). The size is read once, as the first process group
 starts: ``torshmon run`` sets ``TORCH_FR_BUFFER_SIZE`` to ``DEFAULT_BUFFER_ENTRIES`` where
 the job did not; a job that attaches itself sets it before ``init_process_group``.
@@ -45,6 +46,10 @@ DEFAULT_BUFFER_ENTRIES = 256
 MAX_BUFFER_ENTRIES = 512
 #: at most this share of the time goes to reads (their CPU time: the GIL is held)
 READ_BUDGET = 0.005
+#: the longest wait between reads (s): a step waits at most about this long for its
+#: read; a job whose collectives would fill half the buffer sooner is read sooner
+#: (within the budget)
+MAX_SPACING_S = 0.5
 #: how far outside a traced call (ns) the enqueue of its own entry may seem to lie: the
 #: two clocks are read a few microseconds apart at each read
 _SLACK_NS = 100_000
@@ -90,6 +95,7 @@ class DdpCollectives:
         self._carry: deque[flightrec.FrCollective] = deque()
         self._last_id = -1
         self._next_read = 0.0
+        self._last_read: float | None = None
         self._off = False
         self._log = LogLimiter()
         self.reads = 0
@@ -126,7 +132,7 @@ class DdpCollectives:
         spent = max(0.0, self._cpu_clock() - started)
         self.reads += 1
         self.read_cpu_s += spent
-        self._next_read = self._clock() + spent / READ_BUDGET
+        self._schedule(spent, len(fresh))
         offset = self._wall_ns() - self._perf_ns()  # wall clock minus perf_counter, now
         self._take(fresh)
         for step in steps:
@@ -135,6 +141,17 @@ class DdpCollectives:
                 mine.append(self._carry.popleft())
             if mine and not step.events.buckets:  # else the probe's hook counted them
                 step.events.collectives.extend(self._untraced(mine, step, offset))
+
+    def _schedule(self, spent_s: float, entries: int) -> None:
+        """The next read: when half the buffer will have filled at the rate since the
+        last one (at most ``MAX_SPACING_S`` on), never sooner than the budget allows."""
+        now = self._clock()
+        spacing = MAX_SPACING_S
+        if self._last_read is not None and entries and now > self._last_read:
+            fill_s = self._capacity / 2 / (entries / (now - self._last_read))
+            spacing = min(spacing, fill_s)
+        self._last_read = now
+        self._next_read = now + max(spacing, spent_s / READ_BUDGET)
 
     def _take(self, fresh: list[flightrec.FrCollective]) -> None:
         """Keep the group's new entries; count those the buffer lost before this read."""
