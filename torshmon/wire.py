@@ -93,6 +93,9 @@ class CollectiveStat(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     ``size_bytes`` is the nccl-tests message size S summed over calls (for
     all_gather the gathered output, for reduce_scatter and all_to_all the input);
     bandwidths are the nccl-tests algorithm and bus bandwidths over the summed time.
+    Times and bandwidths are None, and the histogram all zeros, for calls nothing timed
+    (DDP's bucket all-reduces as gloo's Flight Recorder records them: bytes, no time);
+    such calls never share a record with timed ones.
     """
 
     op: Label
@@ -100,10 +103,10 @@ class CollectiveStat(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     dtype: Label
     count: Count
     size_bytes: Count
-    duration_s: float
-    max_duration_s: float
-    algbw_bytes_per_s: float
-    busbw_bytes_per_s: float
+    duration_s: float | None = None
+    max_duration_s: float | None = None
+    algbw_bytes_per_s: float | None = None
+    busbw_bytes_per_s: float | None = None
     duration_hist: list[int]
 
 

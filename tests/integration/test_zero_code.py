@@ -1,7 +1,8 @@
 """``torshmon run`` on the README's example with its torshmon lines removed: a real
 ``torchrun`` (``python -m torch.distributed.run``) of 2 gloo ranks, a real agent and
 aggregator on loopback, the history they write. The script is cut from README.md, so
-the test follows the README as it changes."""
+the test follows the README as it changes. Both find the steps and DDP's all-reduces
+in the history."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ loader = [(torch.randn({BATCH}, 32), torch.randn({BATCH}, 4)) for _ in range({ST
 loss_fn = torch.nn.MSELoss()
 opt = torch.optim.SGD(net.parameters(), lr=0.01)
 """
+#: the net's gradients (float32): DDP all-reduces them in one bucket each step
+GRAD_BYTES = 4 * (32 * 64 + 64 + 64 * 4 + 4)
 
 
 def readme_script_without_torshmon() -> str:
@@ -162,6 +165,17 @@ async def test_torshmon_run_watches_the_readme_script_unmodified(tmp_path: Path)
     assert _rows(
         db_url, "SELECT count(*) FROM steps WHERE job = 'zero-code' AND loss IS NOT NULL"
     ) == [(0,)]
+    # DDP's all-reduces, read from the Flight Recorder (torshmon run sizes it): one
+    # bucket a step, every gradient's bytes, no duration (gloo times none), in both jobs.
+    for job in ("zero-code", "my-job"):
+        reduces = _rows(
+            db_url,
+            "SELECT rank, step, count, size_bytes, duration_s FROM collectives "
+            f"WHERE job = '{job}' AND op = 'all_reduce' ORDER BY rank, step",
+        )
+        assert reduces == [
+            (rank, step, 1, GRAD_BYTES, None) for rank in (0, 1) for step in range(1, STEPS + 1)
+        ], (job, reduces)
 
 
 def _python(code: str, env: dict[str, str]) -> str:

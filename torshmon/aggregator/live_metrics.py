@@ -172,7 +172,9 @@ class LiveCollector:
             merged: dict[tuple[str, ...], tuple[list[int], float, int]] = {}
             for rank, r in ranks:
                 for (op, pg), h in r.collectives.items():
-                    busbw.add_metric([job, run, str(rank), op, pg], r.busbw.get((op, pg), 0.0))
+                    measured = r.busbw.get((op, pg))
+                    if measured is not None:  # none where nothing timed the op (gloo DDP)
+                        busbw.add_metric([job, run, str(rank), op, pg], measured)
                     key: tuple[str, ...] = (op, pg, str(rank)) if per_rank else (op, pg)
                     counts, total, size = merged.get(key, ([0] * len(h.counts), 0.0, 0))
                     merged[key] = (

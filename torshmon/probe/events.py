@@ -19,7 +19,8 @@ class CollectiveEvent(NamedTuple):
     timing still to be read (``torshmon.probe.timing``), None where the host's clock
     times it (gloo) or once read into ``end_ns``. ``cpu_wait_ns``: the calling
     thread's run-queue delay during a blocking call (its wake-up on a busy node), 0
-    where not read."""
+    where not read. ``timed``: False where nothing timed it (a DDP bucket all-reduce
+    the Flight Recorder saw on gloo: enqueued at ``start_ns``, ``end_ns`` the same)."""
 
     op: str
     pg: str
@@ -32,6 +33,7 @@ class CollectiveEvent(NamedTuple):
     wait_ns: int = 0
     device: Any = None
     cpu_wait_ns: int = 0
+    timed: bool = True
 
 
 class BucketEvent(NamedTuple):

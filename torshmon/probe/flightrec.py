@@ -1,30 +1,32 @@
 """The collectives torch's Flight Recorder keeps in its ring buffer, read back as records.
 
-The Flight Recorder (``TORCH_FR_BUFFER_SIZE``, or ``TORCH_NCCL_TRACE_BUFFER_SIZE``, set
-to a number of entries before the process group starts) records every collective a
-process group runs, in C++, DDP's bucket all-reduces included: no Python runs on the
-training thread for it. ``read`` dumps the buffer (``_dump_fr_trace_json``, a fraction
-of a millisecond for a few hundred entries: meant for the shipper's thread, never the
-training thread's) and returns the entries after a given record id.
+The Flight Recorder records every collective a process group runs, in C++, DDP's bucket
+all-reduces included: no Python runs on the training thread for it. torch 2.13 keeps it
+on by default (2 000 entries); ``TORCH_FR_BUFFER_SIZE`` (or
+``TORCH_NCCL_TRACE_BUFFER_SIZE``) sets its size, read once, when the first process group
+starts: set later, it changes nothing. ``read`` dumps the buffer
+(``_dump_fr_trace``) and returns the entries after a given record id.
 
 What it holds on gloo (torch 2.13, measured): op (``gloo:all_reduce``), process group,
 dtypes and sizes (so bytes), the wall-clock time each was enqueued, and whether it has
-retired; no start or end time (``time_discovered_*`` stay 0, no ``duration_ms``), so
-no duration or bus bandwidth per bucket. NCCL fills ``duration_ms`` where
-``TORCH_NCCL_ENABLE_TIMING=1``.
+retired; no start or end time (``time_discovered_*`` stay 0, no ``duration_ms``; gloo's
+``_enable_collectives_timing`` changes nothing, its Work has no duration and takes no
+completion hook), so no duration or bus bandwidth per bucket. NCCL fills
+``duration_ms`` where ``TORCH_NCCL_ENABLE_TIMING=1``.
 
 Cost (measured on this project's 2-core test box, one gloo rank, 16-float all-reduces):
-recording adds about 0.4-0.6 us of the calling thread's CPU per collective (7.0 -> 7.4-8.0
-us); a dump is 0.25 ms for 14 entries but 23 ms for a full 2000-entry buffer (whether
-it holds the GIL throughout, stalling the training thread, is not measured yet): size
-the buffer to what one read needs, and read often.
-
-Not yet wired into the shipper: see docs/zero-code.md.
+recording adds about 0.4-0.6 us of the calling thread's CPU per collective (paid by
+every job on torch 2.13, where it is on by default). A dump holds the GIL throughout
+(a Python loop on another thread stalls for as long) and costs more per entry the more
+the buffer holds: 0.3 ms at 50 entries, 1.2 at 200, 6 at 400, 23 at 800, 107 at 1 600
+(the pickle form ``read`` uses; JSON about twice that). So the reader
+(``probe.ddpcomm``) reads only a small buffer.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,17 +34,18 @@ from typing import Any
 #: the variables that size the ring buffer (entries); either one > 0 turns it on
 BUFFER_ENVS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
-_DTYPE_BYTES = {
-    "Float": 4,
-    "Double": 8,
-    "Half": 2,
-    "BFloat16": 2,
-    "Int": 4,
-    "Long": 8,
-    "Short": 2,
-    "Char": 1,
-    "Byte": 1,
-    "Bool": 1,
+#: the Flight Recorder's dtype names: (torch's name, as the probe labels it; bytes)
+_DTYPES = {
+    "Float": ("float32", 4),
+    "Double": ("float64", 8),
+    "Half": ("float16", 2),
+    "BFloat16": ("bfloat16", 2),
+    "Int": ("int32", 4),
+    "Long": ("int64", 8),
+    "Short": ("int16", 2),
+    "Char": ("int8", 1),
+    "Byte": ("uint8", 1),
+    "Bool": ("bool", 1),
 }
 
 
@@ -55,6 +58,7 @@ class FrCollective:
     op: str  # "all_reduce", without the backend's prefix
     backend: str  # "gloo", "nccl"
     bytes: int | None  # the input tensors' bytes; None for a dtype not known here
+    dtype: str  # the first input's, as torch names it ("float32"); "none" without one
     created_ns: int  # wall clock (time.time_ns) when it was enqueued
     retired: bool
     duration_s: float | None  # NCCL with timing on only
@@ -62,13 +66,19 @@ class FrCollective:
 
 def enabled(env: Mapping[str, str]) -> bool:
     """Whether the environment turns the Flight Recorder on."""
+    return (buffer_size(env) or 0) > 0
+
+
+def buffer_size(env: Mapping[str, str]) -> int | None:
+    """The ring buffer's entries as the environment sets them (the first of
+    ``BUFFER_ENVS`` that holds a number, as torch reads them); None where none does
+    (torch's default: 2 000 on torch 2.13, none before)."""
     for name in BUFFER_ENVS:
         try:
-            if int(env.get(name, "0")) > 0:
-                return True
-        except ValueError:
+            return int(env[name])
+        except (KeyError, ValueError):
             continue
-    return False
+    return None
 
 
 def parse(dump: Mapping[str, Any], after_record_id: int = -1) -> list[FrCollective]:
@@ -82,13 +92,17 @@ def parse(dump: Mapping[str, Any], after_record_id: int = -1) -> list[FrCollecti
         backend, _, op = str(entry.get("profiling_name", "")).partition(":")
         group = entry.get("process_group") or ("", "")
         duration = entry.get("duration_ms")
+        dtypes = entry.get("input_dtypes") or ()
         out.append(
             FrCollective(
                 record_id=record_id,
-                pg_name=str(group[1] if len(group) > 1 else group[0]),
+                pg_name=str(group[0]),  # (name, description): the name, as group_name
                 op=op or backend,
                 backend=backend if op else "",
-                bytes=_bytes(entry.get("input_sizes") or (), entry.get("input_dtypes") or ()),
+                bytes=_bytes(entry.get("input_sizes") or (), dtypes),
+                dtype=_DTYPES.get(str(dtypes[0]), (str(dtypes[0]).lower(), 0))[0]
+                if dtypes
+                else "none",
                 created_ns=int(entry.get("time_created_ns", 0)),
                 retired=bool(entry.get("retired")),
                 duration_s=float(duration) / 1000 if duration is not None else None,
@@ -100,23 +114,29 @@ def parse(dump: Mapping[str, Any], after_record_id: int = -1) -> list[FrCollecti
 
 def read(after_record_id: int = -1) -> list[FrCollective]:
     """Dump this process's ring buffer and parse it (``parse``); [] where this torch
-    has no Flight Recorder."""
+    has no Flight Recorder. Holds the GIL for the dump (see above)."""
     try:
         from torch._C import _distributed_c10d
     except ImportError:
         return []
-    dump = getattr(_distributed_c10d, "_dump_fr_trace_json", None)
-    if dump is None:
+    # onlyActive=False: NCCL's completed entries are the timed ones. The pickle form, no
+    # stack traces: half the JSON dump's time (1.2 against 2.5 ms at 200 entries).
+    dump = getattr(_distributed_c10d, "_dump_fr_trace", None)
+    if dump is not None:
+        return parse(pickle.loads(dump(True, False, False)), after_record_id)
+    dump_json = getattr(_distributed_c10d, "_dump_fr_trace_json", None)
+    if dump_json is None:
         return []
-    return parse(json.loads(dump(True, True)), after_record_id)
+    return parse(json.loads(dump_json(True, False)), after_record_id)
 
 
 def _bytes(sizes: Any, dtypes: Any) -> int | None:
     total = 0
     for shape, dtype in zip(sizes, dtypes, strict=False):
-        width = _DTYPE_BYTES.get(str(dtype))
-        if width is None:
+        known = _DTYPES.get(str(dtype))
+        if known is None:
             return None
+        width = known[1]
         count = 1
         for dim in shape:
             count *= int(dim)
@@ -124,4 +144,4 @@ def _bytes(sizes: Any, dtypes: Any) -> int | None:
     return total
 
 
-__all__ = ["BUFFER_ENVS", "FrCollective", "enabled", "parse", "read"]
+__all__ = ["BUFFER_ENVS", "FrCollective", "buffer_size", "enabled", "parse", "read"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torshmon.probe import _torch_compat
+from torshmon.probe import _torch_compat, ddpcomm
 from torshmon.probe.collectives import CollectiveTracer
 from torshmon.probe.commands import CommandDesk
 from torshmon.probe.commhook import DispatchingCommHook
@@ -177,7 +177,9 @@ class Monitor:
             request_config=self.request_config,
             current_step=lambda: self._step,
         )
-        self._shipper.start()
+        self._shipper.start(
+            ddpcomm.for_module(module, self._ddp_pg_label, hooked=settings.bucket_timing)
+        )
         if self._shipper.native_id is not None:
             # The shipper's wait for a CPU (it runs at a lower priority) holds no step back.
             self._process_runqueue.leave_out(self._shipper.native_id)

@@ -48,6 +48,7 @@ from typing import Generic, TypeVar
 import msgspec
 
 from torshmon.backoff import backoff_s
+from torshmon.probe.ddpcomm import DdpCollectives
 from torshmon.probe.events import RawStep, StepEvents
 from torshmon.probe.fastlane import FastLane
 from torshmon.probe.groups import GroupRegistry
@@ -279,6 +280,7 @@ class Shipper:
         self._outbox = outbox
         self._inflight = inflight
         self._groups = groups
+        self.ddp_collectives: DdpCollectives | None = None  # see start()
         self._flush_interval_s = flush_interval_s
         self._poll_s = min(poll_s, flush_interval_s)
         self.fast_lane = fast_lane if fast_lane is not None else FastLane()
@@ -326,7 +328,10 @@ class Shipper:
         """The shipper thread's kernel id (None before it starts)."""
         return self._thread.native_id
 
-    def start(self) -> None:
+    def start(self, ddp_collectives: DdpCollectives | None = None) -> None:
+        """Start the thread; with ``ddp_collectives``, each step waits for it to file
+        DDP's collectives (``probe.ddpcomm``) before it is summarised."""
+        self.ddp_collectives = ddp_collectives
         self._thread.start()
 
     def close(self, timeout_s: float = 5.0, ending: Ending | None = None) -> None:
@@ -394,7 +399,10 @@ class Shipper:
     def _poll(self, *, final: bool) -> None:
         """Summarise new steps; send when the flush is due or the fast lane is open."""
         self._gate.add(self._outbox.drain())
-        steps = [self._summarize(raw) for raw in self._gate.ready(final=final)]
+        ready = self._gate.ready(final=final)
+        if self.ddp_collectives is not None:  # held until a read files DDP's collectives
+            ready = self.ddp_collectives.file(ready, final=final)
+        steps = [self._summarize(raw) for raw in ready]
         now = time.monotonic()
         if steps:
             self._last_step = steps[-1].step

@@ -129,17 +129,26 @@ def compute_cpu_wait_ns(step_ns: int, events: StepEvents, step_start_ns: int) ->
 
 def aggregate_collectives(collectives: list[CollectiveEvent]) -> list[CollectiveStat]:
     """Per (op, group, dtype): count, summed size and time, max time, bandwidths,
-    and a duration histogram over DURATION_BUCKETS_S."""
-    groups: dict[tuple[str, str, str], list[CollectiveEvent]] = {}
+    and a duration histogram over DURATION_BUCKETS_S. Calls nothing timed (``timed``
+    False) make a row of their own, its times and bandwidths None and its histogram
+    empty, after the timed row of the same key."""
+    groups: dict[tuple[str, str, str, bool], list[CollectiveEvent]] = {}
     for event in collectives:
-        groups.setdefault((event.op, event.pg, event.dtype), []).append(event)
+        groups.setdefault((event.op, event.pg, event.dtype, not event.timed), []).append(event)
     stats = []
-    for (op, pg, dtype), calls in sorted(groups.items()):
-        durations = [(c.end_ns - c.start_ns) * _NS for c in calls]
+    for (op, pg, dtype, untimed), calls in sorted(groups.items()):
         size = sum(c.size_bytes for c in calls)
+        hist = [0] * (len(DURATION_BUCKETS_S) + 1)
+        if untimed:
+            stats.append(
+                CollectiveStat(
+                    op=op, pg=pg, dtype=dtype, count=len(calls), size_bytes=size, duration_hist=hist
+                )
+            )
+            continue
+        durations = [(c.end_ns - c.start_ns) * _NS for c in calls]
         total_s = sum(durations)
         algbw, busbw = bandwidths(op, size, total_s, calls[0].group_size)
-        hist = [0] * (len(DURATION_BUCKETS_S) + 1)
         for d in durations:
             hist[bisect.bisect_left(DURATION_BUCKETS_S, d)] += 1
         stats.append(

@@ -164,14 +164,17 @@ def observe_collectives(
         hist = by_key.get(key)
         if hist is None:
             hist = by_key[key] = Histogram([0] * len(COLL_BUCKETS))
+        sizes[key] = sizes.get(key, 0) + c.size_bytes
+        if c.duration_s is None:
+            continue  # bytes alone (gloo's DDP all-reduces): no time to fold in
         counts, added = hist.counts, c.duration_hist
         # Only the buckets the op fell in (usually one of them); extra buckets are ignored.
         for i in compress(COLL_BUCKETS, added):
             counts[i] += added[i]
         hist.sum += c.duration_s
         hist.count += c.count
-        busbw[key] = c.busbw_bytes_per_s
-        sizes[key] = sizes.get(key, 0) + c.size_bytes
+        if c.busbw_bytes_per_s is not None:
+            busbw[key] = c.busbw_bytes_per_s
 
 
 _NEVER = 2**62

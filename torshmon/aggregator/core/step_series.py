@@ -21,11 +21,11 @@ def observe_collective_series(
     """Each step's mean duration per (op, pg) into ``collective_duration_seconds``
     (labels job, op, pg: every rank's steps into one series per op and group, as
     Prometheus sums the histogram over ranks). Pairs folded into ``other`` by the
-    label cap are left out."""
+    label cap are left out, and calls nothing timed (gloo's DDP all-reduces)."""
     kept = r.collectives
     for t, step_collectives in zip(ts, collectives, strict=True):
         for c in step_collectives:
-            if c.count and (c.op, c.pg) in kept:
+            if c.count and c.duration_s is not None and (c.op, c.pg) in kept:
                 labels = (("job", job), ("op", c.op), ("pg", c.pg))
                 series.add("collective_duration_seconds", labels, t, c.duration_s / c.count)
 

@@ -6,7 +6,8 @@ has one. This one imports neither torch nor torshmon's probe: where ``$TORSHMON_
 set it adds an import hook that, once ``torch`` has finished importing, calls
 ``torshmon.probe.autoattach.install()``. A process that never imports torch (torchrun's
 own helpers, a data-prep subprocess) pays one ``find_spec`` per import. Then it runs the
-``sitecustomize`` this one hides, if the environment has one. Any failure is one line
+``sitecustomize`` this one hides, if the environment has one. It also sizes torch's
+Flight Recorder for the probe (``_small_flight_recorder``). Any failure is one line
 on stderr: the job runs on unwatched.
 """
 
@@ -21,6 +22,10 @@ from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _OFF = ("", "0", "false", "no", "off")
+#: ``torshmon.probe.flightrec.BUFFER_ENVS`` and ``ddpcomm.DEFAULT_BUFFER_ENTRIES`` (this
+#: module imports nothing of torshmon's: a test holds them equal)
+_FR_ENVS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+_FR_ENTRIES = "256"
 
 
 def _say(what: str, exc: BaseException) -> None:
@@ -34,6 +39,14 @@ def _after_torch() -> None:
         autoattach.install()
     except Exception as exc:  # the job comes first
         _say("could not prepare the automatic attach", exc)
+
+
+def _small_flight_recorder() -> None:
+    """A Flight Recorder small enough for the probe to read DDP's all-reduces from
+    (``torshmon.probe.ddpcomm``), where the job sizes it in neither variable: torch reads
+    the size once, as the first process group starts, long before the probe attaches."""
+    if not any(name in os.environ for name in _FR_ENVS):
+        os.environ[_FR_ENVS[0]] = _FR_ENTRIES
 
 
 class _TorchImportHook(importlib.abc.MetaPathFinder):
@@ -71,6 +84,7 @@ def _chain_hidden_sitecustomize() -> None:
 
 
 if os.environ.get("TORSHMON_AUTO", "").strip().lower() not in _OFF:
+    _small_flight_recorder()
     try:
         if "torch" in sys.modules:
             _after_torch()
