@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 import _table  # benchmarks/ is the script's own folder, first on sys.path
+import msgspec
 
 from torshmon import linkshape
 from torshmon.aggregator.core.localization import localize
@@ -121,7 +122,7 @@ class Plan:
 
 
 def _replace(settings: TunerSettings, **changes: Any) -> TunerSettings:
-    return replace(settings, **changes)
+    return msgspec.structs.replace(settings, **changes)
 
 
 def build_plan(args: argparse.Namespace) -> Plan:

@@ -156,9 +156,7 @@ async def test_retention_deletes_old_captures_then_the_oldest_over_the_size_cap(
         Base.metadata.create_all(store.engine)
         payload = os.urandom(2048)  # incompressible: ~2 KB stored per file
         keeper = EvidenceKeeper(
-            EvidenceSettings(
-                directory=tmp_path / "evidence", max_total_bytes=3000, retention_s=1500.0
-            ),
+            EvidenceSettings(dir=str(tmp_path / "evidence"), max_bytes=3000, retention_s=1500.0),
             store=store,
             commands=_Sink(),
             world_size=lambda _job: 2,
@@ -188,7 +186,7 @@ async def test_retention_deletes_old_captures_then_the_oldest_over_the_size_cap(
 
 def test_an_alert_profiles_its_rank_and_a_healthy_peer() -> None:
     keeper = EvidenceKeeper(
-        EvidenceSettings(directory=Path("unused")),
+        EvidenceSettings(dir="unused"),
         store=None,  # type: ignore[arg-type]
         commands=_Sink(),
         world_size=lambda job: {"two": 2, "one": 1}.get(job),

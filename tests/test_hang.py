@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from torshmon.aggregator.core.findings import Finding
-from torshmon.aggregator.core.hang import HangDetector
+from torshmon.aggregator.core.hang import HangDetector, HangSettings
 from torshmon.wire import InflightOp, ProcessGroupMembers
 
 DATA = Path(__file__).parent / "data" / "detection"
@@ -31,7 +31,7 @@ def _op(
 
 
 def _detector(world: int | None = 4, timeout_s: float = 5.0) -> HangDetector:
-    det = HangDetector(timeout_s=timeout_s)
+    det = HangDetector(HangSettings(timeout_s=timeout_s))
     if world is not None:
         det.set_world("demo", world)
     return det
@@ -44,7 +44,7 @@ def _by_rank(findings: list[Finding]) -> dict[str | None, Finding]:
 @pytest.mark.parametrize("path", sorted(DATA.glob("hang_*.json")), ids=lambda p: p.stem)
 def test_golden_scenarios(path: Path) -> None:
     scenario: dict[str, Any] = json.loads(path.read_text())
-    det = HangDetector(timeout_s=scenario["timeout_s"])
+    det = HangDetector(HangSettings(timeout_s=scenario["timeout_s"]))
     det.set_world("demo", scenario["world_size"])
     det.observe_groups(
         "demo", msgspec.convert(scenario.get("groups", []), list[ProcessGroupMembers])
@@ -251,7 +251,7 @@ def test_a_smaller_world_drops_reports_of_ranks_outside_it() -> None:
 
 def test_bad_input_is_rejected_by_name() -> None:
     with pytest.raises(ValueError, match="timeout_s"):
-        HangDetector(timeout_s=0)
+        HangSettings(timeout_s=0)
     det = _detector(world=2)
     with pytest.raises(ValueError, match="world_size"):
         det.set_world("demo", 0)
@@ -284,7 +284,7 @@ def test_long_steps_keep_the_configured_timeout_and_bad_durations_are_ignored() 
     det.observe_step_duration("demo", 10.0)
     assert det.collective_timeout_s("demo") == 5.0  # capped by timeout_s
     with pytest.raises(ValueError, match="step_multiple"):
-        HangDetector(step_multiple=0)
+        HangSettings(step_multiple=0)
 
 
 # -- silence is not a hang (issue 23) ---------------------------------------------------
@@ -295,7 +295,7 @@ def test_a_quiet_nodes_last_reports_make_no_hang_against_the_healthy_node() -> N
     ranks of node a keep reporting, outside any collective. Their peers' old op is
     not extrapolated past what node b's agent delivered, and once node b is quiet
     for ``fresh_s`` its reports are no evidence at all."""
-    det = HangDetector(timeout_s=5.0, min_timeout_s=2.0, fresh_s=3.0)
+    det = HangDetector(HangSettings(timeout_s=5.0, min_timeout_s=2.0, fresh_s=3.0))
     det.set_world("demo", 4)
     for _ in range(50):
         det.observe_step_duration("demo", 0.02)  # short steps: the 2 s floor applies
@@ -315,7 +315,7 @@ def test_a_probe_catching_up_after_its_agent_came_back_shows_no_hang() -> None:
     4 s of waiting, so node a's ranks, past #525, are not named as never joining it
     (a fresh-clone CI run named ranks 0, 1 and 2 so). A report that came on time keeps
     vouching for the silence after it."""
-    det = HangDetector(timeout_s=5.0, min_timeout_s=2.0, fresh_s=3.0)
+    det = HangDetector(HangSettings(timeout_s=5.0, min_timeout_s=2.0, fresh_s=3.0))
     det.set_world("demo", 4)
     for _ in range(50):
         det.observe_step_duration("demo", 0.02)  # short steps: the 2 s floor applies
@@ -327,7 +327,7 @@ def test_a_probe_catching_up_after_its_agent_came_back_shows_no_hang() -> None:
         assert det.evaluate(t, {"a": t, "b": t}) == [], t
     # The same reports, come on time 4 s ago and nothing from those ranks since while
     # their agent is heard: they did wait (or stopped reporting), and it is a hang.
-    det = HangDetector(timeout_s=5.0, min_timeout_s=2.0, fresh_s=3.0)
+    det = HangDetector(HangSettings(timeout_s=5.0, min_timeout_s=2.0, fresh_s=3.0))
     det.set_world("demo", 4)
     for _ in range(50):
         det.observe_step_duration("demo", 0.02)
@@ -340,7 +340,7 @@ def test_a_probe_catching_up_after_its_agent_came_back_shows_no_hang() -> None:
 
 
 def test_a_genuine_hang_still_fires_with_fresh_reports_through_live_agents() -> None:
-    det = HangDetector(timeout_s=5.0, fresh_s=3.0)
+    det = HangDetector(HangSettings(timeout_s=5.0, fresh_s=3.0))
     det.set_world("demo", 4)
     for t in (NOW, NOW + 1.0, NOW + 2.0):
         for rank in (2, 3):
@@ -355,7 +355,7 @@ def test_a_genuine_hang_still_fires_with_fresh_reports_through_live_agents() -> 
 
 
 def test_a_rank_on_a_quiet_node_is_not_named_but_a_silent_rank_under_a_live_agent_is() -> None:
-    det = HangDetector(timeout_s=5.0, fresh_s=3.0)
+    det = HangDetector(HangSettings(timeout_s=5.0, fresh_s=3.0))
     det.set_world("demo", 3)
     det.observe("demo", 0, NOW, [_op(4, 8.0)], node="a")
     det.observe("demo", 1, NOW - 6.0, [], node="b")  # its agent is gone
@@ -370,11 +370,11 @@ def test_a_rank_on_a_quiet_node_is_not_named_but_a_silent_rank_under_a_live_agen
 
 def test_fresh_s_must_be_positive() -> None:
     with pytest.raises(ValueError, match="fresh_s"):
-        HangDetector(fresh_s=0.0)
+        HangSettings(fresh_s=0.0)
 
 
 def test_an_exited_rank_waits_in_nothing_and_is_named_as_exited() -> None:
-    det = HangDetector(timeout_s=5.0)
+    det = HangDetector(HangSettings(timeout_s=5.0))
     det.set_world("demo", 3)
     det.observe("demo", 0, NOW, [_op(9, 8.0)], node="a")
     det.observe("demo", 1, NOW, [_op(9, 8.0)], node="a")

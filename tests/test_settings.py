@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
-import msgspec
 import pytest
+from prometheus_client import CollectorRegistry
 
-from torshmon.aggregator.core.hang import HangDetector, HangSettings
+from torshmon.aggregator.core.hang import HangSettings
 from torshmon.aggregator.core.linkcheck import LinkCheckSettings
 from torshmon.aggregator.core.live import LiveState
+from torshmon.aggregator.core.step_time import StepTimeDetector
 from torshmon.aggregator.core.straggler import StragglerSettings
-from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings
+from torshmon.aggregator.core.tuner import TunerSettings
+from torshmon.aggregator.core.zscore import ZScoreSettings
+from torshmon.aggregator.evidence import EvidenceSettings
 from torshmon.aggregator.notify.targets import AlertmanagerTarget, SlackTarget, WebhookTarget
+from torshmon.aggregator.service import Aggregator
 from torshmon.aggregator.settings import AggregatorSettings, SettingsError, load_settings
 from torshmon.settings import parse_duration_s, parse_size_bytes
 
@@ -163,7 +166,10 @@ def test_detector_sections_come_from_the_file_and_variables(tmp_path: Path) -> N
         ("straggler:\n  persistnce: 3\n", ":2: unknown setting 'straggler.persistnce'; known: "),
         ("straggler: 3\n", ":1: expected a mapping of straggler settings"),
         ("hang:\n  timeout_s: soon\n", ":2: hang.timeout_s must be a float"),
-        ("zscore:\n  window: 20\n  min_samples: 30\n", "zscore: min_samples must be in 2..window"),
+        (
+            "zscore:\n  window: 20\n  min_samples: 30\n",
+            "zscore: min_samples must be at most window (20), got 30",
+        ),
         (
             "straggler:\n  persistence: 5\n  window_steps: 4\n",
             "straggler: persistence must be at most window_steps (4), got 5",
@@ -188,25 +194,90 @@ def test_a_bad_variable_is_named() -> None:
     )
 
 
-def test_detector_section_defaults_are_the_detectors_own() -> None:
-    for section, detector in (
-        (ZScoreSettings, ZScoreDetector),
-        (HangSettings, HangDetector),
-    ):
-        signature = inspect.signature(detector)
-        values = msgspec.structs.asdict(section())
-        if section is ZScoreSettings:
-            # The step time's own floor is applied by LiveState, not a detector argument.
-            assert values.pop("step_std_floor_ratio") == 0.065
-            assert values.pop("step_robust") is True
-            assert values.pop("step_cpu_wait_share") == 0.5
-            assert values.pop("step_min_duration_s") == 0.5
-            assert values.pop("step_min_out_share") == 0.7
-            assert values.pop("step_level_window_s") == 1.0  # the detector's is 0: off
-            assert values.pop("step_level_sigmas") == signature.parameters["level_sigmas"].default
-            assert values.pop("step_level_share") == signature.parameters["level_share"].default
-        for name, value in values.items():
-            assert signature.parameters[name].default == value, (section, name)
+def test_the_tuner_and_evidence_sections_come_from_the_file_and_variables(
+    tmp_path: Path,
+) -> None:
+    conf = tmp_path / "conf.yaml"
+    conf.write_text(
+        "tuner:\n  max_trials: 8\n  max_relative_error:\n    fp16: 0.2\n  proposer: random\n"
+        f"evidence:\n  dir: {tmp_path / 'ev'}\n  max_bytes: 10GiB\n  profile_steps: 5\n"
+    )
+    env = {
+        "TORSHMON_AGGREGATOR_TUNER__BUCKET_SCREEN": "0.5, 2",
+        "TORSHMON_AGGREGATOR_TUNER__MAX_RELATIVE_ERROR": "int8=0.05,bf16=0.3",
+        "TORSHMON_AGGREGATOR_EVIDENCE__RETENTION_S": "1d",
+    }
+    settings = load_settings({}, config_file=conf, env=env)
+    assert settings.tuner == TunerSettings(
+        max_trials=8,
+        max_relative_error={"int8": 0.05, "bf16": 0.3},  # the variable beats the file
+        proposer="random",
+        bucket_screen=(0.5, 2.0),
+    )
+    assert settings.evidence == EvidenceSettings(
+        dir=str(tmp_path / "ev"), max_bytes=10 * 2**30, retention_s=86400.0, profile_steps=5
+    )
+    defaults = load_settings({"db_url": str(tmp_path / "h.db")}, env={})
+    assert defaults.tuner == TunerSettings()
+    assert defaults.evidence.dir == str(tmp_path / "h.db.evidence")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (
+            "tuner:\n  proposer: grid\n",
+            ":2: tuner.proposer must be one of 'tpe', 'random', got 'grid'",
+        ),
+        ("tuner:\n  min_windows: 9\n", "tuner: min_windows (9) must not exceed windows (5)"),
+        ("tuner:\n  max_relative_error: {zip: 0.1}\n", "tuner: max_relative_error: codec must"),
+        ("evidence:\n  profile_steps: 50\n", ":2: evidence.profile_steps must be in 1..20, got 50"),
+        # The flat keys of earlier versions: refused, their new place named.
+        (
+            "evidence_max_bytes: 2GiB\n",
+            ":1: unknown setting 'evidence_max_bytes'; it is 'evidence.max_bytes' now",
+        ),
+        ("hang_timeout_s: 9\n", ":1: unknown setting 'hang_timeout_s'; it is 'hang.timeout_s' now"),
+    ],
+)
+def test_a_bad_tuner_or_evidence_setting_is_one_line(
+    tmp_path: Path, content: str, message: str
+) -> None:
+    conf = tmp_path / "conf.yaml"
+    conf.write_text(content)
+    with pytest.raises(SettingsError) as refused:
+        load_settings({}, config_file=conf, env={})
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_flat_evidence_variables_of_earlier_versions_are_refused() -> None:
+    env = {"TORSHMON_AGGREGATOR_EVIDENCE_RETENTION_S": "1d"}
+    with pytest.raises(SettingsError) as refused:
+        load_settings({}, env=env)
+    assert str(refused.value) == (
+        "TORSHMON_AGGREGATOR_EVIDENCE_RETENTION_S is not read any more: evidence_retention_s "
+        "is evidence.retention_s now (TORSHMON_AGGREGATOR_EVIDENCE__RETENTION_S)"
+    )
+    with pytest.raises(SettingsError, match=r"'evidence_dir'; it is 'evidence\.dir' now"):
+        load_settings({"evidence_dir": "/tmp/x"}, env={})
+
+
+def test_the_tuner_and_evidence_sections_reach_the_service(tmp_path: Path) -> None:
+    settings = load_settings(
+        {
+            "db_url": str(tmp_path / "h.db"),
+            "tuner": {"max_trials": 4},
+            "evidence": {"max_bytes": 4096},
+        },
+        env={},
+    )
+    service = Aggregator(settings, registry=CollectorRegistry(), targets=[])
+    try:
+        assert service.tuning.settings.max_trials == 4
+        assert service.evidence.settings.max_bytes == 4096
+        assert service.evidence.directory == tmp_path / "h.db.evidence"
+    finally:
+        service.writer.shutdown()
 
 
 def test_detector_settings_reach_the_live_state() -> None:
@@ -219,8 +290,9 @@ def test_detector_settings_reach_the_live_state() -> None:
     assert live.step_z._min_out_share == 0.7
     assert (live.step_z._level_window_s, live.step_z._level_sigmas) == (1.0, 1.5)
     assert live.step_z._level_share == 0.6
-    assert live.loss_z._explained_share is None
-    assert live.loss_z._level_window_s == 0.0  # the level test is step time's
+    # The policies are step time's: the other metrics run the generic detector.
+    assert isinstance(live.step_z, StepTimeDetector)
+    assert not isinstance(live.loss_z, StepTimeDetector)
 
 
 SLACK = "https://hooks.slack.com/services/T0/B0/SlackS3cret"

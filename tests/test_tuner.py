@@ -369,9 +369,9 @@ def test_bad_spaces_are_refused(kwargs: dict[str, object], message: str) -> None
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"max_trials": 1}, "max_trials must be an integer >= 2"),
+        ({"max_trials": 1}, "max_trials must be >= 2, got 1"),
         ({"windows": 3, "min_windows": 4}, "must not exceed windows"),
-        ({"alpha": 1.5}, "alpha must be a finite number in"),
+        ({"alpha": 1.5}, "alpha must be > 0 and < 1, got 1.5"),
         ({"min_improvement": -0.1}, "min_improvement"),
         ({"max_relative_error": {"zip": 0.1}}, "codec must be one of"),
         ({"bucket_screen": (0.0,)}, "bucket_screen factor"),

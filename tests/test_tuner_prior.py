@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
+import msgspec
 import pytest
 
 from torshmon.aggregator.core.tuner import (
@@ -126,7 +125,7 @@ def test_a_session_reads_its_evidence_from_the_baseline_and_the_link_check() -> 
     noisy = TuningSession(settings=settings)
     assert _baseline(noisy, 0.35, [1.0, 1.0, 1.5, 1.5]).config.choice.label == "topk(ratio=0.01)"
     # Without the prior, the same evidence proposes no codec first.
-    blind = TuningSession(settings=replace(settings, prior=False))
+    blind = TuningSession(settings=msgspec.structs.replace(settings, prior=False))
     assert _baseline(blind, 0.35, [1.0] * 4).config.codec == "none"
 
 

@@ -13,14 +13,55 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.step_time import StepTimeDetector
 from torshmon.aggregator.core.zscore import (
+    Direction,
     RollingMedian,
     RollingStats,
     ZScoreDetector,
     ZScoreSettings,
 )
+from torshmon.settings import SettingsError
 
 LABELS = {"job": "demo", "rank": "1"}
+
+#: Step time's policies by the names of their settings in the ``zscore:`` section.
+_POLICIES = {
+    "explained_share": "step_cpu_wait_share",
+    "min_duration_s": "step_min_duration_s",
+    "min_out_share": "step_min_out_share",
+    "level_window_s": "step_level_window_s",
+    "level_sigmas": "step_level_sigmas",
+    "level_share": "step_level_share",
+}
+#: Step time's policies off, and its floor no higher than ``std_floor_ratio``.
+_POLICIES_OFF: dict[str, Any] = {
+    "step_std_floor_ratio": 0.0,
+    "step_cpu_wait_share": 0.0,
+    "step_min_duration_s": 0.0,
+    "step_level_window_s": 0.0,
+}
+
+
+def _generic(
+    *,
+    metric: str = "step_duration_seconds",
+    direction: Direction = "up",
+    robust: bool = False,
+    **settings: Any,
+) -> ZScoreDetector:
+    """The generic detector on ``metric`` with the section's ``settings``."""
+    return ZScoreDetector(
+        ZScoreSettings(**settings), metric=metric, direction=direction, robust=robust
+    )
+
+
+def _step(*, direction: Direction = "up", robust: bool = False, **kwargs: Any) -> StepTimeDetector:
+    """Step time's detector with only the policies named in ``kwargs`` (by their old
+    detector names, see ``_POLICIES``) on, and the section's other ``kwargs``."""
+    policies = {_POLICIES[k]: kwargs.pop(k) for k in list(kwargs) if k in _POLICIES}
+    settings = ZScoreSettings(**{**_POLICIES_OFF, "step_robust": robust, **kwargs, **policies})
+    return StepTimeDetector(settings, direction=direction)
 
 
 def _feed(
@@ -70,7 +111,7 @@ def test_rolling_stats_stay_accurate_over_many_evictions_at_a_large_offset() -> 
 
 
 def test_no_finding_before_min_samples() -> None:
-    det = ZScoreDetector(min_samples=10, persistence=1)
+    det = _generic(min_samples=10, persistence=1)
     results = _feed(det, [0.2] * 9 + [5.0])
     # the tenth value only completes the warm-up window; it is not judged
     assert results == [None] * 10
@@ -78,7 +119,7 @@ def test_no_finding_before_min_samples() -> None:
 
 
 def test_a_sustained_spike_fires_after_persistence_and_names_the_series() -> None:
-    det = ZScoreDetector(persistence=3)
+    det = _generic(persistence=3)
     assert _feed(det, _baseline()) == [None] * 20
     assert det.observe(LABELS, 200.0, 0.412) is None
     assert det.observe(LABELS, 201.0, 0.412) is None
@@ -99,7 +140,7 @@ def test_a_sustained_spike_fires_after_persistence_and_names_the_series() -> Non
 
 
 def test_summary_reports_sigma_and_mean_as_in_the_design_example() -> None:
-    det = ZScoreDetector(persistence=1, min_samples=4)
+    det = _generic(persistence=1, min_samples=4)
     # mean 0.201, std 0.0514: 0.412 is 4.1 sigma above
     for i, v in enumerate([0.138, 0.264, 0.2, 0.202]):
         det.observe(LABELS, float(i), v)
@@ -112,7 +153,7 @@ def test_summary_reports_sigma_and_mean_as_in_the_design_example() -> None:
 
 
 def test_hysteresis_clears_only_after_persistence_in_band_samples() -> None:
-    det = ZScoreDetector(persistence=3)
+    det = _generic(persistence=3)
     _feed(det, _baseline())
     for t in range(3):
         det.observe(LABELS, 200.0 + t, 0.4)
@@ -125,7 +166,7 @@ def test_hysteresis_clears_only_after_persistence_in_band_samples() -> None:
 
 
 def test_a_short_excursion_is_absorbed_into_the_baseline() -> None:
-    det = ZScoreDetector(persistence=3, std_floor_ratio=1e-3)
+    det = _generic(persistence=3, std_floor_ratio=1e-3)
     _feed(det, [1.0] * 10)
     assert _feed(det, [2.0, 2.0, 1.0]) == [None] * 3
     # The two 2.0 values widened the band (std ~0.39 now), so 2.0 is no anomaly any more.
@@ -133,7 +174,7 @@ def test_a_short_excursion_is_absorbed_into_the_baseline() -> None:
 
 
 def test_an_active_anomaly_does_not_absorb_its_values_then_adapts_to_the_new_level() -> None:
-    det = ZScoreDetector(window=40, persistence=3, min_samples=10)  # adapt_after = 10
+    det = _generic(window=40, persistence=3, min_samples=10)  # adapt_after = 10
     _feed(det, _baseline(40))
     results = [det.observe(LABELS, 300.0 + i, 0.3) for i in range(12)]
     # fires from the third value and keeps firing: the baseline stays at 0.2
@@ -155,7 +196,7 @@ def test_direction_up_ignores_drops_down_ignores_rises_both_sees_both() -> None:
         ("both", True, True),
     ):
         for tail, expected in ((drop, flags_drop), (rise, flags_rise)):
-            det = ZScoreDetector(direction=direction, persistence=3)  # type: ignore[arg-type]
+            det = _generic(direction=direction, persistence=3)  # type: ignore[arg-type]
             _feed(det, _baseline())
             last = _feed(det, tail)[-1]
             assert (last is not None) == expected, (direction, tail)
@@ -165,7 +206,7 @@ def test_direction_up_ignores_drops_down_ignores_rises_both_sees_both() -> None:
 
 
 def test_zero_variance_uses_the_relative_std_floor() -> None:
-    det = ZScoreDetector(persistence=1)
+    det = _generic(persistence=1)
     _feed(det, [1.0] * 10)
     # 1e-7 relative noise on a constant series must not look like 1e5 sigma
     assert det.observe(LABELS, 50.0, 1.0000001) is None
@@ -175,7 +216,7 @@ def test_zero_variance_uses_the_relative_std_floor() -> None:
 
 
 def test_non_finite_values_are_ignored() -> None:
-    det = ZScoreDetector(persistence=1)
+    det = _generic(persistence=1)
     _feed(det, _baseline())
     assert det.observe(LABELS, 50.0, math.nan) is None
     assert det.observe(LABELS, 51.0, math.inf) is None
@@ -185,7 +226,7 @@ def test_non_finite_values_are_ignored() -> None:
 
 
 def test_series_are_independent_and_forget_drops_a_job() -> None:
-    det = ZScoreDetector(persistence=1)
+    det = _generic(persistence=1)
     other = {"job": "other", "rank": "0"}
     _feed(det, _baseline())
     _feed(det, _baseline(), labels=other)
@@ -200,7 +241,7 @@ def test_series_are_independent_and_forget_drops_a_job() -> None:
 
 
 def test_other_metrics_get_their_name_and_unit() -> None:
-    det = ZScoreDetector(metric="torshmon_throughput_samples_per_second", direction="down")
+    det = _generic(metric="torshmon_throughput_samples_per_second", direction="down")
     _feed(det, [100.0, 102.0] * 10)
     last = _feed(det, [50.0] * 3)[-1]
     assert last is not None
@@ -209,7 +250,7 @@ def test_other_metrics_get_their_name_and_unit() -> None:
 
 
 def test_labels_without_job_are_rejected() -> None:
-    det = ZScoreDetector()
+    det = _generic()
     with pytest.raises(ValueError, match="job"):
         det.observe({"rank": "0"}, 0.0, 1.0)
 
@@ -219,21 +260,31 @@ def test_labels_without_job_are_rejected() -> None:
     [
         ({"threshold": 0.0}, "threshold"),
         ({"threshold": math.nan}, "threshold"),
+        ({"threshold": math.inf}, "threshold must be a finite number"),
         ({"window": 1}, "window"),
-        ({"min_samples": 2000}, "min_samples"),
+        ({"min_samples": 2000}, "min_samples must be at most window"),
         ({"persistence": 0}, "persistence"),
-        ({"direction": "sideways"}, "direction"),
-        ({"metric": ""}, "metric"),
         ({"adapt_after": 2}, "adapt_after"),
         ({"std_floor_ratio": -1.0}, "std_floor_ratio"),
-        ({"min_duration_s": -0.1}, "min_duration_s"),
-        ({"min_duration_s": math.inf}, "min_duration_s"),
-        ({"level_window_s": -1.0}, "level_window_s"),
-        ({"level_sigmas": 0.0}, "level_sigmas"),
-        ({"level_share": 1.5}, "level_share"),
+        ({"step_min_duration_s": -0.1}, "step_min_duration_s"),
+        ({"step_min_duration_s": math.inf}, "step_min_duration_s"),
+        ({"step_level_window_s": -1.0}, "step_level_window_s"),
+        ({"step_level_sigmas": 0.0}, "step_level_sigmas"),
+        ({"step_level_share": 1.5}, "step_level_share"),
     ],
 )
 def test_bad_settings_are_rejected_by_name(kwargs: dict[str, object], match: str) -> None:
+    """Checked once, where the section is built: the detectors trust it."""
+    with pytest.raises(SettingsError, match=match):
+        ZScoreSettings(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"direction": "sideways"}, "direction"), ({"metric": ""}, "metric")]
+)
+def test_a_detector_refuses_a_direction_or_metric_of_no_meaning(
+    kwargs: dict[str, object], match: str
+) -> None:
     with pytest.raises(ValueError, match=match):
         ZScoreDetector(**kwargs)  # type: ignore[arg-type]
 
@@ -255,16 +306,19 @@ _VALUES = st.one_of(
 def test_observe_many_is_observe_one_by_one(
     direction: str, persistence: int, chunks: list[list[float]], robust: bool, level: bool
 ) -> None:
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "window": 12,
         "min_samples": 4,
         "persistence": persistence,
         "direction": direction,
         "robust": robust,
-        "level_window_s": 5.0 if level else 0.0,
-        "level_sigmas": 1.0,
     }
-    one, many = ZScoreDetector(**kwargs), ZScoreDetector(**kwargs)  # type: ignore[arg-type]
+    one: ZScoreDetector
+    many: ZScoreDetector
+    if level:
+        one, many = (_step(**kwargs, level_window_s=5.0, level_sigmas=1.0) for _ in "12")
+    else:
+        one, many = _generic(**kwargs), _generic(**kwargs)
     ts = 0.0
     for chunk in chunks:
         times = [ts + i for i in range(len(chunk))]
@@ -340,7 +394,7 @@ def test_slow_first_steps_hide_a_regression_from_the_mean_not_from_the_median(
     for at in (20, 45, 70, 90):
         normal[at] = 0.5  # preempted once
     regressed = [0.14 * (1 + rng.uniform(-0.03, 0.03)) for _ in range(10)]
-    det = ZScoreDetector(persistence=3, std_floor_ratio=0.05, robust=robust)
+    det = _generic(persistence=3, std_floor_ratio=0.05, robust=robust)
     found = [f for f in _feed(det, start_up + normal + regressed) if f is not None]
     if robust:
         assert found and "sigma above its median 0.1" in found[0].summary
@@ -351,13 +405,13 @@ def test_slow_first_steps_hide_a_regression_from_the_mean_not_from_the_median(
 
 def test_observe_many_refuses_times_and_values_of_different_lengths() -> None:
     with pytest.raises(ValueError, match="2 times but 1 values"):
-        ZScoreDetector().observe_many(LABELS, [1.0, 2.0], [0.2])
+        _generic().observe_many(LABELS, [1.0, 2.0], [0.2])
 
 
 def test_a_label_set_tuple_is_the_series_of_its_dict() -> None:
     """Sorted label pairs (the aggregator's LabelSet) find the series without sorting;
     pairs out of order still find it, the long way."""
-    det, plain = ZScoreDetector(persistence=1), ZScoreDetector(persistence=1)
+    det, plain = _generic(persistence=1), _generic(persistence=1)
     pairs = (("job", "demo"), ("rank", "1"))
     values = [*_baseline(), 0.9, 0.9]
     for i, v in enumerate(values):
@@ -381,7 +435,7 @@ def test_a_rise_its_known_cause_explains_is_not_judged() -> None:
     slow = [0.14] * 10
 
     def found(waits: list[float]) -> list[int]:
-        det = ZScoreDetector(persistence=3, std_floor_ratio=0.05, robust=True, explained_share=0.5)
+        det = _step(persistence=3, std_floor_ratio=0.05, robust=True, explained_share=0.5)
         values = normal + slow + normal[:5] + slow
         ts = [float(i) for i in range(len(values))]
         explained = [0.0] * 50 + waits + [0.0] * 5 + [0.0] * 10
@@ -398,7 +452,7 @@ def test_a_cause_that_is_always_there_explains_no_rise() -> None:
     same wait is the job's own and fires; with 20 ms more wait than usual it does not."""
 
     def found(extra: float) -> list[int]:
-        det = ZScoreDetector(persistence=3, std_floor_ratio=0.05, robust=True, explained_share=0.5)
+        det = _step(persistence=3, std_floor_ratio=0.05, robust=True, explained_share=0.5)
         values = [0.1] * 50 + [0.14] * 10
         explained = [0.03] * 50 + [0.03 + extra] * 10
         ts = [float(i) for i in range(len(values))]
@@ -408,9 +462,10 @@ def test_a_cause_that_is_always_there_explains_no_rise() -> None:
     assert found(0.02) == []
 
 
-def test_explained_share_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="explained_share must be a number > 0"):
-        ZScoreDetector(explained_share=0.0)
+def test_the_cpu_wait_share_is_off_at_0_and_never_negative() -> None:
+    assert _step(explained_share=0.0)._explained_share is None
+    with pytest.raises(SettingsError, match="step_cpu_wait_share must be >= 0"):
+        ZScoreSettings(step_cpu_wait_share=-0.1)
 
 
 def test_a_finding_needs_its_rise_to_last_min_duration_s() -> None:
@@ -421,7 +476,7 @@ def test_a_finding_needs_its_rise_to_last_min_duration_s() -> None:
     ts = [0.01 * i for i in range(len(values))]
 
     def found(min_duration_s: float) -> list[int]:
-        det = ZScoreDetector(persistence=3, std_floor_ratio=0.05, min_duration_s=min_duration_s)
+        det = _step(persistence=3, std_floor_ratio=0.05, min_duration_s=min_duration_s)
         return [i for i, _ in det.observe_many(LABELS, ts, values)]
 
     assert found(0.0)[:1] == [102]
@@ -438,9 +493,7 @@ def test_a_rise_with_in_band_steps_between_is_one_finding_until_it_is_over() -> 
     ts = [0.01 * i for i in range(len(values))]
 
     def found(share: float) -> list[int]:
-        det = ZScoreDetector(
-            persistence=3, std_floor_ratio=0.05, min_duration_s=0.5, min_out_share=share
-        )
+        det = _step(persistence=3, std_floor_ratio=0.05, min_duration_s=0.5, min_out_share=share)
         return [i for i, _ in det.observe_many(LABELS, ts, values)]
 
     firing = found(0.7)
@@ -449,8 +502,8 @@ def test_a_rise_with_in_band_steps_between_is_one_finding_until_it_is_over() -> 
     end = 100 + len(rise)
     assert end + 3 <= firing[-1] < end + 40  # under 0.4 s, though a step in 20 is slow
     assert found(1.0) == []
-    with pytest.raises(ValueError, match="min_out_share"):
-        ZScoreDetector(min_out_share=0.0)
+    with pytest.raises(SettingsError, match="step_min_out_share"):
+        ZScoreSettings(step_min_out_share=0.0)
 
 
 def test_a_rise_mostly_in_band_is_named_by_its_level_and_over_when_it_is() -> None:
@@ -466,7 +519,7 @@ def test_a_rise_mostly_in_band_is_named_by_its_level_and_over_when_it_is() -> No
     ts = [0.01 * i for i in range(len(values))]
 
     def firing(level_window_s: float) -> list[int]:
-        det = ZScoreDetector(
+        det = _step(
             robust=True,
             std_floor_ratio=0.065,
             min_duration_s=0.5,
@@ -490,8 +543,8 @@ def _hiccups() -> dict[str, list[list[float]]]:
     return runs
 
 
-def _step_time_detector(settings: ZScoreSettings) -> ZScoreDetector:
-    return settings.step_time_detector()
+def _step_time_detector(settings: ZScoreSettings) -> StepTimeDetector:
+    return StepTimeDetector(settings)
 
 
 @pytest.mark.parametrize("run", ["seed30_steps_1_600", "seed53_steps_2000_2450"])
@@ -607,7 +660,7 @@ def test_scattered_steps_the_known_cause_does_not_explain_are_no_rise() -> None:
     anywhere the same spell fires."""
 
     def found(waits: list[float]) -> list[int]:
-        det = ZScoreSettings().step_time_detector()
+        det = StepTimeDetector(ZScoreSettings())
         values = [0.1] * 300 + [0.14] * 200
         ts = [0.01 * i for i in range(len(values))]
         return [i for i, _ in det.observe_many(LABELS, ts, values, [0.0] * 300 + waits)]

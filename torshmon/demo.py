@@ -256,6 +256,7 @@ async def run_system(
     from prometheus_client import CollectorRegistry
 
     from torshmon.agent.daemon import Agent, AgentSettings
+    from torshmon.aggregator.core.tuner import TunerSettings
     from torshmon.aggregator.notify.targets import targets_from_env
     from torshmon.aggregator.service import Aggregator
     from torshmon.aggregator.settings import AggregatorSettings
@@ -274,7 +275,11 @@ async def run_system(
                 config = replace(config, signal_dir=links.signal_dir)
             autotune = _Autotune(config) if config.autotune else None
             settings = AggregatorSettings(
-                port=config.port, db_url=config.db_url, token=token, aggregator_id="demo"
+                port=config.port,
+                db_url=config.db_url,
+                token=token,
+                aggregator_id="demo",
+                tuner=tuner_settings if tuner_settings is not None else TunerSettings(),
             )
             async with (
                 Aggregator(
@@ -282,7 +287,6 @@ async def run_system(
                     registry=CollectorRegistry(),
                     # As before settings held targets: the demo notifies the TORSHMON_* ones.
                     targets=targets if targets is not None else targets_from_env(),
-                    tuner_settings=tuner_settings,
                 ) as aggregator,
                 aiohttp.ClientSession() as http,
             ):

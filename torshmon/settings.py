@@ -249,6 +249,10 @@ def _from_text(spec: FieldSpec, value: Any) -> Any:
             return value if size is None else size
         if any(typing.get_origin(m) is tuple for m in members):
             return [part.strip() for part in value.split(",") if part.strip()]
+        if any(typing.get_origin(m) is dict for m in members):  # name=value,name=value
+            pairs = [part.partition("=") for part in value.split(",") if part.strip()]
+            if all(sep for _, sep, _ in pairs):
+                return {name.strip(): number.strip() for name, _, number in pairs}
     return value
 
 
@@ -295,6 +299,12 @@ def kind_text(spec: FieldSpec) -> str | None:
             words.append("a string")
         elif typing.get_args(member) == (str, ...):
             words.append("a list of strings")
+        elif typing.get_args(member) == (float, ...):
+            words.append("a list of floats")
+        elif typing.get_origin(member) is dict and typing.get_args(member) == (str, float):
+            words.append("a mapping of names to floats")
+        elif typing.get_origin(member) is typing.Literal:
+            words.append("one of " + ", ".join(repr(a) for a in typing.get_args(member)))
         else:
             return None
     return " or ".join(sorted(words))
@@ -352,7 +362,9 @@ class Layers(Generic[M]):
         for name, value in values.items():
             spec = specs.get(name)
             if spec is None:
-                raise SettingsError(f"unknown setting {_dotted(*prefix, name)!r}; {_known(model)}")
+                raise SettingsError(
+                    f"unknown setting {_dotted(*prefix, name)!r}; {_known(model, name)}"
+                )
             if value is None:
                 continue
             if spec.section is not None and isinstance(value, Mapping):
@@ -374,7 +386,16 @@ class Layers(Generic[M]):
         (most likely a substitution that failed) is a SettingsError. Lists of objects
         (notification targets) have variables of their own format: the model's loader
         reads those."""
-        for path, spec in self.leaves():
+        leaves = dict(self.leaves())
+        for old, new in _renamed(self._model).items():
+            var = self._env_prefix + old.upper()
+            path = tuple(new.split("."))
+            if env.get(var, "").strip() and path in leaves:
+                raise SettingsError(
+                    f"{var} is not read any more: {old} is {new} now "
+                    f"({self.env_name(path, leaves[path])})"
+                )
+        for path, spec in leaves.items():
             var = self.env_name(path, spec)
             if var not in env or _item_model(spec) is not None:
                 continue
@@ -406,7 +427,7 @@ class Layers(Generic[M]):
             if spec is None:
                 raise SettingsError(
                     f"{source}:{_line(key_node)}: unknown setting {_describe(key_node, prefix)}; "
-                    f"{_known(model)}"
+                    f"{_known(model, key)}"
                 )
             path = (*prefix, spec.name)
             if spec.section is not None:
@@ -482,8 +503,18 @@ def _dotted(*path: str) -> str:
     return ".".join(path)
 
 
-def _known(model: type) -> str:
+def _known(model: type, name: object = None) -> str:
+    """What to say after "unknown setting": its new place if it was renamed (a model's
+    ``renamed`` maps the names of earlier versions to dotted paths), else the names known."""
+    new = _renamed(model).get(name) if isinstance(name, str) else None
+    if new is not None:
+        return f"it is {new!r} now"
     return "known: " + ", ".join(sorted(s.name for s in field_specs(model)))
+
+
+def _renamed(model: type) -> Mapping[str, str]:
+    renamed: Mapping[str, str] = getattr(model, "renamed", {})
+    return renamed
 
 
 def _line(node: Node) -> int:

@@ -41,7 +41,8 @@ probe's settings, `torshmon.attach`'s keywords, are [at the end](#the-probe-tors
 Settings whose names end in `_s` are seconds and also take durations such as `500ms`,
 `2m`, `1h` or `1h30m` ({DURATION_HELP}); those ending in `_bytes` take sizes such as
 `64MiB` or `1GB` ({SIZE_HELP}). Booleans take `true`/`false`, `yes`/`no`, `on`/`off`,
-`1`/`0`. A list from an environment variable is comma-separated.
+`1`/`0`. A list from an environment variable is comma-separated, a mapping
+`name=value` pairs, comma-separated (`fp16=0.1,int8=0.05`).
 
 A bad value stops the daemon at start with one line naming the setting, where it came
 from (`file:line`, the variable) and what is allowed. Secrets (tokens, database and
@@ -61,6 +62,10 @@ straggler:
   persistence: 6
 hang:
   timeout_s: 30s
+tuner:
+  max_trials: 8
+evidence:
+  max_bytes: 10GiB
 notify:
   slack:
     - url: https://hooks.slack.com/services/T000/B000/XXXX
@@ -73,8 +78,12 @@ notify:
 ```
 
 The token is best given with `--token-file FILE` or `TORSHMON_TOKEN`; a config file
-that holds secrets must be readable by the daemon's user only. The aggregator's
-`hang_timeout_s` of earlier versions is `hang: {{timeout_s: ...}}` now.
+that holds secrets must be readable by the daemon's user only. Settings of earlier
+versions that moved into a section are refused with their new place named (in a file
+or a variable): the aggregator's `hang_timeout_s` is `hang: {{timeout_s: ...}}`
+now, and `evidence_dir`, `evidence_capture_max_bytes`, `evidence_max_bytes`,
+`evidence_retention_s` and `evidence_min_interval_s` are `dir`, `capture_max_bytes`,
+`max_bytes`, `retention_s` and `min_interval_s` of `evidence:`.
 """
 
 _PROBE_INTRO = """\

@@ -16,6 +16,7 @@ import pytest
 
 from tests.integration import wire_factory as wf
 from tests.integration.aggregator_thread import AggregatorThread
+from torshmon.aggregator.evidence import EvidenceSettings
 from torshmon.aggregator.http.guard import SESSION_COOKIE, session_cookie
 from torshmon.aggregator.settings import AggregatorSettings
 from torshmon.wire import EvidenceFile
@@ -34,8 +35,7 @@ def agg(tmp_path: Path) -> Iterator[AggregatorThread]:
         token=TOKEN,
         aggregator_id="agg-test",
         eval_interval_s=0.1,
-        evidence_capture_max_bytes=CAP_BYTES,
-        evidence_dir=str(tmp_path / "evidence"),
+        evidence=EvidenceSettings(capture_max_bytes=CAP_BYTES, dir=str(tmp_path / "evidence")),
     )
     with AggregatorThread(settings) as thread:
         yield thread

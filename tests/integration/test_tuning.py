@@ -72,7 +72,12 @@ async def test_tunes_a_real_job_end_to_end(tmp_path: Path) -> None:
     db_url = f"sqlite:///{tmp_path / 'history.db'}"
     token = secrets.token_hex(8)
     settings = AggregatorSettings(
-        port=0, db_url=db_url, token=token, aggregator_id="tune-it", eval_interval_s=0.2
+        port=0,
+        db_url=db_url,
+        token=token,
+        aggregator_id="tune-it",
+        eval_interval_s=0.2,
+        tuner=SMALL,
     )
     # The job runs until the session is over (a busy machine slows the tuning loop as much
     # as the job), then every rank stops at the same step.
@@ -87,9 +92,7 @@ async def test_tunes_a_real_job_end_to_end(tmp_path: Path) -> None:
         stop_file=stop_file,
     )
     headers = {"Authorization": f"Bearer {token}"}
-    async with Aggregator(
-        settings, registry=CollectorRegistry(), targets=[], tuner_settings=SMALL
-    ) as aggregator:
+    async with Aggregator(settings, registry=CollectorRegistry(), targets=[]) as aggregator:
         agent_settings = AgentSettings(
             socket_path=os.path.join(tmp_path, "agent.sock"),
             metrics_port=0,
@@ -171,17 +174,15 @@ async def test_tunes_a_real_job_end_to_end(tmp_path: Path) -> None:
 async def test_session_survives_an_aggregator_restart(tmp_path: Path) -> None:
     db_url = f"sqlite:///{tmp_path / 'history.db'}"
     now = [1000.0]
-    settings = AggregatorSettings(port=0, db_url=db_url, aggregator_id="shard-a")
     fast = TunerSettings(
         warmup_steps=1, window_steps=2, windows=3, min_windows=3, max_trials=2, apply_timeout_s=5
     )
+    settings = AggregatorSettings(port=0, db_url=db_url, aggregator_id="shard-a", tuner=fast)
 
     def clock() -> float:
         return now[0]
 
-    async with Aggregator(
-        settings, registry=CollectorRegistry(), targets=[], clock=clock, tuner_settings=fast
-    ) as first:
+    async with Aggregator(settings, registry=CollectorRegistry(), targets=[], clock=clock) as first:
         # No job: pretend rank 0 reported DDP's bucket cap, then start by hand.
         _report_bucket_cap(first, "nojob", 25 * 2**20)
         session_id = await first.tuning.start_session("nojob", trigger="test")
@@ -192,7 +193,7 @@ async def test_session_survives_an_aggregator_restart(tmp_path: Path) -> None:
 
     # A new process of the same shard resumes the session and asks for the config again.
     async with Aggregator(
-        settings, registry=CollectorRegistry(), targets=[], clock=clock, tuner_settings=fast
+        settings, registry=CollectorRegistry(), targets=[], clock=clock
     ) as second:
         assert second.tuning.active("nojob") == session_id
         entry = second.tuning._active["nojob"]
@@ -225,13 +226,9 @@ async def test_session_survives_an_aggregator_restart(tmp_path: Path) -> None:
 async def test_acks_route_only_the_awaited_command(tmp_path: Path) -> None:
     db_url = f"sqlite:///{tmp_path / 'history.db'}"
     now = [2000.0]
-    settings = AggregatorSettings(port=0, db_url=db_url, aggregator_id="shard-b")
+    settings = AggregatorSettings(port=0, db_url=db_url, aggregator_id="shard-b", tuner=SMALL)
     async with Aggregator(
-        settings,
-        registry=CollectorRegistry(),
-        targets=[],
-        clock=lambda: now[0],
-        tuner_settings=SMALL,
+        settings, registry=CollectorRegistry(), targets=[], clock=lambda: now[0]
     ) as agg:
         _report_bucket_cap(agg, "j", 25 * 2**20)
         await agg.tuning.start_session("j", trigger="test")

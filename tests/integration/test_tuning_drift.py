@@ -82,14 +82,13 @@ class FakeJob:
 async def test_a_sustained_drop_after_a_session_starts_a_new_one(tmp_path: Path) -> None:
     now = [10_000.0]
     settings = AggregatorSettings(
-        port=0, db_url=f"sqlite:///{tmp_path / 'h.db'}", aggregator_id="drift"
+        port=0, db_url=f"sqlite:///{tmp_path / 'h.db'}", aggregator_id="drift", tuner=FAST
     )
     async with Aggregator(
         settings,
         registry=CollectorRegistry(),
         targets=[],
         clock=lambda: now[0],
-        tuner_settings=FAST,
     ) as agg:
         agg.tuning.retune = RETUNE
         _report_bucket_cap(agg, "j", 25 * 2**20)
@@ -129,14 +128,13 @@ async def test_a_sustained_drop_after_a_session_starts_a_new_one(tmp_path: Path)
 async def test_retuning_can_be_switched_off(tmp_path: Path) -> None:
     now = [10_000.0]
     settings = AggregatorSettings(
-        port=0, db_url=f"sqlite:///{tmp_path / 'h.db'}", aggregator_id="drift-off"
+        port=0, db_url=f"sqlite:///{tmp_path / 'h.db'}", aggregator_id="drift-off", tuner=FAST
     )
     async with Aggregator(
         settings,
         registry=CollectorRegistry(),
         targets=[],
         clock=lambda: now[0],
-        tuner_settings=FAST,
     ) as agg:
         agg.tuning.retune = RetuneSettings(enabled=False)
         _report_bucket_cap(agg, "j", 25 * 2**20)

@@ -61,6 +61,7 @@ async def running_job(tmp_path: Path, job: str, rules: str | None = None) -> Asy
         aggregator_id="triggers",
         eval_interval_s=0.2,
         rules_path=rules_path,
+        tuner=SMALL,
     )
     stop_file = tmp_path / "stop"
     config = DemoConfig(
@@ -77,7 +78,6 @@ async def running_job(tmp_path: Path, job: str, rules: str | None = None) -> Asy
         settings,
         registry=CollectorRegistry(),
         targets=[],
-        tuner_settings=SMALL,
         tracer=otel.Tracing(None, processor=SimpleSpanProcessor(exporter)),
     ) as aggregator:
         agent_settings = AgentSettings(

@@ -5,11 +5,11 @@ Hung Collective) sends an ``evidence`` command to every rank of the job: each du
 its Flight Recorder, and the rank the alert names plus one healthy peer record a few
 steps under torch.profiler (``torshmon.probe.evidence``). The files come back in
 the ranks' batches through their agents, like any other record (authenticated,
-spooled, idempotent), and are kept here as gzip files under ``directory``, one
+spooled, idempotent), and are kept here as gzip files under ``dir``, one
 folder per capture, with their rows in the history (``evidence_captures``,
 ``evidence_files``). Bounded: a file is at most ``EVIDENCE_FILE_MAX_BYTES`` on the
-wire, a capture at most ``max_capture_bytes`` here, all captures at most
-``max_total_bytes``, and captures older than ``retention_s`` are deleted.
+wire, a capture at most ``capture_max_bytes`` here, all captures at most
+``max_bytes``, and captures older than ``retention_s`` are deleted.
 Runs on the aggregator's event loop; file I/O on a worker thread.
 """
 
@@ -22,14 +22,14 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Annotated, Any, Final, Protocol
 
 from torshmon.aggregator.core.alert import Alert
-from torshmon.aggregator.core.commands import CommandError, CommandStatus
+from torshmon.aggregator.core.commands import MAX_PROFILE_STEPS, CommandError, CommandStatus
 from torshmon.history.store import EvidenceCaptureRow, EvidenceFileRow, Row
 from torshmon.paths import ensure_private_dir
+from torshmon.settings import Section, setting
 from torshmon.wire import Batch, EvidenceFile, IngestBatch
 
 log = logging.getLogger(__name__)
@@ -41,17 +41,36 @@ _CAPTURE_ID: Final = re.compile(r"[0-9a-f]{1,64}\Z")
 _GZIP_MAGIC: Final = b"\x1f\x8b"
 
 
-@dataclass(frozen=True, slots=True)
-class EvidenceSettings:
-    """Where evidence is kept and how much (bytes, seconds)."""
+class EvidenceSettings(Section, frozen=True):
+    """Evidence captured on alert: where it is kept, how much, for how long."""
 
-    directory: Path
-    max_capture_bytes: int = 64 * 1024 * 1024
-    max_total_bytes: int = 1024 * 1024 * 1024
-    retention_s: float = 7 * 86400.0
-    #: Least time between two captures for one alert instance (rule and labels).
-    min_interval_s: float = 300.0
-    profile_steps: int = 3
+    dir: Annotated[
+        str | None,
+        setting(
+            "folder of the evidence captured on alert (Flight Recorder dumps, profiler traces)",
+            env="TORSHMON_EVIDENCE_DIR",
+            default_text="beside a SQLite history (<db>.evidence), else "
+            "$XDG_STATE_HOME/torshmon/evidence",
+        ),
+    ] = None
+    capture_max_bytes: Annotated[
+        int, setting("most bytes kept of one capture (all its ranks' files)", ge=1024)
+    ] = 64 * 1024 * 1024
+    max_bytes: Annotated[
+        int, setting("most bytes of evidence kept; the oldest captures go first", ge=1024)
+    ] = 1024 * 1024 * 1024
+    retention_s: Annotated[float, setting("how long captures are kept", gt=0)] = 7 * 86400.0
+    min_interval_s: Annotated[
+        float, setting("least time between two captures for one alert instance", ge=0)
+    ] = 300.0
+    profile_steps: Annotated[
+        int,
+        setting(
+            "steps the alert's rank and a healthy peer record under torch.profiler",
+            ge=1,
+            le=MAX_PROFILE_STEPS,
+        ),
+    ] = 3
 
 
 class EvidenceStore(Protocol):
@@ -93,7 +112,10 @@ class EvidenceKeeper:
         world_size: Callable[[str], int | None],
         clock: Callable[[], float],
     ) -> None:
+        if settings.dir is None:
+            raise ValueError("settings.dir must name the evidence folder")
         self.settings = settings
+        self.directory = Path(settings.dir)
         self._store = store
         self._commands = commands
         self._world_size = world_size
@@ -200,10 +222,10 @@ class EvidenceKeeper:
             error = "the file is not gzip data"
         if not error:
             used = await self._store.evidence_bytes(evidence.id)
-            if used + len(data) > self.settings.max_capture_bytes:
+            if used + len(data) > self.settings.capture_max_bytes:
                 error = (
                     f"{len(data)} bytes would take the capture over the aggregator's cap of "
-                    f"{self.settings.max_capture_bytes} bytes"
+                    f"{self.settings.capture_max_bytes} bytes"
                 )
         path: str | None = None
         if not error:
@@ -227,8 +249,8 @@ class EvidenceKeeper:
         return added
 
     def _write(self, relative: str, data: bytes) -> None:
-        target = self.settings.directory / relative
-        ensure_private_dir(self.settings.directory, "evidence folder")
+        target = self.directory / relative
+        ensure_private_dir(self.directory, "evidence folder")
         target.parent.mkdir(mode=0o700, exist_ok=True)
         partial = target.with_name(target.name + ".partial")
         with open(partial, "wb") as file:
@@ -238,7 +260,7 @@ class EvidenceKeeper:
     def _remove(self, relatives: Sequence[str]) -> None:
         folders = set()
         for relative in relatives:
-            target = self.settings.directory / relative
+            target = self.directory / relative
             target.unlink(missing_ok=True)
             folders.add(target.parent)
         for folder in folders:
@@ -250,14 +272,14 @@ class EvidenceKeeper:
         relative = row.get("path")
         if not relative:
             return None
-        target = self.settings.directory / relative
+        target = self.directory / relative
         return target if target.is_file() else None
 
     async def prune(self, now_unix_s: float) -> int:
-        """Delete captures past ``retention_s`` and the oldest beyond ``max_total_bytes``;
+        """Delete captures past ``retention_s`` and the oldest beyond ``max_bytes``;
         how many files went."""
         gone = await self._store.prune_evidence(
-            now_unix_s - self.settings.retention_s, self.settings.max_total_bytes
+            now_unix_s - self.settings.retention_s, self.settings.max_bytes
         )
         paths = [row["path"] for row in gone if row.get("path")]
         if paths:

@@ -28,7 +28,6 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -44,9 +43,8 @@ from torshmon.aggregator.core.memory_report import memory_report
 from torshmon.aggregator.core.rules import WINDOW_KINDS, RuleSet
 from torshmon.aggregator.core.silences import SilenceBook
 from torshmon.aggregator.core.stored import Stored
-from torshmon.aggregator.core.tuner import TunerSettings
 from torshmon.aggregator.dispatch import CommandDispatch
-from torshmon.aggregator.evidence import EvidenceKeeper, EvidenceSettings
+from torshmon.aggregator.evidence import EvidenceKeeper
 from torshmon.aggregator.http import api, evidence_api
 from torshmon.aggregator.http.alerting import add_alerting_routes
 from torshmon.aggregator.http.connections import Connections
@@ -100,8 +98,7 @@ class Aggregator:
 
     ``registry`` receives the job-level and service metrics (a fresh one per test);
     ``targets`` overrides the notification targets of ``settings.notify``;
-    ``clock`` is Unix seconds (detection and rules use it); ``tuner_settings`` are the
-    autotuner's defaults for every tuning session; ``tracer`` replaces the OTLP
+    ``clock`` is Unix seconds (detection and rules use it); ``tracer`` replaces the OTLP
     exporter set up from the settings (spans to memory in tests).
     """
 
@@ -114,7 +111,6 @@ class Aggregator:
         rules: RuleSet | None = None,
         clock: Callable[[], float] = time.time,
         migrate: bool = True,
-        tuner_settings: TunerSettings | None = None,
         tracer: otel.Tracing | None = None,
     ) -> None:
         self.settings = settings
@@ -179,17 +175,11 @@ class Aggregator:
             tracer=self.tracer,
             registry=self.registry,
             clock=clock,
-            settings=tuner_settings,
+            settings=settings.tuner,
         )
         self.command_hooks.append(self.tuning.on_command_status)
         self.evidence = EvidenceKeeper(
-            EvidenceSettings(
-                directory=Path(settings.evidence_dir or "torshmon.evidence"),
-                max_capture_bytes=settings.evidence_capture_max_bytes,
-                max_total_bytes=settings.evidence_max_bytes,
-                retention_s=settings.evidence_retention_s,
-                min_interval_s=settings.evidence_min_interval_s,
-            ),
+            settings.evidence,
             store=self.store,
             commands=self.dispatch,
             world_size=self._world_size,

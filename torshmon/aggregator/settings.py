@@ -1,8 +1,9 @@
 """The aggregator's settings: flags first, then ``TORSHMON_*`` variables, then a config file.
 
 One model (``AggregatorSettings``) holds the service's own settings and, as sections,
-the detectors' (``straggler:``, ``zscore:``, ``hang:``, ``link_check:``) and the
-notifier's (``notify:``, its targets included). ``load_settings`` reads it; the
+the detectors' (``straggler:``, ``zscore:``, ``hang:``, ``link_check:``), the
+notifier's (``notify:``, its targets included), the autotuner's (``tuner:``) and the
+evidence kept on alert (``evidence:``). ``load_settings`` reads it; the
 reading and checking is ``torshmon.settings``.
 """
 
@@ -13,14 +14,16 @@ import os
 import re
 import socket
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
 from torshmon.aggregator.core.hang import HangSettings
 from torshmon.aggregator.core.linkcheck import LinkCheckSettings
 from torshmon.aggregator.core.straggler import StragglerSettings
+from torshmon.aggregator.core.tuner import TunerSettings
 from torshmon.aggregator.core.zscore import ZScoreSettings
+from torshmon.aggregator.evidence import EvidenceSettings
 from torshmon.aggregator.notify.targets import (
     AlertmanagerTarget,
     SlackTarget,
@@ -249,28 +252,6 @@ class AggregatorSettings(Section, frozen=True):
     command_timeout_s: Annotated[float, setting("time a command may take to be applied", gt=0)] = (
         60.0
     )
-    evidence_dir: Annotated[
-        str | None,
-        setting(
-            "folder of the evidence captured on alert (Flight Recorder dumps, profiler traces)",
-            env="TORSHMON_EVIDENCE_DIR",
-            flag="--evidence-dir",
-            default_text="beside a SQLite history (<db>.evidence), else "
-            "$XDG_STATE_HOME/torshmon/evidence",
-        ),
-    ] = None
-    evidence_capture_max_bytes: Annotated[
-        int, setting("most bytes kept of one evidence capture (all its ranks' files)", ge=1024)
-    ] = 64 * 1024 * 1024
-    evidence_max_bytes: Annotated[
-        int, setting("most bytes of evidence kept; the oldest captures go first", ge=1024)
-    ] = 1024 * 1024 * 1024
-    evidence_retention_s: Annotated[float, setting("how long evidence captures are kept", gt=0)] = (
-        7 * 86400.0
-    )
-    evidence_min_interval_s: Annotated[
-        float, setting("least time between two evidence captures for one alert", ge=0)
-    ] = 300.0
     otlp_endpoint: Annotated[
         str | None,
         setting(
@@ -303,6 +284,18 @@ class AggregatorSettings(Section, frozen=True):
     hang: HangSettings = msgspec.field(default_factory=HangSettings)
     link_check: LinkCheckSettings = msgspec.field(default_factory=LinkCheckSettings)
     notify: NotifySettings = msgspec.field(default_factory=NotifySettings)
+    tuner: TunerSettings = msgspec.field(default_factory=TunerSettings)
+    evidence: EvidenceSettings = msgspec.field(default_factory=EvidenceSettings)
+
+    #: Settings of earlier versions, refused with their new place named.
+    renamed: ClassVar[Mapping[str, str]] = {
+        "hang_timeout_s": "hang.timeout_s",
+        "evidence_dir": "evidence.dir",
+        "evidence_capture_max_bytes": "evidence.capture_max_bytes",
+        "evidence_max_bytes": "evidence.max_bytes",
+        "evidence_retention_s": "evidence.retention_s",
+        "evidence_min_interval_s": "evidence.min_interval_s",
+    }
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -319,8 +312,9 @@ class AggregatorSettings(Section, frozen=True):
             name = "query_db_url" if self.query_db_url else "db_url"
             raise SettingsError(f"{name}: {exc}") from None
         msgspec.structs.force_setattr(self, "query_db_url", query_db_url)
-        if not self.evidence_dir:
-            msgspec.structs.force_setattr(self, "evidence_dir", default_evidence_dir(self.db_url))
+        if not self.evidence.dir:
+            evidence = msgspec.structs.replace(self.evidence, dir=default_evidence_dir(self.db_url))
+            msgspec.structs.force_setattr(self, "evidence", evidence)
         if not self.aggregator_id:
             aggregator_id = f"{socket.gethostname()}-{os.getpid()}"
             msgspec.structs.force_setattr(self, "aggregator_id", aggregator_id)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Protocol, get_args
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from torshmon.aggregator.core.alert import Alert
@@ -248,7 +249,7 @@ class TuningManager:
         if max_trials is not None:
             if isinstance(max_trials, bool) or not isinstance(max_trials, int):
                 raise TunerError(f"max_trials must be an integer, got {max_trials!r}")
-            settings = replace(settings, max_trials=max_trials)
+            settings = msgspec.structs.replace(settings, max_trials=max_trials)
         space = replace(self.space, pinned=frozenset(pinned))
         baseline = self._baseline(job)
         session_id = uuid.uuid4().hex[:16]

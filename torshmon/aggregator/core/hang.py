@@ -33,8 +33,6 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Final, Protocol
 
-import msgspec
-
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.waits import (
     DEFAULT_PG,
@@ -46,7 +44,7 @@ from torshmon.aggregator.core.waits import (
     pair_blocks,
     ranks_text,
 )
-from torshmon.settings import Section, setting
+from torshmon.settings import Section, SettingsError, setting
 
 #: How late past its own time a report may arrive and still vouch for the time since:
 #: an agent POSTs at least once a second, so a report on a live channel is in within
@@ -152,7 +150,7 @@ class _Job:
 
 
 class HangSettings(Section, frozen=True):
-    """The hang detector's settings; the detector checks the rules between them."""
+    """The hang detector's settings, checked once when built."""
 
     timeout_s: Annotated[float, setting("seconds in a collective that make it hung", gt=0)] = 5.0
     min_timeout_s: Annotated[
@@ -172,38 +170,28 @@ class HangSettings(Section, frozen=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        HangDetector(**msgspec.structs.asdict(self))  # its checks, its messages
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise SettingsError(f"{name} must be a finite number, got {value}")
 
 
 class HangDetector:
     """Finds hung collectives and names the ranks holding them up.
 
-    Pure and deterministic: ``observe`` stores the latest report per rank (O(ops)),
+    Takes the ``hang:`` section as checked when it was built (``HangSettings``). Pure
+    and deterministic: ``observe`` stores the latest report per rank (O(ops)),
     ``evaluate`` derives the findings from those reports (O(ranks x ops)). Not
     thread-safe; the aggregator drives it from one task.
     """
 
-    def __init__(
-        self,
-        *,
-        timeout_s: float = 5.0,
-        min_timeout_s: float = 2.0,
-        step_multiple: float = 20.0,
-        fresh_s: float = 3.0,
-    ) -> None:
-        """Raises ValueError naming a setting that is not a positive number."""
-        for name, value in (
-            ("timeout_s", timeout_s),
-            ("min_timeout_s", min_timeout_s),
-            ("step_multiple", step_multiple),
-            ("fresh_s", fresh_s),
-        ):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number, got {value}")
-        self._timeout_s = timeout_s
-        self._min_timeout_s = min(min_timeout_s, timeout_s)
-        self._step_multiple = step_multiple
-        self._fresh_s = fresh_s
+    def __init__(self, settings: HangSettings | None = None) -> None:
+        s = settings if settings is not None else HangSettings()
+        self._timeout_s = s.timeout_s
+        # Short steps may lower the timeout to min_timeout_s, never raise it.
+        self._min_timeout_s = min(s.min_timeout_s, s.timeout_s)
+        self._step_multiple = s.step_multiple
+        self._fresh_s = s.fresh_s
         self._jobs: dict[str, _Job] = {}
         # Per node, the newest time its agent's data is current for, and the (job, rank)
         # whose process its agent saw end (``evaluate``).

@@ -16,8 +16,6 @@ import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, cast
 
-import msgspec
-
 from torshmon.aggregator.core import summaries
 from torshmon.aggregator.core.agents import Agents
 from torshmon.aggregator.core.alert import Alert
@@ -45,6 +43,7 @@ from torshmon.aggregator.core.step_columns import (
     fold_totals,
 )
 from torshmon.aggregator.core.step_series import observe_collective_series
+from torshmon.aggregator.core.step_time import StepTimeDetector
 from torshmon.aggregator.core.stored import Stored
 from torshmon.aggregator.core.straggler import RankStep, StragglerDetector, StragglerSettings
 from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings, observe_from
@@ -115,22 +114,18 @@ class LiveState:
         self._running: dict[str, set[tuple[str, int]]] = {}
         # Seconds since each node's agent last POSTed, as of the last ``findings()``.
         self._silence: dict[str, float] = {}
-        z_settings = zscore if zscore is not None else ZScoreSettings()
-        z = z_settings.detector_args()
-        self.step_z = z_settings.step_time_detector()
-        self.loss_z = ZScoreDetector(metric="loss", direction="up", **z)
-        self.comm_z = ZScoreDetector(metric="comm_wait_seconds", direction="up", **z)
+        self.step_z = StepTimeDetector(zscore)
+        self.loss_z = ZScoreDetector(zscore, metric="loss", direction="up")
+        self.comm_z = ZScoreDetector(zscore, metric="comm_wait_seconds", direction="up")
         self.throughput_z = ZScoreDetector(
-            metric="throughput_samples_per_second", direction="down", **z
+            zscore, metric="throughput_samples_per_second", direction="down"
         )
         wanted = set(ANOMALY_METRICS) if anomaly_metrics is None else set(anomaly_metrics)
         self._comm_z_on = "comm_wait_seconds" in wanted
         self._throughput_z_on = "throughput_samples_per_second" in wanted
         self._collective_series = collective_series
         self.straggler = StragglerDetector(straggler)
-        self.hang = HangDetector(
-            **msgspec.structs.asdict(hang if hang is not None else HangSettings())
-        )
+        self.hang = HangDetector(hang)
         self.links = LinkChecker(link_check)
         self.thresholds = bottleneck if bottleneck is not None else Thresholds()
         # Each job's report as of the last ``findings()``, and since when each of its

@@ -1,12 +1,11 @@
 """Rolling z-score per series: has a series left the band of its own recent history?
 
-One ``ZScoreDetector`` watches one metric (step time by default) for many series (a
-series is one label set, e.g. job + rank). Each series keeps the mean and standard
-deviation of its last ``window`` values and flags a value whose z-score against that
-window passes ``threshold`` in the watched direction, once ``persistence`` such values
-came in a row. With ``robust`` the window's median and scaled median absolute deviation
-take the place of the mean and standard deviation (step time's default): a job's slow
-first steps and a busy host's single long steps then do not widen the band.
+One ``ZScoreDetector`` watches one metric (loss, communication wait, throughput) for
+many series (a series is one label set, e.g. job + rank). Each series keeps the mean and
+standard deviation of its last ``window`` values and flags a value whose z-score against
+that window passes ``threshold`` in the watched direction, once ``persistence`` such
+values came in a row. With ``robust`` the window's median and scaled median absolute
+deviation take the place of the mean and standard deviation.
 
 Baseline policy (why the window is not simply "the last ``window`` values"):
 
@@ -19,36 +18,36 @@ Baseline policy (why the window is not simply "the last ``window`` values"):
   is rebuilt from those values and the finding clears. A regression is therefore
   reported for about ``adapt_after`` samples and the series is then watched at its
   new level.
-- An active anomaly clears after ``persistence`` in-band values in a row (hysteresis);
-  in-band values join the baseline, the held anomalous ones are dropped. With
-  ``min_duration_s`` (step time) the in-band values must span it too, and while a rise
-  is pending or active they are held out of the baseline until it ends.
+- An active anomaly clears after ``persistence`` in-band values in a row (hysteresis).
 
-Step time's own policies (a known cause, a rise that must last, the level test) are
-``torshmon.aggregator.core.step_time``'s; this module calls them where a value is judged.
+Step time runs a subclass with policies of its own (a known cause, a rise that must
+last, the level test): ``torshmon.aggregator.core.step_time.StepTimeDetector``. Both take
+the ``zscore:`` section (``ZScoreSettings``), checked once where it is built.
 Why each rule is as it is, and the figures behind the defaults: docs/detectors/zscore.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Final, Literal, cast
-
-import msgspec
+from typing import Annotated, ClassVar, Final, Literal, cast
 
 from torshmon.aggregator.core.findings import Finding
 from torshmon.aggregator.core.rolling import TINY_STD, RollingMedian, RollingStats
-from torshmon.aggregator.core.step_time import (
-    STEP_TIME_ADVICE,
-    LevelWindow,
-    add_usual,
-    check_policies,
-)
-from torshmon.settings import Section, setting
+from torshmon.settings import Section, SettingsError, setting
+
+__all__ = [
+    "Direction",
+    "RollingMedian",
+    "RollingStats",
+    "SeriesKey",
+    "SeriesState",
+    "ZScoreDetector",
+    "ZScoreSettings",
+    "observe_from",
+    "where",
+]
 
 Direction = Literal["up", "down", "both"]
 DIRECTIONS: Final[tuple[str, ...]] = ("up", "down", "both")
@@ -76,7 +75,7 @@ _GENERIC_ADVICE: Final = (
 
 
 @dataclass(slots=True)
-class _Series:
+class SeriesState:
     """Mutable state of one series."""
 
     labels: dict[str, str]
@@ -85,25 +84,10 @@ class _Series:
     in_streak: int = 0
     active: bool = False
     since_unix_s: float = 0.0
+    #: out-of-band values of a pending excursion or an active finding, kept out of the
+    #: baseline until it ends
     held: list[float] = field(default_factory=list)
-    #: with ``min_duration_s``: in-band values since the first held one (a pending span
-    #: or an active finding), kept out of the baseline until it ends
-    held_in: list[float] = field(default_factory=list)
-    #: values out of band the known cause accounts for since the first held one
-    held_explained: int = 0
-    #: the time of the first of ``in_streak`` in-band values in a row
-    in_since_unix_s: float = 0.0
-    #: with ``min_duration_s``, while active: (time, out of band) of the values of the
-    #: latest ``min_duration_s``
-    recent: deque[tuple[float, bool]] = field(default_factory=deque)
     finding: Finding | None = None
-    #: with ``level_window_s``: the level test's window
-    level: LevelWindow = field(default_factory=LevelWindow)
-    #: with ``level_window_s``, while quiet: (time, value) of in-band values above the
-    #: level line, which join the baseline once they are older than the level window
-    marginal: deque[tuple[float, float]] = field(default_factory=deque)
-    #: the usual ``explained`` amount of in-band values (``explained_share``)
-    explained: RollingMedian | None = None
 
 
 SeriesKey = tuple[tuple[str, str], ...]
@@ -208,123 +192,71 @@ class ZScoreSettings(Section, frozen=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        ZScoreDetector(**self.detector_args())  # its checks, its messages
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SettingsError(f"{name} must be a finite number, got {value}")
+        if self.min_samples > self.window:
+            raise SettingsError(
+                f"min_samples must be at most window ({self.window}), got {self.min_samples}"
+            )
+        least = max(self.min_samples, self.persistence)
+        if self.adapt_after is not None and self.adapt_after < least:
+            raise SettingsError(
+                f"adapt_after must be at least min_samples ({self.min_samples}) and "
+                f"persistence ({self.persistence}), got {self.adapt_after}"
+            )
 
-    def detector_args(self) -> dict[str, Any]:
-        """The arguments every ZScoreDetector takes (step time's own settings apart)."""
-        args = msgspec.structs.asdict(self)
-        for own in (
-            "step_std_floor_ratio",
-            "step_robust",
-            "step_cpu_wait_share",
-            "step_min_duration_s",
-            "step_min_out_share",
-            "step_level_window_s",
-            "step_level_sigmas",
-            "step_level_share",
-        ):
-            del args[own]
-        return args
-
-    def step_time_detector(self) -> ZScoreDetector:
-        """Step time's detector, as the aggregator runs it on each job's step time."""
-        return ZScoreDetector(
-            metric="step_duration_seconds",
-            direction="up",
-            **{
-                **self.detector_args(),
-                "std_floor_ratio": max(self.std_floor_ratio, self.step_std_floor_ratio),
-                "robust": self.step_robust,
-                "explained_share": self.step_cpu_wait_share or None,
-                "min_duration_s": self.step_min_duration_s,
-                "min_out_share": self.step_min_out_share,
-                "level_window_s": self.step_level_window_s,
-                "level_sigmas": self.step_level_sigmas,
-                "level_share": self.step_level_share,
-            },
-        )
+    def adapt_after_samples(self) -> int:
+        """``adapt_after``, or its default: a quarter of the window, at least
+        ``min_samples`` and ``persistence``."""
+        if self.adapt_after is not None:
+            return self.adapt_after
+        return max(self.window // 4, self.min_samples, self.persistence)
 
 
 class ZScoreDetector:
     """Rolling z-score anomaly detection for one metric over many series.
 
-    Pure and deterministic: no clock (times are passed in), no I/O. ``observe`` is O(1)
-    amortised. Not thread-safe; the aggregator drives it from one task.
+    Takes the ``zscore:`` section as checked when it was built (``ZScoreSettings``);
+    ``metric`` names the findings' series, ``direction`` which way is anomalous, and
+    ``robust`` judges against the window's median and scaled MAD (``RollingMedian``)
+    instead of its mean and standard deviation. Pure and deterministic: no clock (times
+    are passed in), no I/O. ``observe`` is O(1) amortised. Not thread-safe; the
+    aggregator drives it from one task.
     """
+
+    #: The findings' recommendation.
+    advice: ClassVar[str] = _GENERIC_ADVICE
 
     def __init__(
         self,
+        settings: ZScoreSettings | None = None,
         *,
-        threshold: float = 2.5,
-        min_samples: int = 10,
-        window: int = 1000,
-        persistence: int = 3,
-        direction: Direction = "up",
         metric: str = "step_duration_seconds",
-        adapt_after: int | None = None,
-        std_floor_ratio: float = 1e-3,
+        direction: Direction = "up",
         robust: bool = False,
-        explained_share: float | None = None,
-        min_duration_s: float = 0.0,
-        min_out_share: float = 0.7,
-        level_window_s: float = 0.0,
-        level_sigmas: float = 1.5,
-        level_share: float = 0.6,
     ) -> None:
-        """``robust``: judge against the window's median and scaled MAD
-        (``RollingMedian``) instead of its mean and standard deviation.
-        ``explained_share``, ``min_duration_s`` with ``min_out_share``, and
-        ``level_window_s`` with ``level_sigmas`` and ``level_share``: step time's
-        policies, as ``torshmon.aggregator.core.step_time`` says (off by default).
-        Raises ValueError naming any setting outside its allowed range."""
-        if not (math.isfinite(threshold) and threshold > 0):
-            raise ValueError(f"threshold must be a positive number of sigmas, got {threshold}")
-        if window < 2:
-            raise ValueError(f"window must be at least 2 samples, got {window}")
-        if not 2 <= min_samples <= window:
-            raise ValueError(f"min_samples must be in 2..window ({window}), got {min_samples}")
-        if persistence < 1:
-            raise ValueError(f"persistence must be at least 1 sample, got {persistence}")
+        """ValueError for a ``direction`` or ``metric`` of no meaning (the caller's
+        mistake: neither comes from a config file)."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         if not metric:
             raise ValueError("metric must be a non-empty metric name")
-        if adapt_after is None:
-            adapt_after = max(window // 4, min_samples, persistence)
-        elif adapt_after < max(min_samples, persistence):
-            raise ValueError(
-                f"adapt_after must be at least min_samples ({min_samples}) and persistence "
-                f"({persistence}), got {adapt_after}"
-            )
-        if not (math.isfinite(std_floor_ratio) and std_floor_ratio >= 0):
-            raise ValueError(f"std_floor_ratio must be a number >= 0, got {std_floor_ratio}")
-        check_policies(
-            explained_share=explained_share,
-            min_duration_s=min_duration_s,
-            min_out_share=min_out_share,
-            level_window_s=level_window_s,
-            level_sigmas=level_sigmas,
-            level_share=level_share,
-        )
-        self._threshold = threshold
-        self._min_samples = min_samples
-        self._window = window
-        self._persistence = persistence
+        s = settings if settings is not None else ZScoreSettings()
+        self._threshold = s.threshold
+        self._min_samples = s.min_samples
+        self._window = s.window
+        self._persistence = s.persistence
+        self._adapt_after = s.adapt_after_samples()
+        self._std_floor_ratio = s.std_floor_ratio
         self._direction = direction
         self._metric = metric
-        self._adapt_after = adapt_after
-        self._std_floor_ratio = std_floor_ratio
-        self._explained_share = explained_share
-        self._min_duration_s = min_duration_s
-        self._min_out_share = min_out_share
-        self._level_window_s = level_window_s
-        self._level_sigmas = level_sigmas
-        self._level_share = level_share
         self._baseline = RollingMedian if robust else RollingStats
         self._center_name = "median" if robust else "mean"
         self._name, self._unit = _describe(metric)
-        self._series: dict[str, dict[SeriesKey, _Series]] = {}
-        self._by_key: dict[SeriesKey, _Series] = {}  # the same series, found in one lookup
+        self._series: dict[str, dict[SeriesKey, SeriesState]] = {}
+        self._by_key: dict[SeriesKey, SeriesState] = {}  # the same series, found in one lookup
         self._active: dict[str, dict[SeriesKey, Finding]] = {}
 
     @property
@@ -344,32 +276,37 @@ class ZScoreDetector:
         Raises ValueError if ``labels`` has no ``job``.
         """
         series, key = self._series_of(labels)
-        return self._judge(series, key, ts_unix_s, value)
+        return self._judge(series, key, ts_unix_s, value, math.nan)
 
     def observe_many(
         self,
         labels: Mapping[str, str] | SeriesKey,
         ts_unix_s: Sequence[float],
         values: Sequence[float],
-        explained: Sequence[float] | None = None,
     ) -> list[tuple[int, Finding]]:
         """Feed values of one series in time order, as ``observe`` would one by one.
-        ``explained``: per value, how much of it a known cause accounts for (the time a
-        step's threads waited for a CPU; NaN: unknown), read with ``explained_share``.
 
         Returns ``(index, finding)`` for every value whose ``observe`` would have
         returned a Finding; usually none. The ingest hot path: the series is looked up
         once, and an in-band value of a quiet series costs a comparison and an add.
         Raises ValueError if ``labels`` has no ``job`` or the lengths differ.
         """
+        return self._observe_run(labels, ts_unix_s, values, None)
+
+    def _observe_run(
+        self,
+        labels: Mapping[str, str] | SeriesKey,
+        ts_unix_s: Sequence[float],
+        values: Sequence[float],
+        explained: Sequence[float] | None,
+    ) -> list[tuple[int, Finding]]:
+        """``observe_many``, with what a known cause accounts for of each value (read
+        by a subclass's ``_judge``; NaN or None: nothing known)."""
         if len(ts_unix_s) != len(values):
             raise ValueError(f"{len(ts_unix_s)} times but {len(values)} values")
         series, key = self._series_of(labels)
         stats = series.stats
         quiet_up = self._direction == "up"
-        level = self._level_window_s > 0
-        # With the level test, a quiet series' values above its line are judged one by one.
-        quiet_line = min(self._threshold, self._level_sigmas) if level else self._threshold
         out: list[tuple[int, Finding]] = []
         i, end = 0, len(values)
         while i < end:
@@ -380,21 +317,7 @@ class ZScoreDetector:
                 and len(stats) >= self._min_samples
             ):
                 # What ``_judge`` and ``_in_band`` do for in-band values of a quiet series.
-                stop = end
-                if level and series.marginal:
-                    # Up to the value at which the oldest marginal one joins the baseline.
-                    due = series.marginal[0][0] + self._level_window_s
-                    stop = i
-                    while stop < end and not ts_unix_s[stop] > due:
-                        stop += 1
-                added = stats.add_in_band(values, i, quiet_line, self._std_floor_ratio, stop)
-                if explained is not None and self._explained_share is not None:
-                    for why in explained[i:added]:
-                        series.explained = add_usual(series.explained, why)
-                if level:
-                    window_s, min_samples = self._level_window_s, self._min_samples
-                    for j in range(i, added):
-                        series.level.add(ts_unix_s[j], values[j], False, window_s, min_samples)
+                added = self._add_quiet(series, ts_unix_s, values, explained, i, end)
                 if added > i:
                     series.out_streak = 0
                     i = added
@@ -407,7 +330,20 @@ class ZScoreDetector:
             i += 1
         return out
 
-    def _series_of(self, labels: Mapping[str, str] | SeriesKey) -> tuple[_Series, SeriesKey]:
+    def _add_quiet(
+        self,
+        series: SeriesState,
+        ts_unix_s: Sequence[float],
+        values: Sequence[float],
+        explained: Sequence[float] | None,
+        start: int,
+        end: int,
+    ) -> int:
+        """Add ``values[start:]`` to a quiet series' baseline while they are in band;
+        the index of the first one that is not (``end``: all were)."""
+        return series.stats.add_in_band(values, start, self._threshold, self._std_floor_ratio, end)
+
+    def _series_of(self, labels: Mapping[str, str] | SeriesKey) -> tuple[SeriesState, SeriesKey]:
         if isinstance(labels, tuple):
             known = self._by_key.get(labels)
             if known is not None:
@@ -421,151 +357,53 @@ class ZScoreDetector:
         if series is None:
             finding_labels = dict(labels)
             finding_labels["metric"] = self._metric
-            series = _Series(finding_labels, self._baseline(self._window))
+            series = self._new_series(finding_labels, self._baseline(self._window))
             by_job = self._series.get(job)
             if by_job is None:
                 by_job = self._series[job] = {}
             by_job[key] = self._by_key[key] = series
         return series, key
 
+    def _new_series(
+        self, labels: dict[str, str], stats: RollingStats | RollingMedian
+    ) -> SeriesState:
+        return SeriesState(labels, stats)
+
     def _judge(
         self,
-        series: _Series,
+        series: SeriesState,
         key: SeriesKey,
         ts_unix_s: float,
         value: float,
-        explained: float = math.nan,
+        explained: float,
     ) -> Finding | None:
+        """One value of a series judged; ``explained`` is not read here."""
         if not math.isfinite(value):
             return series.finding
-        stats = series.stats
-        marginal = series.marginal
-        while marginal and marginal[0][0] < ts_unix_s - self._level_window_s:
-            stats.add(marginal.popleft()[1])  # old enough: part of the normal level
-        if len(stats) < self._min_samples:
-            stats.add(value)
-            if self._explained_share is not None:
-                series.explained = add_usual(series.explained, explained)
+        if len(series.stats) < self._min_samples:
+            series.stats.add(value)
             return None
-        mean = stats.center
-        std = max(stats.scale, self._std_floor_ratio * abs(mean), TINY_STD)
-        z = (value - mean) / std
-        if self._direction == "up":
-            out = z > self._threshold
-        elif self._direction == "down":
-            out = z < -self._threshold
-        else:
-            out = abs(z) > self._threshold
-        share = self._explained_share
-        level = self._level_window_s > 0
-        high = level and self._beyond(z, self._level_sigmas)
-        if (out or high) and share is not None:
-            usual = series.explained
-            # How much more of the known cause (a busy node's CPU wait) than in-band
-            # values usually carry: a node always this busy is part of the normal level.
-            extra = explained - (usual.center if usual is not None else 0.0)
-            if extra >= share * abs(value - mean):
-                if out:
-                    # It accounts for the excursion: not the series' own change, and not
-                    # its normal level either (and in the level window, not above it).
-                    if level:
-                        series.level.add(
-                            ts_unix_s, value, False, self._level_window_s, self._min_samples
-                        )
-                    self._explained_in_span(series)
-                    return series.finding
-                high = False
-        if out:
-            if level:
-                series.level.add(ts_unix_s, value, True, self._level_window_s, self._min_samples)
+        mean, std, z = self._score(series, value)
+        if self._beyond(z, self._threshold):
             return self._out_of_band(series, key, ts_unix_s, value, mean, std, z)
-        if share is not None:
-            series.explained = add_usual(series.explained, explained)
-        if level:
-            series.level.add(ts_unix_s, value, high, self._level_window_s, self._min_samples)
-            if high and not series.active:
-                # Raised on a value above the line (a quiet series' others skip this).
-                if self._level_holds(series, self._level_share):
-                    return self._level_rise(series, key, ts_unix_s, value, mean, std, z)
-                if not series.held:
-                    # At the top of the band: into the baseline once it is older than the
-                    # window, unless the level has moved by then.
-                    series.out_streak = 0
-                    series.marginal.append((ts_unix_s, value))
-                    return None
         return self._in_band(series, key, ts_unix_s, value)
 
+    def _score(self, series: SeriesState, value: float) -> tuple[float, float, float]:
+        """(center, spread, z-score) of ``value`` against the series' baseline; the
+        spread has a floor relative to the center, so that a constant series' noise
+        is no anomaly."""
+        stats = series.stats
+        mean = stats.center
+        std = max(stats.scale, self._std_floor_ratio * abs(mean), TINY_STD)
+        return mean, std, (value - mean) / std
+
     def _beyond(self, z: float, sigmas: float) -> bool:
+        """Whether ``z`` passes ``sigmas`` in the watched direction."""
         if self._direction == "up":
             return z > sigmas
         if self._direction == "down":
             return z < -sigmas
         return abs(z) > sigmas
-
-    def _level_holds(self, series: _Series, share: float) -> bool:
-        """Whether at least ``share`` of a full level window is above the line."""
-        return series.level.holds(share, self._level_window_s, self._min_samples)
-
-    def _level_rise(
-        self,
-        series: _Series,
-        key: SeriesKey,
-        ts_unix_s: float,
-        value: float,
-        mean: float,
-        std: float,
-        z: float,
-    ) -> Finding:
-        """The level test's finding, raised on an in-band value."""
-        first_high = series.level.first_high_unix_s()
-        if not series.held or first_high < series.since_unix_s:
-            series.since_unix_s = first_high
-        self._start(series)
-        series.in_streak = 0
-        series.held_in.append(value)
-        if self._min_duration_s > 0:
-            series.recent.append((ts_unix_s, False))
-        level, samples = series.level.median()
-        finding = self._finding(series, value, mean, std, z)
-        up = level >= mean
-        side = "above" if up else "below"
-        line = mean + (1.0 if up else -1.0) * self._level_sigmas * std
-        summary = (
-            f"{self._name} of {_where(series.labels)} has {'risen' if up else 'fallen'} to "
-            f"{level:.3g}{self._unit} (median of its latest {samples} values, "
-            f"{series.level.high} of them {side} {line:.3g}{self._unit}), "
-            f"{abs(level - mean) / std:.1f} sigma {side} its {self._center_name} "
-            f"{mean:.3g}{self._unit}"
-        )
-        finding = dataclasses.replace(
-            finding,
-            summary=summary,
-            value=level,
-            score=(level - mean) / std,
-            details={**finding.details, "level_samples": samples},
-        )
-        series.finding = finding
-        self._active.setdefault(series.labels["job"], {})[key] = finding
-        return finding
-
-    def _explained_in_span(self, series: _Series) -> None:
-        """A value out of band the known cause accounts for counts in a pending span as
-        one in band: below ``min_out_share`` the span ends, as a short excursion's does."""
-        if series.active or not series.held or self._min_duration_s <= 0:
-            return
-        series.held_explained += 1
-        judged = len(series.held) + len(series.held_in) + series.held_explained
-        if len(series.held) >= self._min_out_share * judged:
-            return
-        _end_span(series)
-        series.out_streak = 0
-
-    def _start(self, series: _Series) -> None:
-        """Make a series active; its marginal values are part of the finding."""
-        series.active = True
-        series.held_explained = 0
-        series.held_in.extend(value for _, value in series.marginal)
-        series.marginal.clear()
 
     def active(self) -> list[Finding]:
         """Every active finding, ordered by job and series."""
@@ -583,7 +421,7 @@ class ZScoreDetector:
 
     def _out_of_band(
         self,
-        series: _Series,
+        series: SeriesState,
         key: SeriesKey,
         ts_unix_s: float,
         value: float,
@@ -597,25 +435,12 @@ class ZScoreDetector:
         series.out_streak += 1
         series.held.append(value)
         if not series.active:
-            if self._level_window_s > 0 and self._level_holds(series, self._level_share):
-                pass  # the level has moved
-            elif self._min_duration_s > 0:
-                # Out of band for long enough, mostly: in-band values may come between.
-                if (
-                    len(series.held) < self._persistence
-                    or ts_unix_s - series.since_unix_s < self._min_duration_s
-                ):
-                    return None
-            elif series.out_streak < self._persistence:
+            if not self._starts(series, ts_unix_s):
                 return None
             self._start(series)
-        if self._min_duration_s > 0:
-            series.recent.append((ts_unix_s, True))
         if len(series.held) >= self._adapt_after:
             # The level has held for long enough to be the new normal, not an anomaly.
-            series.stats.reset(series.held + series.held_in)
-            series.held_in.clear()
-            series.level.clear()  # judged against the old level
+            self._adapt(series)
             self._clear(series, key)
             return None
         finding = self._finding(series, value, mean, std, z)
@@ -623,75 +448,72 @@ class ZScoreDetector:
         self._active.setdefault(series.labels["job"], {})[key] = finding
         return finding
 
+    def _starts(self, series: SeriesState, ts_unix_s: float) -> bool:
+        """Whether a pending excursion, one more value out of band, is an anomaly now."""
+        return series.out_streak >= self._persistence
+
+    def _start(self, series: SeriesState) -> None:
+        series.active = True
+
+    def _adapt(self, series: SeriesState) -> None:
+        """The anomaly's values are the new level: the baseline starts over from them."""
+        series.stats.reset(series.held)
+
     def _in_band(
-        self, series: _Series, key: SeriesKey, ts_unix_s: float, value: float
+        self, series: SeriesState, key: SeriesKey, ts_unix_s: float, value: float
     ) -> Finding | None:
         series.out_streak = 0
-        spans = self._min_duration_s > 0
         if series.active:
-            if spans:
-                # Held like the out-of-band values: in-band values at the new level would
-                # otherwise widen the band until the level fits in it.
-                series.held_in.append(value)
-                series.recent.append((ts_unix_s, False))
-            else:
-                series.stats.add(value)
-            if series.in_streak == 0:
-                series.in_since_unix_s = ts_unix_s
+            self._keep_while_active(series, ts_unix_s, value)
             series.in_streak += 1
             if series.in_streak >= self._persistence and self._back_in_band(series, ts_unix_s):
                 self._clear(series, key)
                 return None
             return series.finding
-        held = series.held
-        if held and spans:
-            series.held_in.append(value)
-            judged = len(held) + len(series.held_in) + series.held_explained
-            if len(held) >= self._min_out_share * judged:
-                return None  # still mostly out of band: the span goes on
-            series.held_in.pop()  # the span ends: this value joins the baseline below
-        _end_span(series)
+        if series.held and self._span_goes_on(series, value):
+            return None
+        self._end_span(series)
         series.stats.add(value)
         return None
 
-    def _back_in_band(self, series: _Series, ts_unix_s: float) -> bool:
-        """Whether an active series, ``persistence`` values back in band, is over: with
-        ``min_duration_s``, once they span it, or sooner where out-of-band values are
-        under half ``min_out_share`` of the latest ``min_duration_s`` (single slow steps
-        coming back every few tenths of a second do not keep a finding alive)."""
-        if self._level_window_s > 0 and self._level_holds(series, 0.5):
-            return False  # half the level window is still above the line
-        span = self._min_duration_s
-        if ts_unix_s - series.in_since_unix_s >= span:
-            return True
-        recent = series.recent
-        while recent and recent[0][0] < ts_unix_s - span:
-            recent.popleft()
-        out = sum(1 for _, was_out in recent if was_out)
-        return out < 0.5 * self._min_out_share * len(recent)
+    def _keep_while_active(self, series: SeriesState, ts_unix_s: float, value: float) -> None:
+        """An in-band value while a finding is active joins the baseline."""
+        series.stats.add(value)
 
-    def _clear(self, series: _Series, key: SeriesKey) -> None:
+    def _back_in_band(self, series: SeriesState, ts_unix_s: float) -> bool:
+        """Whether an active series, ``persistence`` values back in band, is over."""
+        return True
+
+    def _span_goes_on(self, series: SeriesState, value: float) -> bool:
+        """Whether a pending excursion goes on through the in-band ``value``: it does
+        not (an in-band value ends a short excursion)."""
+        return False
+
+    def _end_span(self, series: SeriesState) -> None:
+        """A pending excursion that ended was part of the series' noise: its values join
+        the baseline and widen the band."""
+        for value in series.held:
+            series.stats.add(value)
+        series.held.clear()
+
+    def _clear(self, series: SeriesState, key: SeriesKey) -> None:
         series.active = False
         series.out_streak = series.in_streak = 0
         series.held.clear()
-        series.held_explained = 0
-        for value in series.held_in:  # the values that brought it back in band
-            series.stats.add(value)
-        series.held_in.clear()
-        series.recent.clear()
         series.finding = None
         active = self._active.get(series.labels["job"])
         if active is not None:
             active.pop(key, None)
 
-    def _finding(self, series: _Series, value: float, mean: float, std: float, z: float) -> Finding:
+    def _finding(
+        self, series: SeriesState, value: float, mean: float, std: float, z: float
+    ) -> Finding:
         unit = self._unit
         side = "above" if z >= 0 else "below"
         summary = (
-            f"{self._name} of {_where(series.labels)} is {value:.3g}{unit}, "
+            f"{self._name} of {where(series.labels)} is {value:.3g}{unit}, "
             f"{abs(z):.1f} sigma {side} its {self._center_name} {mean:.3g}{unit}"
         )
-        advice = STEP_TIME_ADVICE if self._metric.endswith("step_duration_seconds") else ""
         return Finding(
             kind="anomaly",
             labels=series.labels,
@@ -699,7 +521,7 @@ class ZScoreDetector:
             score=z,
             summary=summary,
             since_unix_s=series.since_unix_s,
-            recommendation=advice or _GENERIC_ADVICE,
+            recommendation=self.advice,
             severity="warning",
             details={
                 "mean": mean,
@@ -711,16 +533,6 @@ class ZScoreDetector:
                 "anomalous_samples": len(series.held),
             },
         )
-
-
-def _end_span(series: _Series) -> None:
-    """A pending span that ended was a short excursion, part of the series' noise: its
-    values join the baseline and widen the band."""
-    for value in (*series.held, *series.held_in):
-        series.stats.add(value)
-    series.held.clear()
-    series.held_in.clear()
-    series.held_explained = 0
 
 
 def _describe(metric: str) -> tuple[str, str]:
@@ -735,7 +547,7 @@ def _describe(metric: str) -> tuple[str, str]:
     return bare.replace("_", " "), ""
 
 
-def _where(labels: Mapping[str, str]) -> str:
+def where(labels: Mapping[str, str]) -> str:
     """'job demo rank 1' plus any other labels, for summaries."""
     text = f"job {labels['job']}"
     if "rank" in labels:

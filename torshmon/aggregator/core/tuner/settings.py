@@ -1,11 +1,11 @@
-"""How a tuning session measures, decides and stops (``TunerSettings``)."""
+"""How a tuning session measures, decides and stops (``TunerSettings``, section ``tuner``)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Annotated, Literal
+
+import msgspec
 
 from torshmon.aggregator.core.tuner.config import (
     DEFAULT_MAX_RELATIVE_ERROR,
@@ -14,14 +14,11 @@ from torshmon.aggregator.core.tuner.config import (
 from torshmon.catalogue.codecs import (
     CODEC_NAMES,
 )
-
-if TYPE_CHECKING:
-    pass
+from torshmon.settings import Section, SettingsError, setting
 
 
-@dataclass(frozen=True, slots=True)
-class TunerSettings:
-    """How a session measures, decides and stops.
+class TunerSettings(Section, frozen=True):
+    """How the autotuner measures, decides and stops; every session's defaults.
 
     ``max_trials`` counts measured configs, the baseline included (the final
     verification is extra). Steps: ``warmup_steps`` discarded after each switch, then
@@ -36,60 +33,99 @@ class TunerSettings:
     incumbent's. ``n_startup_trials`` is TPE's random start (counted over all points
     told, the screen included); ``max_repeats`` the consecutive proposals of configs
     already measured that count as convergence; ``max_failures`` consecutive refused
-    configs end the search. Timeouts (seconds): an acknowledgement, and steps while
-    measuring. TunerError names a bad value.
+    configs end the search. Checked once when built: TunerError names a bad value.
     """
 
-    max_trials: int = 12
-    warmup_steps: int = 5
-    window_steps: int = 10
-    windows: int = 5
-    min_windows: int = 3
-    alpha: float = 0.05
-    min_improvement: float = 0.02
-    max_relative_error: Mapping[str, float] = field(
-        default_factory=lambda: dict(DEFAULT_MAX_RELATIVE_ERROR)
-    )
-    min_error_samples: int = 1
-    loss_degradation: float = 0.1
-    prior: bool = True
-    compress_above: float = 0.4
-    codec_screen: int = 2
-    bucket_screen: tuple[float, ...] = (0.125, 8.0)
-    n_startup_trials: int = 3
-    max_repeats: int = 5
-    max_failures: int = 3
-    proposer: Literal["tpe", "random"] = "tpe"
-    apply_timeout_s: float = 300.0
-    step_timeout_s: float = 300.0
+    max_trials: Annotated[
+        int, setting("configs a session measures at most, the baseline included", ge=2)
+    ] = 12
+    warmup_steps: Annotated[int, setting("steps discarded after each config switch", ge=0)] = 5
+    window_steps: Annotated[int, setting("steps of one measurement window", ge=1)] = 10
+    windows: Annotated[int, setting("windows a trial measures", ge=2)] = 5
+    min_windows: Annotated[
+        int,
+        setting(
+            "windows after which a regression or a guardrail may end a trial (<= windows)", ge=2
+        ),
+    ] = 3
+    alpha: Annotated[
+        float, setting("significance level of the one-sided Mann-Whitney U tests", gt=0, lt=1)
+    ] = 0.05
+    min_improvement: Annotated[
+        float,
+        setting(
+            "relative change of median throughput (0.02 = 2 %) a trial must show to be kept "
+            "or worse",
+            ge=0,
+            lt=1,
+        ),
+    ] = 0.02
+    max_relative_error: Annotated[
+        dict[str, float],
+        setting(
+            "per codec, the largest median sampled relative error it may bring",
+            default_text=", ".join(f"{c}: {b}" for c, b in DEFAULT_MAX_RELATIVE_ERROR.items()),
+        ),
+    ] = msgspec.field(default_factory=lambda: dict(DEFAULT_MAX_RELATIVE_ERROR))
+    min_error_samples: Annotated[
+        int, setting("error samples a trial needs before its error bound is applied", ge=1)
+    ] = 1
+    loss_degradation: Annotated[
+        float, setting("relative loss rise after a switch that ends a trial", gt=0)
+    ] = 0.1
+    prior: Annotated[
+        bool, setting("screen codecs and bucket caps the job's own figures suggest first")
+    ] = True
+    compress_above: Annotated[
+        float,
+        setting(
+            "communication share of a step above which compressing codecs are screened", ge=0, lt=1
+        ),
+    ] = 0.4
+    codec_screen: Annotated[
+        int, setting("trials of the strongest codecs before the optimiser", ge=0)
+    ] = 2
+    bucket_screen: Annotated[
+        tuple[float, ...],
+        setting(
+            "factors of the incumbent's bucket cap screened before the optimiser (each > 0)",
+            default_text="0.125, 8.0",
+        ),
+    ] = (0.125, 8.0)
+    n_startup_trials: Annotated[
+        int, setting("TPE's random start, counted over all points told", ge=0)
+    ] = 3
+    max_repeats: Annotated[
+        int, setting("proposals in a row of configs already measured that end the search", ge=1)
+    ] = 5
+    max_failures: Annotated[
+        int, setting("configs in a row the job refused that end the search", ge=1)
+    ] = 3
+    proposer: Annotated[
+        Literal["tpe", "random"], setting("how configs are proposed: tpe or random")
+    ] = "tpe"
+    apply_timeout_s: Annotated[
+        float, setting("seconds a config switch may take to be acknowledged", gt=0)
+    ] = 300.0
+    step_timeout_s: Annotated[
+        float, setting("seconds a job may send no step while measured", gt=0)
+    ] = 300.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "max_relative_error", dict(self.max_relative_error))
-        at_least("max_trials", self.max_trials, 2)
-        at_least("warmup_steps", self.warmup_steps, 0)
-        at_least("window_steps", self.window_steps, 1)
-        at_least("windows", self.windows, 2)
-        at_least("min_windows", self.min_windows, 2)
+        try:
+            super().__post_init__()
+        except SettingsError as exc:
+            raise TunerError(str(exc)) from None
+        for name in ("alpha", "min_improvement", "loss_degradation", "compress_above"):
+            finite(name, getattr(self, name))
+        finite("apply_timeout_s", self.apply_timeout_s)
+        finite("step_timeout_s", self.step_timeout_s)
         if self.min_windows > self.windows:
             raise TunerError(
                 f"min_windows ({self.min_windows}) must not exceed windows ({self.windows})"
             )
-        at_least("min_error_samples", self.min_error_samples, 1)
-        at_least("codec_screen", self.codec_screen, 0)
-        object.__setattr__(self, "bucket_screen", tuple(self.bucket_screen))
         for factor in self.bucket_screen:
             in_open_interval("bucket_screen factor", factor, 0.0, math.inf)
-        at_least("n_startup_trials", self.n_startup_trials, 0)
-        at_least("max_repeats", self.max_repeats, 1)
-        at_least("max_failures", self.max_failures, 1)
-        in_open_interval("alpha", self.alpha, 0.0, 1.0)
-        in_open_interval("min_improvement", self.min_improvement, 0.0, 1.0, closed_low=True)
-        in_open_interval("compress_above", self.compress_above, 0.0, 1.0, closed_low=True)
-        if self.proposer not in ("tpe", "random"):
-            raise TunerError(f"proposer must be 'tpe' or 'random', got {self.proposer!r}")
-        in_open_interval("loss_degradation", self.loss_degradation, 0.0, math.inf)
-        in_open_interval("apply_timeout_s", self.apply_timeout_s, 0.0, math.inf)
-        in_open_interval("step_timeout_s", self.step_timeout_s, 0.0, math.inf)
         for codec, bound in self.max_relative_error.items():
             if codec not in CODEC_NAMES:
                 raise TunerError(
@@ -97,6 +133,12 @@ class TunerSettings:
                     f"got {codec!r}"
                 )
             in_open_interval(f"max_relative_error[{codec!r}]", bound, 0.0, math.inf)
+
+
+def finite(name: str, value: float) -> None:
+    """TunerError unless ``value`` is a finite number."""
+    if not math.isfinite(value):
+        raise TunerError(f"{name} must be a finite number, got {value!r}")
 
 
 def at_least(name: str, value: object, low: int) -> None:
