@@ -22,7 +22,6 @@ OVER_THE_BAR = {
     "torshmon.history.models": 939,
     "torshmon.history.store.state": 804,
     "torshmon.probe.monitor": 950,
-    "torshmon.report.model": 1082,  # the config-change marks (3bf0554) landed that day too
 }
 CORE = "torshmon.aggregator.core"
 

@@ -18,7 +18,8 @@ from typing import Any, Final
 import jinja2
 from markupsafe import Markup
 
-from torshmon.report.model import JobReport, alert_groups, finding_tree, is_running, to_json
+from torshmon.report.findings import finding_tree
+from torshmon.report.model import JobReport, alert_groups, is_running, to_json
 from torshmon.report.plots import plots
 from torshmon.report.text import (
     finding_effort,

@@ -7,7 +7,8 @@ import time
 from collections.abc import Sequence
 
 from torshmon.aggregator.core.findings import loss_text
-from torshmon.report.model import FindingItem, JobReport, alert_groups, finding_tree
+from torshmon.report.findings import finding_tree
+from torshmon.report.model import FindingItem, JobReport, alert_groups
 
 _WIDTH = 100
 
