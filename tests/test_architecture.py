@@ -20,7 +20,6 @@ MAX_LINES = 800
 OVER_THE_BAR = {
     "torshmon.cli": 1043,
     "torshmon.history.models": 939,
-    "torshmon.history.store.state": 804,
     "torshmon.probe.monitor": 950,
 }
 CORE = "torshmon.aggregator.core"

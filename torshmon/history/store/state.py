@@ -4,8 +4,8 @@ One ``HistoryStore`` per aggregator. Its methods are coroutines that say which
 thread runs them: writes go to the aggregator's one writer thread (SQLite takes one
 writer at a time, and the order of writes is the order of calls), reads to the
 default executor. Rows in and out are frozen dataclasses, or the aggregator's own
-``Alert`` and ``Finding``; their fields are checked against the SQLAlchemy models
-at import, so a column added to a model and not here fails loudly, naming it.
+``Alert`` and ``Finding`` (``torshmon.history.store.rows``: checked against the
+SQLAlchemy models at import).
 
 Beside it: ingest's statements (``torshmon.history.store.ingest``, run by the ingest
 store on this store's engine or in the ingest process) and the retention job's
@@ -19,7 +19,6 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar
 
 import msgspec
@@ -35,6 +34,14 @@ from torshmon.history.db import insert_ignore, make_engine, upsert
 from torshmon.history.models import Base
 from torshmon.history.retention import RetentionReport, apply_retention
 from torshmon.history.store.evidence import list_evidence
+from torshmon.history.store.rows import (
+    EvidenceCaptureRow,
+    EvidenceFileRow,
+    RunningJob,
+    TuningSessionRow,
+    TuningTrialRow,
+    row_values,
+)
 
 T = TypeVar("T")
 _T = Base.metadata.tables
@@ -69,110 +76,6 @@ LISTING_ORDER: Final[Mapping[str, str]] = {
 
 class FilterError(ValueError):
     """A listing filter whose value does not fit its column; the text names it."""
-
-
-@dataclass(frozen=True, slots=True)
-class RunningJob:
-    """A job this aggregator served until it stopped, as ``jobs`` remembers it."""
-
-    job: str
-    world_size: int
-    last_seen_unix_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class TuningSessionRow:
-    """One row of ``tuning_sessions`` (the store adds ``aggregator_id``)."""
-
-    id: str
-    job: str
-    state: str
-    trigger: str
-    started_unix_s: float
-    ended_unix_s: float | None
-    baseline_config: Mapping[str, Any]
-    best_config: Mapping[str, Any] | None
-    baseline_score: float | None
-    best_score: float | None
-    reason: str
-    state_blob: Mapping[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class TuningTrialRow:
-    """One row of ``tuning_trials``; ``command_id`` None keeps the stored one."""
-
-    session_id: str
-    job: str
-    trial_index: int
-    config: Mapping[str, Any]
-    command_id: str | None
-    state: str
-    windows: Sequence[float]
-    score: float | None
-    decision: str | None
-    reason: str
-    started_unix_s: float | None
-    ended_unix_s: float | None
-
-
-def _check_fields(cls: type, table: str, added: frozenset[str] = frozenset()) -> None:
-    """Fail at import when ``cls``'s fields and ``added`` are not ``table``'s columns."""
-    columns = {c.name for c in _T[table].columns if c.identity is None}
-    names = {f.name for f in dataclasses.fields(cls)} | added
-    if names != columns:
-        raise RuntimeError(
-            f"{cls.__name__} does not match the model of {table}: missing "
-            f"{sorted(columns - names)}, unknown {sorted(names - columns)}"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class EvidenceCaptureRow:
-    """One row of ``evidence_captures`` (the store adds ``aggregator_id``)."""
-
-    id: str
-    job: str
-    alert_id: int | None
-    alert_fingerprint: str | None
-    rule: str
-    profile_ranks: Sequence[int]
-    created_unix_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class EvidenceFileRow:
-    """One row of ``evidence_files``: a file stored under ``path``, or ``error``."""
-
-    capture_id: str
-    rank: int
-    name: str
-    job: str
-    size_bytes: int
-    stored_bytes: int
-    path: str | None
-    error: str
-    taken_unix_s: float
-    received_unix_s: float
-
-
-_check_fields(TuningSessionRow, "tuning_sessions", frozenset({"aggregator_id"}))
-_check_fields(EvidenceCaptureRow, "evidence_captures", frozenset({"aggregator_id"}))
-_check_fields(EvidenceFileRow, "evidence_files")
-_check_fields(TuningTrialRow, "tuning_trials")
-
-
-def _row(record: Any) -> dict[str, Any]:
-    """A dataclass row as column values (mappings and sequences as plain JSON types)."""
-    values = {}
-    for f in dataclasses.fields(record):
-        value = getattr(record, f.name)
-        if isinstance(value, Mapping):
-            value = dict(value)
-        elif isinstance(value, tuple):
-            value = list(value)
-        values[f.name] = value
-    return values
 
 
 class HistoryStore:
@@ -545,7 +448,7 @@ class HistoryStore:
             return
         sessions, trials_table = _T["tuning_sessions"], _T["tuning_trials"]
         with self._engine.begin() as conn:
-            row = _row(session) | {"aggregator_id": self.aggregator_id}
+            row = row_values(session) | {"aggregator_id": self.aggregator_id}
             conn.execute(upsert(conn, sessions).values(**row))
             existing = {
                 int(r.trial_index): int(r.id)
@@ -556,7 +459,7 @@ class HistoryStore:
                 )
             }
             for trial in trials:
-                values = _row(trial)
+                values = row_values(trial)
                 row_id = existing.get(trial.trial_index)
                 if row_id is None:
                     conn.execute(trials_table.insert().values(**values))
@@ -615,7 +518,7 @@ class HistoryStore:
     def _add_evidence_capture(self, capture: EvidenceCaptureRow) -> None:
         if self._engine is None:
             return
-        row = _row(capture)
+        row = row_values(capture)
         if row["alert_id"] is None and capture.alert_fingerprint is not None:
             row["alert_id"] = self._alert_rows.get(capture.alert_fingerprint)
         with self._engine.begin() as conn:
@@ -638,7 +541,7 @@ class HistoryStore:
             ).first()
             if known is None:
                 return False
-            result = conn.execute(insert_ignore(conn, _T["evidence_files"]), [_row(file)])
+            result = conn.execute(insert_ignore(conn, _T["evidence_files"]), [row_values(file)])
             return bool(result.rowcount)
 
     async def evidence_file(self, capture_id: str, rank: int, name: str) -> Row | None:
