@@ -192,13 +192,36 @@ def test_each_config_version_applied_is_marked_at_its_step_rollbacks_too() -> No
         ConfigChange(3, 180, at[180], "none, bucket 25 MB"),  # the tuner rolls back
     )
     root = _svg(replace(report, configs=configs))
-    assert _texts(_by_id(root, "config-v2-label")) == ["v2: fp16, bucket 25 MB"]
+    assert _texts(_by_id(root, "config-v2-label")) == ["v2 (autotuner trial 1): fp16, bucket 25 MB"]
     assert _texts(_by_id(root, "config-v3-label")) == ["v3: none, bucket 25 MB"]
     hover = _by_id(root, "config-v2").findtext(f"{_NS}title", "")
     assert hover.startswith("step 150, ") and hover.endswith(
-        "config version 2 applied, fp16, bucket 25 MB (trial 1, kept)"
+        "config version 2 applied, fp16, bucket 25 MB (autotuner trial 1, kept)"
     )
     assert root.find(".//*[@id='config-s1-1']") is None  # the versions, not the trials
+
+
+def test_a_config_the_user_asked_for_is_named_as_theirs_beside_the_tuners() -> None:
+    report = _report()
+    at = {s: t for s, t in zip(report.series[0].step, report.series[0].time_unix_s, strict=True)}
+    configs = (
+        ConfigChange(2, 150, at[150], "fp16, bucket 25 MB", "autotuner trial 1"),
+        ConfigChange(3, 180, at[180], "none, bucket 4 MB", "you, via the API"),
+        ConfigChange(4, 220, at[220], "bf16, bucket 25 MB", "you, in the training script"),
+    )
+    root = _svg(replace(report, configs=configs))
+    assert _texts(_by_id(root, "config-v3-label")) == ["v3 (you, via the API): none, bucket 4 MB"]
+    assert _texts(_by_id(root, "config-v4-label")) == [
+        "v4 (you, in the training script): bf16, bucket 25 MB"
+    ]
+    assert (
+        _by_id(root, "config-v3")
+        .findtext(f"{_NS}title", "")
+        .endswith("config version 3 applied, none, bucket 4 MB (you, via the API)")
+    )
+    assert (
+        _by_id(root, "config-v2").findtext(f"{_NS}title", "").endswith("(autotuner trial 1, kept)")
+    )
 
 
 def test_a_thousand_ranks_render_as_bands_and_the_worst_ranks_in_bounded_time() -> None:

@@ -3,8 +3,9 @@ report time in, a ``JobReport`` out (pure)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from torshmon.history.store.report import JobHistory
 from torshmon.report.findings import (
@@ -73,11 +74,11 @@ def build_report(history: JobHistory, now_unix_s: float) -> JobReport:
         headline=headline(findings, steps),
         run_id="" if history.run is None else history.run["run_id"],
         runs=tuple(_run_item(r) for r in history.runs),
-        configs=tuple(_config_change(c) for c in history.configs),
+        configs=tuple(_config_change(c, history) for c in history.configs),
     )
 
 
-def _config_change(row: Mapping[str, Any]) -> ConfigChange:
+def _config_change(row: Mapping[str, Any], history: JobHistory) -> ConfigChange:
     config = {
         "codec": row["codec"],
         "codec_params": row["codec_params"],
@@ -88,7 +89,57 @@ def _config_change(row: Mapping[str, Any]) -> ConfigChange:
         effective_step=row["effective_step"],
         applied_unix_s=row["applied_unix_ns"] / 1e9,
         config_text=config_text(config),
+        requested_by=_requested_by(row, history),
     )
+
+
+#: A command the tuner sends after its last trial (the best config, or a restore) comes
+#: as its session ends, within this long (the session's row is written after it).
+_SESSION_TAIL_S: Final = 10.0
+
+
+def _requested_by(row: Mapping[str, Any], history: JobHistory) -> str:
+    """Who asked for config ``row`` (see ``ConfigChange.requested_by``): the config
+    command that became its version, the tuning trial that sent it or the session it
+    came in; no command: the training script's own ``request_config``."""
+    if not row["version"]:
+        return ""  # the config the job started with
+    applied_s = row["applied_unix_ns"] / 1e9
+    command = next(
+        (
+            c
+            for c in reversed(history.commands)
+            if c["kind"] == "config"
+            and c["version"] == row["version"]
+            and c["created_unix_s"] <= applied_s
+        ),
+        None,
+    )
+    trials = history.tuning_trials
+    if command is None:  # a history from before commands were kept: the trial's start
+        trial = next(
+            (
+                t
+                for t in trials
+                if t["started_unix_s"] is not None and abs(t["started_unix_s"] - applied_s) < 5
+            ),
+            None,
+        )
+        return "you, in the training script" if trial is None else _trial_words(trial)
+    trial = next((t for t in trials if t["command_id"] == command["id"]), None)
+    if trial is not None:
+        return _trial_words(trial)
+    sent_s = command["created_unix_s"]
+    if any(
+        s["started_unix_s"] <= sent_s <= (s["ended_unix_s"] or math.inf) + _SESSION_TAIL_S
+        for s in history.tuning_sessions
+    ):
+        return "the autotuner"
+    return "you, via the API"
+
+
+def _trial_words(trial: Mapping[str, Any]) -> str:
+    return f"autotuner trial {trial['trial_index']}"
 
 
 def _run_item(row: Mapping[str, Any]) -> RunItem:

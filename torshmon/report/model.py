@@ -222,12 +222,16 @@ class FindingItem:
 
 @dataclass(frozen=True, slots=True)
 class ConfigChange:
-    """A config version the job applied (``configs``: the tuner's or ``request_config``'s)."""
+    """A config version the job applied (``configs``) and who asked for it
+    (``requested_by``): ``autotuner trial 2``, ``the autotuner`` (its closing or restoring
+    config), ``you, via the API`` (a config command) or ``you, in the training script``
+    (``request_config``); empty where the history cannot tell."""
 
     version: int
     effective_step: int
     applied_unix_s: float
     config_text: str
+    requested_by: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -411,8 +411,8 @@ def _alert_marks(
 
 def _config_marks(ax: Any, report: JobReport, clock: _Clock, titles: dict[str, str]) -> None:
     """A dashed line at each config the job applied (the tuner's trials, its rollbacks,
-    ``request_config``), labelled with that config; with no config versions stored,
-    each tuning trial's start."""
+    the user's requests), labelled with that config and who asked for it; with no config
+    versions stored, each tuning trial's start."""
     first, last = report.first_seen_unix_s - 30, report.last_seen_unix_s + 30
     changes = [c for c in report.configs if first <= c.applied_unix_s <= last]
     marks: list[tuple[str, float, str, str]] = []  # gid, step, label, hover
@@ -426,16 +426,20 @@ def _config_marks(ax: Any, report: JobReport, clock: _Clock, titles: dict[str, s
             ),
             None,
         )
-        by = (
-            ""
-            if trial is None
-            else f" (trial {trial.trial_index}, {trial.decision or 'undecided'})"
+        asked = change.requested_by
+        if not asked and trial is not None:  # a report made before configs said who asked
+            asked = f"autotuner trial {trial.trial_index}"
+        decided = (
+            f", {trial.decision or 'undecided'}"
+            if trial is not None and asked.startswith("autotuner trial")
+            else ""
         )
         marks.append((
             f"config-v{change.version}", float(change.effective_step),
-            f" v{change.version}: {change.config_text}",
+            f" v{change.version}" + (f" ({asked})" if asked else "") + f": {change.config_text}",
             f"step {change.effective_step}, {when(change.applied_unix_s)}: config version "
-            f"{change.version} applied, {change.config_text}{by}",
+            f"{change.version} applied, {change.config_text}"
+            + (f" ({asked}{decided})" if asked else ""),
         ))  # fmt: skip
     if not changes:
         for trial in report.trials:
