@@ -18,6 +18,8 @@ import msgspec
 
 from torshmon.aggregator.core.findings import SEVERITIES
 
+#: Each span's largest value and the step it was at (None, 0 for a span with no value).
+Peaks = tuple[tuple[float | None, int], ...]
 #: A job silent for longer than this has ended: while a rank's process lives its probe
 #: sends a batch at least every second (a heartbeat, in a hang too) and its agent
 #: forwards it within a second, retrying an aggregator out of reach for up to 10 s.
@@ -70,7 +72,10 @@ class StepPhases:
 
 @dataclass(frozen=True, slots=True)
 class RankSeries:
-    """One rank over time (``series.MAX_POINTS`` at most): each point the median of its span."""
+    """One rank over time (``series.MAX_POINTS`` at most): each point the median of its
+    span. Where a point spans several steps, ``duration_peak`` and ``compute_peak`` keep
+    each span's longest step (its time and step number), so a one-step hang in a long
+    run still shows; empty where each point is one step."""
 
     rank: int
     time_unix_s: tuple[float, ...]
@@ -78,6 +83,8 @@ class RankSeries:
     duration_s: tuple[float | None, ...]
     compute_s: tuple[float | None, ...]
     comm_ratio: tuple[float | None, ...]
+    duration_peak: Peaks = ()
+    compute_peak: Peaks = ()
 
 
 @dataclass(frozen=True, slots=True)

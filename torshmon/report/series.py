@@ -10,7 +10,7 @@ from typing import Any, Final
 import numpy as np
 
 from torshmon.history.store.report import JobHistory
-from torshmon.report.model import MemorySeries, RankSeries, RankStats, StepPhases
+from torshmon.report.model import MemorySeries, Peaks, RankSeries, RankStats, StepPhases
 
 #: Points per rank in a time series; longer runs are reduced to medians of equal spans.
 MAX_POINTS: Final = 600
@@ -73,6 +73,23 @@ def _binned(values: np.ndarray[Any, Any], size: int) -> np.ndarray[Any, Any]:
         warnings.simplefilter("ignore", RuntimeWarning)
         medians: np.ndarray[Any, Any] = np.nanmedian(padded.reshape(-1, size), axis=1)
     return medians
+
+
+def _peaks(values: np.ndarray[Any, Any], steps: np.ndarray[Any, Any], size: int) -> Peaks:
+    """The largest finite value of each bin of ``size`` and its step; () for bins of one
+    (the points are the values then)."""
+    if size == 1:
+        return ()
+    pad = (-len(values)) % size
+    bins = np.concatenate([values, np.full(pad, np.nan)]).reshape(-1, size)
+    at = np.concatenate([steps, np.zeros(pad)]).reshape(-1, size)
+    known = np.where(np.isfinite(bins), bins, -np.inf)
+    top = known.argmax(axis=1)
+    rows = np.arange(len(bins))
+    return tuple(
+        (float(v), int(s)) if np.isfinite(v) else (None, 0)
+        for v, s in zip(known[rows, top], at[rows, top], strict=True)
+    )
 
 
 def _optional(values: np.ndarray[Any, Any]) -> tuple[float | None, ...]:
@@ -140,6 +157,8 @@ def rank_series(rank: int, cols: Columns) -> RankSeries:
         duration_s=_optional(_binned(cols["duration_s"], size)),
         compute_s=_optional(_binned(cols["compute_s"], size)),
         comm_ratio=_optional(_binned(cols["communication_time_ratio"], size)),
+        duration_peak=_peaks(cols["duration_s"], cols["step"], size),
+        compute_peak=_peaks(cols["compute_s"], cols["step"], size),
     )
 
 
