@@ -3,8 +3,9 @@
 ``state`` is the aggregator's own state (alerts, findings, commands, tuning, the
 API's listings, retention, evidence) behind ``HistoryStore``, ``rows`` the records
 it writes; ``evidence`` lists the evidence captured on alert (for the API and the
-report); ``ingest`` the per-request statements and bulk inserts of ingest. Not here: the read-only user queries
-(``torshmon.history.query``, run as the reader role), and migrations.
+report); ``ingest`` the per-request statements and bulk inserts of ingest. Not here:
+the read-only user queries (``torshmon.history.query``, run as the reader role), and
+migrations.
 """
 
 from torshmon.history.store.evidence import evidence_of, list_evidence
