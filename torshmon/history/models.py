@@ -583,7 +583,7 @@ class Alert(Base):
     annotations: Mapped[dict[str, str]] = mapped_column(
         JSON, comment="summary, description, recommendation (JSON); follow its figures while open."
     )
-    value: Mapped[float | None] = mapped_column(Float, comment="Value that triggered the rule.")
+    value: Mapped[float | None] = mapped_column(Float, comment="Rule's value, latest while open.")
     starts_at_unix_s: Mapped[float] = mapped_column(
         Float, comment="When the condition began, Unix time in seconds."
     )
