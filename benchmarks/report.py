@@ -39,7 +39,7 @@ from sqlalchemy import insert
 from torshmon.history.db import make_engine
 from torshmon.history.models import Base
 from torshmon.history.store.report import load_job_history
-from torshmon.report.model import build_report
+from torshmon.report.build import build_report
 from torshmon.report.page import render_page
 from torshmon.report.text import render_text
 

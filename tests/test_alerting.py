@@ -314,6 +314,44 @@ def test_a_straggler_named_again_between_two_evaluations_is_a_new_alert() -> Non
     assert engine.evaluate(103.0, series, [straggler(101.5)]) == []
 
 
+def test_an_open_alert_is_revised_to_the_findings_latest_sentence_without_a_transition() -> None:
+    """A straggler's ratio moves as its episode goes on: the alert's stored text follows
+    it (``revised``, at most every ``revise_every_s``) while no transition is emitted,
+    so nobody is notified again; the resolution carries the latest text too."""
+    engine = AlertEngine(default_rules(), revise_every_s=10.0)
+    series = SeriesStore()
+
+    def straggler(ratio: float) -> Finding:
+        return Finding(
+            kind="straggler",
+            labels={"job": "j", "rank": "1"},
+            value=0.8,
+            score=ratio,
+            summary=f"rank 1 of job j computes {ratio:.2f}x as long as its peers",
+            since_unix_s=99.0,
+        )
+
+    [fired] = engine.evaluate(100.0, series, [straggler(3.86)])
+    assert fired.state == "firing"
+    assert "3.86x" in fired.annotations["summary"]
+    assert engine.revised(100.0) == []  # just stored
+
+    assert engine.evaluate(105.0, series, [straggler(4.10)]) == []
+    assert engine.revised(105.0) == []  # not 10 s since it was stored
+    assert engine.evaluate(110.0, series, [straggler(4.32)]) == []
+    [revised] = engine.revised(110.0)
+    assert (revised.state, revised.fingerprint) == ("firing", fired.fingerprint)
+    assert revised.annotations["summary"] == "rank 1 of job j computes 4.32x as long as its peers"
+    assert revised.starts_at_unix_s == fired.starts_at_unix_s
+    assert engine.revised(130.0) == []  # the same text is not written again
+
+    [resolved] = engine.evaluate(131.0, series, [])
+    assert resolved.state == "resolved"
+    assert "4.32x" in resolved.annotations["summary"]
+    with pytest.raises(ValueError, match="revise_every_s"):
+        AlertEngine(default_rules(), revise_every_s=-1.0)
+
+
 def test_finding_rule_for_counts_from_when_the_finding_began() -> None:
     rules = _rules(
         """

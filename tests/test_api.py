@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, Counter
 
 from torshmon.aggregator.core.alert import Alert
+from torshmon.aggregator.core.bottleneck import JobSnapshot, bottleneck_report, rank_findings
 from torshmon.aggregator.core.commands import CommandBook, CommandStatus
 from torshmon.aggregator.core.episodes import FindingChange
 from torshmon.aggregator.core.findings import Finding
@@ -324,6 +325,41 @@ async def test_tuning_sessions_list_a_summary_not_the_state(a: Api) -> None:
     assert (status, body) == (200, {"trials": []})
 
 
+NO_LINKS: dict[str, Any] = dict.fromkeys(
+    ("explained_by", "explained_by_name", "step_s", "what_if_step_s", "throughput_loss_ratio")
+)
+
+
+async def test_the_report_names_each_symptoms_cause_and_what_the_cause_costs(a: Api) -> None:
+    """Peers compute 0.1 s and wait 0.07 s for rank 2 in a 0.18 s step: the straggler
+    leads with the step time without it (0.11 s) and its loss; the wait and the roll-up
+    name it."""
+    snap = JobSnapshot(communication_time_ratio=0.42, training_efficiency_ratio=0.58, step_s=0.18)
+    straggler = Finding(
+        kind="straggler",
+        labels={"job": "j", "rank": "2"},
+        value=0.17,
+        score=1.7,
+        summary="rank 2 is slow",
+        since_unix_s=NOW,
+        severity="high",
+        details={"slowdown_ratio": 1.7, "peer_median_s": 0.1, "phase": "compute"},
+    )
+    a.live.findings["j"] = rank_findings(bottleneck_report("j", snap, NOW), [straggler], snap)
+    status, body = await a.get("/api/v1/jobs/j/report")
+    assert status == 200
+    cause, *symptoms = body["bottlenecks"]
+    assert (cause["id"], cause["explained_by"]) == ("straggler:rank=2", None)
+    assert cause["step_s"] == pytest.approx(0.18)
+    assert cause["what_if_step_s"] == pytest.approx(0.11)
+    assert cause["throughput_loss_ratio"] == pytest.approx(0.07 / 0.18)
+    assert [(s["category"], s["explained_by"], s["explained_by_name"]) for s in symptoms] == [
+        ("communication", "straggler:rank=2", "the straggler on rank 2"),
+        ("efficiency", "straggler:rank=2", "the straggler on rank 2"),
+    ]
+    assert {s["what_if_step_s"] for s in symptoms} == {None}
+
+
 async def test_the_report_lists_the_live_bottlenecks(a: Api) -> None:
     a.live.findings["j"] = [
         Finding(
@@ -370,6 +406,8 @@ async def test_the_report_lists_the_live_bottlenecks(a: Api) -> None:
             "rank": None,
             "labels": {"job": "j", "category": "communication"},
             "since_unix_s": NOW,
+            "id": "bottleneck:category=communication",
+            **NO_LINKS,
         },
         {
             "kind": "straggler",
@@ -384,6 +422,8 @@ async def test_the_report_lists_the_live_bottlenecks(a: Api) -> None:
             "rank": 2,
             "labels": {"job": "j", "rank": "2"},
             "since_unix_s": NOW - 3,
+            "id": "straggler:rank=2",
+            **NO_LINKS,
         },
     ]
     assert body["link_check"] is None  # no check yet

@@ -17,9 +17,7 @@ MAX_LINES = 800
 #: package-wide (issue 51; work in flight that day included) as a ceiling: it may only go
 #: down (lower it when a module shrinks, drop the entry once the module is under the
 #: bar). Alembic's migrations are generated and exempt.
-OVER_THE_BAR = {
-    "torshmon.report.model": 1082,  # the config-change marks (3bf0554) landed that day too
-}
+OVER_THE_BAR: dict[str, int] = {}
 CORE = "torshmon.aggregator.core"
 
 

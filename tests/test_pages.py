@@ -4,6 +4,8 @@ a real loopback server over a history with known numbers (tests/report_history.p
 from __future__ import annotations
 
 import asyncio
+import html
+import re
 import urllib.parse
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +23,7 @@ from torshmon.aggregator.http.pages import SESSION_COOKIE, session_cookie
 from torshmon.cli import main
 from torshmon.history.store import HistoryStore
 from torshmon.report import from_json, report_from_aggregator
+from torshmon.report.page import JobLead, render_index
 from torshmon.report.source import HistoryReports
 
 JOB_PATH = "/jobs/" + urllib.parse.quote(h.JOB, safe="")
@@ -106,6 +109,27 @@ async def test_a_bearer_token_opens_the_pages_and_the_json(client: TestClient[An
         report = from_json(await response.read())
     assert [r.steps for r in report.ranks] == [h.STEPS, h.STEPS]
     assert {a.rule for a in report.alerts} == {"Straggler", "High Comm"}
+
+
+async def test_the_list_of_jobs_leads_with_each_jobs_headline_and_state(
+    client: TestClient[Any, Any],
+) -> None:
+    """The list says what the job's report leads with, word for word, and whether its
+    latest run still goes: the reader knows which job to open."""
+    path = "/api/v1/jobs/" + urllib.parse.quote(h.JOB, safe="") + "/summary"
+    async with client.get(path, headers=AUTH) as response:
+        report = from_json(await response.read())
+    assert report.headline.startswith("rank 1 on node node1 computes")
+    async with client.get("/", headers=AUTH) as response:
+        assert response.status == 200
+        text = await response.text()
+    [row] = [r for r in text.split("<tr>") if f">{html.escape(h.JOB)}</a>" in r]
+    cells = [html.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in row.split("</td>")][:3]
+    assert cells == [h.JOB, "running" if report.running else "ended", report.headline]
+    # an ended run says so, whatever its last_seen alone would suggest (its ranks closed)
+    seen = {"job": "j", "world_size": 2, "backend": "gloo", "first_seen_unix_ns": 0}
+    page = render_index([seen | {"last_seen_unix_ns": 10**18}], 1e9, {"j": JobLead("x", False)})
+    assert '<span class="badge ended">ended</span></td><td class="text lead">x</td>' in page
 
 
 async def test_an_unknown_job_is_a_404_page(client: TestClient[Any, Any]) -> None:

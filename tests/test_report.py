@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import insert, update
 
 from tests import report_history as h
 from torshmon.aggregator.core.alert_engine import AlertEngine
@@ -679,3 +680,49 @@ def test_only_a_straggler_alert_takes_its_findings_sentence(tmp_path: Path) -> N
     assert summaries["Straggler"] == report.findings[0].summary
     assert "2.00x slower" in summaries["Straggler"]
     assert summaries["Slow Link"] == link
+
+
+def test_each_config_version_names_who_asked_for_it(db: Path) -> None:
+    """v1 came from the tuner's trial 0 (its command), v2 as the session ended (the
+    tuner keeping its best), v3 from a config command well after it (the API), v4 with
+    no command at all (the training script's request_config)."""
+    engine = make_engine(f"sqlite:///{db}")
+    t = Base.metadata.tables
+    applied = {1: h.T0 + 3, 2: h.T0 + 18.5, 3: h.T0 + 91, 4: h.T0 + 95}
+    codecs = {1: "fp16", 2: "fp16", 3: "none", 4: "bf16"}
+    with engine.begin() as conn:
+        conn.execute(
+            insert(t["configs"]),
+            [
+                {"job": h.JOB, "version": v, "bucket_cap_bytes": 25 << 20,
+                 "first_bucket_cap_bytes": 1 << 20, "codec": codecs[v], "codec_params": {},
+                 "effective_step": 2 + v, "applied_unix_ns": int(at * 1e9)}
+                for v, at in applied.items()
+            ],
+        )  # fmt: skip
+        conn.execute(
+            insert(t["commands"]),
+            [
+                {"id": cid, "job": h.JOB, "kind": "config", "args": {}, "status": "applied",
+                 "reason": "", "version": v, "effective_step": 2 + v,
+                 "created_unix_s": applied[v] - 1, "updated_unix_s": applied[v],
+                 "aggregator_id": "a1"}
+                for cid, v in (("c-trial0", 1), ("c-best", 2), ("c-api", 3))
+            ],
+        )  # fmt: skip
+        conn.execute(
+            update(t["tuning_trials"])
+            .where(t["tuning_trials"].c.trial_index == 0)
+            .values(command_id="c-trial0")
+        )
+    engine.dispose()
+    report = report_from_db(f"sqlite:///{db}", h.JOB, now_unix_s=h.T0 + 100)
+    assert [(c.version, c.requested_by) for c in report.configs] == [
+        (1, "autotuner trial 0"),
+        (2, "the autotuner"),
+        (3, "you, via the API"),
+        (4, "you, in the training script"),
+    ]
+    text = render_text(report).split("Config changes")[1]
+    assert _row(text, "v3")[3:] == ["none, bucket 25 MB", "you, via the API"]
+    assert _row(text, "v1")[4] == "autotuner trial 0"

@@ -25,6 +25,7 @@ from torshmon.report.model import (
     TrialItem,
 )
 from torshmon.report.plots import MAX_LINES, plots
+from torshmon.report.series import MAX_POINTS, rank_series
 
 T0 = 1_700_000_000.0
 STEPS = 300
@@ -192,13 +193,82 @@ def test_each_config_version_applied_is_marked_at_its_step_rollbacks_too() -> No
         ConfigChange(3, 180, at[180], "none, bucket 25 MB"),  # the tuner rolls back
     )
     root = _svg(replace(report, configs=configs))
-    assert _texts(_by_id(root, "config-v2-label")) == ["v2: fp16, bucket 25 MB"]
+    assert _texts(_by_id(root, "config-v2-label")) == ["v2 (autotuner trial 1): fp16, bucket 25 MB"]
     assert _texts(_by_id(root, "config-v3-label")) == ["v3: none, bucket 25 MB"]
     hover = _by_id(root, "config-v2").findtext(f"{_NS}title", "")
     assert hover.startswith("step 150, ") and hover.endswith(
-        "config version 2 applied, fp16, bucket 25 MB (trial 1, kept)"
+        "config version 2 applied, fp16, bucket 25 MB (autotuner trial 1, kept)"
     )
     assert root.find(".//*[@id='config-s1-1']") is None  # the versions, not the trials
+
+
+def test_a_config_the_user_asked_for_is_named_as_theirs_beside_the_tuners() -> None:
+    report = _report()
+    at = {s: t for s, t in zip(report.series[0].step, report.series[0].time_unix_s, strict=True)}
+    configs = (
+        ConfigChange(2, 150, at[150], "fp16, bucket 25 MB", "autotuner trial 1"),
+        ConfigChange(3, 180, at[180], "none, bucket 4 MB", "you, via the API"),
+        ConfigChange(4, 220, at[220], "bf16, bucket 25 MB", "you, in the training script"),
+    )
+    root = _svg(replace(report, configs=configs))
+    assert _texts(_by_id(root, "config-v3-label")) == ["v3 (you, via the API): none, bucket 4 MB"]
+    assert _texts(_by_id(root, "config-v4-label")) == [
+        "v4 (you, in the training script): bf16, bucket 25 MB"
+    ]
+    assert (
+        _by_id(root, "config-v3")
+        .findtext(f"{_NS}title", "")
+        .endswith("config version 3 applied, none, bucket 4 MB (you, via the API)")
+    )
+    assert (
+        _by_id(root, "config-v2").findtext(f"{_NS}title", "").endswith("(autotuner trial 1, kept)")
+    )
+
+
+LONG_STEPS = 5_000
+LONG_HANG_STEP = 3_217
+
+
+def _long_run_series(rank: int) -> RankSeries:
+    """5 000 steps of ~30 ms (with a little jitter) and, on rank 0, one 6 s step."""
+    steps = np.arange(1, LONG_STEPS + 1, dtype=float)
+    duration = 0.030 + 0.002 * np.sin(steps)
+    if rank == 0:
+        duration[LONG_HANG_STEP - 1] = 6.0
+    ends = T0 + np.cumsum(duration)
+    return rank_series(
+        rank,
+        {
+            "step": steps,
+            "end_unix_ns": ends * 1e9,
+            "duration_s": duration,
+            "compute_s": duration * 0.8,
+            "communication_time_ratio": np.full(LONG_STEPS, 0.2),
+        },
+    )
+
+
+def test_a_long_runs_points_keep_each_spans_longest_step() -> None:
+    series = _long_run_series(0)
+    assert len(series.step) <= MAX_POINTS < LONG_STEPS
+    # the medians lose the hang: no point is near 6 s
+    assert max(v for v in series.duration_s if v is not None) < 0.05
+    # each span's peak keeps it, at its own step
+    assert max(series.duration_peak) == (6.0, LONG_HANG_STEP)
+    assert max(series.compute_peak) == (pytest.approx(4.8), LONG_HANG_STEP)
+    assert len(series.duration_peak) == len(series.step)
+    # a short run's points are its steps: no peaks to keep
+    assert _rank(0, straggler=False)[0].duration_peak == ()
+
+
+def test_a_one_step_hang_in_a_5000_step_run_is_marked_and_labelled() -> None:
+    report = _report()
+    long = tuple(_long_run_series(r) for r in range(2))
+    root = _svg(replace(report, series=long, alerts=(), trials=()))
+    assert _texts(_by_id(root, f"duration_s-outlier-step-{LONG_HANG_STEP}")) == [
+        f"step {LONG_HANG_STEP}: 6 s (rank 0)"
+    ]
+    assert max(_axis(root, "step time (ms)")) < 200  # the 30 ms steps stay readable
 
 
 def test_a_thousand_ranks_render_as_bands_and_the_worst_ranks_in_bounded_time() -> None:

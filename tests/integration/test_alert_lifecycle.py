@@ -96,7 +96,8 @@ def _settings(tmp_path: Path) -> AggregatorSettings:
 
 
 class Job:
-    """Two ranks posting steps through the ingest; ``heavy`` steps wait 80% in comm."""
+    """Two ranks posting steps through the ingest; ``heavy`` steps wait 80% in comm
+    (``wait_s`` of their 0.1 s, where given)."""
 
     def __init__(self, agg: AggregatorThread) -> None:
         self.agg = agg
@@ -110,9 +111,9 @@ class Job:
         assert self.agg.post_ingest(body)[0] == 200
         self.seq += 1
 
-    def steps(self, n: int, *, heavy: bool) -> None:
+    def steps(self, n: int, *, heavy: bool, wait_s: float | None = None) -> None:
         for _ in range(n):
-            wait = 0.08 if heavy else 0.01
+            wait = wait_s if wait_s is not None else 0.08 if heavy else 0.01
             self._post(
                 *(
                     wf.batch(h, self.step, [wf.step(self.step, duration_s=0.1, comm_wait_s=wait)])
@@ -229,6 +230,40 @@ def test_an_alert_that_fires_and_resolves_under_a_silence_is_never_told(
         # Rank 0's alert was told twice; rank 1's (silenced) neither time.
         assert hook.wait_for(2) == [("firing", "CommHeavy"), ("resolved", "CommHeavy")]
         assert _silenced_total(agg) == 2
+
+
+def test_an_open_alerts_stored_text_follows_its_value_and_nobody_is_told_again(
+    tmp_path: Path, hook: Hook
+) -> None:
+    """The API serves an open alert's latest figure, not the one it fired with; the
+    webhook hears the firing once, the revision never."""
+    with AggregatorThread(
+        _settings(tmp_path), targets=[WebhookTarget(hook.url, name="ops")]
+    ) as agg:
+        agg.aggregator.alerts.revise_every_s = 0.0  # revise at every evaluation
+        job = Job(agg)
+        job.steps(3, heavy=True)
+        assert sorted(job.evaluate()) == [("firing", "0"), ("firing", "1")]
+        status, listed = _api(agg, "GET", "/api/v1/alerts?state=firing")
+        assert status == 200
+        assert [a["annotations"]["summary"].split(" (")[0] for a in listed["alerts"]] == [
+            "Comm Heavy: communication_time_ratio is 0.8"
+        ] * 2
+
+        job.steps(3, heavy=True, wait_s=0.095)
+        assert job.evaluate() == []  # no transition: the value moved, the state did not
+        status, listed = _api(agg, "GET", "/api/v1/alerts?state=firing")
+        assert status == 200
+        summaries = sorted(a["annotations"]["summary"] for a in listed["alerts"])
+        assert [s.split(" (")[0] for s in summaries] == [
+            "Comm Heavy: communication_time_ratio is 0.95"
+        ] * 2
+        assert [a["value"] for a in listed["alerts"]] == [pytest.approx(0.95)] * 2
+        assert "rank=1" in summaries[1]
+        assert hook.wait_for(2) == [("firing", "CommHeavy"), ("firing", "CommHeavy")]
+        job.steps(1, heavy=True, wait_s=0.09)
+        job.evaluate()
+        assert len(hook.wait_for(3, timeout_s=1.0)) == 2  # still told once each
 
 
 def test_bad_requests_get_a_4xx_that_names_the_problem(tmp_path: Path) -> None:

@@ -507,15 +507,19 @@ class Aggregator:
                 now, self.live.series, findings, self.live.config_switches(), self.live.runs()
             )
         ]
+        # An open alert's stored text follows its figures; only transitions notify.
+        revised = [self._recommend_memory(a) for a in self.alerts.revised(now)]
         episodes = self.episodes.evaluate(findings, now)
         self.live.set_alerts(self.alerts.active())
         # Transitions happen once: if their write fails they are kept and written with the
         # next tick's, and notifications and actions below still go out now.
         self._unwritten_findings += episodes
         self._unwritten_alerts += transitions
-        if self._unwritten_findings or self._unwritten_alerts:
+        if self._unwritten_findings or self._unwritten_alerts or revised:
             try:
-                await self.store.record(self._unwritten_findings, self._unwritten_alerts, now)
+                await self.store.record(
+                    self._unwritten_findings, self._unwritten_alerts, now, revised
+                )
             except Exception:
                 log.exception("storing findings and alert transitions failed; retrying next tick")
             else:

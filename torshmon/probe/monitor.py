@@ -603,8 +603,6 @@ class Monitor:
             log.warning("torshmon: recording %s failed; skipping", what, exc_info=True)
 
 
-
-
 def _host_loss(loss: object) -> object:
     """The step's loss as handed to the shipper: a plain CPU tensor's value read now (as
     cheap as detaching it, and the fast lane can judge a float as the step ends), any

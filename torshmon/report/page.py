@@ -13,12 +13,14 @@ from __future__ import annotations
 import functools
 import urllib.parse
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import jinja2
 from markupsafe import Markup
 
-from torshmon.report.model import JobReport, alert_groups, finding_tree, is_running, to_json
+from torshmon.report.findings import finding_tree
+from torshmon.report.model import JobReport, alert_groups, is_running, to_json
 from torshmon.report.plots import plots
 from torshmon.report.text import (
     finding_effort,
@@ -94,9 +96,31 @@ def render_page(
     )
 
 
-def render_index(jobs: Sequence[Mapping[str, Any]], now_unix_s: float) -> str:
-    """The list of jobs (``jobs`` rows: job, world_size, backend, *_seen_unix_ns)."""
-    return _environment().get_template("index.html").render(jobs=jobs, now=now_unix_s)
+@dataclass(frozen=True, slots=True)
+class JobLead:
+    """What the list of jobs says of one: the sentence its latest run's report leads
+    with (``JobReport.headline``) and whether that run is still going."""
+
+    headline: str
+    running: bool
+
+    @classmethod
+    def of(cls, report: JobReport) -> JobLead:
+        return cls(report.headline, report.running)
+
+
+def render_index(
+    jobs: Sequence[Mapping[str, Any]],
+    now_unix_s: float,
+    leads: Mapping[str, JobLead] | None = None,
+) -> str:
+    """The list of jobs (``jobs`` rows: job, world_size, backend, *_seen_unix_ns), each
+    with its ``leads`` entry where there is one (else its state from ``last_seen``)."""
+    return (
+        _environment()
+        .get_template("index.html")
+        .render(jobs=jobs, now=now_unix_s, leads=leads or {})
+    )
 
 
 def render_login(*, next_url: str, failed: bool) -> str:

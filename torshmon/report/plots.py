@@ -163,6 +163,20 @@ def _values(series: RankSeries, what: str, scale: float) -> np.ndarray:
     return np.array([math.nan if v is None else v * scale for v in values], dtype=float)
 
 
+#: The ``RankSeries`` field that keeps each span's peak of a plotted one.
+_PEAKS: Final = {"duration_s": "duration_peak", "compute_s": "compute_peak"}
+
+
+def _peaks(series: RankSeries, what: str, scale: float) -> list[tuple[int, float]]:
+    """(step, value) of each point's longest step: a span's peak where the points are
+    medians of several steps (``RankSeries.duration_peak``), else the points themselves."""
+    peaks = getattr(series, _PEAKS[what]) if what in _PEAKS else ()
+    if peaks:
+        return [(step, v * scale) for v, step in peaks if v is not None]
+    y = _values(series, what, scale)
+    return [(s, float(v)) for s, v in zip(series.step, y, strict=True) if not math.isnan(v)]
+
+
 def _limit(
     report: JobReport, what: str, scale: float, lines: list[RankSeries]
 ) -> tuple[float, float] | None:
@@ -180,7 +194,10 @@ def _limit(
         if len(own) >= 4:
             typical = max(typical, float(np.quantile(own, 0.9)))
     top = max(typical * _HEADROOM, float(np.median(pooled)) * 2.0)
-    highest = float(pooled.max())
+    # a span's longest step counts too: one hang among 5 000 steps is no median
+    highest = max(
+        [float(pooled.max())] + [v for s in report.series for _, v in _peaks(s, what, scale)]
+    )
     return (top, highest) if highest > top and top > 0 else None
 
 
@@ -253,12 +270,12 @@ def _outliers(
     titles: dict[str, str],
     clock: _Clock,
 ) -> None:
-    """A marker on the top edge at each step with a value above ``top``, labelled with
-    the step and the largest value there (the ``_MAX_LABELS`` largest labelled)."""
+    """A marker on the top edge at each step with a value above ``top`` (a span's longest
+    step where points are medians), labelled with the step and the largest value there
+    (the ``_MAX_LABELS`` largest labelled)."""
     worst: dict[int, tuple[float, int]] = {}
     for series in report.series:
-        y = _values(series, what, scale)
-        for step, value in zip(series.step, y, strict=True):
+        for step, value in _peaks(series, what, scale):
             if value > top and value > worst.get(step, (-1.0, 0))[0]:
                 worst[step] = (float(value), series.rank)
     if not worst:
@@ -411,8 +428,8 @@ def _alert_marks(
 
 def _config_marks(ax: Any, report: JobReport, clock: _Clock, titles: dict[str, str]) -> None:
     """A dashed line at each config the job applied (the tuner's trials, its rollbacks,
-    ``request_config``), labelled with that config; with no config versions stored,
-    each tuning trial's start."""
+    the user's requests), labelled with that config and who asked for it; with no config
+    versions stored, each tuning trial's start."""
     first, last = report.first_seen_unix_s - 30, report.last_seen_unix_s + 30
     changes = [c for c in report.configs if first <= c.applied_unix_s <= last]
     marks: list[tuple[str, float, str, str]] = []  # gid, step, label, hover
@@ -426,16 +443,20 @@ def _config_marks(ax: Any, report: JobReport, clock: _Clock, titles: dict[str, s
             ),
             None,
         )
-        by = (
-            ""
-            if trial is None
-            else f" (trial {trial.trial_index}, {trial.decision or 'undecided'})"
+        asked = change.requested_by
+        if not asked and trial is not None:  # a report made before configs said who asked
+            asked = f"autotuner trial {trial.trial_index}"
+        decided = (
+            f", {trial.decision or 'undecided'}"
+            if trial is not None and asked.startswith("autotuner trial")
+            else ""
         )
         marks.append((
             f"config-v{change.version}", float(change.effective_step),
-            f" v{change.version}: {change.config_text}",
+            f" v{change.version}" + (f" ({asked})" if asked else "") + f": {change.config_text}",
             f"step {change.effective_step}, {when(change.applied_unix_s)}: config version "
-            f"{change.version} applied, {change.config_text}{by}",
+            f"{change.version} applied, {change.config_text}"
+            + (f" ({asked}{decided})" if asked else ""),
         ))  # fmt: skip
     if not changes:
         for trial in report.trials:

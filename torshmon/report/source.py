@@ -23,7 +23,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from torshmon.history.db import DatabaseConfigError, make_engine
 from torshmon.history.store.report import UnknownRun, job_names, load_job_history
 from torshmon.redact import redact_url
-from torshmon.report.model import EvidenceLink, JobReport, build_report, from_json
+from torshmon.report.build import build_report
+from torshmon.report.model import EvidenceLink, JobReport, from_json
 
 #: The aggregator's route that answers a job's report as JSON (``to_json``).
 REPORT_DATA_PATH: Final = "/api/v1/jobs/{job}/summary"

@@ -7,7 +7,8 @@ import time
 from collections.abc import Sequence
 
 from torshmon.aggregator.core.findings import loss_text
-from torshmon.report.model import FindingItem, JobReport, alert_groups, finding_tree
+from torshmon.report.findings import finding_tree
+from torshmon.report.model import FindingItem, JobReport, alert_groups
 
 _WIDTH = 100
 
@@ -21,6 +22,7 @@ def render_text(report: JobReport) -> str:
         _findings(report),
         _alerts(report),
         _tuning(report),
+        _configs(report),
     ]
     return "\n\n".join(s for s in sections if s) + "\n"
 
@@ -268,3 +270,16 @@ def _tuning(r: JobReport) -> str:
             ]  # fmt: skip
             lines.append(textwrap.indent(table(header, rows), "  "))
     return "\n".join(lines)
+
+
+def _configs(r: JobReport) -> str:
+    """The config versions the job applied and who asked for each; empty if none."""
+    if not r.configs:
+        return ""
+    header = ("version", "from step", "applied", "config", "requested by")
+    rows = [
+        (f"v{c.version}", str(c.effective_step), when(c.applied_unix_s), c.config_text,
+         c.requested_by or "-")
+        for c in r.configs
+    ]  # fmt: skip
+    return _title("Config changes") + "\n" + table(header, rows)

@@ -22,6 +22,11 @@ instance moves ``inactive -> pending -> firing -> resolved``:
 A series that expires from the store (its ``retention_s``) or is forgotten (a
 finished job) is no longer seen: an ``absent`` alert on it resolves then.
 
+While an alert is open its stored text follows what it quotes: ``revised`` gives the
+open alerts whose annotations changed (a straggler's ratio, a threshold's value), at
+most every ``revise_every_s`` each, for the store to rewrite. They are no transitions:
+nobody is notified of a figure that moved.
+
 Metric rules ignore series whose newest point is older than ``stale_after_s``
 (a rank that stopped reporting must not hold a threshold alert forever; the
 ``absent`` kind is for silence). ``Alert.value`` is never NaN or infinite (it is
@@ -125,6 +130,9 @@ class _Instance:
     value: float
     finding: Finding | None
     base_annotations: Mapping[str, str]
+    #: The annotations last handed out for storage (a transition or a revision), and when.
+    stored_annotations: Mapping[str, str] = field(default_factory=dict)
+    stored_at_s: float = -math.inf
 
 
 class _Fields(dict[str, object]):
@@ -139,15 +147,22 @@ class AlertEngine:
     """Evaluates a RuleSet about once a second and tracks every alert instance.
 
     ``stale_after_s``: metric rules ignore series with no point for this long.
+    ``revise_every_s``: an open alert's stored text is revised at most this often (a
+    threshold's summary quotes a value that moves at every evaluation).
     Not thread safe: one engine belongs to the aggregator's event loop.
-    Raises ValueError for a non-positive ``stale_after_s``.
+    Raises ValueError for a non-positive ``stale_after_s`` or a negative ``revise_every_s``.
     """
 
-    def __init__(self, rules: RuleSet, *, stale_after_s: float = 300.0) -> None:
+    def __init__(
+        self, rules: RuleSet, *, stale_after_s: float = 300.0, revise_every_s: float = 10.0
+    ) -> None:
         if not stale_after_s > 0:
             raise ValueError(f"stale_after_s must be positive, got {stale_after_s}")
+        if not revise_every_s >= 0:
+            raise ValueError(f"revise_every_s must be >= 0 seconds, got {revise_every_s}")
         self.rules = rules
         self.stale_after_s = stale_after_s
+        self.revise_every_s = revise_every_s
         self._by_name = {rule.name: rule for rule in rules}
         self._instances: dict[str, dict[LabelSet, _Instance]] = {rule.name: {} for rule in rules}
         self._cooldown_until: dict[tuple[str, LabelSet], float] = {}
@@ -239,9 +254,9 @@ class AlertEngine:
             if instance.state == "pending" and now - instance.active_since_s >= pending_for_s:
                 instance.state = "firing"
                 instance.fired_at_s = now
-                transitions.append(self._alert(instance, "firing", None))
+                transitions.append(self._stored(instance, "firing", now))
             elif is_new:
-                transitions.append(self._alert(instance, "pending", None))
+                transitions.append(self._stored(instance, "pending", now))
         gone = [key for key in instances if key not in hits]
         for key in gone:
             instance = instances.pop(key)
@@ -456,6 +471,30 @@ class AlertEngine:
             actions=rule.actions if fired else (),
         )
 
+    def _stored(self, instance: _Instance, state: AlertState, now: float) -> Alert:
+        """``instance``'s alert as it goes to storage, its text noted for ``revised``."""
+        alert = self._alert(instance, state, None)
+        instance.stored_annotations, instance.stored_at_s = alert.annotations, now
+        return alert
+
+    def revised(self, now_unix_s: float) -> list[Alert]:
+        """The open alerts whose text changed since it was last stored, each at most every
+        ``revise_every_s``: to rewrite their stored annotations and value, never to notify
+        (their state is unchanged). Call after ``evaluate``."""
+        out = []
+        for instances in self._instances.values():
+            for instance in instances.values():
+                if now_unix_s - instance.stored_at_s < self.revise_every_s:
+                    continue
+                alert = self._alert(instance, instance.state, None)
+                if alert.annotations != instance.stored_annotations:
+                    instance.stored_annotations, instance.stored_at_s = (
+                        alert.annotations,
+                        now_unix_s,
+                    )
+                    out.append(alert)
+        return out
+
     def _annotations(self, instance: _Instance) -> dict[str, str]:
         rule = instance.rule
         annotations = dict(instance.base_annotations)
@@ -529,6 +568,7 @@ class AlertEngine:
                 value=math.nan if alert.value is None else alert.value,
                 finding=None,
                 base_annotations=dict(alert.annotations),
+                stored_annotations=dict(alert.annotations),
             )
 
 

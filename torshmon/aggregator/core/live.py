@@ -561,7 +561,7 @@ class LiveState:
         kept = [
             dataclasses.replace(f, since_unix_s=since.get(f.key(), f.since_unix_s)) for f in found
         ]
-        return rank_findings(kept, others, snapshot)
+        return rank_findings(kept, others, snapshot, thresholds=self.thresholds)
 
     def report(self, job: str, now_unix_s: float) -> list[Finding] | None:
         """The bottleneck report of ``job``, highest priority first (None if the job is

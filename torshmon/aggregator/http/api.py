@@ -26,7 +26,15 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from torshmon.aggregator.core.commands import CommandError, CommandStatus
-from torshmon.aggregator.core.findings import Finding
+from torshmon.aggregator.core.findings import (
+    EXPLAINED_BY_KEY,
+    EXPLAINED_BY_NAME_KEY,
+    LOSS_KEY,
+    STEP_KEY,
+    WHAT_IF_KEY,
+    Finding,
+    cause_id,
+)
 from torshmon.aggregator.core.tuner import TunerError
 from torshmon.aggregator.http.connections import CONNECTIONS, Connections
 from torshmon.aggregator.http.guard import RequestGuard, read_body
@@ -504,8 +512,11 @@ def _command_json(status: CommandStatus) -> dict[str, Any]:
 
 
 def finding_json(f: Finding) -> dict[str, Any]:
-    """A finding of the bottleneck report as the API answers it (priority order)."""
+    """A finding of the bottleneck report as the API answers it (priority order): a
+    symptom names the ``id`` of its cause in ``explained_by``; a cause carries the job's
+    step time with and without it and the share of throughput it costs."""
     rank = f.labels.get("rank", "")
+    details = f.details
     return {
         "kind": f.kind,
         "category": f.category or None,
@@ -519,4 +530,18 @@ def finding_json(f: Finding) -> dict[str, Any]:
         "rank": int(rank) if rank.isdecimal() else None,
         "labels": dict(f.labels),
         "since_unix_s": f.since_unix_s,
+        "id": cause_id(f.kind, f.labels),
+        "explained_by": _text_or_none(details.get(EXPLAINED_BY_KEY)),
+        "explained_by_name": _text_or_none(details.get(EXPLAINED_BY_NAME_KEY)),
+        "step_s": _finite_or_none(details.get(STEP_KEY)),
+        "what_if_step_s": _finite_or_none(details.get(WHAT_IF_KEY)),
+        "throughput_loss_ratio": _finite_or_none(details.get(LOSS_KEY)),
     }
+
+
+def _finite_or_none(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _text_or_none(value: object) -> str | None:
+    return str(value) if value else None

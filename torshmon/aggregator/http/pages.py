@@ -31,6 +31,7 @@ from torshmon.history.store.report import UnknownRun
 from torshmon.report.model import JobReport, to_json
 from torshmon.report.page import (
     CONTENT_SECURITY_POLICY,
+    JobLead,
     render_index,
     render_login,
     render_not_found,
@@ -43,6 +44,10 @@ LOGIN_PATH: Final = "/login"
 REFRESH_S: Final = 15
 #: How long a rendered page is served again to other viewers, seconds.
 PAGE_REUSE_S: Final = 5.0
+#: The list of jobs reads the latest report of its most recently seen jobs for as long as
+#: this (seconds; at least one), each kept until its job is heard from again (a running
+#: one for ``REFRESH_S``): a large job's report takes seconds to make.
+LEADS_BUDGET_S: Final = 3.0
 _MAX_FORM_BYTES: Final = 16 * 1024
 _HEADERS: Final = {
     "Content-Security-Policy": CONTENT_SECURITY_POLICY,
@@ -86,6 +91,7 @@ class Pages:
         self._locks: dict[str, asyncio.Lock] = {}
         self._pages: dict[str, tuple[float, str]] = {}  # job -> (made at, page)
         self._refresh_s: dict[str, int] = {}  # job -> 3x its latest render time
+        self._leads: dict[str, tuple[float, float, JobLead]] = {}  # job -> (at, last seen, lead)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_get("/", self.index)
@@ -104,7 +110,38 @@ class Pages:
         if not self._signed_in(request):
             return self._login_page(request)
         jobs = await self._reports.job_list()
-        return html_response(render_index(jobs, self._clock()))
+        async with self._locks.setdefault("\0index", asyncio.Lock()):
+            leads = await self._read_leads(jobs)
+        return html_response(render_index(jobs, self._clock(), leads))
+
+    async def _read_leads(self, jobs: list[dict[str, Any]]) -> dict[str, JobLead]:
+        """Each job's ``JobLead`` as its latest report has it, from ``_leads`` while it is
+        current, else read (the most recently seen first) within ``LEADS_BUDGET_S``."""
+        started = time.monotonic()
+        leads: dict[str, JobLead] = {}
+        for row in jobs:
+            job, seen = row["job"], row["last_seen_unix_ns"] / 1e9
+            now = self._clock()
+            kept = self._leads.get(job)
+            current = kept is not None and kept[1] == seen
+            if kept is not None and current and (not kept[2].running or now - kept[0] < REFRESH_S):
+                leads[job] = kept[2]
+                continue
+            if leads and time.monotonic() - started > LEADS_BUDGET_S:
+                continue  # the next visit reads it
+            try:
+                report = await self._reports.job_report(job, now)
+            except UnknownRun:
+                report = None
+            if report is not None:
+                leads[job] = self._keep_lead(report, now)
+        return leads
+
+    def _keep_lead(self, report: JobReport, now: float) -> JobLead:
+        lead = JobLead.of(report)
+        if not report.run_id or report.run_id == (report.runs[-1].run_id if report.runs else ""):
+            self._leads[report.job] = (now, report.last_seen_unix_s, lead)
+        return lead
 
     async def job(self, request: web.Request) -> web.Response:
         if not self._signed_in(request):
@@ -128,6 +165,7 @@ class Pages:
             if report is None:
                 self._locks.pop(key, None)  # else every unknown name would stay here
                 return html_response(render_not_found(job), 404)
+            self._keep_lead(report, self._clock())  # the list of jobs says the same
             loop = asyncio.get_running_loop()
             page = await loop.run_in_executor(None, _render, report, self._refresh_s.get(job))
             # A large job's page takes long to make: its viewers reload it less often.

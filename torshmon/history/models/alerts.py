@@ -45,9 +45,9 @@ class Alert(Base):
     rank: Mapped[int | None] = mapped_column(Integer, comment="Rank at fault, if one.")
     labels: Mapped[dict[str, str]] = mapped_column(JSON, comment="Alert labels, JSON object.")
     annotations: Mapped[dict[str, str]] = mapped_column(
-        JSON, comment="summary, description, recommendation, JSON object."
+        JSON, comment="summary, description, recommendation (JSON); follow its figures while open."
     )
-    value: Mapped[float | None] = mapped_column(Float, comment="Value that triggered the rule.")
+    value: Mapped[float | None] = mapped_column(Float, comment="Rule's value, latest while open.")
     starts_at_unix_s: Mapped[float] = mapped_column(
         Float, comment="When the condition began, Unix time in seconds."
     )
@@ -58,7 +58,7 @@ class Alert(Base):
         Float, comment="When it resolved, Unix time in seconds."
     )
     updated_unix_s: Mapped[float] = mapped_column(
-        Float, comment="Latest state change, Unix time in seconds."
+        Float, comment="Latest state change or rewrite of its text, Unix time in seconds."
     )
     aggregator_id: Mapped[str | None] = mapped_column(
         String(128), comment="The aggregator shard that evaluated it."

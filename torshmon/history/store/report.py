@@ -68,6 +68,9 @@ class JobHistory:
     #: All the job's runs, the oldest first, each a ``runs`` row with ``ended_unix_ns``
     #: (the next run's start; None for the latest).
     runs: list[dict[str, Any]] = field(default_factory=list)
+    #: The commands sent to the job (``commands`` rows, the oldest first): which config
+    #: version the API or the autotuner asked for.
+    commands: list[dict[str, Any]] = field(default_factory=list)
 
 
 class UnknownRun(LookupError):
@@ -177,6 +180,7 @@ def load_job_history(
         evidence=evidence_links(conn, alerts),
         run=None if chosen is None else dict(chosen),
         runs=runs,
+        commands=_all(conn, _T["commands"], job, "created_unix_s", seconds),
     )
 
 

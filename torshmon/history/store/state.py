@@ -92,13 +92,25 @@ class HistoryStore:
     # -- alerts and findings -----------------------------------------------------------
 
     async def record(
-        self, findings: Sequence[FindingChange], alerts: Sequence[Alert], now_unix_s: float
+        self,
+        findings: Sequence[FindingChange],
+        alerts: Sequence[Alert],
+        now_unix_s: float,
+        revised: Sequence[Alert] = (),
     ) -> None:
-        """Open, update and close finding episodes and store alert transitions, in one
-        transaction (a failed write can be retried whole, in the same order)."""
-        await self._write(self._record, list(findings), list(alerts), now_unix_s)
+        """Open, update and close finding episodes and store alert transitions, then
+        rewrite the text and value of the open alerts in ``revised`` (no event: their
+        state did not change), in one transaction (a failed write can be retried whole,
+        in the same order)."""
+        await self._write(self._record, list(findings), list(alerts), now_unix_s, list(revised))
 
-    def _record(self, findings: list[FindingChange], alerts: list[Alert], now: float) -> None:
+    def _record(
+        self,
+        findings: list[FindingChange],
+        alerts: list[Alert],
+        now: float,
+        revised: list[Alert] | None = None,
+    ) -> None:
         if self._engine is None:
             return
         rows: dict[FindingKey, int | None] = {}
@@ -109,6 +121,8 @@ class HistoryStore:
             opened: dict[str, int | None] = {}
             for alert in alerts:
                 opened[alert.fingerprint] = self._record_alert(conn, alert, now, opened)
+            for alert in revised or ():
+                self._revise_alert(conn, alert, now, opened)
         # Only once committed: a failed write is retried whole with the next tick's.
         for key, finding_id in rows.items():
             if finding_id is None:
@@ -214,6 +228,21 @@ class HistoryStore:
             .values(alert_id=row_id, state=alert.state, ts_unix_s=now, value=alert.value)
         )
         return None if alert.state == "resolved" else row_id
+
+    def _revise_alert(
+        self, conn: Connection, alert: Alert, now: float, opened: Mapping[str, int | None]
+    ) -> None:
+        """Rewrite the annotations and value of ``alert``'s open row (none: nothing)."""
+        fingerprint = alert.fingerprint
+        row_id = opened[fingerprint] if fingerprint in opened else self._alert_rows.get(fingerprint)
+        if row_id is None:
+            return
+        table = _T["alerts"]
+        conn.execute(
+            update(table)
+            .where(table.c.id == row_id)
+            .values(annotations=dict(alert.annotations), value=alert.value, updated_unix_s=now)
+        )
 
     async def open_alerts(self) -> list[Alert]:
         """The pending and firing alerts this aggregator left, to resume them."""
