@@ -176,13 +176,20 @@ def _python(code: str, env: dict[str, str]) -> str:
 def test_the_bootstrap_imports_torch_nowhere_and_waits_for_it() -> None:
     env = child_env({k: v for k, v in os.environ.items() if k != "TORSHMON_AUTO"})
     probe = (
-        "import sys; "
-        "print(sorted(m for m in ('torch', 'torshmon.probe.autoattach') if m in sys.modules))"
+        "import sys; print(sorted(m for m in "
+        "('torch', 'torshmon.probe.autoattach', 'torch.distributed.fsdp') if m in sys.modules))"
     )
     # A process that never imports torch: neither torch nor the probe is loaded.
     assert _python(probe, env) == "[]"
     # One that does: the automatic attach is installed once torch has imported.
     assert _python("import torch; " + probe, env) == "['torch', 'torshmon.probe.autoattach']"
+    # FSDP is not imported for it; a script that imports fully_shard gets the wrapper.
+    wrapped = (
+        "from torch.distributed.fsdp import fully_shard; "
+        "print(fully_shard.__code__.co_filename.endswith('autoattach.py'))"
+    )
+    assert _python(wrapped, env) == "True"
+    assert _python(wrapped, {**env, "TORSHMON_AUTO": "0"}) == "False"
     # The switch off: the bootstrap on the path does nothing.
     assert _python("import torch; " + probe, {**env, "TORSHMON_AUTO": "0"}) == "['torch']"
 
