@@ -225,10 +225,16 @@ PL_BATCH = 4
 PL_ACCUMULATION = 2
 
 
-def _pl_train(rank: int, out: str, callbacks: list[Any]) -> tuple[Any, list[float]]:
+def _pl_train(
+    rank: int, out: str, callbacks: list[Any], fsdp: bool = False
+) -> tuple[Any, list[float]]:
+    """Lightning's DDP strategy, or with ``fsdp`` its FSDP2 one (``ModelParallelStrategy``:
+    the module shards its layers itself in ``configure_model``)."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
 
     class Regression(pl.LightningModule):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -237,6 +243,13 @@ def _pl_train(rank: int, out: str, callbacks: list[Any]) -> tuple[Any, list[floa
                 torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
             )
             self.losses: list[float] = []
+
+        def configure_model(self) -> None:
+            if fsdp:
+                mesh = self.device_mesh["data_parallel"]
+                for layer in (self.net[0], self.net[2]):
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(self.net, mesh=mesh)
 
         def forward(self, x: Any) -> Any:
             return self.net(x)
@@ -261,16 +274,17 @@ def _pl_train(rank: int, out: str, callbacks: list[Any]) -> tuple[Any, list[floa
     x, y = torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator)
     data = torch.utils.data.TensorDataset(x, y)
     loader = torch.utils.data.DataLoader(data, batch_size=PL_BATCH)
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        strategy=strategy if fsdp else "ddp",
         max_steps=PL_STEPS,
         accumulate_grad_batches=PL_ACCUMULATION,
         val_check_interval=2 * PL_ACCUMULATION,  # validation after optimizer step 2
         limit_val_batches=2,
         num_sanity_val_steps=0,
-        logger=CSVLogger(out, name="pl-run"),
+        logger=CSVLogger(out, name="pl-fsdp" if fsdp else "pl-run"),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -312,6 +326,79 @@ async def test_lightning_callback(tmp_path: Path) -> None:
     )
     assert {(0, 3), (1, 3)} <= set(reduces), reduces
     assert not {step for _, step in reduces} & {2, 4}, reduces  # no validation before them
+
+
+def _pl_fsdp_rank(rank: int, world: int, sock: str, tmp: str) -> dict[str, Any]:
+    import logging
+
+    from torshmon.integrations.lightning import TorshmonCallback
+
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torshmon.integrations").addHandler(handler)
+    logging.getLogger("torshmon.integrations").setLevel(logging.INFO)
+    bare, bare_losses = _pl_train(rank, f"{tmp}/bare", [], fsdp=True)
+    callback = TorshmonCallback(agent_socket=sock, flush_interval_s=0.05)
+    watched, losses = _pl_train(rank, f"{tmp}/watched", [callback], fsdp=True)
+    return {
+        "identical": _same_weights(bare, watched) and bare_losses == losses,
+        "losses": losses,
+        "sharded": type(watched.net).__name__,
+        "said": said,
+    }
+
+
+async def test_lightning_callback_under_fsdp2(tmp_path: Path) -> None:
+    """Lightning's FSDP2 strategy (``ModelParallelStrategy``) on 2 CPU gloo ranks: the
+    callback finds the sharded module, records each optimizer step with its all-gathers
+    and reduce-scatters, and the losses and weights are those of a run without it."""
+    async with aggregator_and_agent(tmp_path, "integ") as (aggregator, agent_settings):
+        results = await asyncio.to_thread(
+            run_ranks,
+            _pl_fsdp_rank,
+            2,
+            agent_settings.socket_path,
+            str(tmp_path),
+            timeout_s=TIMEOUT_S,
+            env=ENV,
+        )
+        kind = aggregator.live.job_kind("pl-fsdp")
+        for _ in range(100):
+            if kind is not None:
+                break
+            await asyncio.sleep(0.2)
+            kind = aggregator.live.job_kind("pl-fsdp")
+    db_url = f"sqlite:///{tmp_path / 'history.db'}"
+    for rank, result in enumerate(results):
+        assert result["identical"], rank
+        assert result["sharded"].startswith("FSDP"), result["sharded"]  # fully_shard ran
+        # The callback found the FSDP2 module inside the LightningModule and said so.
+        said = "torshmon: FSDP2 in Regression: collectives and steps only"
+        assert said in result["said"], result
+    by_rank = _check_steps(db_url, "pl-fsdp", PL_STEPS, PL_BATCH * PL_ACCUMULATION)
+    for rank in (0, 1):
+        micro = results[rank]["losses"]
+        expected = [statistics.mean(micro[i : i + 2]) for i in range(0, len(micro), 2)]
+        assert [r[3] for r in by_rank[rank]] == pytest.approx(expected, rel=1e-5)
+        # The validation after step 2 (2 passes) is not input wait before step 3.
+        after_eval = by_rank[rank][2][2]
+        assert after_eval is not None and after_eval < EVAL_PASS_S, after_eval
+    # Every step all-gathers the sharded layers' parameters and reduce-scatters their
+    # gradients, on both ranks.
+    ops = _rows(
+        db_url,
+        "SELECT rank, step, "
+        "sum(CASE WHEN op LIKE 'all_gather%' THEN count ELSE 0 END), "
+        "sum(CASE WHEN op LIKE 'reduce_scatter%' THEN count ELSE 0 END) "
+        "FROM collectives WHERE job = 'pl-fsdp' GROUP BY rank, step ORDER BY rank, step",
+    )
+    for rank in (0, 1):
+        for step in range(1, PL_STEPS + 1):
+            [(gathers, scatters)] = [(g, s) for r, st, g, s in ops if (r, st) == (rank, step)]
+            assert gathers >= 2 and scatters >= 2, (rank, step, ops)
+    # ... and the aggregator reads the job as FSDP2.
+    assert kind == "fsdp2"
 
 
 # -- Accelerate -------------------------------------------------------------------------

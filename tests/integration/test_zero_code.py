@@ -7,6 +7,7 @@ in the history."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import subprocess
@@ -189,13 +190,20 @@ def _python(code: str, env: dict[str, str]) -> str:
 def test_the_bootstrap_imports_torch_nowhere_and_waits_for_it() -> None:
     env = child_env({k: v for k, v in os.environ.items() if k != "TORSHMON_AUTO"})
     probe = (
-        "import sys; "
-        "print(sorted(m for m in ('torch', 'torshmon.probe.autoattach') if m in sys.modules))"
+        "import sys; print(sorted(m for m in "
+        "('torch', 'torshmon.probe.autoattach', 'torch.distributed.fsdp') if m in sys.modules))"
     )
     # A process that never imports torch: neither torch nor the probe is loaded.
     assert _python(probe, env) == "[]"
     # One that does: the automatic attach is installed once torch has imported.
     assert _python("import torch; " + probe, env) == "['torch', 'torshmon.probe.autoattach']"
+    # FSDP is not imported for it; a script that imports fully_shard gets the wrapper.
+    wrapped = (
+        "from torch.distributed.fsdp import fully_shard; "
+        "print(fully_shard.__code__.co_filename.endswith('autoattach.py'))"
+    )
+    assert _python(wrapped, env) == "True"
+    assert _python(wrapped, {**env, "TORSHMON_AUTO": "0"}) == "False"
     # The switch off: the bootstrap on the path does nothing.
     assert _python("import torch; " + probe, {**env, "TORSHMON_AUTO": "0"}) == "['torch']"
 
@@ -214,3 +222,136 @@ def test_a_bad_variable_leaves_the_job_unwatched_with_one_line() -> None:
         "torshmon: could not prepare the automatic attach (SettingsError: TORSHMON_CPU_WAIT: "
         "cpu_wait must be true or false, got 'nope'); monitoring is off\n"
     )
+
+
+# -- FSDP2 ------------------------------------------------------------------------------
+
+#: the layers ``fully_shard`` shards one by one (the root holds no parameters of its own)
+FSDP_WIDTHS = (32, 64, 4)
+#: an unmodified FSDP2 script: every layer sharded, then the root; an evaluation pass
+#: (of another batch size) after step 2; each rank writes its losses to a file (the
+#: ranks' prints would interleave)
+FSDP_SCRIPT = f"""\
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+net = torch.nn.Sequential(
+    torch.nn.Linear({FSDP_WIDTHS[0]}, {FSDP_WIDTHS[1]}),
+    torch.nn.ReLU(),
+    torch.nn.Linear({FSDP_WIDTHS[1]}, {FSDP_WIDTHS[2]}),
+)
+for layer in (net[0], net[2]):
+    fully_shard(layer)
+model = fully_shard(net)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+loss_fn = torch.nn.MSELoss()
+generator = torch.Generator().manual_seed(dist.get_rank())
+losses = []
+for step in range({STEPS}):
+    x = torch.randn({BATCH}, {FSDP_WIDTHS[0]}, generator=generator)
+    y = torch.randn({BATCH}, {FSDP_WIDTHS[2]}, generator=generator)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.item())
+    if step == 1:
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(3 * {BATCH}, {FSDP_WIDTHS[0]}))
+        model.train()
+with open(f"losses-{{dist.get_rank()}}.txt", "w") as out:
+    out.write(" ".join(float.hex(v) for v in losses))
+dist.destroy_process_group()
+"""
+
+
+def _losses(cwd: Path) -> list[str]:
+    """Each rank's losses, exact (in hex), in rank order; the files are removed (the
+    next run writes its own)."""
+    files = [cwd / f"losses-{rank}.txt" for rank in (0, 1)]
+    found = [f.read_text() for f in files]
+    for f in files:
+        f.unlink()
+    return found
+
+
+async def _job_kind(aggregator: Any, job: str, timeout_s: float = 60.0) -> str | None:
+    """The aggregator's reading of what the probe was attached to, once steps came."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (kind := aggregator.live.job_kind(job)) is None:
+        if asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    return kind
+
+
+async def test_torshmon_run_watches_an_unmodified_fsdp2_script(tmp_path: Path) -> None:
+    script = tmp_path / "train_fsdp.py"
+    script.write_text(FSDP_SCRIPT)
+    assert "torshmon" not in FSDP_SCRIPT
+    db_url = f"sqlite:///{tmp_path / 'history.db'}"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    torchrun += ["--nproc-per-node", "2", str(script)]
+    async with aggregator_and_agent(tmp_path, "zero-fsdp") as (aggregator, agent_settings):
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "TORSHMON_AGENT_SOCKET": agent_settings.socket_path,
+            "TORSHMON_JOB": "zero-fsdp",
+        }
+        env.pop("TORSHMON_AUTO", None)
+        runs = []
+        for command in (torchrun, [str(Path(sys.executable).parent / "torshmon"), "run", "--"]):
+            done = await asyncio.to_thread(
+                subprocess.run,
+                command if command is torchrun else [*command, *torchrun],
+                env=env,
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=240,  # two launches back to back on a busy box
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert "monitoring is off" not in done.stderr, done.stderr[-2000:]
+            runs.append(_losses(tmp_path))
+        kind = await _job_kind(aggregator, "zero-fsdp")
+    # The probe changed nothing: each rank's losses, bit for bit, as without it.
+    assert runs[1] == runs[0] and len(runs[0][0].split()) == STEPS
+    steps = _rows(
+        db_url,
+        "SELECT rank, step, batch_size, forward_s FROM steps WHERE job = 'zero-fsdp' "
+        "ORDER BY rank, step",
+    )
+    for rank in (0, 1):
+        mine = [row for row in steps if row[0] == rank]
+        # One row per optimizer step, the first included, each with the training batch
+        # size (the evaluation pass, three times wider, began none).
+        assert [row[1] for row in mine] == list(range(1, STEPS + 1)), steps
+        assert {row[2] for row in mine} == {BATCH}
+        assert {row[3] for row in mine} == {None}  # no DDP: no forward/backward split
+    # Each step's all-gathers (parameters before forward, and again in backward) and
+    # reduce-scatters (one per sharded layer), from the very first step.
+    collectives = _rows(
+        db_url,
+        "SELECT rank, step, op, count, size_bytes FROM collectives WHERE job = 'zero-fsdp' "
+        "AND (op LIKE 'all_gather%' OR op LIKE 'reduce_scatter%') ORDER BY rank, step",
+    )
+    layers = len(FSDP_WIDTHS) - 1
+    parameter_bytes = 4 * sum(a * b + b for a, b in itertools.pairwise(FSDP_WIDTHS))
+    for rank in (0, 1):
+        for step in range(1, STEPS + 1):
+            ops = {
+                op: (count, size) for r, s, op, count, size in collectives if (r, s) == (rank, step)
+            }
+            gathers = sum(c for op, (c, _) in ops.items() if op.startswith("all_gather"))
+            scatters = [v for op, v in ops.items() if op.startswith("reduce_scatter")]
+            assert gathers >= layers, (rank, step, ops)
+            # every gradient reduce-scattered once: the model's parameters' bytes
+            assert [count for count, _ in scatters] == [layers], (rank, step, ops)
+            assert [size for _, size in scatters] == [parameter_bytes], (rank, step, ops)
+    # The aggregator reads the job as FSDP2 from those steps.
+    assert kind == "fsdp2"

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
-from torshmon.probe.api import attach_with
+from torshmon.probe.api import attach_with, is_distributed
 from torshmon.probe.monitor import Monitor, NullMonitor
 from torshmon.probe.settings import default_job_name, load_probe_settings
 from torshmon.wire import NAME_MAX_CHARS
@@ -35,6 +36,26 @@ def is_ddp(module: Any) -> bool:
     return isinstance(module, DistributedDataParallel)
 
 
+def wrapper_of(module: Any) -> str:
+    """What the framework wrapped ``module`` in: ``DDP``, ``FSDP2`` (``fully_shard`` on
+    it or on a module inside it, as Lightning's ``ModelParallelStrategy`` does), ``FSDP``
+    (``FullyShardedDataParallel``), else ``""``. Imports no FSDP: where the package
+    never imported, nothing was sharded."""
+    if module is None:
+        return ""
+    if is_ddp(module):
+        return "DDP"
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return ""
+    for each in module.modules():
+        if isinstance(each, fsdp.FSDPModule):
+            return "FSDP2"
+        if isinstance(each, fsdp.FullyShardedDataParallel):
+            return "FSDP"
+    return ""
+
+
 def attach_to(
     wrapped: Any, unwrapped: Any, job: str, options: Mapping[str, Any]
 ) -> Monitor | NullMonitor:
@@ -43,12 +64,15 @@ def attach_to(
     outside steps count as evaluation. ``options`` are ``torshmon.attach``'s keywords,
     read as it reads them (``torshmon.probe.settings``)."""
     settings = load_probe_settings({**options, "job": job})
-    module = wrapped if is_ddp(wrapped) else None
-    if module is None and wrapped is not None and os.environ.get("WORLD_SIZE", "1") != "1":
-        log.info(
-            "torshmon: %s is not DistributedDataParallel: collectives and steps only",
-            type(wrapped).__name__,
-        )
+    wrapper = wrapper_of(wrapped)
+    module = wrapped if wrapper == "DDP" else None
+    if module is None and wrapped is not None and is_distributed(os.environ):
+        # the probe times forward, backward and buckets through DDP's hooks only
+        name = type(wrapped).__name__
+        if wrapper:
+            log.info("torshmon: %s in %s: collectives and steps only", wrapper, name)
+        else:
+            log.info("torshmon: %s is not DDP: collectives and steps only", name)
     monitor = attach_with(module, settings)
     for candidate in (wrapped, unwrapped):
         if candidate is not None:
