@@ -17,7 +17,7 @@ from torshmon.aggregator.ingest import (
 )
 from torshmon.history.models import Base
 from torshmon.history.store.report import OPTIONAL_STEP_COLUMNS, STEP_COLUMNS
-from torshmon.report import model as report_model
+from torshmon.report import series as report_series
 from torshmon.wire import StepRecord
 
 STEPS = Base.metadata.tables["steps"]
@@ -75,5 +75,5 @@ def test_the_report_reads_columns_of_the_model_and_computes_with_what_it_read() 
     computes with that the store does not read would be NaN on every page, silently."""
     read = [*STEP_COLUMNS, *OPTIONAL_STEP_COLUMNS]
     assert set(read) <= set(STEPS.c.keys()), set(read) - set(STEPS.c.keys())
-    used = set(report_model._STEP_FIELDS)
+    used = set(report_series._STEP_FIELDS)
     assert used <= set(read), used - set(read)
