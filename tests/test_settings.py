@@ -12,7 +12,7 @@ from torshmon.aggregator.core.linkcheck import LinkCheckSettings
 from torshmon.aggregator.core.live import LiveState
 from torshmon.aggregator.core.step_time import StepTimeDetector
 from torshmon.aggregator.core.straggler import StragglerSettings
-from torshmon.aggregator.core.tuner import TunerSettings
+from torshmon.aggregator.core.tuner import RetuneSettings, TunerSettings
 from torshmon.aggregator.core.zscore import ZScoreSettings
 from torshmon.aggregator.evidence import EvidenceSettings
 from torshmon.aggregator.notify.targets import AlertmanagerTarget, SlackTarget, WebhookTarget
@@ -232,6 +232,11 @@ def test_the_tuner_and_evidence_sections_come_from_the_file_and_variables(
         ("tuner:\n  min_windows: 9\n", "tuner: min_windows (9) must not exceed windows (5)"),
         ("tuner:\n  max_relative_error: {zip: 0.1}\n", "tuner: max_relative_error: codec must"),
         ("evidence:\n  profile_steps: 50\n", ":2: evidence.profile_steps must be in 1..20, got 50"),
+        (
+            "tuner:\n  retune:\n    threshold: 1.5\n",
+            ":3: tuner.retune.threshold must be > 0 and < 1, got 1.5",
+        ),
+        ("tuner:\n  retune:\n    every_s: 9\n", ":3: unknown setting 'tuner.retune.every_s'"),
         # The flat keys of earlier versions: refused, their new place named.
         (
             "evidence_max_bytes: 2GiB\n",
@@ -262,11 +267,25 @@ def test_the_flat_evidence_variables_of_earlier_versions_are_refused() -> None:
         load_settings({"evidence_dir": "/tmp/x"}, env={})
 
 
+def test_retuning_on_drift_comes_from_the_file_and_variables(tmp_path: Path) -> None:
+    conf = tmp_path / "conf.yaml"
+    conf.write_text("tuner:\n  max_trials: 6\n  retune:\n    threshold: 0.25\n    for_s: 2m\n")
+    env = {"TORSHMON_AGGREGATOR_TUNER__RETUNE__MIN_INTERVAL_S": "1h30m"}
+    settings = load_settings({}, config_file=conf, env=env)
+    assert settings.tuner == TunerSettings(
+        max_trials=6,
+        retune=RetuneSettings(threshold=0.25, for_s=120.0, min_interval_s=5400.0),
+    )
+    off = load_settings({}, env={"TORSHMON_AGGREGATOR_TUNER__RETUNE__ENABLED": "false"})
+    assert off.tuner.retune == RetuneSettings(enabled=False)
+    assert load_settings({}, env={}).tuner.retune == RetuneSettings()
+
+
 def test_the_tuner_and_evidence_sections_reach_the_service(tmp_path: Path) -> None:
     settings = load_settings(
         {
             "db_url": str(tmp_path / "h.db"),
-            "tuner": {"max_trials": 4},
+            "tuner": {"max_trials": 4, "retune": {"enabled": False}},
             "evidence": {"max_bytes": 4096},
         },
         env={},
@@ -274,6 +293,7 @@ def test_the_tuner_and_evidence_sections_reach_the_service(tmp_path: Path) -> No
     service = Aggregator(settings, registry=CollectorRegistry(), targets=[])
     try:
         assert service.tuning.settings.max_trials == 4
+        assert service.tuning.settings.retune.enabled is False
         assert service.evidence.settings.max_bytes == 4096
         assert service.evidence.directory == tmp_path / "h.db.evidence"
     finally:

@@ -20,6 +20,7 @@ def test_every_setting_has_its_variable_and_help() -> None:
     for name in (
         "TORSHMON_AGGREGATOR_STRAGGLER__MIN_SLOWDOWN",
         "TORSHMON_AGGREGATOR_HANG__TIMEOUT_S",
+        "TORSHMON_AGGREGATOR_TUNER__RETUNE__MIN_INTERVAL_S",
         "TORSHMON_SLACK_WEBHOOK_URL",
         "TORSHMON_AGENT_SPOOL",
         "TORSHMON_FAST_LANE",

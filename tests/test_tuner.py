@@ -781,9 +781,11 @@ def test_drift_watch_stops_when_the_config_changes() -> None:
 
 
 def test_retune_settings_name_bad_values() -> None:
-    with pytest.raises(TunerError, match="threshold must be a finite number in \\(0, 1\\)"):
+    with pytest.raises(TunerError, match=r"^threshold must be > 0 and < 1, got 1\.5$"):
         RetuneSettings(threshold=1.5)
-    with pytest.raises(TunerError, match="windows must be an integer >= 2"):
+    with pytest.raises(TunerError, match=r"^windows must be >= 2, got 1$"):
         RetuneSettings(windows=1)
+    with pytest.raises(TunerError, match=r"^for_s must be a finite number, got inf$"):
+        RetuneSettings(for_s=math.inf)
     with pytest.raises(TunerError, match="reference windows"):
         DriftWatch([1.0], "samples/s per rank", 0.0)

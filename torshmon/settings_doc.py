@@ -131,11 +131,18 @@ def _model(title: str, model: type, env_prefix: str) -> Iterator[str]:
     layers: Layers[Any] = Layers(model, env_prefix=env_prefix)
     yield f"## `{title}`\n"
     yield from _table(model, (), layers)
+    yield from _sections(model, (), layers)
+
+
+def _sections(model: type, prefix: tuple[str, ...], layers: Layers[Any]) -> Iterator[str]:
+    """A heading and a table per nested section (``tuner.retune:`` one level deeper)."""
     for spec in field_specs(model):
         if spec.section is not None:
+            path = (*prefix, spec.name)
             doc = (spec.section.__doc__ or "").strip().splitlines()[0]
-            yield f"### `{spec.name}:`\n\n{doc}\n"
-            yield from _table(spec.section, (spec.name,), layers)
+            yield f"{'#' * (2 + len(path))} `{'.'.join(path)}:`\n\n{doc}\n"
+            yield from _table(spec.section, path, layers)
+            yield from _sections(spec.section, path, layers)
 
 
 def _table(

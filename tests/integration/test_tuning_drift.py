@@ -24,6 +24,7 @@ FAST = TunerSettings(
     warmup_steps=1, window_steps=4, windows=5, min_windows=5, max_trials=2, codec_screen=1
 )
 RETUNE = RetuneSettings(window_steps=4, windows=5, for_s=60.0, min_interval_s=600.0)
+FAST_RETUNE = msgspec.structs.replace(FAST, retune=RETUNE)
 
 
 class FakeJob:
@@ -82,7 +83,7 @@ class FakeJob:
 async def test_a_sustained_drop_after_a_session_starts_a_new_one(tmp_path: Path) -> None:
     now = [10_000.0]
     settings = AggregatorSettings(
-        port=0, db_url=f"sqlite:///{tmp_path / 'h.db'}", aggregator_id="drift", tuner=FAST
+        port=0, db_url=f"sqlite:///{tmp_path / 'h.db'}", aggregator_id="drift", tuner=FAST_RETUNE
     )
     async with Aggregator(
         settings,
@@ -90,7 +91,6 @@ async def test_a_sustained_drop_after_a_session_starts_a_new_one(tmp_path: Path)
         targets=[],
         clock=lambda: now[0],
     ) as agg:
-        agg.tuning.retune = RETUNE
         _report_bucket_cap(agg, "j", 25 * 2**20)
         job = FakeJob(agg, now)
         first = await agg.tuning.start_session("j", trigger="test")
@@ -128,7 +128,10 @@ async def test_a_sustained_drop_after_a_session_starts_a_new_one(tmp_path: Path)
 async def test_retuning_can_be_switched_off(tmp_path: Path) -> None:
     now = [10_000.0]
     settings = AggregatorSettings(
-        port=0, db_url=f"sqlite:///{tmp_path / 'h.db'}", aggregator_id="drift-off", tuner=FAST
+        port=0,
+        db_url=f"sqlite:///{tmp_path / 'h.db'}",
+        aggregator_id="drift-off",
+        tuner=msgspec.structs.replace(FAST, retune=RetuneSettings(enabled=False)),
     )
     async with Aggregator(
         settings,
@@ -136,7 +139,6 @@ async def test_retuning_can_be_switched_off(tmp_path: Path) -> None:
         targets=[],
         clock=lambda: now[0],
     ) as agg:
-        agg.tuning.retune = RetuneSettings(enabled=False)
         _report_bucket_cap(agg, "j", 25 * 2**20)
         job = FakeJob(agg, now)
         await agg.tuning.start_session("j", trigger="test")

@@ -39,7 +39,6 @@ from torshmon.aggregator.core.tuner import (
     Decision,
     DriftWatch,
     Finish,
-    RetuneSettings,
     SearchSpace,
     StepSample,
     Trial,
@@ -135,10 +134,9 @@ class TuningManager:
 
     ``settings`` and ``space`` are the defaults of every session (a session may
     override ``max_trials`` and pin knobs); ``seed`` makes proposals repeatable (a
-    session's own seed is derived from it and the session id when None). ``retune``
-    says when a job whose session finished is tuned again because its throughput
-    drifted from what the session verified (``RetuneSettings(enabled=False)``: never);
-    it can be replaced until the next session finishes.
+    session's own seed is derived from it and the session id when None). Their
+    ``retune`` says when a job whose session finished is tuned again because its
+    throughput drifted from what the session verified (``enabled=False``: never).
     """
 
     def __init__(
@@ -154,7 +152,6 @@ class TuningManager:
         settings: TunerSettings | None = None,
         space: SearchSpace | None = None,
         seed: int | None = None,
-        retune: RetuneSettings | None = None,
     ) -> None:
         self._store = store
         self._commands = commands
@@ -162,7 +159,6 @@ class TuningManager:
         self._notifier = notifier
         self._tracer = tracer
         self._clock = clock
-        self.retune = retune if retune is not None else RetuneSettings()
         self._drift: dict[str, DriftWatch] = {}
         self.settings = settings if settings is not None else TunerSettings()
         self.space = space if space is not None else SearchSpace()
@@ -422,14 +418,15 @@ class TuningManager:
 
     def _start_watch(self, entry: _Active, decision: Finish) -> None:
         """After a finished session: watch for drift from the windows it stood by."""
-        if not self.retune.enabled:
+        retune = self.settings.retune
+        if not retune.enabled:
             return
         trials = entry.session.trials
         reference = trials[-1] if decision.changed else trials[0]
         if len(reference.windows) < 2:
             return
         now = self._clock()
-        self._drift[entry.job] = DriftWatch(reference.windows, entry.session.unit, now, self.retune)
+        self._drift[entry.job] = DriftWatch(reference.windows, entry.session.unit, now, retune)
 
     async def _push(self, entry: _Active, decision: ApplyConfig) -> None:
         try:

@@ -66,7 +66,7 @@ from torshmon.aggregator.core.tuner.config import (
     TrialConfig,
     TunerError,
 )
-from torshmon.aggregator.core.tuner.drift import DriftWatch, RetuneSettings
+from torshmon.aggregator.core.tuner.drift import DriftWatch
 from torshmon.aggregator.core.tuner.events import (
     Abort,
     ApplyConfig,
@@ -76,7 +76,7 @@ from torshmon.aggregator.core.tuner.events import (
     Trial,
 )
 from torshmon.aggregator.core.tuner.session import TuningSession
-from torshmon.aggregator.core.tuner.settings import TunerSettings
+from torshmon.aggregator.core.tuner.settings import RetuneSettings, TunerSettings
 from torshmon.aggregator.core.tuner.space import SearchSpace
 from torshmon.catalogue.codecs import CODEC_NAMES
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from scipy import stats  # type: ignore[import-untyped]  # scipy ships no type stubs
 
@@ -16,42 +13,7 @@ from torshmon.aggregator.core.tuner.config import (
 from torshmon.aggregator.core.tuner.events import (
     StepSample,
 )
-from torshmon.aggregator.core.tuner.settings import at_least, in_open_interval
-
-if TYPE_CHECKING:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class RetuneSettings:
-    """When a finished session's job is tuned again because its throughput drifted.
-
-    After a session ends, the job's throughput (windows of ``window_steps`` steps, as a
-    session scores them) is compared with the session's verified windows by a one-sided
-    Mann-Whitney U test over the last ``windows`` windows. The job drifts while that
-    test says lower at level ``alpha`` AND the median is below the reference by more
-    than ``threshold`` (0.15 = 15 %); drifting without a break for ``for_s`` seconds
-    starts a new session, at most one per ``min_interval_s`` per job (counted from the
-    end of the last session). ``enabled=False`` turns it off. TunerError names a bad value.
-    """
-
-    enabled: bool = True
-    threshold: float = 0.15
-    alpha: float = 0.01
-    window_steps: int = 10
-    windows: int = 5
-    for_s: float = 300.0
-    min_interval_s: float = 3600.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise TunerError(f"enabled must be true or false, got {self.enabled!r}")
-        in_open_interval("threshold", self.threshold, 0.0, 1.0)
-        in_open_interval("alpha", self.alpha, 0.0, 1.0)
-        at_least("window_steps", self.window_steps, 1)
-        at_least("windows", self.windows, 2)
-        in_open_interval("for_s", self.for_s, 0.0, math.inf, closed_low=True)
-        in_open_interval("min_interval_s", self.min_interval_s, 0.0, math.inf, closed_low=True)
+from torshmon.aggregator.core.tuner.settings import RetuneSettings
 
 
 class DriftWatch:

@@ -1,4 +1,5 @@
-"""How a tuning session measures, decides and stops (``TunerSettings``, section ``tuner``)."""
+"""How a tuning session measures, decides and stops (``TunerSettings``, section
+``tuner``), and when a finished job is tuned again (``RetuneSettings``, ``tuner.retune``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,53 @@ from torshmon.catalogue.codecs import (
 from torshmon.settings import Section, SettingsError, setting
 
 
+class RetuneSettings(Section, frozen=True):
+    """When a finished session's job is tuned again because its throughput drifted.
+
+    After a session ends, the job's throughput (windows of ``window_steps`` steps, as a
+    session scores them) is compared with the session's verified windows by a one-sided
+    Mann-Whitney U test over the last ``windows`` windows. The job drifts while that
+    test says lower at level ``alpha`` AND the median is below the reference by more
+    than ``threshold`` (0.15 = 15 %); drifting without a break for ``for_s`` seconds
+    starts a new session, at most one per ``min_interval_s`` per job (counted from the
+    end of the last session). ``enabled=False`` turns it off. Checked once when built:
+    TunerError names a bad value.
+    """
+
+    enabled: Annotated[
+        bool, setting("tune a finished job again when its throughput drifts down")
+    ] = True
+    threshold: Annotated[
+        float,
+        setting(
+            "relative drop of median throughput (0.15 = 15 %) below the session's verified "
+            "windows that counts as drift",
+            gt=0,
+            lt=1,
+        ),
+    ] = 0.15
+    alpha: Annotated[
+        float, setting("significance level of the one-sided Mann-Whitney U test", gt=0, lt=1)
+    ] = 0.01
+    window_steps: Annotated[int, setting("steps of one throughput window", ge=1)] = 10
+    windows: Annotated[int, setting("recent windows compared with the reference", ge=2)] = 5
+    for_s: Annotated[
+        float, setting("seconds drift must last without a break to start a session", ge=0)
+    ] = 300.0
+    min_interval_s: Annotated[
+        float,
+        setting("seconds at least from the end of a job's last session to a re-tune", ge=0),
+    ] = 3600.0
+
+    def __post_init__(self) -> None:
+        try:
+            super().__post_init__()
+        except SettingsError as exc:
+            raise TunerError(str(exc)) from None
+        for name in ("threshold", "alpha", "for_s", "min_interval_s"):
+            finite(name, getattr(self, name))
+
+
 class TunerSettings(Section, frozen=True):
     """How the autotuner measures, decides and stops; every session's defaults.
 
@@ -33,7 +81,8 @@ class TunerSettings(Section, frozen=True):
     incumbent's. ``n_startup_trials`` is TPE's random start (counted over all points
     told, the screen included); ``max_repeats`` the consecutive proposals of configs
     already measured that count as convergence; ``max_failures`` consecutive refused
-    configs end the search. Checked once when built: TunerError names a bad value.
+    configs end the search. ``retune`` says when a finished job is tuned again.
+    Checked once when built: TunerError names a bad value.
     """
 
     max_trials: Annotated[
@@ -110,6 +159,7 @@ class TunerSettings(Section, frozen=True):
     step_timeout_s: Annotated[
         float, setting("seconds a job may send no step while measured", gt=0)
     ] = 300.0
+    retune: RetuneSettings = msgspec.field(default_factory=RetuneSettings)
 
     def __post_init__(self) -> None:
         try:
@@ -139,11 +189,6 @@ def finite(name: str, value: float) -> None:
     """TunerError unless ``value`` is a finite number."""
     if not math.isfinite(value):
         raise TunerError(f"{name} must be a finite number, got {value!r}")
-
-
-def at_least(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise TunerError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 def in_open_interval(
