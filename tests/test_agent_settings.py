@@ -74,3 +74,18 @@ def test_settings_built_in_code_are_checked_too() -> None:
         AgentSettings(sample_interval_s=0)
     with pytest.raises(ValueError, match="no group on this host"):
         AgentSettings(socket_group="no-such-group-torshmon")
+
+
+def test_the_defaults_under_the_runtime_folder_follow_the_environment_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TORSHMON_AGENT_SOCKET", "/run/elsewhere/agent.sock")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/elsewhere")
+    settings = load_settings({}, env={"XDG_RUNTIME_DIR": "/run/user/given"})
+    assert settings.socket_path == "/run/user/given/torshmon/agent.sock"
+    assert settings.spool_path == "/run/user/given/torshmon/agent-spool.db"
+    given = {"TORSHMON_AGENT_SOCKET": "/run/given.sock", "XDG_RUNTIME_DIR": "/run/user/given"}
+    assert load_settings({}, env=given).socket_path == "/run/given.sock"
+    # A flag still wins over the default.
+    flagged = load_settings({"socket_path": "/run/flag.sock"}, env=given)
+    assert flagged.socket_path == "/run/flag.sock"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
@@ -28,17 +29,20 @@ class UnsafePathError(PermissionError):
     """
 
 
-def runtime_dir() -> Path:
-    """``$XDG_RUNTIME_DIR/torshmon``, else a per-user folder under the temp dir."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
+def runtime_dir(env: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_RUNTIME_DIR/torshmon``, else a per-user folder under the temp dir; the
+    variable read from ``env`` (``os.environ`` where None)."""
+    base = (os.environ if env is None else env).get("XDG_RUNTIME_DIR")
     if base:
         return Path(base) / "torshmon"
     return Path(tempfile.gettempdir()) / f"torshmon-{os.getuid()}"
 
 
-def default_agent_socket() -> str:
-    """The agent's Unix socket: ``$TORSHMON_AGENT_SOCKET`` or ``<runtime dir>/agent.sock``."""
-    return os.environ.get("TORSHMON_AGENT_SOCKET") or str(runtime_dir() / "agent.sock")
+def default_agent_socket(env: Mapping[str, str] | None = None) -> str:
+    """The agent's Unix socket: ``$TORSHMON_AGENT_SOCKET`` or ``<runtime dir>/agent.sock``,
+    read from ``env`` (``os.environ`` where None)."""
+    env = os.environ if env is None else env
+    return env.get("TORSHMON_AGENT_SOCKET") or str(runtime_dir(env) / "agent.sock")
 
 
 def ensure_private_dir(path: Path, what: str = "runtime folder") -> None:

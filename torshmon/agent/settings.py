@@ -26,8 +26,8 @@ def _hostname() -> str:
     return socket.gethostname()
 
 
-def _spool_path() -> str:
-    return str(runtime_dir() / "agent-spool.db")
+def _spool_path(env: Mapping[str, str] | None = None) -> str:
+    return str(runtime_dir(env) / "agent-spool.db")
 
 
 class AgentSettings(Section, frozen=True):
@@ -141,9 +141,13 @@ def load_settings(
 ) -> AgentSettings:
     """Settings from ``overrides`` (flags; None means unset), then the environment, then
     the YAML ``config_file``, then the defaults. SettingsError names what is wrong."""
+    env = os.environ if env is None else env
     layers = Layers(AgentSettings, env_prefix=ENV_PREFIX)
+    # The defaults under the runtime folder follow the environment given, not os.environ.
+    layers.set(("socket_path",), default_agent_socket(env))
+    layers.set(("spool_path",), _spool_path(env))
     if config_file is not None:
         layers.read_yaml(config_file)
-    layers.read_env(os.environ if env is None else env)
+    layers.read_env(env)
     layers.update(overrides)
     return layers.build()
