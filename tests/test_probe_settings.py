@@ -32,6 +32,8 @@ SAMPLES: dict[str, tuple[str, object, object]] = {
     "job": ("env-job", "env-job", "code-job"),
     "agent_socket": ("/run/env.sock", "/run/env.sock", "/run/code.sock"),
     "node": ("env-node", "env-node", "code-node"),
+    "agent_user": ("nobody", "nobody", "4242"),
+    "run_id": ("env-run", "env-run", "code-run"),
     "local_rank": ("3", 3, 5),
     "flush_interval_s": ("250ms", 0.25, 2.0),
     "max_buffered_steps": ("500", 500, 70),
@@ -76,10 +78,13 @@ def test_a_keyword_beats_its_variable_which_beats_the_default() -> None:
 
 def test_the_operators_variables_keep_their_names() -> None:
     variables = _variables()
-    assert {n: variables[n] for n in ("job", "agent_socket", "node", "fast_lane", "cpu_wait")} == {
+    names = ("job", "agent_socket", "node", "agent_user", "run_id", "fast_lane", "cpu_wait")
+    assert {n: variables[n] for n in names} == {
         "job": "TORSHMON_JOB",
         "agent_socket": "TORSHMON_AGENT_SOCKET",
         "node": "TORSHMON_NODE",
+        "agent_user": "TORSHMON_AGENT_USER",
+        "run_id": "TORSHMON_RUN_ID",
         "fast_lane": "TORSHMON_FAST_LANE",
         "cpu_wait": "TORSHMON_CPU_WAIT",
     }
@@ -102,6 +107,28 @@ def test_the_job_is_named_by_torshmon_then_torchrun_then_default() -> None:
     assert default_job_name({"TORSHMON_JOB": "", "TORCHELASTIC_RUN_ID": ""}) == "default"
     assert load_probe_settings({}, env=run).job == "train-42"
     assert load_probe_settings({"job": "mine"}, env=run).job == "mine"
+
+
+def test_the_run_id_is_torchruns_then_torshmons_then_none() -> None:
+    both = {"TORCHELASTIC_RUN_ID": "rdzv-7", "TORSHMON_RUN_ID": "mine"}
+    assert load_probe_settings({}, env=both).run_id == "rdzv-7"
+    # torchrun's "none" (no --rdzv-id) names nothing: TORSHMON_RUN_ID does.
+    assert load_probe_settings({}, env={**both, "TORCHELASTIC_RUN_ID": "none"}).run_id == "mine"
+    # Neither: None, and rank 0 makes one at attach (shared through the rendezvous store).
+    assert load_probe_settings({}, env={"TORCHELASTIC_RUN_ID": "none"}).run_id is None
+    assert load_probe_settings({"run_id": "code"}, env=both).run_id == "code"
+    # A launcher's over-long id is cut, as the wire takes it; a keyword's is refused.
+    assert load_probe_settings({}, env={"TORSHMON_RUN_ID": "r" * 80}).run_id == "r" * 64
+    with pytest.raises(SettingsError, match=r"^run_id must be 1 to 64 characters, got 0$"):
+        load_probe_settings({"run_id": ""}, env={})
+
+
+def test_the_defaults_under_the_runtime_folder_follow_the_environment_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/elsewhere")
+    settings = load_probe_settings({}, env={"XDG_RUNTIME_DIR": "/run/user/given"})
+    assert settings.agent_socket == "/run/user/given/torshmon/agent.sock"
 
 
 @pytest.mark.parametrize(

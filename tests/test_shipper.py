@@ -107,12 +107,19 @@ def test_the_same_socket_gets_the_data_when_its_user_is_trusted(
     assert agent.received() > 0
 
 
-def test_the_agent_user_is_trusted_by_name_or_uid(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_agent_user_is_trusted_by_name_or_uid() -> None:
+    from torshmon.probe.settings import load_probe_settings
     from torshmon.probe.shipper import trusted_agent_uids
+    from torshmon.settings import SettingsError
 
-    monkeypatch.setenv("TORSHMON_AGENT_USER", "nobody")
-    assert trusted_agent_uids() == {os.geteuid(), 0, NOBODY}
-    monkeypatch.setenv("TORSHMON_AGENT_USER", "4242")
-    assert trusted_agent_uids() == {os.geteuid(), 0, 4242}
-    monkeypatch.setenv("TORSHMON_AGENT_USER", "no-such-user-here")
-    assert trusted_agent_uids() == {os.geteuid(), 0}
+    by_name = load_probe_settings({}, env={"TORSHMON_AGENT_USER": "nobody"})
+    assert trusted_agent_uids(by_name.agent_uid()) == {os.geteuid(), 0, NOBODY}
+    by_uid = load_probe_settings({"agent_user": "4242"}, env={})
+    assert trusted_agent_uids(by_uid.agent_uid()) == {os.geteuid(), 0, 4242}
+    assert trusted_agent_uids(load_probe_settings({}, env={}).agent_uid()) == {os.geteuid(), 0}
+    # A user unknown here stops attach with one line, not the first send.
+    with pytest.raises(SettingsError) as refused:
+        load_probe_settings({}, env={"TORSHMON_AGENT_USER": "no-such-user-here"})
+    assert str(refused.value) == (
+        "TORSHMON_AGENT_USER: agent_user 'no-such-user-here' is no user on this host"
+    )

@@ -104,9 +104,11 @@ keyword or the variable, before the first step: a mistake in the settings fails 
 start-up, never mid-run. Under `torshmon run` (the zero-code attach) the settings are read from the
 variables once, as torch is imported; a bad one leaves the job training unwatched, with
 one line on stderr. `TORSHMON_AUTO` switches the zero-code attach on (`torshmon run`
-sets it); `TORSHMON_AGENT_USER` names the agent's user where it is not the job's own
-([security.md](security.md)); `TORSHMON_RUN_ID` names the launch where torchrun does not
-([report.md](report.md)).
+sets it); it is no setting of this table: the bootstrap that reads it runs before
+torshmon may be imported, and imports it only when it says so. `agent_user` names the
+agent's user where it is not the job's own ([security.md](security.md)); `run_id` names
+the launch where torchrun does not ([report.md](report.md)): torchrun's
+`$TORCHELASTIC_RUN_ID` comes before `TORSHMON_RUN_ID` where it names one (not `none`).
 """
 
 

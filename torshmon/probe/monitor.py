@@ -36,7 +36,7 @@ from torshmon.probe.runid import run_id_at_attach
 from torshmon.probe.runqueue import ProcessRunQueue, RunQueueClock
 from torshmon.probe.scope import StepScope
 from torshmon.probe.settings import ProbeSettings
-from torshmon.probe.shipper import Ending, Shipper, StepOutbox
+from torshmon.probe.shipper import Ending, Shipper, StepOutbox, trusted_agent_uids
 from torshmon.probe.timing import DeviceClock, StepMarks
 from torshmon.ratelog import LogLimiter
 from torshmon.version import __version__
@@ -165,6 +165,7 @@ class Monitor:
             max_buffered_steps=settings.max_buffered_steps,
             on_commands=self._on_commands,
             fast_lane=FastLane(enabled=settings.fast_lane),
+            trusted_uids=trusted_agent_uids(settings.agent_uid()),
             groups=GroupRegistry(dist.group.WORLD, self.world_size),
         )
         self._evidence = EvidenceCapture(self.rank, self._shipper.evidence.put)
@@ -448,7 +449,7 @@ class Monitor:
             torch_version=str(torch.__version__),
             probe_version=__version__,
             # Once, at attach: the launch's id, as every rank of it has it.
-            run_id=run_id_at_attach(self.rank),
+            run_id=run_id_at_attach(self.rank, self.settings.run_id),
             attached_unix_ns=time.time_ns(),
         )
 

@@ -1,12 +1,14 @@
 """A launch's run id, the same on every rank of it, found at ``attach``.
 
-torchrun's ``$TORCHELASTIC_RUN_ID`` where it names one (its ``--rdzv-id``, a fresh id
-per launch under ``--standalone``; "none" when neither was given), else
-``$TORSHMON_RUN_ID``, else one rank 0 makes and the others read from the process
-group's own rendezvous store (no collective on the job's groups). Rank 0 writes it
-under a key of that store; a rank that cannot read it within ``timeout_s`` (a store
-that the launcher does not share, a rank 0 that attached late) falls back to an id
-derived from the rendezvous address, the same on every rank of one launch at one port.
+The probe's ``run_id`` setting (``torshmon.probe.settings``): torchrun's
+``$TORCHELASTIC_RUN_ID`` where it names one (its ``--rdzv-id``, a fresh id per launch
+under ``--standalone``; "none" when neither was given), else ``$TORSHMON_RUN_ID`` (or
+the ``run_id`` keyword, which comes first), else one rank 0 makes and the others
+read from the process group's own rendezvous store (no collective on the job's
+groups). Rank 0 writes it under a key of that store; a rank that cannot read it within
+``timeout_s`` (a store that the launcher does not share, a rank 0 that attached late)
+falls back to an id derived from the rendezvous address, the same on every rank of one
+launch at one port.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ log = logging.getLogger(__name__)
 
 #: The rendezvous store's key under which rank 0 leaves the run id it made.
 STORE_KEY: Final = "torshmon/run_id"
+#: The longest run id kept; a launcher's longer one is cut to it.
+RUN_ID_MAX_CHARS: Final = 64
 
 
 def env_run_id(env: Mapping[str, str]) -> str | None:
     """The run id the launcher gave, or None."""
-    torchrun = env.get("TORCHELASTIC_RUN_ID", "")
+    torchrun = env.get("TORCHELASTIC_RUN_ID", "").strip()
     if torchrun and torchrun != "none":
-        return torchrun[:64]
-    own = env.get("TORSHMON_RUN_ID", "")
-    return own[:64] or None
+        return torchrun[:RUN_ID_MAX_CHARS]
+    own = env.get("TORSHMON_RUN_ID", "").strip()
+    return own[:RUN_ID_MAX_CHARS] or None
 
 
 def agreed_run_id(rank: int, store: Any, timeout_s: float = 30.0, attempt: str = "0") -> str:
@@ -44,15 +48,16 @@ def agreed_run_id(rank: int, store: Any, timeout_s: float = 30.0, attempt: str =
         store.set(key, made)
         return made
     store.wait([key], datetime.timedelta(seconds=timeout_s))
-    return bytes(store.get(key)).decode()[:64]
+    return bytes(store.get(key)).decode()[:RUN_ID_MAX_CHARS]
 
 
-def run_id_at_attach(rank: int, env: Mapping[str, str] | None = None) -> str:
-    """This launch's run id (see the module's text); never raises."""
-    env = os.environ if env is None else env
-    given = env_run_id(env)
+def run_id_at_attach(rank: int, given: str | None, env: Mapping[str, str] | None = None) -> str:
+    """This launch's run id: ``given`` (the probe's ``run_id`` setting, which read the
+    launcher's variables), else agreed through the rendezvous store (torchrun's restart
+    count and rendezvous address read from ``env``); never raises."""
     if given is not None:
         return given
+    env = os.environ if env is None else env
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 

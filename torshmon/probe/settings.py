@@ -14,6 +14,7 @@ Torch-free, so that the docs generator reads it without loading torch.
 from __future__ import annotations
 
 import os
+import pwd
 import socket
 import typing
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ from typing import Annotated, Any, Final
 import msgspec
 
 from torshmon.paths import runtime_dir
+from torshmon.probe.runid import RUN_ID_MAX_CHARS, env_run_id
 from torshmon.settings import (
     FieldSpec,
     Layers,
@@ -48,8 +50,8 @@ ENV_PREFIX: Final = "TORSHMON_PROBE_"
 TORCHRUN_RUN_ID_ENV: Final = "TORCHELASTIC_RUN_ID"
 
 
-def _agent_socket() -> str:
-    return str(runtime_dir() / "agent.sock")
+def _agent_socket(env: Mapping[str, str] | None = None) -> str:
+    return str(runtime_dir(env) / "agent.sock")
 
 
 class ProbeSettings(Section, frozen=True):
@@ -82,6 +84,24 @@ class ProbeSettings(Section, frozen=True):
             default_text="the hostname",
         ),
     ] = msgspec.field(default_factory=socket.gethostname)
+    agent_user: Annotated[
+        str | None,
+        setting(
+            "a user (name or uid) whose agent the probe also sends to, for an agent shared by "
+            "the node's training users; else only this user's or root's",
+            env="TORSHMON_AGENT_USER",
+            default_text="none",
+        ),
+    ] = None
+    run_id: Annotated[
+        str | None,
+        setting(
+            "the launch's id, the same on every rank; torchrun's $TORCHELASTIC_RUN_ID comes "
+            "first where it names one (not `none`)",
+            env="TORSHMON_RUN_ID",
+            default_text="torchrun's run id, else rank 0's, shared through the rendezvous store",
+        ),
+    ] = None
     local_rank: Annotated[
         int | None,
         setting(
@@ -150,6 +170,23 @@ class ProbeSettings(Section, frozen=True):
                 )
         if self.local_rank is not None and self.local_rank < 0:  # msgspec: no bound on X | None
             raise SettingsError(f"local_rank must be >= 0, got {self.local_rank}")
+        if self.run_id is not None and not 1 <= len(self.run_id) <= RUN_ID_MAX_CHARS:
+            raise SettingsError(
+                f"run_id must be 1 to {RUN_ID_MAX_CHARS} characters, got {len(self.run_id)}"
+            )
+        self.agent_uid()  # a user that does not exist is an error now, not at the first send
+
+    def agent_uid(self) -> int | None:
+        """The uid of ``agent_user`` (None without one); SettingsError if there is none."""
+        user = self.agent_user
+        if user is None:
+            return None
+        if user.strip().isdigit():
+            return int(user)
+        try:
+            return pwd.getpwnam(user.strip()).pw_uid
+        except KeyError:
+            raise SettingsError(f"agent_user {user!r} is no user on this host") from None
 
 
 _SPECS: Final = {spec.name: spec for spec in field_specs(ProbeSettings)}
@@ -181,6 +218,11 @@ def load_probe_settings(
             variables[name] = variable
     if "job" not in values:
         values["job"] = default_job_name(env)
+    if "run_id" not in keywords or keywords["run_id"] is None:
+        # torchrun's id comes before TORSHMON_RUN_ID (see runid.env_run_id).
+        values["run_id"] = env_run_id(env)
+    if "agent_socket" not in values:  # follows the environment given, not os.environ
+        values["agent_socket"] = _agent_socket(env)
     try:
         return ProbeSettings(**values)
     except SettingsError as exc:

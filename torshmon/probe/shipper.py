@@ -21,10 +21,10 @@ The thread runs ``SHIPPER_NICE`` steps below the process's scheduling priority (
 so its work fills the gaps where the training thread waits (for gradients, for the
 loader) instead of preempting its compute, where the rank has no core to spare.
 
-The probe sends only to an agent run by its own user, root, or the user named by
-``$TORSHMON_AGENT_USER`` (an agent shared by the node's training users): whoever
-serves the socket reads the job's data and sends rank 0 its commands. Any other
-is treated as no agent, and the refusal is logged once.
+The probe sends only to an agent run by its own user, root, or the user of its
+``agent_user`` setting (``$TORSHMON_AGENT_USER``; an agent shared by the node's
+training users): whoever serves the socket reads the job's data and sends rank 0 its
+commands. Any other is treated as no agent, and the refusal is logged once.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import itertools
 import logging
 import math
 import os
-import pwd
 import select
 import socket
 import struct
@@ -189,21 +188,12 @@ class UntrustedAgentError(PermissionError):
     """The socket is served by a user the probe does not send to; the text says which."""
 
 
-def trusted_agent_uids() -> frozenset[int]:
-    """The users whose agent a probe sends to: this process's, root, ``$TORSHMON_AGENT_USER``.
-
-    ``$TORSHMON_AGENT_USER`` is a user name or uid; one unknown here is logged and
-    left out (training goes on; the probe then refuses that agent and says so).
-    """
+def trusted_agent_uids(agent_uid: int | None = None) -> frozenset[int]:
+    """The users whose agent a probe sends to: this process's, root, and ``agent_uid``
+    (the probe's ``agent_user`` setting, resolved where the settings were loaded)."""
     uids = {os.geteuid(), 0}
-    name = os.environ.get("TORSHMON_AGENT_USER", "").strip()
-    if name.isdigit():
-        uids.add(int(name))
-    elif name:
-        try:
-            uids.add(pwd.getpwnam(name).pw_uid)
-        except KeyError:
-            log.warning("torshmon: TORSHMON_AGENT_USER=%r is no user here; ignored", name)
+    if agent_uid is not None:
+        uids.add(agent_uid)
     return frozenset(uids)
 
 
@@ -222,7 +212,7 @@ def check_agent(sock: socket.socket, path: str, trusted_uids: frozenset[int]) ->
     if uid not in trusted_uids:
         raise UntrustedAgentError(
             f"the socket is served by uid {uid}, not by this user (uid {os.geteuid()}), root "
-            "or $TORSHMON_AGENT_USER: not sending to it"
+            "or the agent_user setting ($TORSHMON_AGENT_USER): not sending to it"
         )
 
 
