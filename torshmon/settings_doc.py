@@ -92,7 +92,8 @@ _PROBE_INTRO = """\
 The probe in each training process takes each setting from the first of:
 
 1. `torshmon.attach`'s keyword of the same name (`attach(ddp, fast_lane=False)`; None
-   counts as not given), or the integration's (`TorshmonCallback(fast_lane=False)`),
+   counts as not given), or the integration's (`TorshmonCallback(fast_lane=False)`,
+   checked when the callback is built),
 2. its environment variable, so that an operator can set it for every rank under
    torchrun, the script unchanged,
 3. its default.

@@ -11,7 +11,7 @@ from typing import Any
 
 from torshmon.probe.api import attach_with, is_distributed
 from torshmon.probe.monitor import Monitor, NullMonitor
-from torshmon.probe.settings import default_job_name, load_probe_settings
+from torshmon.probe.settings import check_keywords, default_job_name, load_probe_settings
 from torshmon.wire import NAME_MAX_CHARS
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,15 @@ def job_name(explicit: str | None, run_name: object, env: Mapping[str, str]) -> 
     if isinstance(run_name, str) and run_name.strip():
         return run_name.strip()[:NAME_MAX_CHARS]
     return default_job_name(env)
+
+
+def checked_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``torshmon.attach``'s keywords given to an integration, checked when it is built,
+    not when training begins: TypeError for one the probe has not (``fast_lanee=True``)
+    or of the wrong type, SettingsError for one out of range. The variables are read
+    when the monitor attaches."""
+    check_keywords(options)
+    return dict(options)
 
 
 def is_ddp(module: Any) -> bool:

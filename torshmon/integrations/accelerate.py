@@ -20,7 +20,12 @@ from typing import Any
 
 import torch
 
-from torshmon.integrations._common import attach_to, job_name, micro_batch_loss
+from torshmon.integrations._common import (
+    attach_to,
+    checked_options,
+    job_name,
+    micro_batch_loss,
+)
 from torshmon.probe.monitor import Monitor, NullMonitor
 
 __all__ = ["AccelerateWatch", "watch"]
@@ -40,8 +45,10 @@ def watch(
     keeps only the unwrapped module); ``optimizer``: the prepared one whose step ends a
     step (default: every optimizer ``accelerator.prepare`` returned); ``job``: the job's
     name (default ``$TORSHMON_JOB``, else the name of the accelerator's
-    ``project_dir``, else torchrun's run id); ``options``: ``torshmon.attach``'s.
+    ``project_dir``, else torchrun's run id); ``options``: ``torshmon.attach``'s, checked
+    here (TypeError for one it has not).
     """
+    options = checked_options(options)  # before anything is hooked
     optimizers = [optimizer] if optimizer is not None else list(accelerator._optimizers)
     project_dir = getattr(accelerator.project_configuration, "project_dir", None)
     run_name = os.path.basename(os.path.normpath(project_dir)) if project_dir else None

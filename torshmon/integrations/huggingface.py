@@ -19,7 +19,7 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from torshmon.integrations._common import attach_to, job_name
+from torshmon.integrations._common import attach_to, checked_options, job_name
 from torshmon.probe.monitor import Monitor, NullMonitor
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ class TorshmonCallback(TrainerCallback):  # type: ignore[misc]
 
     ``job``: the job's name (default ``$TORSHMON_JOB``, else ``args.run_name``, else
     torchrun's run id); ``trainer``: the Trainer, where the callback is added before the
-    Trainer exists it is found when training begins; ``options``: ``torshmon.attach``'s.
+    Trainer exists it is found when training begins; ``options``: ``torshmon.attach``'s, checked
+    here (TypeError for one it has not).
     The step's loss is the sum of what ``training_step`` returned for its micro-batches
     (each divided by their count: their mean), as the Trainer sums them for its own
     logging; its batch size is this rank's samples (per-device batch size times the
@@ -42,7 +43,7 @@ class TorshmonCallback(TrainerCallback):  # type: ignore[misc]
     def __init__(self, job: str | None = None, *, trainer: Any = None, **options: Any) -> None:
         self._job = job
         self._trainer = trainer
-        self._options = options
+        self._options = checked_options(options)  # a typo fails here, not when training begins
         self.monitor: Monitor | NullMonitor | None = None
         self._losses: list[Any] = []  # what training_step returned in the open step
 

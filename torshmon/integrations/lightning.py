@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from torshmon.integrations._common import attach_to, job_name
+from torshmon.integrations._common import attach_to, checked_options, job_name
 from torshmon.probe.monitor import Monitor, NullMonitor
 
 __all__ = ["TorshmonCallback"]
@@ -30,7 +30,8 @@ class TorshmonCallback(pl.Callback):  # type: ignore[misc]
     """Monitors the Trainer's fit with torshmon.
 
     ``job``: the job's name (default ``$TORSHMON_JOB``, else the logger's name, else
-    the LightningModule's class name); ``options``: ``torshmon.attach``'s. The step's loss is what
+    the LightningModule's class name); ``options``: ``torshmon.attach``'s, checked
+    here (TypeError for one it has not). The step's loss is what
     ``training_step`` returned for its micro-batches (as Lightning scales them for
     accumulation, summed), its batch size this rank's samples in them. ``monitor`` is
     the Monitor while fitting.
@@ -38,7 +39,7 @@ class TorshmonCallback(pl.Callback):  # type: ignore[misc]
 
     def __init__(self, job: str | None = None, **options: Any) -> None:
         self._job = job
-        self._options = options
+        self._options = checked_options(options)  # a typo fails here, not when training begins
         self.monitor: Monitor | NullMonitor | None = None
         self._open = False  # a step begun, its optimizer step not yet over
         self._losses: list[Any] = []
