@@ -17,31 +17,42 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def queue_backward_end_callback(callback: Callable[[], None]) -> bool:
-    """Run ``callback`` when the current backward pass ends, after DDP's own
-    finalisation (which waits for every bucket). Call only inside a backward pass.
+class BackwardEndCallback:
+    """Runs one callback when each backward pass it is queued in ends, after DDP's own
+    finalisation (which waits for every bucket). ``queue`` only inside a backward pass.
 
     DDP queues its finalisation when the last bucket is launched, later than our
     first hook call, and the engine runs final callbacks in order, including ones
-    queued while running them: so we queue a callback that queues ``callback``.
-    Returns False where the autograd engine does not offer final callbacks.
+    queued while running them: so ``queue`` queues a callback that queues ``callback``.
+    The engine's entry point and both callables are made once: a step pays for the
+    two queue calls only.
     """
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    queue = getattr(engine, "queue_callback", None)
-    if queue is None:
-        return False
 
-    def requeue() -> None:
+    __slots__ = ("_callback", "_queue")
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+        self._queue: Callable[[Callable[[], None]], None] | None = getattr(
+            engine, "queue_callback", None
+        )
+        self._callback = callback
+
+    def queue(self) -> bool:
+        """Queue the callback; False where the autograd engine does not offer final
+        callbacks, or refused it."""
+        if self._queue is None:
+            return False
         try:
-            queue(callback)
+            self._queue(self._requeue)
+        except RuntimeError:
+            return False
+        return True
+
+    def _requeue(self) -> None:
+        try:
+            self._queue(self._callback)  # type: ignore[misc]  # not None: queue() ran
         except RuntimeError:
             log.debug("torshmon: could not re-queue the backward-end callback", exc_info=True)
-
-    try:
-        queue(requeue)
-    except RuntimeError:
-        return False
-    return True
 
 
 def ddp_logging_data(module: Any) -> dict[str, object] | None:

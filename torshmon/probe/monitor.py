@@ -331,6 +331,9 @@ class Monitor:
         # Trainers evaluate the module DDP wraps, past DDP's forward.
         self._watched.add(id(module))
         self.watch_forward(module.module)
+        # The backward pass whose end is queued: its step's events and in-flight token.
+        self._backward_pending: tuple[StepEvents, int] | None = None
+        self._backward_end = _torch_compat.BackwardEndCallback(self._on_backward_end)
         # Runs on the autograd thread: when the last gradient is ready, backward
         # compute is over; what DDP still waits for after that is communication.
         # Every parameter is watched for the first steps, then only the one whose
@@ -376,7 +379,7 @@ class Monitor:
         events.last_grad_ns = time.perf_counter_ns()
         events.last_grad_runqueue_ns = self._runqueue.read_ns()
         self._last_grad_param = id(param)
-        if events.marks is not None and self._step_clock is not None:
+        if self._step_clock is not None and events.marks is not None:
             events.marks.last_grad = self._step_clock.mark()
         if not events.backward_hooked:
             events.backward_hooked = True
@@ -384,19 +387,24 @@ class Monitor:
             # waiting for its peers' gradients shows this op in flight until
             # backward returns, which is how a hang inside DDP is attributed.
             token = self._inflight.begin(self._ddp_pg_label, "ddp_reduce", 0)
-            queued = _torch_compat.queue_backward_end_callback(
-                lambda: self._on_backward_end(events, token)
-            )
-            if not queued:
+            # Backward passes on the training thread run one at a time: the pass's
+            # end takes what its last gradient left here.
+            self._backward_pending = (events, token)
+            if not self._backward_end.queue():
+                self._backward_pending = None
                 self._inflight.end(token)
 
-    def _on_backward_end(self, events: StepEvents, token: int) -> None:
+    def _on_backward_end(self) -> None:
+        pending, self._backward_pending = self._backward_pending, None
+        if pending is None:
+            return
+        events, token = pending
         events.backward_end_ns = time.perf_counter_ns()
         # The step's next backward pass (gradient accumulation: a micro-batch each)
         # queues its own end: DDP's reduction ends with the last one.
         events.backward_hooked = False
         events.backward_end_runqueue_ns = self._runqueue.read_ns()
-        if events.marks is not None and self._step_clock is not None:
+        if self._step_clock is not None and events.marks is not None:
             events.marks.backward_end = self._step_clock.mark()
         self._inflight.end(token)
 
@@ -524,42 +532,51 @@ class Monitor:
 
     def _exit_step(self, scope: StepScope, *, failed: bool) -> None:
         end_ns = time.perf_counter_ns()
-        process_wait_ns = None
+        process_clock = self._process_runqueue
         process_started = self._process_runqueue_start_ns
-        now = self._process_runqueue_end_ns = self._process_runqueue.read_ns()
-        if process_started is not None and now is not None:
-            process_wait_ns = max(0, now - process_started)
-        cpu_wait_ns = None
+        process_now = self._process_runqueue_end_ns = process_clock.read_ns()
+        # The training thread's delay as the process clock's read just now read it,
+        # else from its own clock (None on another thread).
+        thread_now = process_clock.watched_ns
+        if thread_now is None or threading.get_ident() != self._training_thread:
+            thread_now = self._runqueue.read_ns()
+        self._runqueue_end_ns = thread_now
         started = self._runqueue_start_ns
-        now = self._runqueue_end_ns = self._thread_runqueue_ns()
-        if started is not None and now is not None:
-            cpu_wait_ns = max(0, now - started)
+        cpu_wait_ns = None
+        if started is not None and thread_now is not None:
+            cpu_wait_ns = max(0, thread_now - started)
+        process_wait_ns = None
+        if process_started is not None and process_now is not None:
+            process_wait_ns = max(0, process_now - process_started)
         self._in_step = False
-        marks = self._events.marks
-        if marks is not None and self._step_clock is not None:
-            marks.end = self._step_clock.mark()
+        events = self._events
+        if self._step_clock is not None and events.marks is not None:
+            events.marks.end = self._step_clock.mark()
         self._evidence.step_ended()
         # Everything from here to the next step's end belongs to the next step.
-        events, self._events = self._events, StepEvents()
+        self._events = StepEvents()
         if failed or self._closed:
             return
-        self._step += 1
-        if self._step == _GRAD_CALIBRATION_STEPS:
+        self._step = step = self._step + 1
+        if step == _GRAD_CALIBRATION_STEPS:
             self._keep_last_grad_hook()
         # Describe the step that ran before the consensus may rebuild the Reducer.
         ddp_logging = None
-        sample = self._step % self._ddp_stats_every == 0 or self._step == _GRAD_CALIBRATION_STEPS
-        if self._module is not None and sample:
+        if self._module is not None and (
+            step % self._ddp_stats_every == 0 or step == _GRAD_CALIBRATION_STEPS
+        ):
             ddp_logging = _torch_compat.ddp_logging_data(self._module)
-        config_version = 0 if self._reconfig is None else self._reconfig.current.version
+        reconfig = self._reconfig
+        config_version = 0 if reconfig is None else reconfig.current.version
         applied, rejections = self._sync_config()
-        self._commands.report_link_checks()
+        if reconfig is not None:
+            self._commands.report_link_checks()
         if self._hook is not None:
-            self._hook.measure_error = (self._step + 1) % self._error_sample_every == 0
+            self._hook.measure_error = (step + 1) % self._error_sample_every == 0
         try:
             self._outbox.put(
                 RawStep(
-                    step=self._step,
+                    step=step,
                     start_ns=self._step_start_ns,
                     end_ns=end_ns,
                     end_unix_ns=time.time_ns(),

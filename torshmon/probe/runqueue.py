@@ -50,18 +50,17 @@ class RunQueueClock:
 
     def read_ns(self) -> int | None:
         """The delay so far, or None (no schedstat, or called from another thread)."""
-        thread = threading.get_ident()
-        if self._thread is None:
-            self._thread = thread
+        fd = self._fd
+        if fd is None or self._thread != threading.get_ident():
+            if self._thread is not None:
+                return None  # another thread's, closed, or no file
+            self._thread = threading.get_ident()
             try:
-                self._fd = os.open(_PATH, os.O_RDONLY | os.O_CLOEXEC)
+                fd = self._fd = os.open(_PATH, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
-                self._fd = None
-        if self._fd is None or thread != self._thread:
-            return None
+                return None
         try:
-            fields = os.pread(self._fd, 96, 0).split()
-            return int(fields[1])
+            return int(os.pread(fd, 96, 0).split()[1])
         except (OSError, IndexError, ValueError):
             return None
 

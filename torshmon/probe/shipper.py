@@ -164,7 +164,7 @@ class StepOutbox(Outbox[RawStep]):
         self.loss_above = math.inf
 
     def put(self, item: RawStep) -> None:
-        super().put(item)
+        Outbox.put(self, item)  # not super(): the training thread pays for each lookup
         if self.wake.is_set():
             return
         loss = item.loss
