@@ -4,6 +4,9 @@ config versions from 1 again, so configs are now keyed (job, run_id, version): u
 now the second launch's versions replaced the first's, and each run's report showed
 the latest launch's configs.
 
+It also sets the comments of three alerts columns (annotations, value, updated_unix_s)
+that the models changed without a revision, on PostgreSQL.
+
 Existing rows get their run by time, as 0017 did: a job's run whose start is the
 latest at or before the row's time (the first run also takes anything before its
 start); a row of a job without runs keeps NULL (configs: empty, part of their key).
@@ -38,6 +41,32 @@ _CONFIGS_AFTER: Final = (
     "Communication configs all ranks of a job applied: each run (launch) numbers its "
     "versions from 1."
 )
+#: Comments of alerts' columns that changed with what an open alert's row holds (its
+#: text and value follow the figures while it is open): (column, type, nullable,
+#: before, after).
+_ALERT_COMMENTS: Final = (
+    (
+        "annotations",
+        sa.JSON(),
+        False,
+        "summary, description, recommendation, JSON object.",
+        "summary, description, recommendation (JSON); follow its figures while open.",
+    ),
+    (
+        "value",
+        sa.Float(),
+        True,
+        "Value that triggered the rule.",
+        "Rule's value, latest while open.",
+    ),
+    (
+        "updated_unix_s",
+        sa.Float(),
+        False,
+        "Latest state change, Unix time in seconds.",
+        "Latest state change or rewrite of its text, Unix time in seconds.",
+    ),
+)
 #: Each table and the column that dates its rows; the factor makes it nanoseconds.
 _TABLES: Final[dict[str, tuple[str, float]]] = {
     "configs": ("applied_unix_ns", 1),
@@ -68,13 +97,25 @@ def upgrade() -> None:
                     sa.Column("run_id", sa.String(64), nullable=True, comment=_JOB_COMMENT)
                 )
     _backfill(op.get_bind())
-    _configs_comment(_CONFIGS_AFTER, _CONFIGS_BEFORE)
+    _comments(after=True)
 
 
-def _configs_comment(comment: str, before: str) -> None:
-    # SQLite keeps no table comments: nothing to change there.
-    if op.get_bind().dialect.name == "postgresql":
-        op.create_table_comment("configs", comment, existing_comment=before)
+def _comments(*, after: bool) -> None:
+    """The table and column comments this revision changes, to its own or back."""
+    # SQLite keeps no comments: nothing to change there.
+    if op.get_bind().dialect.name != "postgresql":
+        return
+    new, old = (_CONFIGS_AFTER, _CONFIGS_BEFORE) if after else (_CONFIGS_BEFORE, _CONFIGS_AFTER)
+    op.create_table_comment("configs", new, existing_comment=old)
+    for column, type_, nullable, before, now in _ALERT_COMMENTS:
+        op.alter_column(
+            "alerts",
+            column,
+            comment=now if after else before,
+            existing_comment=before if after else now,
+            existing_type=type_,
+            existing_nullable=nullable,
+        )
 
 
 def _backfill(conn: sa.Connection) -> None:
@@ -104,7 +145,7 @@ def _backfill(conn: sa.Connection) -> None:
 
 
 def downgrade() -> None:
-    _configs_comment(_CONFIGS_BEFORE, _CONFIGS_AFTER)
+    _comments(after=False)
     for table in _TABLES:
         if table != "configs":
             # Not a batch: SQLite would copy tuning_sessions, which tuning_trials refers to
