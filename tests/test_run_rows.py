@@ -10,11 +10,13 @@ from pathlib import Path
 import msgspec
 import pytest
 import sqlalchemy as sa
+from aiohttp.test_utils import TestClient, TestServer
 from alembic import command
 from alembic.config import Config
 
 from tests.integration import wire_factory as wf
 from tests.pg import pg_database
+from tests.test_api import AUTH, Api
 from torshmon.aggregator.ingest import IngestStore
 from torshmon.history.db import make_engine
 from torshmon.history.migrate import alembic_dir, upgrade
@@ -159,6 +161,18 @@ async def test_commands_and_tuning_belong_to_the_run_they_were_made_in(
             runs = {run: load_job_history(conn, "j", run=run) for run in ("r1", "r2")}
             trials = conn.execute(sa.text("SELECT session_id, run_id FROM tuning_trials"))
             trial_runs = sorted(map(tuple, trials))
+        async with TestClient(TestServer(Api(store).app())) as client:
+
+            async def ids(path: str, key: str, field: str = "id") -> list[object]:
+                async with client.get(path, headers=AUTH) as response:
+                    assert response.status == 200, await response.text()
+                    return [row[field] for row in (await response.json())[key]]
+
+            listed = (
+                await ids("/api/v1/tuning/sessions?run_id=r1", "sessions"),
+                await ids("/api/v1/tuning/trials?job=j&run_id=r2", "trials", "session_id"),
+                await ids("/api/v1/tuning/sessions?job=j", "sessions", "run_id"),
+            )
     finally:
         writer.shutdown(wait=True)
         store.close()
@@ -173,6 +187,7 @@ async def test_commands_and_tuning_belong_to_the_run_they_were_made_in(
     }
     assert shown == {"r1": (["c1"], ["t1"], ["t1"]), "r2": (["c2"], ["t2"], ["t2"])}
     assert trial_runs == [("t1", "r1"), ("t2", "r2")]
+    assert listed == (["t1"], ["t2"], ["r2", "r1"])  # the API: newest first
 
 
 def _upgrade_to(url: str, revision: str) -> None:
