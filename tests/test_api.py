@@ -251,7 +251,7 @@ async def test_bad_listing_parameters_are_400s_naming_them(a: Api) -> None:
     status, body = await a.get("/api/v1/alerts", params={"colour": "red"})
     assert status == 400
     assert body["error"] == (
-        "unknown query parameter(s) colour; allowed: job, state, rule, severity, limit"
+        "unknown query parameter(s) colour; allowed: job, run_id, state, rule, severity, limit"
     )
     for limit, message in (("x", "limit must be an integer, got 'x'"), ("0", "1..10000")):
         status, body = await a.get("/api/v1/anomalies", params={"limit": limit})

@@ -145,6 +145,7 @@ CONTRACT: dict[str, list[str]] = {
     ],
     "configs": [
         "job",
+        "run_id",
         "version",
         "bucket_cap_bytes",
         "first_bucket_cap_bytes",
@@ -199,6 +200,7 @@ CONTRACT: dict[str, list[str]] = {
     "commands": [
         "id",
         "job",
+        "run_id",
         "kind",
         "args",
         "status",
@@ -266,6 +268,7 @@ CONTRACT: dict[str, list[str]] = {
     "evidence_captures": [
         "id",
         "job",
+        "run_id",
         "alert_id",
         "alert_fingerprint",
         "rule",
@@ -288,6 +291,7 @@ CONTRACT: dict[str, list[str]] = {
     "tuning_sessions": [
         "id",
         "job",
+        "run_id",
         "state",
         "trigger",
         "started_unix_s",
@@ -304,6 +308,7 @@ CONTRACT: dict[str, list[str]] = {
         "id",
         "session_id",
         "job",
+        "run_id",
         "trial_index",
         "config",
         "command_id",

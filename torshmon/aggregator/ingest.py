@@ -600,6 +600,7 @@ def _batch_rows(batch: Batch, node: str, rows: _Rows, run_id: str | None = None)
                 "configs",
                 {
                     "job": job,
+                    "run_id": run_id or "",
                     "version": applied.version,
                     "bucket_cap_bytes": applied.bucket_cap_bytes,
                     "first_bucket_cap_bytes": applied.first_bucket_cap_bytes,

@@ -383,19 +383,19 @@ class _Handlers:
 
     async def alerts(self, request: web.Request) -> web.Response:
         self._auth(request)
-        where = _filters(request, ("job", "state", "rule", "severity"))
+        where = _filters(request, ("job", "run_id", "state", "rule", "severity"))
         rows = await self._rows("alerts", where, _limit(request))
         return web.json_response({"alerts": rows})
 
     async def anomalies(self, request: web.Request) -> web.Response:
         self._auth(request)
-        where = _filters(request, ("job", "kind", "metric"))
+        where = _filters(request, ("job", "run_id", "kind", "metric"))
         rows = await self._rows("findings", where, _limit(request))
         return web.json_response({"anomalies": rows})
 
     async def tuning_sessions(self, request: web.Request) -> web.Response:
         self._auth(request)
-        where = _filters(request, ("job", "state"))
+        where = _filters(request, ("job", "run_id", "state"))
         rows = await self._rows("tuning_sessions", where, _limit(request))
         for row in rows:
             blob = row.pop("state_blob", None)
@@ -406,7 +406,7 @@ class _Handlers:
 
     async def tuning_trials(self, request: web.Request) -> web.Response:
         self._auth(request)
-        where = _filters(request, ("job", "session_id"))
+        where = _filters(request, ("job", "run_id", "session_id"))
         rows = await self._rows("tuning_trials", where, _limit(request))
         return web.json_response({"trials": rows})
 

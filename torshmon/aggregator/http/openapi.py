@@ -338,7 +338,9 @@ def openapi_document() -> dict[str, Any]:
                 },
             }
         },
-        "/api/v1/alerts": listing("alerts", "row_alerts", ("job", "state", "rule", "severity")),
+        "/api/v1/alerts": listing(
+            "alerts", "row_alerts", ("job", "run_id", "state", "rule", "severity")
+        ),
         "/api/v1/alerts/{id}/ack": {
             "post": {
                 "summary": "Acknowledge a pending or firing alert (who and why are stored)",
@@ -414,9 +416,15 @@ def openapi_document() -> dict[str, Any]:
                 },
             }
         },
-        "/api/v1/anomalies": listing("anomalies", "row_findings", ("job", "kind", "metric")),
-        "/api/v1/tuning/sessions": listing("sessions", "row_tuning_sessions", ("job", "state")),
-        "/api/v1/tuning/trials": listing("trials", "row_tuning_trials", ("job", "session_id")),
+        "/api/v1/anomalies": listing(
+            "anomalies", "row_findings", ("job", "run_id", "kind", "metric")
+        ),
+        "/api/v1/tuning/sessions": listing(
+            "sessions", "row_tuning_sessions", ("job", "run_id", "state")
+        ),
+        "/api/v1/tuning/trials": listing(
+            "trials", "row_tuning_trials", ("job", "run_id", "session_id")
+        ),
         "/api/v1/evidence": {
             "get": {
                 "summary": "Evidence captures (Flight Recorder dumps, profiler traces), newest "

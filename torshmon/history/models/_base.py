@@ -36,6 +36,12 @@ RUN_ID_COMMENT: Final = (
     "The run (launch) of the job the row belongs to (runs.run_id); NULL where its probe "
     "sent no run id."
 )
+#: The comment of the ``run_id`` of rows the aggregator writes for a job (commands,
+#: tuning, evidence): the run it ran when the row was made.
+JOB_RUN_COMMENT: Final = (
+    "The run (launch) of the job the row was made in (runs.run_id): the job's latest "
+    "then, a tuning session's and its trials' the run it started in; NULL where none."
+)
 
 # Named constraints and indexes make migrations reproducible across backends.
 NAMING_CONVENTION: Final[dict[str, str]] = {

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from torshmon.history.models._base import (
     COMMAND_STATUSES,
+    JOB_RUN_COMMENT,
     Base,
     _one_of,
     _table,
@@ -32,6 +33,7 @@ class Command(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True, comment="Command id.")
     job: Mapped[str] = mapped_column(String(200), comment="Job name.")
+    run_id: Mapped[str | None] = mapped_column(String(64), comment=JOB_RUN_COMMENT)
     kind: Mapped[str] = mapped_column(String(64), comment="Command kind (config).")
     args: Mapped[dict[str, Any]] = mapped_column(JSON, comment="Arguments, JSON object.")
     status: Mapped[str] = mapped_column(

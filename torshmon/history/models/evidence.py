@@ -15,6 +15,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from torshmon.history.models._base import (
+    JOB_RUN_COMMENT,
     Base,
     _table,
 )
@@ -32,6 +33,7 @@ class EvidenceCapture(Base):
         String(64), primary_key=True, comment="Capture id (the evidence command's id)."
     )
     job: Mapped[str] = mapped_column(String(200), comment="Job name.")
+    run_id: Mapped[str | None] = mapped_column(String(64), comment=JOB_RUN_COMMENT)
     alert_id: Mapped[int | None] = mapped_column(
         BigInteger, comment="The alert episode that asked for it (alerts.id), if one."
     )

@@ -221,9 +221,19 @@ class DdpStat(Base):
 
 class Config(Base):
     __tablename__ = "configs"
-    __table_args__ = _table("Communication configs all ranks of a job applied.")
+    __table_args__ = _table(
+        "Communication configs all ranks of a job applied: each run (launch) numbers its "
+        "versions from 1."
+    )
 
     job: Mapped[str] = mapped_column(String(200), primary_key=True, comment="Job name.")
+    run_id: Mapped[str] = mapped_column(
+        String(64),
+        primary_key=True,
+        server_default="",
+        comment="The run (launch) that applied it (runs.run_id); empty where its probe "
+        "sent no run id.",
+    )
     version: Mapped[int] = mapped_column(
         BigInteger, primary_key=True, autoincrement=False, comment="Config version."
     )

@@ -16,6 +16,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from torshmon.history.models._base import (
+    JOB_RUN_COMMENT,
     Base,
     _surrogate_id,
     _table,
@@ -28,6 +29,7 @@ class TuningSession(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True, comment="Session id.")
     job: Mapped[str] = mapped_column(String(200), comment="Job name.")
+    run_id: Mapped[str | None] = mapped_column(String(64), comment=JOB_RUN_COMMENT)
     state: Mapped[str] = mapped_column(String(32), comment="The tuner's state.")
     trigger: Mapped[str] = mapped_column(String(200), comment="What started it (an alert, a user).")
     started_unix_s: Mapped[float] = mapped_column(Float, comment="Unix time in seconds.")
@@ -65,6 +67,7 @@ class TuningTrial(Base):
         comment="The session (tuning_sessions.id).",
     )
     job: Mapped[str] = mapped_column(String(200), comment="Job name.")
+    run_id: Mapped[str | None] = mapped_column(String(64), comment=JOB_RUN_COMMENT)
     trial_index: Mapped[int] = mapped_column(Integer, comment="0-based trial number.")
     config: Mapped[dict[str, Any]] = mapped_column(JSON, comment="Config tried, JSON object.")
     command_id: Mapped[str | None] = mapped_column(

@@ -60,6 +60,20 @@ def session_seqs(conn: Connection, sessions: Sequence[str]) -> dict[str, tuple[i
     return {name: (int(last_seq), run_id) for name, last_seq, run_id in rows}
 
 
+def latest_run(conn: Connection, job: str) -> str | None:
+    """``job``'s run that started last (the one the aggregator sends its commands to
+    and tunes); None for a job without runs."""
+    runs = _T["runs"]
+    query = (
+        select(runs.c.run_id)
+        .where(runs.c.job == job)
+        .order_by(runs.c.started_unix_ns.desc(), runs.c.run_id.desc())
+        .limit(1)
+    )
+    value = conn.execute(query).scalar()
+    return None if value is None else str(value)
+
+
 # -- writes --------------------------------------------------------------------------------
 def upsert_jobs(conn: Connection, jobs: list[dict[str, Any]]) -> None:
     """Insert each job, or refresh ``last_seen`` (and world size and backend, if known)."""
@@ -112,9 +126,10 @@ def advance_sessions(conn: Connection, progress: Sequence[Mapping[str, Any]]) ->
 
 
 def upsert_configs(conn: Connection, rows: list[dict[str, Any]]) -> None:
-    """The configs jobs applied; a job restarted under the same name numbers its
-    configs from 1 again, so a version seen before is replaced."""
-    conn.execute(upsert(conn, _T["configs"], index_elements=["job", "version"]), rows)
+    """The configs jobs applied, each run's apart (a job relaunched under the same
+    name numbers its configs from 1 again); a version the run sent before is replaced."""
+    keys = ["job", "run_id", "version"]
+    conn.execute(upsert(conn, _T["configs"], index_elements=keys), rows)
 
 
 def insert(conn: Connection, table: str, rows: list[dict[str, Any]]) -> None:

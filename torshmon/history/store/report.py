@@ -133,9 +133,11 @@ def load_job_history(
     when None; see ``pick_run``); None when the history has no such job, UnknownRun
     when it has no such run. A job without runs in the history is read whole.
 
-    Steps, alerts and findings are the run's by their ``run_id`` (two launches that
-    ran at once keep theirs apart); samples and tuning sessions, and every row of a
-    schema before ``run_id``, by the run's time, from its start to the next's."""
+    Steps, alerts, findings, configs, commands and tuning sessions are the run's by
+    their ``run_id`` (two launches that ran at once keep theirs apart, and a relaunch's
+    config versions, which start at 1 again, are its own); samples, and the rows
+    without a run id (a schema before it, rows stored before it), by the run's time,
+    from its start to the next's."""
     jobs = _T["jobs"]
     row = conn.execute(select(jobs).where(jobs.c.job == job)).mappings().first()
     if row is None:
@@ -161,7 +163,8 @@ def load_job_history(
     nodes = sorted({s["node"] for s in sessions if s["node"]})
     seconds = (bounds[0] / 1e9, bounds[1] / 1e9)
     alerts = _all(conn, _T["alerts"], job, "starts_at_unix_s", seconds, run_id)
-    tuning = _all(conn, _T["tuning_sessions"], job, "started_unix_s", seconds)
+    made_in = None if chosen is None else str(chosen["run_id"])
+    tuning = _run_rows(conn, "tuning_sessions", job, "started_unix_s", made_in, seconds)
     tuned = {t["id"] for t in tuning}
     return JobHistory(
         job=job_row,
@@ -172,7 +175,7 @@ def load_job_history(
         rank_samples=_rank_samples(conn, job, max_samples, bounds),
         alerts=alerts,
         findings=_all(conn, _T["findings"], job, "detected_unix_s", seconds, run_id),
-        configs=_all(conn, _T["configs"], job, "version"),
+        configs=_run_rows(conn, "configs", job, "applied_unix_ns", made_in, bounds, "version"),
         tuning_sessions=tuning,
         tuning_trials=[
             t for t in _all(conn, _T["tuning_trials"], job, "id") if t["session_id"] in tuned
@@ -180,7 +183,7 @@ def load_job_history(
         evidence=evidence_links(conn, alerts),
         run=None if chosen is None else dict(chosen),
         runs=runs,
-        commands=_all(conn, _T["commands"], job, "created_unix_s", seconds),
+        commands=_run_rows(conn, "commands", job, "created_unix_s", made_in, seconds),
     )
 
 
@@ -262,6 +265,33 @@ def _all(
         query = query.where(table.c.run_id == run_id)
     elif bounds is not None:
         query = query.where(table.c[order] >= bounds[0], table.c[order] < bounds[1])
+    return [dict(r) for r in conn.execute(query).mappings()]
+
+
+def _run_rows(
+    conn: Connection,
+    name: str,
+    job: str,
+    when: str,
+    run_id: str | None,
+    bounds: tuple[float, float],
+    order: str | None = None,
+) -> list[dict[str, Any]]:
+    """``job``'s rows of table ``name`` by ``order`` (default ``when``): those of run
+    ``run_id`` and those of no run (NULL or empty ``run_id``, or a schema before it)
+    whose ``when`` is in [start, end) of ``bounds``; all of them where ``run_id`` is
+    None (a job without runs). The columns are those the table has."""
+    table = _T[name]
+    present = {c["name"] for c in inspect(conn).get_columns(name)}
+    query = select(*(c for c in table.c if c.name in present)).where(table.c.job == job)
+    if run_id is not None:
+        in_time = (table.c[when] >= bounds[0]) & (table.c[when] < bounds[1])
+        if "run_id" in present:
+            unrun = table.c.run_id.is_(None) | (table.c.run_id == "")
+            query = query.where((table.c.run_id == run_id) | (unrun & in_time))
+        else:
+            query = query.where(in_time)
+    query = query.order_by(table.c[order or when])
     return [dict(r) for r in conn.execute(query).mappings()]
 
 

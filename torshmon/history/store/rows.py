@@ -109,7 +109,7 @@ def _check_fields(cls: type, table: str, added: frozenset[str] = frozenset()) ->
 
 @dataclass(frozen=True, slots=True)
 class EvidenceCaptureRow:
-    """One row of ``evidence_captures`` (the store adds ``aggregator_id``)."""
+    """One row of ``evidence_captures`` (the store adds ``aggregator_id`` and ``run_id``)."""
 
     id: str
     job: str
@@ -136,10 +136,11 @@ class EvidenceFileRow:
     received_unix_s: float
 
 
-_check_fields(TuningSessionRow, "tuning_sessions", frozenset({"aggregator_id"}))
-_check_fields(EvidenceCaptureRow, "evidence_captures", frozenset({"aggregator_id"}))
+# The store adds the run (the job's latest when the row is first written).
+_check_fields(TuningSessionRow, "tuning_sessions", frozenset({"aggregator_id", "run_id"}))
+_check_fields(EvidenceCaptureRow, "evidence_captures", frozenset({"aggregator_id", "run_id"}))
 _check_fields(EvidenceFileRow, "evidence_files")
-_check_fields(TuningTrialRow, "tuning_trials")
+_check_fields(TuningTrialRow, "tuning_trials", frozenset({"run_id"}))
 
 
 def row_values(record: Any) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from torshmon.history.db import insert_ignore, make_engine, upsert
 from torshmon.history.models import Base
 from torshmon.history.retention import RetentionReport, apply_retention
 from torshmon.history.store.evidence import list_evidence
+from torshmon.history.store.ingest import latest_run
 from torshmon.history.store.rows import (
     LISTING_ORDER,
     EvidenceCaptureRow,
@@ -419,6 +420,7 @@ class HistoryStore:
                 .values(
                     id=command_id,
                     job=job,
+                    run_id=latest_run(conn, job),
                     kind=kind,
                     args=args,
                     status="pending",
@@ -461,7 +463,10 @@ class HistoryStore:
             return
         sessions, trials_table = _T["tuning_sessions"], _T["tuning_trials"]
         with self._engine.begin() as conn:
-            row = row_values(session) | {"aggregator_id": self.aggregator_id}
+            # The run it started in; a resumed session keeps it.
+            stored = select(sessions.c.run_id).where(sessions.c.id == session.id)
+            run_id = conn.execute(stored).scalar() or latest_run(conn, session.job)
+            row = row_values(session) | {"aggregator_id": self.aggregator_id, "run_id": run_id}
             conn.execute(upsert(conn, sessions).values(**row))
             existing = {
                 int(r.trial_index): int(r.id)
@@ -472,7 +477,7 @@ class HistoryStore:
                 )
             }
             for trial in trials:
-                values = row_values(trial)
+                values = row_values(trial) | {"run_id": run_id}
                 row_id = existing.get(trial.trial_index)
                 if row_id is None:
                     conn.execute(trials_table.insert().values(**values))
@@ -535,6 +540,7 @@ class HistoryStore:
         if row["alert_id"] is None and capture.alert_fingerprint is not None:
             row["alert_id"] = self._alert_rows.get(capture.alert_fingerprint)
         with self._engine.begin() as conn:
+            row["run_id"] = latest_run(conn, capture.job)
             conn.execute(
                 _T["evidence_captures"].insert().values(aggregator_id=self.aggregator_id, **row)
             )
