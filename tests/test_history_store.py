@@ -171,3 +171,39 @@ async def test_an_unopened_store_writes_nothing_and_finds_nothing(
         store.engine  # noqa: B018
     assert not (tmp_path / "never.db").exists()
     store.close()
+
+
+async def test_a_command_is_stored_while_another_writer_commits(
+    store: HistoryStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Storing a command reads the job's latest run, then inserts. Begun deferred, that
+    transaction failed at once with "database is locked" when the ingest writer committed
+    between the read and the insert (stop 53's CI, test_tuning: a 500 for a tune
+    request); it now takes the write lock first, and the other writer waits for it."""
+    import sqlite3
+
+    import torshmon.history.store.state as state
+
+    other_writes: list[str] = []
+
+    def latest_run_meanwhile(conn: object, job: str) -> str | None:
+        run = real_latest_run(conn, job)  # type: ignore[arg-type]
+        other = sqlite3.connect(tmp_path / "h.db", timeout=0.2)
+        try:
+            with other:
+                other.execute(
+                    "INSERT INTO runs (job, run_id, started_unix_ns) VALUES ('other', 'r', 1)"
+                )
+            other_writes.append("committed")
+        except sqlite3.OperationalError as exc:  # it waits for the command's transaction
+            other_writes.append(str(exc))
+        finally:
+            other.close()
+        return run
+
+    real_latest_run = state.latest_run
+    monkeypatch.setattr(state, "latest_run", latest_run_meanwhile)
+    await store.add_command("c1", "j", "config", {"codec": "fp16"}, NOW)
+    [row] = await store.rows("commands", {"id": "c1"}, 1)
+    assert row["status"] == "pending"
+    assert other_writes == ["database is locked"]

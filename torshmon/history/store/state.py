@@ -27,7 +27,7 @@ from sqlalchemy.engine import Connection, Engine
 from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.episodes import FindingChange, FindingKey
 from torshmon.aggregator.core.silences import Silence, SilenceRequest
-from torshmon.history.db import insert_ignore, make_engine, upsert
+from torshmon.history.db import begin_write, insert_ignore, make_engine, upsert
 from torshmon.history.models import Base
 from torshmon.history.retention import RetentionReport, apply_retention
 from torshmon.history.store.evidence import list_evidence
@@ -115,7 +115,7 @@ class HistoryStore:
         if self._engine is None:
             return
         rows: dict[FindingKey, int | None] = {}
-        with self._engine.begin() as conn:
+        with begin_write(self._engine) as conn:
             for change in findings:
                 key = change.finding.key()
                 rows[key] = self._record_finding(conn, change, now, rows)
@@ -176,7 +176,7 @@ class HistoryStore:
         if self._engine is None:
             return 0
         table = _T["findings"]
-        with self._engine.begin() as conn:
+        with begin_write(self._engine) as conn:
             result = conn.execute(
                 update(table)
                 .where(table.c.ended_unix_s.is_(None), table.c.aggregator_id == self.aggregator_id)
@@ -413,7 +413,7 @@ class HistoryStore:
     ) -> None:
         if self._engine is None:
             return
-        with self._engine.begin() as conn:
+        with begin_write(self._engine) as conn:
             conn.execute(
                 _T["commands"]
                 .insert()
@@ -443,7 +443,7 @@ class HistoryStore:
         if self._engine is None:
             return
         table = _T["commands"]
-        with self._engine.begin() as conn:
+        with begin_write(self._engine) as conn:
             conn.execute(
                 update(table)
                 .where(table.c.id == command_id)
@@ -462,7 +462,7 @@ class HistoryStore:
         if self._engine is None:
             return
         sessions, trials_table = _T["tuning_sessions"], _T["tuning_trials"]
-        with self._engine.begin() as conn:
+        with begin_write(self._engine) as conn:
             # The run it started in; a resumed session keeps it.
             stored = select(sessions.c.run_id).where(sessions.c.id == session.id)
             run_id = conn.execute(stored).scalar() or latest_run(conn, session.job)
@@ -519,7 +519,7 @@ class HistoryStore:
         if self._engine is None:
             return
         table = _T["tuning_sessions"]
-        with self._engine.begin() as conn:
+        with begin_write(self._engine) as conn:
             conn.execute(
                 update(table)
                 .where(table.c.id == session_id)
@@ -539,7 +539,7 @@ class HistoryStore:
         row = row_values(capture)
         if row["alert_id"] is None and capture.alert_fingerprint is not None:
             row["alert_id"] = self._alert_rows.get(capture.alert_fingerprint)
-        with self._engine.begin() as conn:
+        with begin_write(self._engine) as conn:
             row["run_id"] = latest_run(conn, capture.job)
             conn.execute(
                 _T["evidence_captures"].insert().values(aggregator_id=self.aggregator_id, **row)
@@ -554,7 +554,7 @@ class HistoryStore:
         if self._engine is None:
             return False
         captures = _T["evidence_captures"]
-        with self._engine.begin() as conn:
+        with begin_write(self._engine) as conn:
             known = conn.execute(
                 select(captures.c.id).where(captures.c.id == file.capture_id)
             ).first()
@@ -625,7 +625,7 @@ class HistoryStore:
             .group_by(captures.c.id, captures.c.created_unix_s)
             .order_by(captures.c.created_unix_s.desc())
         )
-        with self._engine.begin() as conn:
+        with begin_write(self._engine) as conn:
             kept_bytes = 0
             doomed = []
             for capture_id, created, size in conn.execute(sizes):
