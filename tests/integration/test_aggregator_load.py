@@ -161,9 +161,11 @@ def metric(port: int, name: str, labels: str = "") -> float:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
+        response = conn.getresponse()
+        text = response.read().decode()
     finally:
         conn.close()
+    assert response.status == 200, f"/metrics answered {response.status}: {text[:300]}"
     series = f"{name}{{{labels}}}" if labels else name
     for line in text.splitlines():
         if line.startswith(series + " "):
