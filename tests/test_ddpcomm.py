@@ -4,8 +4,12 @@ it reads, and the rows the steps then ship."""
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
+
+import pytest
+import torch
 
 from torshmon.probe import ddpcomm, flightrec
 from torshmon.probe.ddpcomm import DdpCollectives
@@ -211,3 +215,39 @@ def test_the_bootstrap_sizes_the_recorder_as_the_reader_expects() -> None:
     assert entries is not None and int(entries.group(1)) == ddpcomm.DEFAULT_BUFFER_ENTRIES
     assert names is not None
     assert tuple(n.strip().strip('"') for n in names.group(1).split(",")) == flightrec.BUFFER_ENVS
+
+
+class _C10d:
+    """A torch C extension with both recorders, each holding one all-reduce of its own."""
+
+    def __init__(self) -> None:
+        self.read: list[str] = []
+
+    def _entry(self, backend: str) -> dict[str, object]:
+        return {
+            "record_id": 0,
+            "profiling_name": f"{backend}:all_reduce",
+            "process_group": ("0", "default_pg"),
+            "input_sizes": [[4]],
+            "input_dtypes": ["Float"],
+            "time_created_ns": 1,
+            "retired": True,
+        }
+
+    def _dump_fr_trace(self, *_args: object) -> bytes:
+        self.read.append("generic")
+        return pickle.dumps({"entries": [self._entry("gloo")]})
+
+    def _dump_nccl_trace(self, *_args: object) -> bytes:
+        self.read.append("nccl")
+        return pickle.dumps({"entries": [self._entry("nccl")]})
+
+
+def test_an_nccl_group_is_read_from_nccls_own_recorder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA build's NCCL groups write to NCCL's recorder; the generic one (gloo's)
+    holds none of their entries, so reading it would leave DDP's all-reduces unseen."""
+    fake = _C10d()
+    monkeypatch.setattr(torch._C, "_distributed_c10d", fake)
+    assert [c.backend for c in flightrec.read(-1, "nccl")] == ["nccl"]
+    assert [c.backend for c in flightrec.read(-1, "gloo")] == ["gloo"]
+    assert fake.read == ["nccl", "generic"]

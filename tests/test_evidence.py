@@ -25,6 +25,7 @@ from torshmon.probe.evidence import (
     PROFILER_TRACE_FILE,
     EvidenceArgsError,
     EvidenceCapture,
+    dump_flight_recorder,
     pack,
     parse_request,
 )
@@ -196,3 +197,26 @@ def test_an_alert_profiles_its_rank_and_a_healthy_peer() -> None:
     assert keeper.profile_ranks("two", "0") == [0, 1]
     assert keeper.profile_ranks("one", "0") == [0]
     assert keeper.profile_ranks("unknown", None) == [0]
+
+
+class _Recorders:
+    """A torch C extension's two JSON dumps; NCCL's holds ``nccl`` entries."""
+
+    def __init__(self, nccl: int) -> None:
+        self.nccl = nccl
+
+    def _dump_nccl_trace_json(self, **_kwargs: object) -> bytes:
+        return json.dumps({"entries": [{"profiling_name": "nccl:all_reduce"}] * self.nccl}).encode()
+
+    def _dump_fr_trace_json(self, **_kwargs: object) -> bytes:
+        return json.dumps({"entries": [{"profiling_name": "gloo:all_reduce"}]}).encode()
+
+
+@pytest.mark.parametrize(("nccl", "expected"), [(2, "nccl:all_reduce"), (0, "gloo:all_reduce")])
+def test_the_dump_is_nccls_where_its_recorder_holds_entries(
+    monkeypatch: pytest.MonkeyPatch, nccl: int, expected: str
+) -> None:
+    """A GPU job's hang is in NCCL's recorder; the generic one holds only gloo's."""
+    monkeypatch.setattr(torch._C, "_distributed_c10d", _Recorders(nccl))
+    entries = json.loads(dump_flight_recorder())["entries"]
+    assert {e["profiling_name"] for e in entries} == {expected}

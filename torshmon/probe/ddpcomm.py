@@ -25,6 +25,7 @@ the hook counted them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -230,13 +231,25 @@ def for_module(
         )
         return None
     group = module.process_group
+    backend = _backend(group)
     return DdpCollectives(
         pg_name=str(group.group_name),
         pg_label=pg_label,
         group_size=int(group.size()),
         since_unix_ns=time.time_ns(),
         capacity=size,
+        read=functools.partial(flightrec.read, backend=backend),
     )
+
+
+def _backend(group: Any) -> str:
+    """The group's backend as torch names it ("nccl", "gloo"); "" where it cannot say."""
+    try:
+        import torch.distributed as dist
+
+        return str(dist.get_backend(group))
+    except Exception:  # an odd group: the generic recorder is the one to read
+        return ""
 
 
 __all__ = ["DEFAULT_BUFFER_ENTRIES", "MAX_BUFFER_ENTRIES", "DdpCollectives", "for_module"]

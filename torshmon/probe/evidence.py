@@ -16,6 +16,7 @@ training.
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import os
 import tempfile
@@ -77,14 +78,22 @@ def _is_int(value: object) -> bool:
 
 
 def dump_flight_recorder() -> bytes:
-    """This process's Flight Recorder entries as JSON (every process group, gloo and
-    NCCL); RuntimeError when this torch has no JSON dump."""
+    """This process's Flight Recorder entries as JSON, in torch's own format: NCCL's
+    recorder where it holds entries (a CUDA build's NCCL groups write there, not to the
+    generic recorder), else the generic one (gloo and the other backends);
+    RuntimeError when this torch has no JSON dump."""
     c10d: Any = torch._C._distributed_c10d
-    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+    found = None
+    for name in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
         dump = getattr(c10d, name, None)
-        if dump is not None:
-            return bytes(dump(includeCollectives=True, onlyActive=False))
-    raise RuntimeError(f"torch {torch.__version__} has no Flight Recorder JSON dump")
+        if dump is None:
+            continue
+        found = bytes(dump(includeCollectives=True, onlyActive=False))
+        if json.loads(found).get("entries"):
+            return found
+    if found is None:
+        raise RuntimeError(f"torch {torch.__version__} has no Flight Recorder JSON dump")
+    return found
 
 
 def pack(capture_id: str, name: str, data: bytes) -> EvidenceFile:
