@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +270,20 @@ dist.destroy_process_group()
 """
 
 
+def _torch_aborted_at_exit(done: subprocess.CompletedProcess[str], cwd: Path) -> bool:
+    """Whether a rank of an FSDP2 job without torshmon aborted in torch's own teardown
+    after its last step (every rank wrote its losses). CI saw one run of this test end
+    so ("terminate called without an active exception"), before the message said
+    which run it was; here it did not happen in 10 reference and 44 monitored runs
+    (with other work loading the box). Only the reference run is retried for it; the
+    run under torshmon never is."""
+    return (
+        done.returncode != 0
+        and "terminate called without an active exception" in done.stderr
+        and all((cwd / f"losses-{rank}.txt").exists() for rank in (0, 1))
+    )
+
+
 def _losses(cwd: Path) -> list[str]:
     """Each rank's losses, exact (in hex), in rank order; the files are removed (the
     next run writes its own)."""
@@ -282,10 +297,10 @@ def _losses(cwd: Path) -> list[str]:
 async def _job_kind(aggregator: Any, job: str, timeout_s: float = 60.0) -> str | None:
     """The aggregator's reading of what the probe was attached to, once steps came."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while (kind := aggregator.live.job_kind(job)) is None:
-        if asyncio.get_running_loop().time() > deadline:
-            break
+    kind: str | None = aggregator.live.job_kind(job)
+    while kind is None and asyncio.get_running_loop().time() <= deadline:
         await asyncio.sleep(0.2)
+        kind = aggregator.live.job_kind(job)
     return kind
 
 
@@ -306,16 +321,26 @@ async def test_torshmon_run_watches_an_unmodified_fsdp2_script(tmp_path: Path) -
         env.pop("TORSHMON_AUTO", None)
         runs = []
         for command in (torchrun, [str(Path(sys.executable).parent / "torshmon"), "run", "--"]):
-            done = await asyncio.to_thread(
-                subprocess.run,
-                command if command is torchrun else [*command, *torchrun],
-                env=env,
-                cwd=tmp_path,
-                capture_output=True,
-                text=True,
-                timeout=240,  # two launches back to back on a busy box
-            )
-            assert done.returncode == 0, done.stderr[-3000:]
+            monitored = command is not torchrun
+            for attempt in (1, 2):
+                done = await asyncio.to_thread(
+                    subprocess.run,
+                    [*command, *torchrun] if monitored else command,
+                    env=env,
+                    cwd=tmp_path,
+                    capture_output=True,
+                    text=True,
+                    timeout=240,  # two launches back to back on a busy box
+                )
+                if monitored or attempt == 2 or not _torch_aborted_at_exit(done, tmp_path):
+                    break
+                warnings.warn(
+                    "the reference run (no torshmon) aborted at exit after its last step; "
+                    "rerun once: " + done.stderr[:200],
+                    stacklevel=1,
+                )
+            which = "the run under torshmon" if monitored else "the reference run"
+            assert done.returncode == 0, f"{which} failed: {done.stderr[-3000:]}"
             assert "monitoring is off" not in done.stderr, done.stderr[-2000:]
             runs.append(_losses(tmp_path))
         kind = await _job_kind(aggregator, "zero-fsdp")
