@@ -88,7 +88,9 @@ async def test_a_hang_captures_flight_recorder_dumps_of_every_rank_and_traces(
 
 
 async def test_a_straggler_captures_evidence_naming_the_slow_rank(tmp_path: Path) -> None:
-    result = await _run(tmp_path, 160, "straggler:rank=2,slowdown=4,from=30,to=150")
+    # Paged 16-21 slow steps after the onset (test_straggler_onoff.py), captured over the
+    # next few (evidence.profile_steps, 3): 70 slow steps leave the capture ~50 to spare.
+    result = await _run(tmp_path, 110, "straggler:rank=2,slowdown=4,from=30,to=100")
     alert = next(a for a in result.alerts if a["rule"] == "Straggler" and a["rank"] == 2)
     captures, files = _evidence(result)
     # (On 2 loaded cores another rank may be flagged for a moment too: its own capture.)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.venvs import build_wheel, daemon, http_get, make_venv, pip_install, run
+from tests.integration.venvs import daemon, http_get, make_venv, pip_install, run
 from torshmon.cli import AGGREGATOR_PACKAGES
 from torshmon.launch import free_port
 
@@ -21,9 +21,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Iterator[Path]:
     work = tmp_path_factory.mktemp("agent-only")
-    wheel = build_wheel(work / "dist")
     bin_dir = make_venv(work / "venv")
     pip_install(bin_dir, str(wheel))
     yield bin_dir

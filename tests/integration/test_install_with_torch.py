@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.venvs import build_wheel, daemon, http_get, make_venv, pip_install, run
+from tests.integration.venvs import daemon, http_get, make_venv, pip_install, run
 from torshmon.launch import free_port
 
 pytestmark = pytest.mark.integration
@@ -25,10 +25,9 @@ TORCH = "torch==2.13.0"
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Iterator[Path]:
     """The ``bin`` folder of a venv holding torch 2.13.0 and the wheel with its extra."""
     work = tmp_path_factory.mktemp("with-torch")
-    wheel = build_wheel(work / "dist")
     bin_dir = make_venv(work / "venv")
     pip_install(bin_dir, TORCH)
     constraints = work / "constraints.txt"

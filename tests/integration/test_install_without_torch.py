@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.venvs import build_wheel, daemon, http_get, make_venv, pip_install, run
+from tests.integration.venvs import daemon, http_get, make_venv, pip_install, run
 from torshmon.launch import free_port
 from torshmon.probe import MISSING_TORCH
 
@@ -35,10 +35,9 @@ rules:
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Iterator[Path]:
     """The ``bin`` folder of a venv holding the wheel and its dependencies, and no torch."""
     work = tmp_path_factory.mktemp("no-torch")
-    wheel = build_wheel(work / "dist")
     bin_dir = make_venv(work / "venv")
     pip_install(bin_dir, f"torshmon[aggregator] @ {wheel.as_uri()}")
     yield bin_dir

@@ -25,15 +25,10 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A folder holding torshmon installed from a freshly built wheel."""
-    work = tmp_path_factory.mktemp("wheel")
+def installed(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Iterator[Path]:
+    """A folder holding torshmon installed from the wheel built from this checkout."""
+    work = tmp_path_factory.mktemp("wheel-site")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(
-        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", work / "dist", REPO_ROOT],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
-    (wheel,) = (work / "dist").glob("torshmon-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "torshmon/history/migrations/versions/0001_initial.py" in names
     target = work / "site"
