@@ -202,6 +202,9 @@ def test_two_launches_of_one_job_at_once_are_each_judged_alerted_and_exported() 
     assert (
         registry.get_sample_value("torshmon_straggler_active", {**straggling, "run": "r2"}) is None
     )
+    # Commands (a tuning session's too) go to the latest run: r2's rank 0, not r1's.
+    assert live.runs() == {"j": "r2"}
+    assert not live.of_latest_run("j", r1[0].session) and live.of_latest_run("j", r2[0].session)
     # The API shows the latest run by default, and the older one when asked.
     assert live.job_summary("j") == live.job_summary("j", "r2") != live.job_summary("j", "r1")
     # r1's ranks fall silent; r2's go on. Past the idle bound only r2 is left.

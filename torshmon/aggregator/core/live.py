@@ -5,9 +5,10 @@
 straggler detector, the hang detector, the link checker) and the per-rank state behind the
 job-level ``/metrics``. Each run (launch) of a job has its own state and detectors
 (``core.run_state``): two launches of one job name running at once are judged,
-alerted and exported apart; the API and commands take a job's latest run. Everything here runs on the aggregator's event loop, the
-Prometheus collector too (``torshmon.aggregator.live_metrics``, called by the loop's
-``/metrics`` handler), so nothing here takes a lock.
+alerted and exported apart; the API and commands take a job's latest run.
+Everything here runs on the aggregator's event loop, the Prometheus collector too
+(``torshmon.aggregator.live_metrics``, called by the loop's ``/metrics`` handler), so
+nothing here takes a lock.
 """
 
 from __future__ import annotations
@@ -517,6 +518,12 @@ class LiveState:
         self._evaluated = {(f.key(), _pages(f)) for f in out}
         self._fresh = False
         return out
+
+    def of_latest_run(self, job: str, session: str) -> bool:
+        """Whether probe ``session`` of ``job`` is of the job's latest run (the one its
+        commands go to); a session no hello here named counts as the latest's."""
+        run_id = self._session_runs.get((job, session))
+        return run_id is None or run_id == self._latest.get(job)
 
     def runs(self) -> dict[str, str]:
         """Each live job's latest run, where its probes sent one: the run that the
