@@ -129,6 +129,21 @@ def test_a_new_run_id_gets_live_state_of_its_own_and_the_older_run_keeps_its() -
     assert live.live_runs("j") == ["b"]
 
 
+def test_a_restarted_aggregator_keeps_the_restored_runs_ranks_apart_from_a_new_launch() -> None:
+    """After a restart the running launch's probes say no hello: their batches are the
+    restored run's, and stay so when a new launch of the job says hello beside them."""
+    live = LiveState(idle_s=60.0)
+    live.restore_job("j", 3, 1000.0, "r1")
+    r1, r2 = _launch("r1"), _launch("r2")
+    live.observe(_steps(r1, range(1, 11), late_rank=None, seq=1), now_unix_s=1001.0)
+    live.observe(Stored(acked_seq=2, hellos=r2), now_unix_s=1002.0)
+    live.observe(_steps(r1, range(11, 21), late_rank=None, seq=2), now_unix_s=1003.0)
+    live.observe(_steps(r2, range(1, 6), late_rank=None, seq=1), now_unix_s=1003.0)
+    assert live.live_runs("j") == ["r1", "r2"]
+    assert live.rank_summaries("j", "r1")[0]["steps_total"] == 20
+    assert live.rank_summaries("j")[0]["steps_total"] == 5  # the latest: r2
+
+
 STRAGGLER_RULE = """
 rules:
   - name: Straggler

@@ -231,13 +231,16 @@ class LiveState:
 
     def _run_of_batch(self, job: str, session: str) -> RunState:
         """The run whose hello named ``session``; else (its hello went to an earlier
-        aggregator process) the job's latest run, made if the job has none."""
+        aggregator process) the job's latest run, made if the job has none, which the
+        session stays with: a launch that says hello later is not its run."""
         run_id = self._session_runs.get((job, session))
         if run_id is not None:
             run = self._runs.get((job, run_id))
             if run is not None:
                 return run
-        return self._latest_run(job) or self._run_of_hello(job, "")
+        run = self._latest_run(job) or self._run_of_hello(job, "")
+        self._session_runs[(job, session)] = run.run_id
+        return run
 
     def _observe_batch(self, batch: Batch, node: str, now_unix_s: float) -> None:
         run = self._run_of_batch(batch.job, batch.session)
