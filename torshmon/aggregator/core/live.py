@@ -184,13 +184,9 @@ class LiveState:
     def _run_of_hello(self, job: str, run_id: str) -> RunState:
         """The run a hello names, made at its first hello; a launch newer than the job's
         latest becomes its latest (the older one stays live, judged on its own, until
-        its ranks fall silent). Ranks seen before any hello named a run (an aggregator
-        restarted without one in the history) are that run's."""
+        its ranks fall silent). Probes that send no run id are the job's run ""."""
         run = self._runs.get((job, run_id))
         if run is None:
-            nameless = self._runs.get((job, ""))
-            if run_id and nameless is not None:
-                self._drop_run(nameless)
             run = self._runs[(job, run_id)] = RunState.new(job, run_id, self.detector_settings)
             self._latest[job] = run_id
         return run
