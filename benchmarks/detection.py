@@ -411,8 +411,11 @@ class FiringWatch:
         summary = aggregator.live.job_summary(self.job)
         last = summary["last_step"] if summary else -1
         self.last_step = last
-        bar_ratio = getattr(getattr(aggregator.live, "straggler", None), "bar_ratio", None)
-        bar = bar_ratio(self.job) if bar_ratio is not None else None
+        try:  # the straggler detector of the job's latest run, once it has one
+            detector = aggregator.live.run(self.job).straggler
+        except KeyError:
+            detector = None
+        bar = detector.bar_ratio(self.job) if detector is not None else None
         if bar is not None:
             self.bars.append(float(bar))
         now = {

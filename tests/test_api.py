@@ -35,26 +35,31 @@ class FakeLive:
     def __init__(self) -> None:
         self.findings: dict[str, list[Finding]] = {}
         self.tuning: dict[str, bool] = {}
+        #: The runs of job j that are live (None: whichever is asked for).
+        self.live_runs: set[str] | None = None
 
-    def job_summary(self, job: str) -> dict[str, Any] | None:
-        return {"last_step": 7} if job == "j" else None
+    def job_summary(self, job: str, run_id: str | None = None) -> dict[str, Any] | None:
+        live = self.live_runs is None or run_id is None or run_id in self.live_runs
+        return {"last_step": 7} if job == "j" and live else None
 
-    def job_config(self, job: str) -> dict[str, Any] | None:
+    def job_config(self, job: str, run_id: str | None = None) -> dict[str, Any] | None:
         return {"codec": "none"} if job == "j" else None
 
-    def rank_summaries(self, job: str) -> dict[int, dict[str, Any]]:
+    def rank_summaries(self, job: str, run_id: str | None = None) -> dict[int, dict[str, Any]]:
         return {0: {"last_step": 7}} if job == "j" else {}
 
-    def report(self, job: str, now_unix_s: float) -> list[Finding] | None:
+    def report(
+        self, job: str, now_unix_s: float, run_id: str | None = None
+    ) -> list[Finding] | None:
         return self.findings.get(job)
 
-    def link_reading(self, job: str) -> dict[str, Any] | None:
+    def link_reading(self, job: str, run_id: str | None = None) -> dict[str, Any] | None:
         return None
 
     def set_tuning(self, job: str, active: bool) -> None:
         self.tuning[job] = active
 
-    def job_kind(self, job: str) -> str | None:
+    def job_kind(self, job: str, run_id: str | None = None) -> str | None:
         return "fsdp2" if job == "j" else None
 
 

@@ -511,6 +511,9 @@ class _FakeAggregator:
     def rank_summaries(self, job: str) -> dict[int, dict[str, int]]:
         return {0: {"steps_total": self.last_step, "urgent_steps_total": 0}}
 
+    def run(self, job: str) -> _FakeAggregator:
+        return self  # the job's latest run, with its straggler detector (self)
+
     def bar_ratio(self, job: str) -> float | None:
         return self.bar
 

@@ -62,7 +62,7 @@ def test_a_finding_that_starts_and_clears_inside_one_batch_is_evaluated_once() -
         Stored(acked_seq=1, hellos=[hello], batches=[(wf.batch(hello, 1, steps), "n")]),
         now_unix_s=1000.0,
     )
-    assert live.loss_z.active() == []  # cleared inside the batch
+    assert live.run("j").loss_z.active() == []  # cleared inside the batch
     found = [f for f in live.findings(1000.5) if f.labels.get("metric") == "loss"]
     assert [(f.kind, f.labels["rank"]) for f in found] == [("anomaly", "0")]
     assert [f for f in live.findings(1001.0) if f.labels.get("metric") == "loss"] == []
@@ -544,7 +544,7 @@ def test_a_rank_late_in_any_phase_is_the_straggler_named_with_that_phase(held_in
     """Whatever makes rank 2 arrive late at the step's collectives (its compute, its
     node's other work keeping its thread from a CPU, its data loader), its peers wait for
     it: it is named, with the phase, and pages once it lasts."""
-    [finding] = _contended_job(held_in=held_in).straggler.active()
+    [finding] = _contended_job(held_in=held_in).run("j").straggler.active()
     assert finding.labels["rank"] == "2"
     assert finding.details["phase"] == held_in
     assert finding.details["page"] is True

@@ -38,6 +38,7 @@ from torshmon.probe.runid import agreed_run_id, env_run_id
 from torshmon.report import from_json, render_text, report_from_aggregator, report_from_db
 from torshmon.report.compare import render_comparison
 from torshmon.report.source import ReportError
+from torshmon.wire import Hello
 
 S = 10**9
 T0 = 1_800_000_000 * S
@@ -77,14 +78,16 @@ def test_every_rank_reads_the_id_rank_0_made_from_the_store() -> None:
 
 
 # -- the live state ------------------------------------------------------------------------
-def test_a_new_run_id_starts_the_jobs_live_state_over() -> None:
+def test_a_new_run_id_gets_live_state_of_its_own_and_the_older_run_keeps_its() -> None:
     live = LiveState(idle_s=60.0)
     registry = CollectorRegistry()
     registry.register(LiveCollector(live))
     first = [msgspec.structs.replace(wf.hello("j", r, 2), run_id="a") for r in (0, 1)]
-    steps = [wf.step(n) for n in range(1, 31)]
+    steps = [wf.step(n) for n in range(1, 41)]
     live.observe(
-        Stored(acked_seq=1, hellos=first, batches=[(wf.batch(h, 1, steps), "n") for h in first]),
+        Stored(
+            acked_seq=1, hellos=first, batches=[(wf.batch(h, 1, steps[:30]), "n") for h in first]
+        ),
         now_unix_s=1000.0,
     )
     run_a = {"job": "j", "run": "a", "rank": "0"}
@@ -105,15 +108,133 @@ def test_a_new_run_id_starts_the_jobs_live_state_over() -> None:
     )
     run_b = {"job": "j", "run": "b", "rank": "0"}
     assert registry.get_sample_value("torshmon_steps_total", run_b) == 5
-    assert registry.get_sample_value("torshmon_steps_total", run_a) is None  # only live runs
-    assert live.jobs["j"].run_id == "b"
-    # The first launch's ranks still run: stored as theirs, but the live state is b's.
+    # Both launches run: each is exported with its own run, the API shows the latest.
+    assert registry.get_sample_value("torshmon_steps_total", run_a) == 30
+    assert live.jobs["j"].run_id == "b" and live.live_runs("j") == ["a", "b"]
+    # The first launch's ranks go on: their steps are a's, not b's.
     live.observe(
-        Stored(acked_seq=4, batches=[(wf.batch(h, 2, steps[:7]), "n") for h in first]),
+        Stored(acked_seq=4, batches=[(wf.batch(h, 2, steps[30:37]), "n") for h in first]),
         now_unix_s=1003.0,
     )
     assert registry.get_sample_value("torshmon_steps_total", run_b) == 5
+    assert registry.get_sample_value("torshmon_steps_total", run_a) == 37
+    # a's ranks fall silent past the idle bound while b's still report: a is forgotten.
+    live.observe(
+        Stored(acked_seq=5, batches=[(wf.batch(h, 2, steps[5:6]), "n") for h in second]),
+        now_unix_s=1050.0,
+    )
+    live.expire(1064.0)
     assert registry.get_sample_value("torshmon_steps_total", run_a) is None
+    assert registry.get_sample_value("torshmon_steps_total", run_b) == 6
+    assert live.live_runs("j") == ["b"]
+
+
+def test_a_restarted_aggregator_keeps_the_restored_runs_ranks_apart_from_a_new_launch() -> None:
+    """After a restart the running launch's probes say no hello: their batches are the
+    restored run's, and stay so when a new launch of the job says hello beside them."""
+    live = LiveState(idle_s=60.0)
+    live.restore_job("j", 3, 1000.0, "r1")
+    r1, r2 = _launch("r1"), _launch("r2")
+    live.observe(_steps(r1, range(1, 11), late_rank=None, seq=1), now_unix_s=1001.0)
+    live.observe(Stored(acked_seq=2, hellos=r2), now_unix_s=1002.0)
+    live.observe(_steps(r1, range(11, 21), late_rank=None, seq=2), now_unix_s=1003.0)
+    live.observe(_steps(r2, range(1, 6), late_rank=None, seq=1), now_unix_s=1003.0)
+    assert live.live_runs("j") == ["r1", "r2"]
+    assert live.rank_summaries("j", "r1")[0]["steps_total"] == 20
+    assert live.rank_summaries("j")[0]["steps_total"] == 5  # the latest: r2
+
+
+STRAGGLER_RULE = """
+rules:
+  - name: Straggler
+    kind: straggler
+    severity: high
+"""
+
+
+def _launch(run_id: str) -> list[Hello]:
+    """The hellos of a 3-rank launch of job j, run ``run_id``."""
+    return [
+        msgspec.structs.replace(wf.hello("j", r, 3), session=f"{run_id}-{r}", run_id=run_id)
+        for r in range(3)
+    ]
+
+
+def _steps(hellos: list[Hello], numbers: range, *, late_rank: int | None, seq: int) -> Stored:
+    """Steps ``numbers`` of every rank, ~0.1 s each; ``late_rank`` computes 0.2 s longer."""
+    batches = []
+    for h in hellos:
+        steps = [
+            wf.step(
+                n,
+                duration_s=0.1
+                + 0.002 * ((n * (h.rank + 1)) % 5)
+                + (0.2 if h.rank == late_rank else 0),
+                comm_wait_s=0.01,
+                end_unix_ns=1000 * S + n * 10**8,
+            )
+            for n in numbers
+        ]
+        batches.append((wf.batch(h, seq, steps), "n"))
+    return Stored(acked_seq=seq, batches=batches)
+
+
+def test_two_launches_of_one_job_at_once_are_each_judged_alerted_and_exported() -> None:
+    """r2 starts while r1 runs: r1's straggler keeps being found and alerted as r1's,
+    r2 (healthy) has none, both are exported, and r1 is forgotten once its ranks fall
+    silent past the idle bound."""
+    live = LiveState(idle_s=60.0)
+    registry = CollectorRegistry()
+    registry.register(LiveCollector(live))
+    engine = AlertEngine(load_rules_text(STRAGGLER_RULE))
+    r1, r2 = _launch("r1"), _launch("r2")
+    live.observe(Stored(acked_seq=1, hellos=r1), now_unix_s=1000.0)
+    live.observe(_steps(r1, range(1, 61), late_rank=1, seq=1), now_unix_s=1006.0)
+    (alert,) = engine.evaluate(1006.0, live.series, live.findings(1006.0), runs=live.runs())
+    assert (alert.state, alert.labels["run"], alert.labels["rank"]) == ("firing", "r1", "1")
+    # r2 starts and runs healthy steps while r1 goes on with its straggler.
+    live.observe(Stored(acked_seq=2, hellos=r2), now_unix_s=1007.0)
+    live.observe(_steps(r2, range(1, 61), late_rank=None, seq=1), now_unix_s=1008.0)
+    live.observe(_steps(r1, range(61, 121), late_rank=1, seq=2), now_unix_s=1012.0)
+    found = live.findings(1012.0)
+    stragglers = [(f.labels["run"], f.labels["rank"]) for f in found if f.kind == "straggler"]
+    assert stragglers == [("r1", "1")]
+    # Nothing resolved, nothing new: r1's alert fires on, r2 has none.
+    assert engine.evaluate(1012.0, live.series, found, runs=live.runs()) == []
+    (active,) = engine.active()
+    assert (active.state, active.labels["run"]) == ("firing", "r1")
+    assert active.fingerprint == alert.fingerprint
+    # /metrics: both runs, each with its own steps; the straggler is r1's.
+    steps_of = {
+        run: registry.get_sample_value(
+            "torshmon_steps_total", {"job": "j", "run": run, "rank": "0"}
+        )
+        for run in ("r1", "r2")
+    }
+    assert steps_of == {"r1": 120, "r2": 60}
+    straggling = {"job": "j", "run": "r1", "rank": "1"}
+    assert registry.get_sample_value("torshmon_straggler_active", straggling) == 1
+    assert (
+        registry.get_sample_value("torshmon_straggler_active", {**straggling, "run": "r2"}) is None
+    )
+    # Commands (a tuning session's too) go to the latest run: r2's rank 0, not r1's.
+    assert live.runs() == {"j": "r2"}
+    assert not live.of_latest_run("j", r1[0].session) and live.of_latest_run("j", r2[0].session)
+    # The API shows the latest run by default, and the older one when asked.
+    assert live.job_summary("j") == live.job_summary("j", "r2") != live.job_summary("j", "r1")
+    # r1's ranks fall silent; r2's go on. Past the idle bound only r2 is left.
+    live.observe(_steps(r2, range(61, 62), late_rank=None, seq=2), now_unix_s=1070.0)
+    live.expire(1075.0)
+    assert live.live_runs("j") == ["r2"]
+    assert (
+        registry.get_sample_value("torshmon_steps_total", {"job": "j", "run": "r1", "rank": "0"})
+        is None
+    )
+    # r1 ended: its straggler is gone, and its alert resolves with it.
+    after = live.findings(1075.0)
+    assert [f for f in after if f.labels.get("run") == "r1"] == []
+    (ended,) = engine.evaluate(1075.0, live.series, after, runs=live.runs())
+    assert (ended.state, ended.labels["run"]) == ("resolved", "r1")
 
 
 LOSS_RULE = """
@@ -409,6 +530,7 @@ async def test_the_api_and_the_page_list_the_runs_and_take_one(tmp_path: Path) -
     store.open()
     try:
         api = Api(store)
+        api.live.live_runs = {"legacy-2"}  # the older launch has ended
         async with TestClient(TestServer(api.app())) as client:
 
             async def get(path: str) -> tuple[int, bytes]:
@@ -422,7 +544,7 @@ async def test_the_api_and_the_page_list_the_runs_and_take_one(tmp_path: Path) -
             assert job["run"]["run_id"] == "legacy-2"
             status, body = await get("/api/v1/jobs/j?run=legacy-1")
             assert status == 200 and json.loads(body)["run"]["run_id"] == "legacy-1"
-            assert json.loads(body)["live"] is None  # an older run has no live state
+            assert json.loads(body)["live"] is None  # an ended run has no live state
             status, body = await get("/api/v1/jobs/j?run=zz")
             assert status == 404
             assert json.loads(body)["error"] == (

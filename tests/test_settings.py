@@ -302,7 +302,10 @@ def test_the_tuner_and_evidence_sections_reach_the_service(tmp_path: Path) -> No
 
 def test_detector_settings_reach_the_live_state() -> None:
     settings = load_settings({"straggler": {"persistence": 7}, "hang": {"timeout_s": 7}}, env={})
-    live = LiveState(straggler=settings.straggler, hang=settings.hang, zscore=settings.zscore)
+    state = LiveState(straggler=settings.straggler, hang=settings.hang, zscore=settings.zscore)
+    # Every run of a job gets its own detectors, built with these settings.
+    state.restore_job("j", 2, 1000.0, "r1")
+    live = state.run("j")
     assert live.straggler.settings.persistence == 7
     assert live.hang._timeout_s == 7.0
     assert live.step_z._threshold == live.loss_z._threshold == 2.5

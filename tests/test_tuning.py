@@ -84,6 +84,9 @@ class FakeJobs:
     def set_tuning(self, job: str, active: bool) -> None:
         self.tuning[job] = active
 
+    def of_latest_run(self, job: str, session: str) -> bool:
+        return True
+
 
 class Recorder:
     """Notifier and tracer: what the manager told them."""

@@ -520,6 +520,11 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     job: Name
     kind: Label
     args: dict[str, object] = {}
+    #: The run it is for: the job's latest live run when it was made. The agent hands
+    #: it to that run's rank 0 only, so a relaunch running beside an older launch of
+    #: the same job name takes the commands ("": any run's rank 0; an evidence capture
+    #: goes to every rank of the job whatever its run).
+    run_id: Label = ""
 
 
 #: What a probe may answer about a command.

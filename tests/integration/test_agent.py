@@ -33,6 +33,7 @@ from torshmon.wire import (
     Batch,
     Command,
     Hello,
+    IngestReply,
     SpoolRecord,
     StepRecord,
     decode_ack,
@@ -573,3 +574,24 @@ async def test_an_urgent_step_is_complete_once_every_rank_here_brought_it(
         assert said == [(True, False), (True, True), (True, False), (True, True)]
         for _, writer in [*clients, (None, other)]:
             writer.close()
+
+
+def test_a_command_for_one_run_waits_for_that_runs_rank_0(tmp_path: Path) -> None:
+    """Two launches of job "window" run beside each other: a command made for the latest
+    run is not handed to the older run's rank 0, which takes only its own (and those
+    for any run); the latest run's rank 0 then takes it."""
+    agent = Agent(_in_process_settings(tmp_path))
+    try:
+        old = msgspec.structs.replace(_hello("old-0", 0), run_id="r1")
+        new = msgspec.structs.replace(_hello("new-0", 0), run_id="r2")
+        commands = [
+            Command(id="for-r2", job="window", kind="config", run_id="r2"),
+            Command(id="for-any", job="window", kind="config"),
+            Command(id="for-r1", job="window", kind="config", run_id="r1"),
+        ]
+        agent._on_reply(IngestReply(v=SCHEMA_VERSION, acked_seq=1, commands=commands))
+        assert [c.id for c in agent._commands_for(old)] == ["for-any", "for-r1"]
+        assert [c.id for c in agent._commands_for(old)] == []
+        assert [c.id for c in agent._commands_for(new)] == ["for-r2"]
+    finally:
+        agent.spool.close()

@@ -88,6 +88,15 @@ def _firing(aggregator: Aggregator, run: str) -> list[dict[str, str]]:
     ]
 
 
+def _alerts_of(aggregator: Aggregator, run: str) -> list[tuple[str, str, float]]:
+    """The active alerts of ``run``: (fingerprint, state, since when)."""
+    return [
+        (a.fingerprint, a.state, a.starts_at_unix_s)
+        for a in aggregator.alerts.active()
+        if a.labels.get("run") == run
+    ]
+
+
 def _runs_exported(aggregator: Aggregator) -> set[str]:
     """The ``run`` label values of every job series the aggregator exports now."""
     return {
@@ -117,12 +126,16 @@ async def test_two_overlapping_launches_keep_their_steps_alerts_and_reports(
         first = _launch(agent.socket_path, "launch-a", 1, 100_000, stop_first)
         await _until(lambda: bool(_firing(agg, "launch-a")), "the first launch's alert")
         assert [a["rank"] for a in _firing(agg, "launch-a")] == ["1"]
+        (first_alert,) = _alerts_of(agg, "launch-a")
         second = _launch(agent.socket_path, "launch-b", 0, SECOND_STEPS, tmp_path / "never")
         await _until(lambda: bool(_firing(agg, "launch-b")), "the second launch's alert")
         assert not first.done(), "the first launch must still run: the launches overlap"
         assert [a["rank"] for a in _firing(agg, "launch-b")] == ["0"]
-        # The live series are the latest launch's only (bounded: one run a job).
-        assert _runs_exported(agg) == {"launch-b"}
+        # The first launch is still judged while the second runs: its alert fires on,
+        # the same one (not resolved and fired again), and both are exported live.
+        await agg.evaluate()
+        assert _alerts_of(agg, "launch-a") == [first_alert]
+        assert _runs_exported(agg) == {"launch-a", "launch-b"}
         second_steps = await second
         stop_first.touch()
         first_steps = await first

@@ -280,9 +280,16 @@ class Agent:
         return all(min(steps) == max(steps) for steps in newest.values())
 
     def _commands_for(self, hello: Hello) -> list[Command]:
+        """What ``hello``'s probe takes now: its job's fan-out commands, and if it is a
+        rank 0 the job's commands for its run (those for another run of the job, one
+        launched beside it, wait for that run's rank 0)."""
         out = self._fanned_out(hello)
         if hello.rank == 0 and hello.job in self._commands:
-            out += self._commands.pop(hello.job)
+            queued = self._commands.pop(hello.job)
+            other_runs = [c for c in queued if c.run_id not in ("", hello.run_id)]
+            out += [c for c in queued if c.run_id in ("", hello.run_id)]
+            if other_runs:
+                self._commands[hello.job].extend(other_runs)
         return out
 
     def _fanned_out(self, hello: Hello) -> list[Command]:

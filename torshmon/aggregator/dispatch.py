@@ -30,7 +30,10 @@ class CommandStore(Protocol):
 
 
 class LinkChecks(Protocol):
-    """The live state's link-check schedule (``torshmon.aggregator.core.live.LiveState``)."""
+    """The live state's link-check schedule and each job's latest run, the one its
+    commands go to (``torshmon.aggregator.core.live.LiveState``)."""
+
+    def runs(self) -> dict[str, str]: ...
 
     def link_checks_due(self, now_unix_s: float) -> list[tuple[str, str]]: ...
 
@@ -63,12 +66,14 @@ class CommandDispatch:
     async def submit_command(
         self, job: str, kind: str, args: Mapping[str, object], *, command_id: str | None = None
     ) -> CommandStatus:
-        """Queue a command for ``job``'s rank 0 (an evidence capture: for every rank);
-        stored in SQL before it can be sent. ``command_id``: an id made by the caller.
+        """Queue a command for the rank 0 of ``job``'s latest live run (an evidence
+        capture: for every rank); stored in SQL before it can be sent. ``command_id``:
+        an id made by the caller.
 
         CommandError names a bad kind, job or argument.
         """
-        command = self.book.new(job, kind, args, command_id=command_id)
+        run_id = self._links.runs().get(job, "")
+        command = self.book.new(job, kind, args, command_id=command_id, run_id=run_id)
         await self._store.add_command(command.id, job, kind, command.args, self._clock())
         return self.book.add(command)
 

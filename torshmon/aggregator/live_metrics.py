@@ -22,9 +22,10 @@ from torshmon.catalogue import metrics as catalogue
 from torshmon.catalogue.metrics import MetricSpec
 from torshmon.wire import DURATION_BUCKETS_S, STEP_DURATION_BUCKETS_S
 
-#: What ``snapshot_for_export`` holds per job: bucket cap, codec, (rank, state) pairs,
-#: and the run its state is of ("" where the probes sent no run id).
-_Job: TypeAlias = tuple[int | None, str | None, list[tuple[int, RankState]], str]
+#: What ``snapshot_for_export`` holds per (job, run) (run "" where the probes sent no
+#: run id): bucket cap, codec, (rank, state) pairs.
+_Job: TypeAlias = tuple[int | None, str | None, list[tuple[int, RankState]]]
+_Jobs: TypeAlias = dict[tuple[str, str], _Job]
 
 # prometheus-client leaves this helper unannotated; it formats `le` as its own histograms do.
 _go_float: Callable[[float], str] = floatToGoString
@@ -138,12 +139,12 @@ class LiveCollector:
         yield silence
         yield from self._detector_families(snap)
 
-    def _rank_families(self, jobs: dict[str, _Job]) -> Iterator[Metric]:
+    def _rank_families(self, jobs: _Jobs) -> Iterator[Metric]:
         gauges = {spec: spec.gauge() for spec in _RANK_GAUGES}
         counters = {spec: spec.counter() for spec in _RANK_COUNTERS}
         step_h = catalogue.STEP_DURATION_SECONDS.histogram()
         failures = catalogue.COLLECTIVE_FAILURES_TOTAL.counter()
-        for job, (_cap, _codec, ranks, run) in jobs.items():
+        for (job, run), (_cap, _codec, ranks) in jobs.items():
             for rank, r in ranks:
                 lv = [job, run, str(rank)]
                 for (op, pg), failed in r.collective_failures.items():
@@ -162,12 +163,12 @@ class LiveCollector:
         yield step_h
         yield failures
 
-    def _collective_families(self, jobs: dict[str, _Job]) -> Iterator[Metric]:
+    def _collective_families(self, jobs: _Jobs) -> Iterator[Metric]:
         per_rank = self._per_rank
         durations = catalogue.COLLECTIVE_DURATION_SECONDS.histogram(optional=per_rank)
         sizes = catalogue.COLLECTIVE_BYTES_TOTAL.counter(optional=per_rank)
         busbw = catalogue.COLLECTIVE_BUSBW_BYTES_PER_SECOND.gauge()
-        for job, (_cap, _codec, ranks, run) in jobs.items():
+        for (job, run), (_cap, _codec, ranks) in jobs.items():
             # (op, pg[, rank]) -> (bucket counts, sum, bytes), summed over ranks unless per rank
             merged: dict[tuple[str, ...], tuple[list[int], float, int]] = {}
             for rank, r in ranks:
@@ -187,13 +188,13 @@ class LiveCollector:
                 sizes.add_metric([job, run, *key], float(size))
         yield from (durations, sizes, busbw)
 
-    def _codec_families(self, jobs: dict[str, _Job]) -> Iterator[Metric]:
+    def _codec_families(self, jobs: _Jobs) -> Iterator[Metric]:
         compression = catalogue.COMPRESSION_RATIO.gauge()
         rel_err = catalogue.COMPRESSION_RELATIVE_ERROR.gauge()
         wire = catalogue.COMPRESSION_WIRE_BYTES_TOTAL.counter()
         cap = catalogue.DDP_BUCKET_CAP_BYTES.gauge()
         codec = catalogue.CODEC_INFO.gauge()
-        for job, (bucket_cap, codec_name, ranks, run) in jobs.items():
+        for (job, run), (bucket_cap, codec_name, ranks) in jobs.items():
             if bucket_cap is not None:
                 cap.add_metric([job, run], float(bucket_cap))
             codec.add_metric([job, run, codec_name or "none"], 1.0)
@@ -207,12 +208,10 @@ class LiveCollector:
         yield from (compression, rel_err, wire, cap, codec)
 
     def _detector_families(self, snap: dict[str, Any]) -> Iterator[Metric]:
-        runs = {job: run for job, (*_, run) in snap["jobs"].items()}
 
         def of(f: Finding, *names: str) -> list[str]:
             """``f``'s job, its run, then its labels ``names`` ("" where missing)."""
-            job = f.labels.get("job", "")
-            return [job, runs.get(job, ""), *(f.labels.get(name, "") for name in names)]
+            return [f.labels.get(name, "") for name in ("job", "run", *names)]
 
         anomaly = catalogue.ANOMALY_ACTIVE.gauge()
         zscore = catalogue.ANOMALY_ZSCORE.gauge()
@@ -228,7 +227,7 @@ class LiveCollector:
             score.add_metric(lv, f.score)
         active = catalogue.BOTTLENECK_ACTIVE.gauge()
         gain = catalogue.BOTTLENECK_EXPECTED_GAIN_RATIO.gauge()
-        for job, report in sorted(snap["reports"].items()):
+        for (job, run), report in sorted(snap["reports"].items()):
             # Several stragglers (or slow links) are one category: its largest gain.
             gains: dict[str, float | None] = {}
             for f in report:
@@ -236,9 +235,9 @@ class LiveCollector:
                 value = f.expected_gain_ratio
                 gains[f.category] = value if before is None else max(before, value or 0.0)
             for category, value in sorted(gains.items()):
-                active.add_metric([job, runs.get(job, ""), category], 1.0)
+                active.add_metric([job, run, category], 1.0)
                 if value is not None:
-                    gain.add_metric([job, runs.get(job, ""), category], value)
+                    gain.add_metric([job, run, category], value)
         hang = catalogue.HUNG_COLLECTIVE_AGE_SECONDS.gauge()
         for f in snap["hangs"]:
             hang.add_metric(of(f, "rank", "op", "pg"), f.value)
@@ -247,8 +246,7 @@ class LiveCollector:
             slow_link.add_metric(of(f, "rank", "node"), f.value)
         link_bw = catalogue.LINK_BANDWIDTH_BYTES_PER_SECOND.gauge()
         node_bw = catalogue.NODE_LINK_BANDWIDTH_BYTES_PER_SECOND.gauge()
-        for job, reading in snap["link_bandwidth"].items():
-            run = runs.get(job, "")
+        for (job, run), reading in snap["link_bandwidth"].items():
             for rank, bandwidth in sorted(reading.bandwidth_by_rank.items()):
                 link_bw.add_metric([job, run, str(rank)], bandwidth)
             if reading.nodes is not None:

@@ -94,6 +94,8 @@ class JobView(Protocol):
 
     def set_tuning(self, job: str, active: bool) -> None: ...
 
+    def of_latest_run(self, job: str, session: str) -> bool: ...
+
 
 class AlertSink(Protocol):
     """Takes alerts to notify (``notify.Notifier``); never blocks."""
@@ -299,8 +301,8 @@ class TuningManager:
         """Rank 0's steps of each ingest, in order (called on the loop after storage)."""
         now = self._clock()
         for batch, _node in stored.batches:
-            if batch.rank != 0:
-                continue
+            if batch.rank != 0 or not self._jobs.of_latest_run(batch.job, batch.session):
+                continue  # a session tunes the job's latest run, which takes its configs
             entry = self._active.get(batch.job)
             if entry is None:
                 self._watch_drift(batch.job, batch.steps, now)

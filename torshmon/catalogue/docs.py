@@ -30,10 +30,11 @@ For a share of time over any window divide rates of the `_seconds_total`
 counters: `rate(torshmon_comm_wait_seconds_total[5m]) /
 rate(torshmon_step_seconds_total[5m])`.
 
-A job's series carry `run` too: the launch the aggregator watches (its run id; no label
-where the probes sent none). Only live runs have series: when a job is relaunched under
-the same name the last launch's series go, as a finished job's do, so a job has one
-`run` at a time. Sum or join by `job` alone to follow a job across its launches.
+A job's series carry `run` too: the launch they are of (its run id; no label where the
+probes sent none). Only live runs have series: a run's go when its ranks fall silent, as
+a finished job's do. A job relaunched under the same name while the last launch still
+runs has both runs' series, each judged and alerted on its own, until the older one
+ends. Sum or join by `job` alone to follow a job across its launches.
 
 Labels in *italics* are optional: the collective histogram and byte counter carry
 `rank` only with the aggregator's `collective_metrics_per_rank` setting (see

@@ -183,9 +183,9 @@ _NODE: Final = ("node",)
 _GPU: Final = ("node", "gpu")
 _INTERFACE: Final = ("node", "interface")
 _PROCESS: Final = ("job", "rank", "node")
-#: A job's live series: its name and its current run (the launch's id; empty where the
-#: probes sent none). Only live runs have series: a run's go when it ends or another
-#: launch of the job takes over, as a finished job's do.
+#: A job's live series: its name and its run (the launch's id; empty where the probes
+#: sent none). Only live runs have series, two at once where a relaunch runs beside an
+#: older launch; a run's go when its ranks fall silent, as a finished job's do.
 _JOB: Final = ("job", "run")
 _RANK: Final = (*_JOB, "rank")
 _COLLECTIVE: Final = (*_JOB, "rank", "op", "pg")

@@ -548,8 +548,9 @@ class AlertEngine:
                     for name, value in alert.labels.items()
                     if name not in _RESERVED
                     and name not in rule.labels
-                    # A series' key has no run; after a restart no finding's has either.
-                    and name != "run"
+                    # A run's series and findings carry its run in their key; a
+                    # rule's ``by`` group has it only where the rule names it.
+                    and (name != "run" or not rule.by or "run" in rule.by)
                 }
             )
             instances = self._instances[rule.name]

@@ -66,10 +66,16 @@ class CommandBook:
         self._fan_out: dict[str, dict[str, set[str]]] = {}
 
     def new(
-        self, job: str, kind: str, args: Mapping[str, object], *, command_id: str | None = None
+        self,
+        job: str,
+        kind: str,
+        args: Mapping[str, object],
+        *,
+        command_id: str | None = None,
+        run_id: str = "",
     ) -> Command:
         """A validated command with ``command_id`` or a fresh id (not yet queued: store it,
-        then ``add``)."""
+        then ``add``), for ``job``'s run ``run_id`` ("": whichever run's rank 0)."""
         if kind not in KINDS:
             raise CommandError(f"unknown command kind {kind!r}; allowed: {sorted(KINDS)}")
         if not job or len(job) > 200:
@@ -79,7 +85,7 @@ class CommandBook:
         if kind == "evidence":
             _check_evidence_args(args)
         command_id = command_id or uuid.uuid4().hex[:16]
-        return Command(id=command_id, job=job, kind=kind, args=dict(args))
+        return Command(id=command_id, job=job, kind=kind, args=dict(args), run_id=run_id)
 
     def add(self, command: Command) -> CommandStatus:
         """Queue ``command`` for its job's rank-0 agent."""

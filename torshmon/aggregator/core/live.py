@@ -3,9 +3,12 @@
 ``LiveState.observe`` takes what one ingest stored and feeds the series store
 (for the rules), the detectors (step-time and loss z-scores, the cross-rank
 straggler detector, the hang detector, the link checker) and the per-rank state behind the
-job-level ``/metrics``. Everything here runs on the aggregator's event loop, the
-Prometheus collector too (``torshmon.aggregator.live_metrics``, called by the loop's
-``/metrics`` handler), so nothing here takes a lock.
+job-level ``/metrics``. Each run (launch) of a job has its own state and detectors
+(``core.run_state``): two launches of one job name running at once are judged,
+alerted and exported apart; the API and commands take a job's latest run.
+Everything here runs on the aggregator's event loop, the Prometheus collector too
+(``torshmon.aggregator.live_metrics``, called by the loop's ``/metrics`` handler), so
+nothing here takes a lock.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from torshmon.aggregator.core.alert import Alert
 from torshmon.aggregator.core.bottleneck import Thresholds, bottleneck_report, rank_findings
 from torshmon.aggregator.core.complete_steps import StepCollector
 from torshmon.aggregator.core.findings import Finding
-from torshmon.aggregator.core.hang import HangDetector, HangSettings
+from torshmon.aggregator.core.hang import HangSettings
 from torshmon.aggregator.core.job_snapshot import job_snapshot
-from torshmon.aggregator.core.linkcheck import LinkChecker, LinkCheckSettings, reading_json
+from torshmon.aggregator.core.linkcheck import LinkCheckSettings, reading_json
 from torshmon.aggregator.core.memory_report import GpuMemory, RankMemory, memory_of
 from torshmon.aggregator.core.rank_state import (
     JobState,
@@ -34,6 +37,7 @@ from torshmon.aggregator.core.rank_state import (
     observe_collectives,
 )
 from torshmon.aggregator.core.rules import ANOMALY_METRICS
+from torshmon.aggregator.core.run_state import DetectorSettings, RunKey, RunState
 from torshmon.aggregator.core.series import SeriesStore
 from torshmon.aggregator.core.step_columns import (
     StepColumns,
@@ -43,9 +47,8 @@ from torshmon.aggregator.core.step_columns import (
     fold_totals,
 )
 from torshmon.aggregator.core.step_series import observe_collective_series
-from torshmon.aggregator.core.step_time import StepTimeDetector
 from torshmon.aggregator.core.stored import Stored
-from torshmon.aggregator.core.straggler import RankStep, StragglerDetector, StragglerSettings
+from torshmon.aggregator.core.straggler import RankStep, StragglerSettings
 from torshmon.aggregator.core.zscore import ZScoreDetector, ZScoreSettings, observe_from
 from torshmon.labels import LabelCap
 from torshmon.wire import (
@@ -57,7 +60,8 @@ _first: Callable[[tuple[int, Finding]], int] = operator.itemgetter(0)
 
 
 class LiveState:
-    """Live state of every job and node this aggregator serves (not thread-safe: one event loop)."""
+    """Live state of every run of every job, and of every node, this aggregator serves
+    (not thread-safe: one event loop)."""
 
     def __init__(
         self,
@@ -75,7 +79,7 @@ class LiveState:
         collective_series: bool = False,
         config_settle_steps: int = 10,
     ) -> None:
-        """``idle_s``: a job (or node) that sent nothing for this long is dropped, with
+        """``idle_s``: a run (or node) that sent nothing for this long is dropped, with
         its series and detector state; a hung job still sends heartbeats, so it stays.
         ``series_retention_s``: how far back the rules can look (history is in SQL).
         ``series_windows_s``: the metrics whose points the rules read, with how far back
@@ -100,11 +104,13 @@ class LiveState:
         self.config_settle_steps = config_settle_steps
         self._labels = label_cap if label_cap is not None else LabelCap()
         self.series = SeriesStore(retention_s=series_retention_s, windows_s=series_windows_s)
-        self.jobs: dict[str, JobState] = {}
-        # Per job, the runs a later launch of it took over from, and their sessions: the
-        # history keeps their rows apart, but the live state is the latest launch's.
-        self._superseded_runs: dict[str, set[str]] = {}
-        self._superseded_sessions: dict[str, set[str]] = {}
+        self.detector_settings = DetectorSettings(straggler, zscore, hang, link_check)
+        # Every live run by (job, run id), each with its own detectors; per job, its
+        # latest run (the one the API shows and commands go to); per (job, session), the
+        # run its hello named, by which a batch finds its run.
+        self._runs: dict[RunKey, RunState] = {}
+        self._latest: dict[str, str] = {}
+        self._session_runs: dict[tuple[str, str], str] = {}
         self.nodes: dict[str, NodeSample] = {}
         self._node_seen: dict[str, float] = {}
         self.agents = Agents()
@@ -114,24 +120,11 @@ class LiveState:
         self._running: dict[str, set[tuple[str, int]]] = {}
         # Seconds since each node's agent last POSTed, as of the last ``findings()``.
         self._silence: dict[str, float] = {}
-        self.step_z = StepTimeDetector(zscore)
-        self.loss_z = ZScoreDetector(zscore, metric="loss", direction="up")
-        self.comm_z = ZScoreDetector(zscore, metric="comm_wait_seconds", direction="up")
-        self.throughput_z = ZScoreDetector(
-            zscore, metric="throughput_samples_per_second", direction="down"
-        )
         wanted = set(ANOMALY_METRICS) if anomaly_metrics is None else set(anomaly_metrics)
         self._comm_z_on = "comm_wait_seconds" in wanted
         self._throughput_z_on = "throughput_samples_per_second" in wanted
         self._collective_series = collective_series
-        self.straggler = StragglerDetector(straggler)
-        self.hang = HangDetector(hang)
-        self.links = LinkChecker(link_check)
         self.thresholds = bottleneck if bottleneck is not None else Thresholds()
-        # Each job's report as of the last ``findings()``, and since when each of its
-        # bottlenecks has held (the report is recomputed from recent means each time).
-        self._reports: dict[str, list[Finding]] = {}
-        self._bottleneck_since: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._alerts: list[Alert] = []
         self._hangs: list[Finding] = []
         # Findings seen active since the last ``findings()`` call. One ingested batch can
@@ -146,34 +139,57 @@ class LiveState:
         self._evaluated: set[tuple[tuple[str, tuple[tuple[str, str], ...]], bool]] = set()
         self._fresh = False
 
+    @property
+    def jobs(self) -> dict[str, JobState]:
+        """Each live job's latest run's state, by job name."""
+        return {job: self._runs[(job, run)].state for job, run in self._latest.items()}
+
+    def run_states(self) -> dict[RunKey, JobState]:
+        """Every live run's state, by (job, run id)."""
+        return {key: run.state for key, run in self._runs.items()}
+
+    def run(self, job: str, run_id: str | None = None) -> RunState:
+        """Run ``run_id`` of ``job`` (None: its latest) with its detectors; KeyError if
+        it is not live."""
+        run = self._latest_run(job, run_id)
+        if run is None:
+            raise KeyError(f"no live run {run_id!r} of job {job!r}")
+        return run
+
+    def _latest_run(self, job: str, run_id: str | None = None) -> RunState | None:
+        """Run ``run_id`` of ``job`` (None: its latest), None if not live."""
+        run = self._latest.get(job) if run_id is None else run_id
+        return None if run is None else self._runs.get((job, run))
+
     # -- feeding -------------------------------------------------------------------------
     def observe(self, stored: Stored, now_unix_s: float, agent_node: str | None = None) -> None:
         """Take in what one ingest stored, POSTed by the agent of ``agent_node`` (None:
         the nodes the data names)."""
         self._contact(stored, now_unix_s, agent_node)
         for hello in stored.hellos:
-            if hello.run_id in self._superseded_runs.get(hello.job, ()):
-                self._superseded_sessions[hello.job].add(hello.session)
-                continue
-            job = self._job(hello.job)
-            if hello.run_id and job.run_id not in ("", hello.run_id):
-                # A new launch under the same name: the last one's state is not its own,
-                # and its ranks, if they still run, are no longer watched live.
-                self._superseded_runs.setdefault(hello.job, set()).add(job.run_id)
-                self._superseded_sessions.setdefault(hello.job, set()).update(job.sessions)
-                self.forget(hello.job)
-                job = self._job(hello.job)
-            job.run_id = hello.run_id or job.run_id
+            run = self._run_of_hello(hello.job, hello.run_id)
+            self._session_runs[(hello.job, hello.session)] = run.run_id
+            job = run.state
             job.sessions.add(hello.session)
             if job.world_size != hello.world_size:
-                self._set_world(hello.job, job, hello.world_size)
-            self._rank(hello.job, job, hello.rank).node = hello.node
-            self.links.set_node(hello.job, hello.rank, hello.node)
+                self._set_world(run, hello.world_size)
+            run.rank(hello.rank).node = hello.node
+            run.links.set_node(hello.job, hello.rank, hello.node)
         for batch, node in stored.batches:
             self._observe_batch(batch, node, now_unix_s)
         for sample in stored.node_samples:
             self._observe_node(sample)
             self._node_seen[sample.node] = now_unix_s
+
+    def _run_of_hello(self, job: str, run_id: str) -> RunState:
+        """The run a hello names, made at its first hello; a launch newer than the job's
+        latest becomes its latest (the older one stays live, judged on its own, until
+        its ranks fall silent). Probes that send no run id are the job's run ""."""
+        run = self._runs.get((job, run_id))
+        if run is None:
+            run = self._runs[(job, run_id)] = RunState.new(job, run_id, self.detector_settings)
+            self._latest[job] = run_id
+        return run
 
     def _contact(self, stored: Stored, now_unix_s: float, agent_node: str | None) -> None:
         """Date what the POST carries: every node's stamps, before any batch is read,
@@ -192,51 +208,52 @@ class LiveState:
         """A job this aggregator served before it restarted. Its probes said hello once,
         to the old process, and will not again: without the world size from SQL the
         straggler, hang and link checks would stay off for the job, and without its
-        latest run ``run_id`` its alerts and findings would name none. Its ranks count
-        as seen at ``last_seen_unix_s``, so the job expires as it would have."""
-        job = self._job(name)
-        job.run_id = job.run_id or run_id
-        if job.world_size is None:
-            self._set_world(name, job, world_size)
+        latest run ``run_id`` its alerts and findings would name none. That run is
+        restored (the batches of sessions the new process never heard of are taken as
+        its); its ranks count as seen at ``last_seen_unix_s``, so it expires as it would
+        have."""
+        run = self._latest_run(name) or self._run_of_hello(name, run_id)
+        if run.state.world_size is None:
+            self._set_world(run, world_size)
         for rank in range(world_size):
-            r = self._rank(name, job, rank)
+            r = run.rank(rank)
             r.last_seen_unix_s = max(r.last_seen_unix_s, last_seen_unix_s)
 
-    def _set_world(self, name: str, job: JobState, world_size: int) -> None:
-        job.world_size = world_size
-        job.collector = StepCollector(world_size)
-        self.hang.set_world(name, world_size)
-        self.links.set_world(name, world_size)
+    def _set_world(self, run: RunState, world_size: int) -> None:
+        run.state.world_size = world_size
+        run.state.collector = StepCollector(world_size)
+        run.hang.set_world(run.job, world_size)
+        run.links.set_world(run.job, world_size)
 
-    def _job(self, name: str) -> JobState:
-        job = self.jobs.get(name)
-        if job is None:
-            job = self.jobs[name] = JobState(labels=(("job", name),))
-        return job
-
-    def _rank(self, job_name: str, job: JobState, rank: int) -> RankState:
-        state = job.ranks.get(rank)
-        if state is None:
-            state = job.ranks[rank] = RankState(labels=(("job", job_name), ("rank", str(rank))))
-        return state
+    def _run_of_batch(self, job: str, session: str) -> RunState:
+        """The run whose hello named ``session``; else (its hello went to an earlier
+        aggregator process) the job's latest run, made if the job has none, which the
+        session stays with: a launch that says hello later is not its run."""
+        run_id = self._session_runs.get((job, session))
+        if run_id is not None:
+            run = self._runs.get((job, run_id))
+            if run is not None:
+                return run
+        run = self._latest_run(job) or self._run_of_hello(job, "")
+        self._session_runs[(job, session)] = run.run_id
+        return run
 
     def _observe_batch(self, batch: Batch, node: str, now_unix_s: float) -> None:
-        if batch.session in self._superseded_sessions.get(batch.job, ()):
-            return
-        job = self._job(batch.job)
-        r = self._rank(batch.job, job, batch.rank)
+        run = self._run_of_batch(batch.job, batch.session)
+        job = run.state
+        r = run.rank(batch.rank)
         if r.node != node:
             r.node = node
-            self.links.set_node(batch.job, batch.rank, node)
+            run.links.set_node(batch.job, batch.rank, node)
         r.last_seen_unix_s = now_unix_s
         r.dropped_records_total = batch.dropped_records_total
         r.inflight_oldest_age_s = max((op.age_s for op in batch.inflight), default=0.0)
         if batch.steps:
-            self._observe_steps(batch, job, r, now_unix_s)
+            self._observe_steps(batch, run, r, now_unix_s)
             if batch.urgent:
                 r.urgent_steps_total += len(batch.steps)
         if batch.groups:
-            self.hang.observe_groups(batch.job, batch.groups)
+            run.hang.observe_groups(batch.job, batch.groups)
         # When the report was current, on the aggregator's clock: a batch replayed from a
         # spool is old news, not "now".
         ts = self.agents.dated(node, batch.sent_unix_ns / 1e9, now_unix_s)
@@ -244,7 +261,7 @@ class LiveState:
             self._observe_failures(batch, r, ts, now_unix_s)
         closing = batch.closing
         if job.world_size is None or batch.rank < job.world_size:
-            self.hang.observe(
+            run.hang.observe(
                 batch.job,
                 batch.rank,
                 ts,
@@ -259,7 +276,7 @@ class LiveState:
             if self._collective_series:
                 observe_collective_series(self.series, batch.job, r, [ts], (closing.collectives,))
         for result in batch.link_checks:
-            self.links.observe_result(result, now_unix_s)
+            run.links.observe_result(result, now_unix_s)
             self._fresh = True
 
     def _observe_failures(self, batch: Batch, r: RankState, ts: float, now_unix_s: float) -> None:
@@ -268,26 +285,28 @@ class LiveState:
             self.series.add("collective_failures_total", labels, t, count)
             self._fresh = True
 
-    def _observe_steps(self, batch: Batch, job: JobState, r: RankState, now_unix_s: float) -> None:
-        """Every step of ``batch`` into the series, detectors and ``r``, in step order."""
+    def _observe_steps(self, batch: Batch, run: RunState, r: RankState, now_unix_s: float) -> None:
+        """Every step of ``batch`` into the series, ``run``'s detectors and ``r``, in step
+        order."""
         # The ingest hot path. Each consumer takes the batch's steps as columns in one
         # call (series, detectors, collector), as it would step by step; the findings
         # are latched in the per-step order: loss, step time, straggler.
         cols = StepColumns.of(batch.steps)
         fold_totals(r, cols)
+        job = run.state
         add_step_series(self.series, r, cols)
-        loss_found = self._judge_losses(r, cols)
+        loss_found = self._judge_losses(run, r, cols)
         versions = cols.config_versions
         if versions[-1] > job.config_version:
-            self._config_switched(batch.job, job, cols.numbers, versions)
+            self._config_switched(run, cols.numbers, versions)
             job.config_switched_unix_s = now_unix_s
-        self.links.observe_steps(batch.job, batch.rank, cols.waits, cols.computes)
-        step_found, straggler_found = self._judge_complete_steps(batch, job, cols)
-        step_found += self._judge_opt_in(job, r, cols)
+        run.links.observe_steps(batch.job, batch.rank, cols.waits, cols.computes)
+        step_found, straggler_found = self._judge_complete_steps(batch, run, cols)
+        step_found += self._judge_opt_in(run, r, cols)
         if loss_found or step_found or straggler_found:
             # Sorting is stable: within a step, loss before step time before straggler.
             for _, found in sorted(loss_found + step_found + straggler_found, key=_first):
-                self._latch(found)
+                self._latch(run.of_run(found))
         fold_extras(
             r,
             job,
@@ -296,26 +315,29 @@ class LiveState:
             labels=self._labels,
             series=self.series if self._collective_series else None,
         )
-        self.hang.observe_step_duration(batch.job, cols.durations[-1])
+        run.hang.observe_step_duration(batch.job, cols.durations[-1])
         fold_latest(r, cols, batch.steps[-1])
 
-    def _judge_losses(self, r: RankState, cols: StepColumns) -> list[tuple[int, Finding]]:
+    def _judge_losses(
+        self, run: RunState, r: RankState, cols: StepColumns
+    ) -> list[tuple[int, Finding]]:
         """The steps' losses into the loss z-score (and, where some are missing or not
         finite, into the loss series: ``add_step_series`` took the others); the
         findings, by step."""
         if cols.every_loss:
             losses = cast(Sequence[float], cols.losses)
             r.loss = losses[-1]
-            return self.loss_z.observe_many(r.labels, cols.ts, losses)
-        return self._observe_losses(r, cols.ts, cols.losses, cols.nonfinite)
+            return run.loss_z.observe_many(r.labels, cols.ts, losses)
+        return self._observe_losses(run.loss_z, r, cols.ts, cols.losses, cols.nonfinite)
 
     def _judge_complete_steps(
-        self, batch: Batch, job: JobState, cols: StepColumns
+        self, batch: Batch, run: RunState, cols: StepColumns
     ) -> tuple[list[tuple[int, Finding]], list[tuple[int, Finding]]]:
         """The steps every rank has now reported into the straggler detector and the
         job's step-time z-score; (step-time findings, straggler findings), by step."""
         step_found: list[tuple[int, Finding]] = []
         straggler_found: list[tuple[int, Finding]] = []
+        job = run.state
         collector = job.collector
         if collector is None or batch.rank >= collector.world_size:
             return step_found, straggler_found
@@ -332,7 +354,7 @@ class LiveState:
             cols.durations,
             cols.process_waits,
         ):
-            for found in self.straggler.observe_step(
+            for found in run.straggler.observe_step(
                 complete.job, complete.step, complete.compute_s_by_rank, complete.ts_unix_s
             ):
                 straggler_found.append((i, found))
@@ -346,22 +368,23 @@ class LiveState:
             # rank's step takes as long as the slowest rank's, so a slowdown is one
             # job-level finding, not one per rank. A rise the job's threads spent
             # waiting for a CPU is the node's, not the job's (step_cpu_wait_share).
-            found_at = self.step_z.observe_many(job.labels, job_ts, job_durations, job_waits)
+            found_at = run.step_z.observe_many(job.labels, job_ts, job_durations, job_waits)
             step_found = [(at[j], finding) for j, finding in found_at]
         return step_found, straggler_found
 
     def _judge_opt_in(
-        self, job: JobState, r: RankState, cols: StepColumns
+        self, run: RunState, r: RankState, cols: StepColumns
     ) -> list[tuple[int, Finding]]:
         """The opt-in z-scores, per rank, past a config switch's settling (as step time)."""
         found: list[tuple[int, Finding]] = []
+        job = run.state
         if self._comm_z_on:
             found += observe_from(
-                self.comm_z, r.labels, cols.numbers, cols.ts, cols.waits, job.judged_from()
+                run.comm_z, r.labels, cols.numbers, cols.ts, cols.waits, job.judged_from()
             )
         if self._throughput_z_on:
             found += observe_from(
-                self.throughput_z,
+                run.throughput_z,
                 r.labels,
                 cols.numbers,
                 cols.ts,
@@ -371,27 +394,30 @@ class LiveState:
         return found
 
     def _config_switched(
-        self, name: str, job: JobState, numbers: Sequence[int], versions: Sequence[int]
+        self, run: RunState, numbers: Sequence[int], versions: Sequence[int]
     ) -> None:
         """A new communication config took effect at the first of ``numbers`` whose
         version is newer than the job's: its steps and the next few take a new bucket
         layout or codec, and the step time settles at a new level. The detectors that
         compare a job with its past start over from there, and the straggler detector
         skips those steps (ranks rebuild buckets unevenly)."""
+        job = run.state
         first = next(i for i, v in enumerate(versions) if v > job.config_version)
         job.config_version = versions[-1]
         switch_step = numbers[first]
-        self.straggler.pause(name, switch_step, switch_step + self.config_settle_steps)
-        self._settle(name, job, switch_step)
+        run.straggler.pause(run.job, switch_step, switch_step + self.config_settle_steps)
+        self._settle(run, switch_step)
 
-    def _settle(self, name: str, job: JobState, step: int) -> None:
-        """The z-scores judge ``name``'s steps afresh from ``step`` + the settling steps."""
+    def _settle(self, run: RunState, step: int) -> None:
+        """The z-scores judge ``run``'s steps afresh from ``step`` + the settling steps."""
+        job = run.state
         job.settled_from_step = max(job.settled_from_step, step + self.config_settle_steps)
-        for detector in (self.step_z, self.comm_z, self.throughput_z):
-            detector.forget(name)
+        for detector in (run.step_z, run.comm_z, run.throughput_z):
+            detector.forget(run.job)
 
     def _observe_losses(
         self,
+        loss_z: ZScoreDetector,
         r: RankState,
         ts: list[float],
         losses: tuple[float | None, ...],
@@ -418,7 +444,7 @@ class LiveState:
                 series_values.append(loss)
                 at.append(i)
         self.series.add_many(r.labels, series_ts, {"loss": series_values})
-        found = self.loss_z.observe_many(
+        found = loss_z.observe_many(
             r.labels, [ts[i] for i in at], [cast(float, losses[i]) for i in at]
         )
         return [(at[j], finding) for j, finding in found]
@@ -441,9 +467,9 @@ class LiveState:
                 ratio = gpu.memory_used_bytes / gpu.memory_total_bytes
                 add("gpu_memory_utilization_ratio", labels, ts, ratio)
         for proc in sample.ranks:
-            job = self.jobs.get(proc.job)
-            if job is not None and proc.rank in job.ranks:
-                job.ranks[proc.rank].rss_bytes = proc.rss_bytes
+            run = self._latest_run(proc.job)  # the listing names no run: the latest's
+            if run is not None and proc.rank in run.state.ranks:
+                run.state.ranks[proc.rank].rss_bytes = proc.rss_bytes
             add(
                 "rank_memory_rss_bytes",
                 (("job", proc.job), ("node", sample.node), ("rank", str(proc.rank))),
@@ -465,11 +491,7 @@ class LiveState:
 
     # -- conclusions ---------------------------------------------------------------------
     def findings(self, now_unix_s: float) -> list[Finding]:
-        """Every active finding of every detector."""
-        out = self._anomalies() + self.straggler.active()
-        current = {f.key() for f in out}
-        out.extend(f for key, f in self._latched.items() if key not in current)
-        self._latched.clear()
+        """Every active finding of every run's detectors, each labelled with its run."""
         self._silence = self.agents.silence_s(now_unix_s)
         for node, silence_s in self._silence.items():
             self.series.add("agent_silence_seconds", (("node", node),), now_unix_s, silence_s)
@@ -478,136 +500,151 @@ class LiveState:
             for node, listed in self._listed.items()
             for pair in listed - self._running.get(node, set())
         }
-        self._hangs = self.hang.evaluate(now_unix_s, self.agents.horizons(), gone)
-        out.extend(self._hangs)
-        self.links.evaluate(now_unix_s)
-        out.extend(self.links.active())
-        out = self._with_reports(out, now_unix_s)
+        horizons = self.agents.horizons()
+        out: list[Finding] = []
+        hangs: list[Finding] = []
+        links: list[Finding] = []
+        for run in self._runs.values():
+            out += run.stamped(run.anomalies() + run.straggler.active())
+            hangs += run.stamped(run.hang.evaluate(now_unix_s, horizons, gone))
+            run.links.evaluate(now_unix_s)
+            links += run.stamped(run.links.active())
+        current = {f.key() for f in out}
+        out.extend(f for key, f in self._latched.items() if key not in current)
+        self._latched.clear()
+        self._hangs = hangs
+        out = self._with_reports(out + hangs + links, now_unix_s)
         self._evaluated = {(f.key(), _pages(f)) for f in out}
         self._fresh = False
-        return [self._of_run(f) for f in out]
+        return out
 
-    def _of_run(self, finding: Finding) -> Finding:
-        """``finding`` labelled ``run`` with its job's run, where the job has one: its
-        episode, alerts and history rows are that run's."""
-        job = self.jobs.get(finding.labels.get("job", ""))
-        if job is None or not job.run_id or "run" in finding.labels:
-            return finding
-        return dataclasses.replace(finding, labels={**finding.labels, "run": job.run_id})
+    def of_latest_run(self, job: str, session: str) -> bool:
+        """Whether probe ``session`` of ``job`` is of the job's latest run (the one its
+        commands go to); a session no hello here named counts as the latest's."""
+        run_id = self._session_runs.get((job, session))
+        return run_id is None or run_id == self._latest.get(job)
 
     def runs(self) -> dict[str, str]:
-        """Each live job's run, where its probes sent one: the run its alerts are of."""
-        return {name: job.run_id for name, job in self.jobs.items() if job.run_id}
+        """Each live job's latest run, where its probes sent one: the run that the
+        alerts of series without a ``run`` label (a job-wide aggregate) are of."""
+        return {job: run for job, run in self._latest.items() if run}
+
+    def live_runs(self, job: str) -> list[str]:
+        """``job``'s live runs, the oldest first (the last is its latest)."""
+        return [run for (name, run) in self._runs if name == job]
 
     def config_switches(self) -> dict[str, float]:
-        """Per job, when (aggregator clock) a rank first reported its newest config
-        switch; jobs that never switched are left out."""
+        """Per job, when (aggregator clock) a rank of its latest run first reported its
+        newest config switch; jobs that never switched are left out."""
         return {
             name: job.config_switched_unix_s
             for name, job in self.jobs.items()
             if job.config_switched_unix_s is not None
         }
 
-    # -- link checks (the service sends the commands) --------------------------------------
+    # -- link checks (the service sends the commands, to a job's latest run) --------------
     def link_checks_due(self, now_unix_s: float) -> list[tuple[str, str]]:
-        """Jobs that need a link check now, each with the reason."""
-        return self.links.due(now_unix_s)
+        """Jobs that need a link check now, each with the reason (their latest runs')."""
+        due: list[tuple[str, str]] = []
+        for job, run_id in self._latest.items():
+            due += self._runs[(job, run_id)].links.due(now_unix_s)
+        return due
 
     def link_check_args(self, job: str) -> dict[str, object]:
-        return self.links.check_args(job)
+        run = self._latest_run(job)
+        return {} if run is None else run.links.check_args(job)
 
     def link_check_sent(self, job: str, check_id: str, reason: str, now_unix_s: float) -> None:
-        self.links.sent(job, check_id, reason, now_unix_s)
+        run = self._latest_run(job)
+        if run is not None:
+            run.links.sent(job, check_id, reason, now_unix_s)
 
     def link_check_done(self, job: str, check_id: str, status: str, now_unix_s: float) -> None:
-        """The final status of a link_check command (any thread)."""
-        self.links.command_done(job, check_id, status, now_unix_s)
-
-    def _anomalies(self) -> list[Finding]:
-        return (
-            self.step_z.active()
-            + self.loss_z.active()
-            + self.comm_z.active()
-            + self.throughput_z.active()
-        )
+        """The final status of a link_check command (to each live run of ``job``: the
+        one that sent it knows its id)."""
+        for run in [r for key, r in self._runs.items() if key[0] == job]:
+            run.links.command_done(job, check_id, status, now_unix_s)
 
     def _with_reports(self, found: list[Finding], now_unix_s: float) -> list[Finding]:
-        """``found`` with every job's bottleneck report: its bottlenecks added, its
+        """``found`` with every run's bottleneck report: its bottlenecks added, its
         straggler and slow-link findings replaced by the report's ranked copies."""
-        by_job: dict[str, list[Finding]] = {}
+        by_run: dict[RunKey, list[Finding]] = {}
         for f in found:
-            by_job.setdefault(f.labels.get("job", ""), []).append(f)
-        reports = {
-            name: self._job_report(name, job, by_job.get(name, ()), now_unix_s)
-            for name, job in self.jobs.items()
-        }
-        self._reports = reports
-        ranked = {f.key(): f for report in reports.values() for f in report}
-        self._bottleneck_since = {
-            key: f.since_unix_s for key, f in ranked.items() if f.kind == "bottleneck"
-        }
+            by_run.setdefault((f.labels.get("job", ""), f.labels.get("run", "")), []).append(f)
+        ranked: dict[tuple[str, tuple[tuple[str, str], ...]], Finding] = {}
+        for key, run in self._runs.items():
+            run.report = self._run_report(run, by_run.get(key, ()), now_unix_s)
+            run.bottleneck_since = {
+                f.key(): f.since_unix_s for f in run.report if f.kind == "bottleneck"
+            }
+            ranked.update((f.key(), f) for f in run.report)
         out = [ranked.get(f.key(), f) for f in found]
         out.extend(f for f in ranked.values() if f.kind == "bottleneck")
         return out
 
-    def _job_report(
-        self, name: str, job: JobState, others: Sequence[Finding], now_unix_s: float
+    def _run_report(
+        self, run: RunState, others: Sequence[Finding], now_unix_s: float
     ) -> list[Finding]:
-        """``name``'s report; a bottleneck that held at the last ``findings()`` keeps the
+        """``run``'s report; a bottleneck that held at the last ``findings()`` keeps the
         time it began (the report is recomputed from recent means each time)."""
-        snapshot = job_snapshot(name, job, self.nodes)
-        found = bottleneck_report(name, snapshot, now_unix_s, thresholds=self.thresholds)
-        since = self._bottleneck_since
+        snapshot = job_snapshot(run.job, run.state, self.nodes)
+        found = bottleneck_report(run.job, snapshot, now_unix_s, thresholds=self.thresholds)
+        since = run.bottleneck_since
         kept = [
-            dataclasses.replace(f, since_unix_s=since.get(f.key(), f.since_unix_s)) for f in found
+            dataclasses.replace(f, since_unix_s=since.get(f.key(), f.since_unix_s))
+            for f in run.stamped(found)
         ]
-        return rank_findings(kept, others, snapshot, thresholds=self.thresholds)
+        return run.stamped(rank_findings(kept, others, snapshot, thresholds=self.thresholds))
 
-    def report(self, job: str, now_unix_s: float) -> list[Finding] | None:
-        """The bottleneck report of ``job``, highest priority first (None if the job is
-        unknown): its bottlenecks, stragglers and slow links, ranked."""
-        state = self.jobs.get(job)
-        if state is None:
+    def report(
+        self, job: str, now_unix_s: float, run_id: str | None = None
+    ) -> list[Finding] | None:
+        """The bottleneck report of ``job``'s run ``run_id`` (None: its latest), highest
+        priority first (None if not live): its bottlenecks, stragglers and slow links."""
+        run = self._latest_run(job, run_id)
+        if run is None:
             return None
-        others = [
-            f for f in self.straggler.active() + self.links.active() if f.labels.get("job") == job
-        ]
-        return self._job_report(job, state, others, now_unix_s)
+        others = run.stamped(run.straggler.active() + run.links.active())
+        return self._run_report(run, others, now_unix_s)
 
-    def job_kind(self, job: str) -> str | None:
+    def job_kind(self, job: str, run_id: str | None = None) -> str | None:
         """What ``job``'s probes were attached to (``JobState.kind``), None if unknown."""
-        state = self.jobs.get(job)
-        return None if state is None else state.kind
+        run = self._latest_run(job, run_id)
+        return None if run is None else run.state.kind
 
     def set_tuning(self, name: str, active: bool) -> None:
-        """An autotuner session on job ``name`` began (``active``) or ended: its trials
-        switch configs every few dozen steps and it judges their step time itself, so the
-        step-time z-scores leave the job alone until past the settling steps after it."""
-        job = self._job(name)
-        job.tuning = active
-        self._settle(name, job, max((r.last_step for r in job.ranks.values()), default=0))
+        """An autotuner session on job ``name`` (its latest run: commands go there) began
+        (``active``) or ended: its trials switch configs every few dozen steps and it
+        judges their step time itself, so the step-time z-scores leave the run alone
+        until past the settling steps after it."""
+        run = self._latest_run(name) or self._run_of_hello(name, "")
+        run.state.tuning = active
+        self._settle(run, max((r.last_step for r in run.state.ranks.values()), default=0))
 
-    def link_reading(self, job: str) -> dict[str, Any] | None:
+    def link_reading(self, job: str, run_id: str | None = None) -> dict[str, Any] | None:
         """``job``'s latest link check as JSON (bytes/s; per node pair when ranks share
         hosts), or None before its first."""
-        reading = self.links.last(job)
+        run = self._latest_run(job, run_id)
+        reading = None if run is None else run.links.last(job)
         return None if reading is None else reading_json(reading)
 
     def memory_history(self, labels: Mapping[str, str]) -> tuple[list[RankMemory], list[GpuMemory]]:
-        """The memory behind an alert on ``labels`` (``memory_report.memory_of``)."""
-        return memory_of(labels, self.jobs, self.series, self.nodes)
+        """The memory behind an alert on ``labels`` (``memory_report.memory_of``): of
+        the alert's run, else of each job's latest."""
+        run = labels.get("run")
+        jobs = self.jobs
+        if run is not None and (chosen := self._runs.get((labels.get("job", ""), run))):
+            jobs[chosen.job] = chosen.state
+        return memory_of(labels, jobs, self.series, self.nodes)
 
     def set_alerts(self, alerts: Sequence[Alert]) -> None:
         self._alerts = list(alerts)
 
     def expire(self, now_unix_s: float) -> None:
-        """Drop old points, and jobs and nodes idle for ``idle_s`` (they ended)."""
+        """Drop old points, and runs and nodes idle for ``idle_s`` (they ended)."""
         cutoff = now_unix_s - self.idle_s
-        idle_jobs = [name for name, job in self.jobs.items() if job.last_seen_unix_s() < cutoff]
-        for name in idle_jobs:
-            self.forget(name)
-            self._superseded_runs.pop(name, None)
-            self._superseded_sessions.pop(name, None)
+        for run in [r for r in self._runs.values() if r.state.last_seen_unix_s() < cutoff]:
+            self._drop_run(run)
         for node in [n for n, seen in self._node_seen.items() if seen < cutoff]:
             del self._node_seen[node]
             self.nodes.pop(node, None)
@@ -620,53 +657,70 @@ class LiveState:
         self.series.expire(now_unix_s)
 
     def forget(self, job: str) -> None:
-        """Drop a finished job: its ranks, series and detector state."""
-        self.jobs.pop(job, None)
-        self._labels.forget(job)
-        self.series.forget({"job": job})
-        z_scores = (self.step_z, self.loss_z, self.comm_z, self.throughput_z)
-        for detector in (*z_scores, self.straggler, self.hang, self.links):
-            detector.forget(job)
+        """Drop a finished job, every run of it: their ranks, series and detector state."""
+        for run in [r for key, r in self._runs.items() if key[0] == job]:
+            self._drop_run(run)
 
-    # -- summaries for the API (core.summaries) -----------------------------------------
-    def job_summary(self, job: str) -> dict[str, Any] | None:
-        state = self.jobs.get(job)
-        return None if state is None else summaries.job_summary(state)
+    def _drop_run(self, run: RunState) -> None:
+        """Drop one run: its ranks, series and detector state; the job's latest run
+        becomes the newest of those left."""
+        job = run.job
+        self._runs.pop(run.key, None)
+        run.forget()
+        if run.run_id:
+            self.series.forget({"job": job, "run": run.run_id})
+        self._session_runs = {
+            key: r for key, r in self._session_runs.items() if (key[0], r) != run.key
+        }
+        left = self.live_runs(job)
+        if left:
+            self._latest[job] = left[-1]
+        else:
+            self._latest.pop(job, None)
+            self._labels.forget(job)
+            self.series.forget({"job": job})
 
-    def job_config(self, job: str) -> dict[str, Any] | None:
-        state = self.jobs.get(job)
-        config = state.config if state is not None else None
+    # -- summaries for the API (core.summaries): a job's latest run unless one is named ---
+    def job_summary(self, job: str, run_id: str | None = None) -> dict[str, Any] | None:
+        run = self._latest_run(job, run_id)
+        return None if run is None else summaries.job_summary(run.state)
+
+    def job_config(self, job: str, run_id: str | None = None) -> dict[str, Any] | None:
+        run = self._latest_run(job, run_id)
+        config = run.state.config if run is not None else None
         return None if config is None else summaries.config_summary(config)
 
-    def rank_summaries(self, job: str) -> dict[int, dict[str, Any]]:
-        state = self.jobs.get(job)
-        return {} if state is None else summaries.rank_summaries(state)
+    def rank_summaries(self, job: str, run_id: str | None = None) -> dict[int, dict[str, Any]]:
+        run = self._latest_run(job, run_id)
+        return {} if run is None else summaries.rank_summaries(run.state)
 
     # -- export --------------------------------------------------------------------------
     def snapshot_for_export(self) -> dict[str, Any]:
-        """A copy of what the collector needs (it runs on the same event loop)."""
+        """A copy of what the collector needs (it runs on the same event loop), every
+        live run by (job, run id); the findings carry their ``run`` label."""
+        runs = self._runs
         return {
             "jobs": {
-                name: (
-                    job.bucket_cap_bytes,
-                    job.config.codec if job.config else None,
-                    [(rank, copy_rank(r)) for rank, r in job.ranks.items()],
-                    job.run_id,
+                key: (
+                    run.state.bucket_cap_bytes,
+                    run.state.config.codec if run.state.config else None,
+                    [(rank, copy_rank(r)) for rank, r in run.state.ranks.items()],
                 )
-                for name, job in self.jobs.items()
+                for key, run in runs.items()
             },
             "agent_silence": dict(self._silence),
-            "anomalies": self._anomalies(),
-            "stragglers": self.straggler.active(),
+            "anomalies": [f for run in runs.values() for f in run.stamped(run.anomalies())],
+            "stragglers": [f for run in runs.values() for f in run.stamped(run.straggler.active())],
             "hangs": list(self._hangs),
-            "slow_links": self.links.active(),
+            "slow_links": [f for run in runs.values() for f in run.stamped(run.links.active())],
             "link_bandwidth": {
-                name: reading  # frozen: safe to read outside the lock
-                for name in self.jobs
-                if (reading := self.links.last(name)) is not None
+                key: reading  # frozen: safe to read outside the lock
+                for key, run in runs.items()
+                if (reading := run.links.last(run.job)) is not None
             },
             "alerts": list(self._alerts),
-            "reports": dict(self._reports),  # lists of frozen findings, replaced whole
+            # lists of frozen findings, replaced whole
+            "reports": {key: run.report for key, run in runs.items()},
             "labels_folded": self._labels.folded(),
         }
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from itertools import compress
 
 from torshmon.aggregator.core.complete_steps import StepCollector
-from torshmon.aggregator.core.series import LabelSet
+from torshmon.aggregator.core.series import LabelSet, labelset_from
 from torshmon.labels import LabelCap
 from torshmon.wire import (
     DURATION_BUCKETS_S,
@@ -200,12 +200,8 @@ def failure_points(
         if before is not None and before.count == failure.count:
             continue
         known[key] = failure
-        labels = (
-            ("job", batch.job),
-            ("op", failure.op),
-            ("pg", failure.pg),
-            ("rank", str(batch.rank)),
-        )
+        # The rank's labels (job, rank and its run, if named) with the op's.
+        labels = labelset_from((*r.labels, ("op", failure.op), ("pg", failure.pg)))
         if before is None and failure.last_unix_ns / 1e9 >= now_unix_s - FAILURE_NEWS_S:
             points.append((labels, ts - 1e-3, 0.0))
         points.append((labels, ts, float(failure.count)))

@@ -19,14 +19,15 @@ def observe_collective_series(
     collectives: tuple[list[CollectiveStat], ...],
 ) -> None:
     """Each step's mean duration per (op, pg) into ``collective_duration_seconds``
-    (labels job, op, pg: every rank's steps into one series per op and group, as
+    (labels job, op, pg and run: every rank's steps into one series per op and group, as
     Prometheus sums the histogram over ranks). Pairs folded into ``other`` by the
     label cap are left out, and calls nothing timed (gloo's DDP all-reduces)."""
     kept = r.collectives
+    run = tuple(pair for pair in r.labels if pair[0] == "run")  # the rank's run, if named
     for t, step_collectives in zip(ts, collectives, strict=True):
         for c in step_collectives:
             if c.count and c.duration_s is not None and (c.op, c.pg) in kept:
-                labels = (("job", job), ("op", c.op), ("pg", c.pg))
+                labels = (("job", job), ("op", c.op), ("pg", c.pg), *run)
                 series.add("collective_duration_seconds", labels, t, c.duration_s / c.count)
 
 

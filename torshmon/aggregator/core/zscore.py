@@ -552,7 +552,9 @@ def where(labels: Mapping[str, str]) -> str:
     text = f"job {labels['job']}"
     if "rank" in labels:
         text += f" rank {labels['rank']}"
-    extra = [f"{k}={v}" for k, v in sorted(labels.items()) if k not in ("job", "rank", "metric")]
+    # The run is in the finding's labels (and its alert's); a summary reads without it.
+    named = ("job", "rank", "metric", "run")
+    extra = [f"{k}={v}" for k, v in sorted(labels.items()) if k not in named]
     if extra:
         text += f" ({', '.join(extra)})"
     return text

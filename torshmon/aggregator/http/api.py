@@ -91,19 +91,22 @@ class RowStore(Protocol):
 
 
 class LiveView(Protocol):
-    """What the live state says of jobs and ranks (``live.LiveState``)."""
+    """What the live state says of jobs and ranks (``live.LiveState``): of one live run
+    of a job (``run_id``), its latest when None."""
 
-    def job_summary(self, job: str) -> dict[str, Any] | None: ...
+    def job_summary(self, job: str, run_id: str | None = None) -> dict[str, Any] | None: ...
 
-    def job_config(self, job: str) -> dict[str, Any] | None: ...
+    def job_config(self, job: str, run_id: str | None = None) -> dict[str, Any] | None: ...
 
-    def rank_summaries(self, job: str) -> dict[int, dict[str, Any]]: ...
+    def rank_summaries(self, job: str, run_id: str | None = None) -> dict[int, dict[str, Any]]: ...
 
-    def report(self, job: str, now_unix_s: float) -> list[Finding] | None: ...
+    def report(
+        self, job: str, now_unix_s: float, run_id: str | None = None
+    ) -> list[Finding] | None: ...
 
-    def link_reading(self, job: str) -> dict[str, Any] | None: ...
+    def link_reading(self, job: str, run_id: str | None = None) -> dict[str, Any] | None: ...
 
-    def job_kind(self, job: str) -> str | None: ...
+    def job_kind(self, job: str, run_id: str | None = None) -> str | None: ...
 
 
 class CommandSink(Protocol):
@@ -272,17 +275,19 @@ class _Handlers:
             return error(404, f"job {job!r}: {exc}")
         row["runs"] = runs
         row["run"] = chosen
-        latest = chosen is None or chosen is runs[-1]
-        # The live state is the latest run's: an older one has none.
-        row["live"] = self._live.job_summary(job) if latest else None
-        row["config"] = self._live.job_config(job) if latest else None
+        # The live state of the run asked for: the latest's, or an older launch's that
+        # still runs (each live run is judged apart); None for a run that ended.
+        run_id = None if chosen is None else chosen.get("run_id")
+        run_id = run_id if isinstance(run_id, str) else None
+        row["live"] = self._live.job_summary(job, run_id)
+        row["config"] = self._live.job_config(job, run_id)
         return web.json_response(row)
 
     async def ranks(self, request: web.Request) -> web.Response:
         self._auth(request)
         job = request.match_info["job"]
         rows = await self._rows("probe_sessions", {"job": job}, _limit(request))
-        live = self._live.rank_summaries(job)
+        live = self._live.rank_summaries(job, request.query.get("run") or None)
         for row in rows:
             row["live"] = live.get(row["rank"])
         return web.json_response({"job": job, "ranks": rows})
@@ -290,15 +295,17 @@ class _Handlers:
     async def report(self, request: web.Request) -> web.Response:
         self._auth(request)
         job = request.match_info["job"]
-        findings = self._live.report(job, self._clock())
+        run = request.query.get("run") or None
+        findings = self._live.report(job, self._clock(), run)
         if findings is None:
-            return error(404, f"no live data for job {job!r}")
+            which = "" if run is None else f" run {run!r} of"
+            return error(404, f"no live data for{which} job {job!r}")
         return web.json_response(
             {
                 "job": job,
-                "job_kind": self._live.job_kind(job),
+                "job_kind": self._live.job_kind(job, run),
                 "bottlenecks": [finding_json(f) for f in findings],
-                "link_check": self._live.link_reading(job),
+                "link_check": self._live.link_reading(job, run),
             }
         )
 

@@ -131,6 +131,14 @@ def openapi_document() -> dict[str, Any]:
         "-1 the latest); the latest when absent",
         "schema": {"type": "string"},
     }
+    live_run_param = {
+        "name": "run",
+        "in": "query",
+        "required": False,
+        "description": "One live run (launch) of the job, by its id: two launches of a job "
+        "that run at once are judged apart; the job's latest run when absent",
+        "schema": {"type": "string"},
+    }
     silence = {
         "allOf": [
             ref("row_silences"),
@@ -162,8 +170,8 @@ def openapi_document() -> dict[str, Any]:
         "/api/v1/jobs/{job}": {
             "get": {
                 "summary": "One job with its runs (runs, the oldest first; run, the one "
-                "asked for or the latest) and, for its latest run, its live summary and "
-                "communication config",
+                "asked for or the latest) and, where that run is live (the latest, or an "
+                "older launch still running), its live summary and communication config",
                 "parameters": [job_param, run_param],
                 "responses": {
                     "200": _json_response(ref("row_jobs")),
@@ -173,16 +181,18 @@ def openapi_document() -> dict[str, Any]:
         },
         "/api/v1/jobs/{job}/ranks": {
             "get": {
-                "summary": "The ranks (probe sessions) of a job with their live summary",
-                "parameters": [job_param],
+                "summary": "The ranks (probe sessions) of a job with their live summary "
+                "(of the run asked for, else the latest)",
+                "parameters": [job_param, live_run_param],
                 "responses": {"200": _json_response({"type": "object"})},
             }
         },
         "/api/v1/jobs/{job}/report": {
             "get": {
                 "summary": "Bottleneck report with recommendations, and the latest link check "
-                "(bandwidth per rank, and per node pair when ranks share hosts)",
-                "parameters": [job_param],
+                "(bandwidth per rank, and per node pair when ranks share hosts), of one "
+                "live run: the latest by default",
+                "parameters": [job_param, live_run_param],
                 "responses": {
                     "200": _json_response({"type": "object"}),
                     "404": _json_response(ref("Error")),
