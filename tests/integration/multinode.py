@@ -381,8 +381,9 @@ def train_until_stopped(
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
-    sockets = {} if agent_socket is None else {"agent_socket": agent_socket}
-    monitor = torshmon.attach(model, job=job, flush_interval_s=0.1, sync_every=5, **sockets)
+    monitor = torshmon.attach(
+        model, job=job, agent_socket=agent_socket, flush_interval_s=0.1, sync_every=5
+    )
     step = 0
     try:
         while True:

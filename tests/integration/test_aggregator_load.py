@@ -1,34 +1,43 @@
 """The aggregator under abuse on loopback: runaway queries, slow clients, hang-ups.
 
 Each test asserts only what load on a shared machine cannot blur: nothing waits for
-the 20 s statement timeout (pages, the API and ingest answer in a few seconds at
-most), queries past the pool are refused at once, and slow clients' sockets are
-closed within a few header timeouts. ``benchmarks/api_load.py`` measures the same
-things and prints the figures.
+the 20 s statement timeout (pages, the API and a real job's ingest answer in a few
+seconds at most), queries past the pool are refused at once, and slow clients'
+sockets are closed within a few header timeouts. ``benchmarks/api_load.py`` measures
+the same things and prints the figures.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import http.client
 import json
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
+from prometheus_client import CollectorRegistry
+from sqlalchemy import Engine, create_engine, text
 
-from tests.integration import wire_factory as wf
 from tests.integration.aggregator_thread import AggregatorThread
+from tests.integration.multinode import train_until_stopped
 from tests.pg import pg_url  # noqa: F401  (the fixture)
+from torshmon.agent.daemon import Agent, AgentSettings
 from torshmon.aggregator.service import INGEST_PATH
 from torshmon.aggregator.settings import AggregatorSettings
+from torshmon.launch import run_ranks
 
 pytestmark = pytest.mark.integration
+
+T = TypeVar("T")
 
 TOKEN = "load-token"
 #: The statement timeout: no answer below may come anywhere near it.
@@ -73,65 +82,137 @@ def call(
     return Answer(status, parsed, answer_headers, time.monotonic() - started)
 
 
+#: The real job: its name, its ranks, the environment they run in, and the pause after
+#: each step (seconds), which leaves the machine's cores to the aggregator and the test.
+JOB = "loadjob"
+RANKS = 2
+JOB_ENV = {"OMP_NUM_THREADS": "1"}
+JOB_SLEEP_S = 0.05
+#: How long the ranks may take to start (spawn, import torch, rendezvous) on a loaded
+#: machine, and to stop once told, seconds.
+JOB_START_S = 120.0
+JOB_STOP_S = 30.0
+
+
 @dataclass
-class Ingest:
-    """Posts one agent's batches (one step of 2 ranks each) until stopped, timing each."""
+class RealJob:
+    """``RANKS`` gloo ranks running ``train_until_stopped``; ``stop`` ends them and
+    returns each rank's steps."""
 
-    port: int
-    latencies_s: list[float] = field(default_factory=list)
-    statuses: list[int] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
+    ranks: Future[list[int]]
+    stop_file: Path
 
-    def run(self) -> None:
-        h0, h1 = wf.hello("loadjob", 0, 2), wf.hello("loadjob", 1, 2)
-        seq = 1
-        self._post(wf.ingest_body("agent-load", [(seq, wf.record(h0, h1))]))
-        while not self._stop.wait(0.1):
-            seq += 1
-            steps = [wf.step(seq)]
-            record = wf.record(wf.batch(h0, seq, steps), wf.batch(h1, seq, steps))
-            self._post(wf.ingest_body("agent-load", [(seq, record)]))
+    def stop(self) -> list[int]:
+        self.stop_file.touch()
+        return self.ranks.result(JOB_STOP_S)
 
-    def _post(self, body: bytes) -> None:
-        started = time.monotonic()
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+    def check_running(self) -> None:
+        """Raises the ranks' error (RankError) if they have ended."""
+        if self.ranks.done():
+            self.ranks.result()
+
+
+@contextlib.contextmanager
+def job_running(sock: str, tmp_path: Path) -> Iterator[RealJob]:
+    """A real job reporting to the agent at ``sock``; stopped on leaving."""
+    launcher = ThreadPoolExecutor(1)
+    stop_file = tmp_path / "stop-job"
+    ranks = launcher.submit(
+        run_ranks,
+        train_until_stopped,
+        RANKS,
+        str(stop_file),
+        JOB_SLEEP_S,
+        JOB,
+        sock,
+        timeout_s=JOB_START_S + JOB_STOP_S + QUERY_TIMEOUT_S,
+        env=JOB_ENV,
+    )
+    try:
+        yield RealJob(ranks, stop_file)
+    finally:
+        stop_file.touch()
+        launcher.shutdown(wait=True)  # run_ranks' timeout bounds it
+
+
+@contextlib.contextmanager
+def agent_forwarding(url: str, tmp_path: Path) -> Iterator[Agent]:
+    """A real agent forwarding to the aggregator at ``url``, on an event loop of its
+    own (it is a process of its own in production)."""
+    settings = AgentSettings(
+        socket_path=str(tmp_path / "agent.sock"),
+        metrics_port=0,
+        aggregator_url=url,
+        token=TOKEN,
+        spool_path=str(tmp_path / "spool.db"),
+        sample_interval_s=1.0,
+    )
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    try:
+        agent = call(_started_agent(settings))
         try:
-            headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
-            conn.request("POST", INGEST_PATH, body=body, headers=headers)
-            response = conn.getresponse()
-            response.read()
-            self.statuses.append(response.status)
-        except OSError:
-            self.statuses.append(0)  # the server stopped (a test's end), or failed
+            yield agent
         finally:
-            conn.close()
-        self.latencies_s.append(time.monotonic() - started)
+            call(agent.aclose())
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
-    def wait_stored(self, count: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.statuses.count(200) < count:
-            assert time.monotonic() < deadline, f"ingest answered {self.statuses}"
-            time.sleep(0.05)
 
-    def stop(self) -> None:
-        self._stop.set()
+async def _started_agent(settings: AgentSettings) -> Agent:
+    agent = Agent(settings, registry=CollectorRegistry())
+    await agent.start()
+    return agent
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One rank's rows in the ``steps`` table."""
+
+    rows: int
+    distinct_steps: int
+    first_step: int
+    last_step: int
+    newest_end_unix_ns: int
+
+
+def stored_steps(db: Engine) -> dict[int, Stored]:
+    """The job's stored steps, by rank."""
+    sql = text(
+        "SELECT rank, count(*), count(DISTINCT step), min(step), max(step), max(end_unix_ns) "
+        "FROM steps WHERE job = :job GROUP BY rank"
+    )
+    with db.connect() as conn:
+        return {
+            int(rank): Stored(*(int(v) for v in values))
+            for rank, *values in conn.execute(sql, {"job": JOB})
+        }
+
+
+def wait_stored(
+    db: Engine, job: RealJob, enough: Callable[[dict[int, Stored]], bool], timeout_s: float
+) -> dict[int, Stored]:
+    """The job's stored steps once ``enough`` of them are; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not enough(stored := stored_steps(db)):
+        job.check_running()
+        assert time.monotonic() < deadline, f"after {timeout_s} s the steps stored are {stored}"
+        time.sleep(0.1)
+    return stored
 
 
 @pytest.fixture
-def ingest_running() -> Iterator[Callable[[int], Ingest]]:
-    threads: list[tuple[Ingest, threading.Thread]] = []
-
-    def start(port: int) -> Ingest:
-        ingest = Ingest(port)
-        thread = threading.Thread(target=ingest.run, daemon=True)
-        thread.start()
-        threads.append((ingest, thread))
-        return ingest
-
-    yield start
-    for ingest, thread in threads:
-        ingest.stop()
-        thread.join(30)
+def history_db(pg_url: str) -> Iterator[Engine]:  # noqa: F811
+    engine = create_engine(pg_url)
+    yield engine
+    engine.dispose()
 
 
 def slow_client(port: int, head: bytes) -> socket.socket:
@@ -192,22 +273,27 @@ def _settings(db_url: str, **overrides: object) -> AggregatorSettings:
 
 def test_runaway_queries_and_slow_clients_stall_nothing_on_postgresql(
     pg_url: str,  # noqa: F811
-    ingest_running: Callable[[int], Ingest],
+    history_db: Engine,
+    tmp_path: Path,
 ) -> None:
-    """12 queries that would sleep past the 20 s statement timeout, 60 slow clients and
-    a running ingest: 4 queries run, 8 are refused at once with Retry-After; pages,
-    API and ingest answer in seconds; the slow clients' sockets close after the 1 s
-    header timeout, and stopping the aggregator cancels the sleeping queries."""
-    started = time.monotonic()
-    with AggregatorThread(_settings(pg_url)) as agg:
+    """12 queries that would sleep past the 20 s statement timeout and 60 slow clients
+    while a real job (2 gloo ranks, their agent forwarding) trains: 4 queries run, 8 are
+    refused at once with Retry-After; pages and the API answer in seconds; the job's
+    steps keep reaching the steps table, each within seconds of its end, and none is
+    lost; the slow clients' sockets close after the 1 s header timeout, and stopping
+    the aggregator cancels the sleeping queries."""
+    with (
+        AggregatorThread(_settings(pg_url)) as agg,
+        agent_forwarding(agg.url, tmp_path) as agent,
+        job_running(agent.settings.socket_path, tmp_path) as job,
+    ):
         port = agg.aggregator.port
-        assert port is not None
-        ingest = ingest_running(port)
-        ingest.wait_stored(2, 30)
+        assert port is not None and agent.forwarder is not None
+        wait_stored(history_db, job, lambda s: len(s) == RANKS, JOB_START_S)
         slow = [slow_client(port, b"GET /api/v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n")]
         slow += [slow_client(port, b"POST /api/v1/query HTT") for _ in range(29)]
         slow += [slow_client(port, b"") for _ in range(30)]
-        opened = time.monotonic()
+        opened = started = time.monotonic()
         pool = ThreadPoolExecutor(12)  # not a with block: its end would wait for them
         queries = [
             pool.submit(call, port, "POST", "/api/v1/query", {"sql": RUNAWAY_PG}) for _ in range(12)
@@ -219,7 +305,8 @@ def test_runaway_queries_and_slow_clients_stall_nothing_on_postgresql(
         assert "query_max_running" in str(refused[0].body["error"])
         assert max(a.elapsed_s for a in refused) < FAST_S
         assert metric(port, "torshmon_queries_running") == 4
-        for path in ("/api/v1/jobs", "/", "/api/v1/jobs/loadjob", "/healthz"):
+        before = stored_steps(history_db)
+        for path in ("/api/v1/jobs", "/", f"/api/v1/jobs/{JOB}", "/healthz"):
             answer = call(port, "GET", path, timeout_s=QUERY_TIMEOUT_S)
             assert answer.status == 200, (path, answer.body)
             assert answer.elapsed_s < FAST_S, (path, answer.elapsed_s)
@@ -231,11 +318,27 @@ def test_runaway_queries_and_slow_clients_stall_nothing_on_postgresql(
             sock.close()
         timed_out = metric(port, "torshmon_http_client_timeouts_total", 'phase="headers"')
         assert timed_out == len(slow)
-        # Left: the 4 queries', /metrics' and the ingest's (if it is posting).
+        # Left: the 4 queries', /metrics' and the agent's (if it is posting).
         assert 5 <= metric(port, "torshmon_http_connections") <= 6
-        ingest.stop()
-        assert set(ingest.statuses) == {200}
-        assert max(ingest.latencies_s) < FAST_S, ingest.latencies_s
+        # The job's steps keep arriving while the queries sleep, each seconds after it ended.
+        during = wait_stored(
+            history_db,
+            job,
+            lambda s: all(s[r].rows >= before[r].rows + 2 for r in range(RANKS)),
+            FAST_S,
+        )
+        behind_s = (time.time_ns() - max(s.newest_end_unix_ns for s in during.values())) / 1e9
+        assert behind_s < FAST_S, during
+        steps = job.stop()
+        assert steps == [steps[0]] * RANKS
+        # All of them stored, once each: none lost, none waiting in the agent's spool.
+        final = wait_stored(
+            history_db, job, lambda s: all(s[r].rows >= steps[r] for r in range(RANKS)), FAST_S
+        )
+        assert {
+            r: (s.rows, s.distinct_steps, s.first_step, s.last_step) for r, s in final.items()
+        } == {r: (steps[r], steps[r], 1, steps[r]) for r in range(RANKS)}
+        assert agent.forwarder.failures_total == 0  # no ingest refused, failed or timed out
         running = [f for f in queries if not f.done()]
         assert len(running) == 4
     # Stopping the aggregator interrupted the queries still sleeping.
