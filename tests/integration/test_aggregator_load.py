@@ -432,8 +432,10 @@ def test_a_client_that_hangs_up_mid_body_is_one_line_not_a_traceback(
 def test_a_body_slower_than_its_timeout_gets_408_and_a_closed_socket(agg: AggregatorThread) -> None:
     port = agg.aggregator.port
     assert port is not None
-    sock = _partial_post(port, "/api/v1/query", b'{"sql": "SEL', 100)
+    # Timed from before the connection: the server may start its clock at any point
+    # after it, and a pause of this thread after sending must not make it look early.
     sent = time.monotonic()
+    sock = _partial_post(port, "/api/v1/query", b'{"sql": "SEL', 100)
     received, closed = until_closed(sock, FAST_S + 2.0)
     sock.close()
     assert received.startswith(b"HTTP/1.1 408 "), received
