@@ -247,6 +247,13 @@ class Reconfigurator:
             out, self._rejections = self._rejections, []
         return out
 
+    def idle_at(self, step: int) -> bool:
+        """True where ``sync(step)`` has nothing to do: no exchange to read, none to
+        post (not a sync step) and no rejection to report. The training thread asks
+        first and skips the consensus's calls, about 8 us a step on a loaded core; the
+        exchanges, and so the step every rank applies a config at, are unchanged."""
+        return self._posted is None and step % self._sync_every != 0 and not self._rejections
+
     def sync(self, step: int) -> Applied | Rejected | None:
         """End-of-step consensus: apply what the last sync step carried, post the next."""
         outcome = None
