@@ -40,3 +40,30 @@ def test_a_short_run_reports_every_part_of_both_arms() -> None:
                 assert rank["shipper_cpu_us_per_step"] > 0.0
     assert summary["lane_shut"]["urgent_share"] == 0.0
     assert "training thread's CPU in the probe" in done.stdout
+
+
+def test_entry_points_only_times_no_part_inside_them() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "probe_cost.py"),
+            "--steps",
+            "10",
+            "--rounds",
+            "1",
+            "--entry-points-only",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["parts_timed"] is False
+    for arm in ("lane", "lane_shut"):
+        for rank in summary[arm]["ranks"]:
+            parts = rank["parts"]
+            assert parts["_exit_step"]["calls_per_step"] == 1.0
+            assert parts["thread run-queue clock"]["calls_per_step"] == 0.0
+            assert parts["_sync_config"]["calls_per_step"] == 0.0
+    assert "run-queue clock" not in done.stdout.split("{")[0]

@@ -567,10 +567,15 @@ class Monitor:
         ):
             ddp_logging = _torch_compat.ddp_logging_data(self._module)
         reconfig = self._reconfig
-        config_version = 0 if reconfig is None else reconfig.current.version
-        applied, rejections = self._sync_config()
-        if reconfig is not None:
-            self._commands.report_link_checks()
+        applied: AppliedConfig | None = None
+        rejections: list[ConfigRejection] = []
+        if reconfig is None:
+            config_version = 0
+        else:
+            config_version = reconfig.current.version
+            if not reconfig.idle_at(step):
+                applied, rejections = self._sync_config()
+                self._commands.report_link_checks()  # link checks run only in a sync
         if self._hook is not None:
             self._hook.measure_error = (step + 1) % self._error_sample_every == 0
         try:
