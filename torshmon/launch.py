@@ -3,6 +3,17 @@
 Used by ``torshmon demo``, the benchmarks and the tests. Ranks are started with
 the ``spawn`` method, join one gloo process group, and return plain picklable
 results. Any failure or timeout stops every rank; nothing is left running.
+
+A fresh interpreter per rank imports torch (and DDP's ``torch._dynamo``) again:
+25-30 s a launch on a loaded machine. A process that launches many times (the test
+suite) calls ``use_forkserver()`` once: later launches fork their ranks from a
+server that imported torch already and start in about a second. The server holds
+about 400 MB for the life of the process. Each rank still sees the launching
+process's environment of the moment, as under ``spawn``. Where that environment
+has changed since the server started in a variable read only as an interpreter
+starts (``PYTHON*``, ``LD_*``, ``TORSHMON_AUTO``), or a rank's differs from it in
+one torch reads as it imports (``OMP_*``, ``MKL_*``, ``KINETO_*``), the launch uses
+``spawn``: a forked rank could not see the change.
 """
 
 from __future__ import annotations
@@ -17,6 +28,34 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+#: What ``use_forkserver`` preloads by default: torch and what DDP's constructor
+#: imports. Not torshmon: its modules may read the environment as they import, and
+#: the zero-code probe's import hooks must see the rank's own imports.
+TORCH_PRELOAD: tuple[str, ...] = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch._dynamo",
+)
+#: Variables read as an interpreter starts (``TORSHMON_AUTO``: the zero-code
+#: bootstrap's ``sitecustomize``). A spawned rank sees the launching process's
+#: values, not those ``run_ranks(env=...)`` sets (they apply after start-up).
+_INTERPRETER_PREFIXES = ("PYTHON", "LD_", "TORSHMON_AUTO")
+#: Variables torch reads as it imports: a spawned rank sees ``env=`` values too.
+_TORCH_PREFIXES = ("OMP_", "MKL_", "KINETO_")
+
+
+class _Launcher:
+    """The start method ``run_ranks`` uses when its caller names none."""
+
+    def __init__(self) -> None:
+        self.method = "spawn"
+        #: the environment the forkserver started with (None: not started by us yet)
+        self.server_environ: dict[str, str] | None = None
+
+
+_launcher = _Launcher()
+
 
 class RankError(RuntimeError):
     """One or more ranks failed or timed out; the message carries their tracebacks."""
@@ -29,6 +68,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def use_forkserver(preload: Sequence[str] = TORCH_PRELOAD) -> None:
+    """Make later ``run_ranks`` calls in this process (without ``start_method``) fork
+    their ranks from a server that imported ``preload`` once. Call it before anything
+    else in the process starts a forkserver; the server starts at the first launch."""
+    mp.get_context("forkserver").set_forkserver_preload(list(preload))
+    _launcher.method = "forkserver"
+
+
 def run_ranks(
     target: Callable[..., Any],
     world_size: int,
@@ -39,6 +86,7 @@ def run_ranks(
     master_addr: str = "127.0.0.1",
     netns: Sequence[str] | None = None,
     backend: str = "gloo",
+    start_method: str | None = None,
 ) -> list[Any]:
     """Call ``target(rank, world_size, *args)`` in ``world_size`` processes.
 
@@ -48,19 +96,20 @@ def run_ranks(
     rank enters its network namespace before opening any socket. ``rank_env(rank)`` may
     set ``LOCAL_RANK`` (default: the rank, one node), as torchrun does for ranks spread
     over nodes. Returns the results ordered by rank. Raises RankError if a rank raises,
-    dies, or all have not finished in ``timeout_s``.
+    dies, or all have not finished in ``timeout_s``. ``start_method`` (``spawn``,
+    ``forkserver``) overrides the process default (``spawn``, see ``use_forkserver``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if netns is not None and len(netns) != world_size:
         raise ValueError(f"netns needs one name per rank ({world_size}), got {len(netns)}")
-    ctx = mp.get_context("spawn")
-    results: mp.Queue[tuple[int, bool, Any]] = ctx.Queue()
     port = free_port()
-    procs = []
+    environs = []
     for rank in range(world_size):
+        # The whole environment, as a spawned rank inherits it: a forked one would
+        # otherwise see the forkserver's, from when it started.
+        environ = {**os.environ, "LOCAL_RANK": str(rank), **(env or {})}
         # One node unless ``rank_env`` says otherwise (LOCAL_RANK, as torchrun sets it).
-        environ = {"LOCAL_RANK": str(rank), **(env or {})}
         environ.update(rank_env(rank) if rank_env else {})
         environ.update(
             MASTER_ADDR=master_addr,
@@ -68,6 +117,12 @@ def run_ranks(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
         )
+        environs.append(environ)
+    forkserver = _start_method(start_method, environs) == "forkserver"
+    ctx = mp.get_context("forkserver") if forkserver else mp.get_context("spawn")
+    results: mp.Queue[tuple[int, bool, Any]] = ctx.Queue()
+    procs = []
+    for rank, environ in enumerate(environs):
         rank_netns = netns[rank] if netns is not None else None
         proc = ctx.Process(
             target=_rank_main,
@@ -90,6 +145,28 @@ def run_ranks(
         return _collect(procs, results, timeout_s)
     finally:
         _stop(procs)
+
+
+def _start_method(requested: str | None, environs: list[dict[str, str]]) -> str:
+    if requested not in (None, "spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {requested!r}")
+    method = requested or _launcher.method
+    if method != "forkserver":
+        return method
+    if _launcher.server_environ is None:
+        # The server starts with this launch, from this environment.
+        _launcher.server_environ = dict(os.environ)
+    server = _launcher.server_environ
+    if _some(os.environ, _INTERPRETER_PREFIXES) != _some(server, _INTERPRETER_PREFIXES):
+        return "spawn"
+    torch_vars = _some(server, _TORCH_PREFIXES)
+    if any(_some(environ, _TORCH_PREFIXES) != torch_vars for environ in environs):
+        return "spawn"
+    return "forkserver"
+
+
+def _some(environ: Mapping[str, str], prefixes: tuple[str, ...]) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k.startswith(prefixes)}
 
 
 def _collect(procs: list[Any], results: Any, timeout_s: float) -> list[Any]:
@@ -156,6 +233,8 @@ def _rank_main(
         except OSError:
             results.put((rank, False, f"rank {rank} failed:\n{traceback.format_exc()}"))
             return
+    # Exactly the launching process's environment, as a spawned rank inherits it.
+    os.environ.clear()
     os.environ.update(environ)
     import torch
     import torch.distributed as dist
