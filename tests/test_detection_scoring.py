@@ -491,6 +491,26 @@ def test_the_clean_figures_are_per_rank_step_with_the_bar_beside_them() -> None:
     assert report["precision_units"] == {"true": 0, "false": 1}
 
 
+def test_a_tuning_jobs_figures_say_when_each_alert_fired_against_the_sessions_end() -> None:
+    from benchmarks import detection as d
+
+    fired = [
+        FiredAlert("Step Time Anomaly", None, T0, T0 + 2.5, first_step=150),
+        FiredAlert("Straggler", 1, T0 + 9, None, first_step=400),
+    ]
+    tuning = d.CleanOutcome(
+        "autotune", 2, fired, 1600, 1.0, 0.5, [1.1], {}, 0.13, 608, "finished", 192
+    )
+    report = d.build_report([], [], [tuning], {})
+    job = report["tuning_jobs"][0]
+    assert job["session_ended_at_step"] == 192
+    assert job["alerts_at"] == [
+        {"alert": "Step Time Anomaly", "step": 150, "lasted_s": 2.5},
+        {"alert": "Straggler (rank 1)", "step": 400, "lasted_s": None},
+    ]
+    assert report["tuning_false_alerts"] == 2
+
+
 class _FakeAggregator:
     """What FiringWatch reads of a running aggregator: the job's last step, the firing
     alerts, the ranks' step counts and the straggler detector's bar."""
