@@ -465,19 +465,28 @@ def _job_steps(
         live.observe(Stored(acked_seq=0, batches=[(wf.batch(h, 1, steps), "n")]), 1000.0)
 
 
-def test_a_job_wide_slowdown_is_one_job_level_step_time_anomaly() -> None:
+@pytest.mark.parametrize("slow_steps", [10, 20])
+def test_a_job_wide_slowdown_is_one_job_level_step_time_anomaly(slow_steps: int) -> None:
     """Every rank's steps take 3x longer: one Step Time Anomaly for the job, without a
-    rank (it used to be one per rank), and no straggler."""
+    rank (it used to be one per rank), and no straggler. The finding is shown at once;
+    the rule fires once 16 of its steps were slow over at least 1 s
+    (``zscore.step_page_steps``, ``step_page_min_s``; the steps are 0.1 s apart): 10 slow
+    steps are shown only, 20 page."""
     live = LiveState(idle_s=60.0, anomaly_metrics=())  # step time's z-score alone
-    _job_steps(live, 3, [0.1] * 40 + [0.3] * 10)
+    _job_steps(live, 3, [0.1] * 40 + [0.3] * slow_steps)
     found = live.findings(1001.0)
     assert [(f.kind, dict(f.labels)) for f in found] == [
         ("anomaly", {"job": "j", "metric": "step_duration_seconds"})
     ]
+    pages = slow_steps == 20
     assert found[0].summary.startswith("step time of job j is 0.3")
+    assert found[0].details["page"] is pages
+    assert found[0].details["rise_steps"] == slow_steps
+    note = "(for 10 steps so far: it pages if it lasts)"
+    assert found[0].summary.endswith(note) is not pages
     engine = AlertEngine(default_rules())
-    (alert,) = [a for a in engine.evaluate(1001.0, live.series, found) if a.state == "firing"]
-    assert (alert.rule, alert.rank) == ("Step Time Anomaly", None)
+    firing = [a for a in engine.evaluate(1001.0, live.series, found) if a.state == "firing"]
+    assert [(a.rule, a.rank) for a in firing] == ([("Step Time Anomaly", None)] if pages else [])
 
 
 @pytest.mark.parametrize("switch", [True, False])

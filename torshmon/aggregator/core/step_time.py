@@ -22,6 +22,14 @@ settings (and each off at 0).
   (``LevelWindow``). In-band values above that line join the baseline only once they
   are older than the window (or not at all, if they become part of a finding), and a
   finding does not clear while half the window is above the line.
+- Shown, then paged (``step_page_steps``, ``step_page_min_s``; 0 and 0: at once): a
+  finding carries ``details["page"]``, False (shown on the pages and the report, the
+  Step Time Anomaly rule does not fire) until at least ``step_page_steps`` of its steps
+  were out of band or above the level line (``details["rise_steps"]``, counted from its
+  first: the span's out-of-band steps or the level window's steps above the line,
+  whichever are more, when it was raised) and it spans ``step_page_min_s``, with the
+  step at hand one of them (slow now, not only on its way back). Once True it stays
+  True until the finding clears: a few slow steps are shown, a lasting rise pages.
 
 Step time is also judged against the median and MAD (``step_robust``) with a higher
 floor on the band (``step_std_floor_ratio``). Why each policy exists and what set its
@@ -142,6 +150,13 @@ class StepSeries(SeriesState):
     marginal: deque[tuple[float, float]] = field(default_factory=deque)
     #: the usual ``explained`` amount of in-band values (``explained_share``)
     explained: RollingMedian | None = None
+    #: while active: the finding's steps out of band or above the level line so far
+    rise_steps: int = 0
+    #: while active: whether the finding pages (``step_page_steps``)
+    paged: bool = False
+    #: whether the value being judged was out of band or above the level line (and not
+    #: accounted for by the known cause)
+    rising: bool = False
 
 
 class StepTimeDetector(ZScoreDetector):
@@ -166,6 +181,8 @@ class StepTimeDetector(ZScoreDetector):
         self._level_window_s = s.step_level_window_s
         self._level_sigmas = s.step_level_sigmas
         self._level_share = s.step_level_share
+        self._page_steps = s.step_page_steps
+        self._page_min_s = s.step_page_min_s
 
     def observe_many(
         self,
@@ -222,9 +239,53 @@ class StepTimeDetector(ZScoreDetector):
         value: float,
         explained: float,
     ) -> Finding | None:
-        if not math.isfinite(value):
-            return series.finding
         s = _step(series)
+        was_active = s.active
+        s.rising = False
+        found = self._judge_value(s, key, ts_unix_s, value, explained)
+        if not s.active or found is None:
+            return found
+        if s.rising:
+            if was_active:
+                s.rise_steps += 1
+            if (
+                not s.paged
+                and s.rise_steps >= self._page_steps
+                and ts_unix_s - s.since_unix_s >= self._page_min_s
+            ):
+                s.paged = True
+        details = found.details
+        if details.get("page") is s.paged and details.get("rise_steps") == s.rise_steps:
+            return found
+        return self._with_page(s, key, found)
+
+    def _with_page(self, series: StepSeries, key: SeriesKey, finding: Finding) -> Finding:
+        """``finding`` with whether it pages (and, until it does, saying so)."""
+        summary = finding.summary
+        if finding.details.get("page") is False:
+            summary = summary.rsplit(" (for ", 1)[0]  # the note of an earlier step
+        if not series.paged:
+            summary += f" (for {series.rise_steps} steps so far: it pages if it lasts)"
+        finding = dataclasses.replace(
+            finding,
+            summary=summary,
+            details={**finding.details, "page": series.paged, "rise_steps": series.rise_steps},
+        )
+        series.finding = finding
+        self._active.setdefault(series.labels["job"], {})[key] = finding
+        return finding
+
+    def _judge_value(
+        self,
+        s: StepSeries,
+        key: SeriesKey,
+        ts_unix_s: float,
+        value: float,
+        explained: float,
+    ) -> Finding | None:
+        """``_judge`` less the page: whether ``value`` rose is left in ``s.rising``."""
+        if not math.isfinite(value):
+            return s.finding
         marginal = s.marginal
         while marginal and marginal[0][0] < ts_unix_s - self._level_window_s:
             s.stats.add(marginal.popleft()[1])  # old enough: part of the normal level
@@ -252,6 +313,7 @@ class StepTimeDetector(ZScoreDetector):
                     self._explained_in_span(s)
                     return s.finding
                 high = False
+        s.rising = out or high
         if out:
             if level:
                 self._level_add(s, ts_unix_s, value, True)
@@ -364,6 +426,8 @@ class StepTimeDetector(ZScoreDetector):
         """Make a series active; its marginal values are part of the finding."""
         s = _step(series)
         super()._start(s)
+        s.rise_steps = max(len(s.held), s.level.high)
+        s.paged = False
         s.held_explained = 0
         s.held_in.extend(value for _, value in s.marginal)
         s.marginal.clear()
@@ -430,6 +494,8 @@ class StepTimeDetector(ZScoreDetector):
         s.held_in.clear()
         s.held_explained = 0
         s.recent.clear()
+        s.rise_steps = 0
+        s.paged = False
         super()._clear(series, key)
 
 

@@ -190,6 +190,28 @@ class ZScoreSettings(Section, frozen=True):
         setting("share of the level test's steps that must be above its line", gt=0, le=1),
     ] = 0.6
 
+    #: A finding is shown at once but pages (``details["page"]``: the Step Time Anomaly
+    #: rule fires only then) once at least this many of its steps were out of band or
+    #: above the level line, spanning at least ``step_page_min_s`` from its first, with
+    #: the step at hand one of them. A healthy rank's spell of up to 8 slow steps lifts
+    #: the job's step time (the slowest rank's) for those steps: the 3-step, 0.5 s rule
+    #: fired on such spells in clean jobs and fault-free autotune sessions. Over 200
+    #: synthetic draws a scenario (tests/step_time_draws.py), 24 steps still paged 2.5 %
+    #: of clean 8-rank jobs (chains of spells on different ranks); 32 paged 0.5 % and a
+    #: 1.2-1.3x regression within 67 steps (5.6 s) in 95 %: docs/detectors/zscore.md.
+    step_page_steps: Annotated[
+        int,
+        setting(
+            "a step time finding pages (fires Step Time Anomaly) once this many of its "
+            "steps were out of band or above the level line (0: at once)",
+            ge=0,
+        ),
+    ] = 32
+    step_page_min_s: Annotated[
+        float,
+        setting("seconds a step time finding must span before it pages", ge=0),
+    ] = 1.0
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in self.__struct_fields__:
