@@ -465,20 +465,20 @@ def _job_steps(
         live.observe(Stored(acked_seq=0, batches=[(wf.batch(h, 1, steps), "n")]), 1000.0)
 
 
-@pytest.mark.parametrize("slow_steps", [10, 20])
+@pytest.mark.parametrize("slow_steps", [10, 40])
 def test_a_job_wide_slowdown_is_one_job_level_step_time_anomaly(slow_steps: int) -> None:
     """Every rank's steps take 3x longer: one Step Time Anomaly for the job, without a
     rank (it used to be one per rank), and no straggler. The finding is shown at once;
-    the rule fires once 16 of its steps were slow over at least 1 s
+    the rule fires once 32 of its steps were slow over at least 1 s
     (``zscore.step_page_steps``, ``step_page_min_s``; the steps are 0.1 s apart): 10 slow
-    steps are shown only, 20 page."""
+    steps are shown only, 40 page."""
     live = LiveState(idle_s=60.0, anomaly_metrics=())  # step time's z-score alone
     _job_steps(live, 3, [0.1] * 40 + [0.3] * slow_steps)
     found = live.findings(1001.0)
     assert [(f.kind, dict(f.labels)) for f in found] == [
         ("anomaly", {"job": "j", "metric": "step_duration_seconds"})
     ]
-    pages = slow_steps == 20
+    pages = slow_steps == 40
     assert found[0].summary.startswith("step time of job j is 0.3")
     assert found[0].details["page"] is pages
     assert found[0].details["rise_steps"] == slow_steps

@@ -113,10 +113,11 @@ def _rss_rises(result: DemoResult) -> str:
 
 
 async def test_a_regression_fires_step_time_anomaly_and_no_straggler(tmp_path: Path) -> None:
-    # 30 steps 5x slower (~17 s): the anomaly fires within a few of them and resolves
-    # within ~20 steps of their end; 30 outlast the Straggler's page window (28 steps), so
-    # a detector that blamed one rank for a job-wide slowdown had the time to page it.
-    result = await _run(tmp_path, 110, "regression:slowdown=4,from=40,to=70")
+    # 45 steps 5x slower (~26 s): the anomaly is shown within a few of them, pages (fires)
+    # after 32 (zscore.step_page_steps) and resolves within ~20 steps of their end; 45
+    # outlast the Straggler's page window (28 steps), so a detector that blamed one rank
+    # for a job-wide slowdown had the time to page it.
+    result = await _run(tmp_path, 125, "regression:slowdown=4,from=40,to=85")
     alert = _one(result, "Step Time Anomaly")
     assert alert["fired_at_unix_s"] >= _onset(result) - 0.5
     assert alert["state"] == "resolved"
