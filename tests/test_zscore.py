@@ -667,3 +667,53 @@ def test_scattered_steps_the_known_cause_does_not_explain_are_no_rise() -> None:
 
     assert found([0.0 if i % 4 == 3 else 0.03 for i in range(200)]) == []
     assert found([0.0] * 200)[:1] != []
+
+
+# -- shown, then paged (step_page_steps, step_page_min_s) ----------------------------------
+
+
+@pytest.mark.parametrize("seed", [57, 58, 59])
+def test_a_recorded_1_3x_regression_pages_within_twice_the_persistence(seed: int) -> None:
+    """The recorded 1.3x regressions (~36-39 ms steps, 100 steps): shown after 11-15
+    steps, paged after 32-33 (``step_page_steps`` 32; 1 s is ~27 of these steps), never
+    before the onset nor 20 steps after the end."""
+    rows, onset, end = _regression_run(seed)
+    det = _step_time_detector(ZScoreSettings())
+    found = det.observe_many(
+        LABELS,
+        [row[1] for row in rows],
+        [row[2] for row in rows],
+        [math.nan if row[3] is None else row[3] for row in rows],
+    )
+    shown = [rows[i][0] for i, _ in found]
+    paged = [rows[i][0] for i, f in found if f.details["page"]]
+    assert onset <= shown[0] < paged[0] <= onset + 2 * 32
+    assert paged[0] >= onset + 32 - 1  # 32 slow steps at the least
+    assert all(onset <= step < end + 20 for step in paged)
+
+
+def test_a_finding_pages_once_it_lasted_and_stays_paged_until_it_clears() -> None:
+    """0.1 s steps 2x slower: shown from the 5th slow step (0.5 s), ``page`` False and
+    said so in the summary until the 32nd, then True, through in-band steps too, until
+    the finding clears; the next rise starts unpaged again."""
+    det = _step_time_detector(ZScoreSettings())
+    values = [0.1] * 50 + [0.2] * 40 + [0.1, 0.2] * 3 + [0.1] * 20 + [0.2] * 10
+    found = dict(det.observe_many(LABELS, [100.0 + 0.1 * i for i in range(len(values))], values))
+    first = min(found)
+    assert first == 50 + 5
+    assert [found[i].details["page"] for i in range(first, 50 + 31)] == [False] * 26
+    assert found[50 + 30].summary.endswith("(for 31 steps so far: it pages if it lasts)")
+    assert found[50 + 30].details["rise_steps"] == 31
+    assert all(found[i].details["page"] for i in range(50 + 31, 96))
+    assert "pages if it lasts" not in found[50 + 31].summary
+    assert max(i for i in found if i < 116) < 105  # cleared within 0.5 s back in band
+    again = [found[i] for i in found if i >= 116]
+    assert again and not any(f.details["page"] for f in again)
+
+
+def test_with_no_persistence_a_finding_pages_as_soon_as_it_is_shown() -> None:
+    det = _step_time_detector(ZScoreSettings(step_page_steps=0, step_page_min_s=0.0))
+    values = [0.1] * 50 + [0.2] * 10
+    found = det.observe_many(LABELS, [100.0 + 0.1 * i for i in range(len(values))], values)
+    assert found and all(f.details["page"] for _, f in found)
+    assert found[0][0] == 50 + 5
