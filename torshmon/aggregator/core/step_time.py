@@ -1,4 +1,4 @@
-"""Step time's detector: the rolling z-score (``zscore.ZScoreDetector``) plus three
+"""Step time's detector: the rolling z-score (``zscore.ZScoreDetector``) plus four
 policies only step time has, each read from the ``zscore:`` section's ``step_*``
 settings (and each off at 0).
 
