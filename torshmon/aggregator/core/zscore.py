@@ -198,7 +198,8 @@ class ZScoreSettings(Section, frozen=True):
     #: fired on such spells in clean jobs and fault-free autotune sessions. Over 200
     #: synthetic draws a scenario (tests/step_time_draws.py), 24 steps still paged 2.5 %
     #: of clean 8-rank jobs (chains of spells on different ranks); 32 paged 0.5 % and a
-    #: 1.2-1.3x regression within 67 steps (5.6 s) in 95 %: docs/detectors/zscore.md.
+    #: 1.2-1.3x regression in 95 % within 67 steps (0.03 s steps) or 5.6 s (0.13 s steps);
+    #: the table: docs/detectors/zscore.md.
     step_page_steps: Annotated[
         int,
         setting(
