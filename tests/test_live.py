@@ -487,6 +487,13 @@ def test_a_job_wide_slowdown_is_one_job_level_step_time_anomaly(slow_steps: int)
     engine = AlertEngine(default_rules())
     firing = [a for a in engine.evaluate(1001.0, live.series, found) if a.state == "firing"]
     assert [(a.rule, a.rank) for a in firing] == ([("Step Time Anomaly", None)] if pages else [])
+    # /metrics says the same: active while shown, paging (what the exported Prometheus
+    # rule fires on) only once it pages.
+    registry = CollectorRegistry()
+    registry.register(LiveCollector(live))
+    series = {"job": "j", "rank": "", "metric": "step_duration_seconds"}
+    assert registry.get_sample_value("torshmon_anomaly_active", series) == 1.0
+    assert registry.get_sample_value("torshmon_anomaly_paging", series) == (1.0 if pages else None)
 
 
 @pytest.mark.parametrize("switch", [True, False])

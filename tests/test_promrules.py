@@ -96,7 +96,7 @@ def test_default_rules_pass_promtool_check(tmp_path: Path) -> None:
 
 def test_promtool_rejects_what_it_should(tmp_path: Path) -> None:
     # The check above can fail: a broken expression is caught by the same command.
-    text = to_prometheus(default_rules()).replace("torshmon_straggler_active > 0", "> 0 >")
+    text = to_prometheus(default_rules()).replace("torshmon_straggler_paging > 0", "> 0 >")
     path = tmp_path / "rules.yaml"
     path.write_text(text)
     assert _promtool("check", "rules", str(path), cwd=tmp_path).returncode != 0
@@ -122,8 +122,9 @@ def test_expressions() -> None:
     assert expression(rules["Silent"]) == (
         "absent_over_time(torshmon_step_duration_seconds_count[5m])"
     )
-    assert expression(rules["Loss Spike"]) == 'torshmon_anomaly_active{metric="loss"} > 0'
-    assert expression(rules["Slow Rank"]) == "torshmon_straggler_active > 0"
+    # Findings page on _paging: _active also holds those too short yet to page.
+    assert expression(rules["Loss Spike"]) == 'torshmon_anomaly_paging{metric="loss"} > 0'
+    assert expression(rules["Slow Rank"]) == "torshmon_straggler_paging > 0"
     assert expression(rules["Stuck"]) == "torshmon_hung_collective_age_seconds > 0"
 
 
@@ -183,8 +184,11 @@ def test_prometheus_evaluates_the_exported_rules_as_torshmon_does(tmp_path: Path
         ("torshmon_loss", {"job": "a", "rank": "0"}, "1 1 1 1 NaN NaN NaN NaN NaN NaN NaN"),
         ("torshmon_loss", {"job": "a", "rank": "1"}, "1x10"),
         ("torshmon_anomaly_active", {"job": "a", "metric": "loss"}, "0 0 0 0 1x6"),
+        ("torshmon_anomaly_paging", {"job": "a", "metric": "loss"}, "0 0 0 0 1x6"),
         ("torshmon_anomaly_active", {"job": "a", "metric": "step_duration_seconds"}, "1x10"),
-        ("torshmon_straggler_active", {"job": "a", "rank": "1"}, "0x10"),
+        # Rank 1 is shown as a straggler all along but never pages: no alert.
+        ("torshmon_straggler_active", {"job": "a", "rank": "1"}, "1x10"),
+        ("torshmon_straggler_paging", {"job": "a", "rank": "1"}, "0x10"),
         (
             "torshmon_hung_collective_age_seconds",
             {"job": "a", "rank": "0", "op": "barrier", "pg": "0"},

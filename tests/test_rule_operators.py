@@ -150,8 +150,8 @@ rules:
 """
     rules = load_rules_text(text, source="t.yaml")
     assert [expression(rule) for rule in rules] == [
-        'torshmon_anomaly_active{metric="comm_wait_seconds"} > 0',
-        'torshmon_anomaly_active{metric="throughput_samples_per_second"} > 0',
+        'torshmon_anomaly_paging{metric="comm_wait_seconds"} > 0',
+        'torshmon_anomaly_paging{metric="throughput_samples_per_second"} > 0',
     ]
     wanted = {rule.metric for rule in rules if rule.metric}
     # The straggler's peers wait for it: their communication wait jumps at step 41 on.

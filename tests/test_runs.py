@@ -214,6 +214,7 @@ def test_two_launches_of_one_job_at_once_are_each_judged_alerted_and_exported() 
     assert steps_of == {"r1": 120, "r2": 60}
     straggling = {"job": "j", "run": "r1", "rank": "1"}
     assert registry.get_sample_value("torshmon_straggler_active", straggling) == 1
+    assert registry.get_sample_value("torshmon_straggler_paging", straggling) == 1
     assert (
         registry.get_sample_value("torshmon_straggler_active", {**straggling, "run": "r2"}) is None
     )

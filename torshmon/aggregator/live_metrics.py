@@ -213,17 +213,26 @@ class LiveCollector:
             """``f``'s job, its run, then its labels ``names`` ("" where missing)."""
             return [f.labels.get(name, "") for name in ("job", "run", *names)]
 
+        # A finding shown but too short-lived yet to wake anybody (details["page"] is
+        # False) is active, not paging: the exported rules fire on paging, as the
+        # aggregator's own rules do.
         anomaly = catalogue.ANOMALY_ACTIVE.gauge()
+        anomaly_paging = catalogue.ANOMALY_PAGING.gauge()
         zscore = catalogue.ANOMALY_ZSCORE.gauge()
         for f in snap["anomalies"]:
             lv = of(f, "rank", "metric")
             anomaly.add_metric(lv, 1.0)
+            if f.details.get("page") is not False:
+                anomaly_paging.add_metric(lv, 1.0)
             zscore.add_metric(lv, f.score)
         straggler = catalogue.STRAGGLER_ACTIVE.gauge()
+        straggler_paging = catalogue.STRAGGLER_PAGING.gauge()
         score = catalogue.STRAGGLER_SCORE.gauge()
         for f in snap["stragglers"]:
             lv = of(f, "rank")
             straggler.add_metric(lv, 1.0)
+            if f.details.get("page") is not False:
+                straggler_paging.add_metric(lv, 1.0)
             score.add_metric(lv, f.score)
         active = catalogue.BOTTLENECK_ACTIVE.gauge()
         gain = catalogue.BOTTLENECK_EXPECTED_GAIN_RATIO.gauge()
@@ -262,5 +271,17 @@ class LiveCollector:
             counts[key] = counts.get(key, 0) + 1
         for key, n in sorted(counts.items()):
             firing.add_metric(list(key), float(n))
-        yield from (anomaly, zscore, straggler, score, active, gain, hang, slow_link, link_bw)
+        yield from (
+            anomaly,
+            anomaly_paging,
+            zscore,
+            straggler,
+            straggler_paging,
+            score,
+            active,
+            gain,
+            hang,
+            slow_link,
+            link_bw,
+        )
         yield from (node_bw, firing)

@@ -434,7 +434,24 @@ ANOMALY_ACTIVE: Final = _gauge(
 ANOMALY_ZSCORE: Final = _gauge(
     "anomaly_zscore", "z-score of the active anomaly", (*_JOB, "rank", "metric")
 )
-STRAGGLER_ACTIVE: Final = _gauge("straggler_active", "1 while the rank is a straggler", _RANK)
+ANOMALY_PAGING: Final = _gauge(
+    "anomaly_paging",
+    "1 while an active anomaly pages (its alert rule fires): a step-time rise once it "
+    "has lasted zscore.step_page_steps steps; other metrics' anomalies from the start. "
+    "torshmon_anomaly_active also counts the rises too short yet to page",
+    (*_JOB, "rank", "metric"),
+)
+STRAGGLER_ACTIVE: Final = _gauge(
+    "straggler_active",
+    "1 while the rank is a straggler (shown on the pages: paging or not yet)",
+    _RANK,
+)
+STRAGGLER_PAGING: Final = _gauge(
+    "straggler_paging",
+    "1 while the rank's straggler finding pages (its alert rule fires): the rank was slow "
+    "in straggler.page_steps of its last straggler.page_window_steps steps",
+    _RANK,
+)
 STRAGGLER_SCORE: Final = _gauge(
     "straggler_score",
     "While the rank is a straggler: its compute time over its peers' median at the same "

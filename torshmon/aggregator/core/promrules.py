@@ -16,8 +16,10 @@ expressions over the series the agents and the aggregator export:
 - increase: ``increase(torshmon_<m>[window]) > v``.
 - nonfinite: ``torshmon_<m> != torshmon_<m>`` (true only for NaN) ``or`` an
   infinite absolute value.
-- anomaly: ``torshmon_anomaly_active{metric="<m>"} > 0``; straggler:
-  ``torshmon_straggler_active > 0``; hang: ``torshmon_hung_collective_age_seconds > 0``;
+- anomaly: ``torshmon_anomaly_paging{metric="<m>"} > 0``; straggler:
+  ``torshmon_straggler_paging > 0`` (``_paging``, not ``_active``: a finding too short
+  yet to page is shown, not alerted, as in torshmon); hang:
+  ``torshmon_hung_collective_age_seconds > 0``;
   slow_link: ``torshmon_slow_link_bandwidth_bytes_per_second > 0`` (exported only
   while the link is found slow, so ``$value`` is the bandwidth, as in torshmon);
   bottleneck: ``torshmon_bottleneck_active{category="<c>"} > 0``.
@@ -86,8 +88,8 @@ _PROM_AGGREGATE: Final[Mapping[str, str]] = {
     "sum": "sum",
 }
 _FINDING_METRIC: Final[Mapping[str, str]] = {
-    "anomaly": catalogue.ANOMALY_ACTIVE.name,
-    "straggler": catalogue.STRAGGLER_ACTIVE.name,
+    "anomaly": catalogue.ANOMALY_PAGING.name,
+    "straggler": catalogue.STRAGGLER_PAGING.name,
     "hang": catalogue.HUNG_COLLECTIVE_AGE_SECONDS.name,
     "slow_link": catalogue.SLOW_LINK_BANDWIDTH_BYTES_PER_SECOND.name,
     "bottleneck": catalogue.BOTTLENECK_ACTIVE.name,
