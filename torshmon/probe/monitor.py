@@ -544,12 +544,13 @@ class Monitor:
             thread_now = self._runqueue.read_ns()
         self._runqueue_end_ns = thread_now
         started = self._runqueue_start_ns
+        # Cumulative clocks, so never negative; no max() call: each call costs in-situ.
         cpu_wait_ns = None
         if started is not None and thread_now is not None:
-            cpu_wait_ns = max(0, thread_now - started)
+            cpu_wait_ns = thread_now - started if thread_now > started else 0
         process_wait_ns = None
         if process_started is not None and process_now is not None:
-            process_wait_ns = max(0, process_now - process_started)
+            process_wait_ns = process_now - process_started if process_now > process_started else 0
         self._in_step = False
         events = self._events
         if self._step_clock is not None and events.marks is not None:
