@@ -33,7 +33,7 @@ shared 2-core machine the difference is within the noise of loaded runs (two run
 about 50 us a step; 12 alternated pairs later, under heavier load: none resolved).
 
 Where a step's cost goes (``--entry-points-only``, the lane arm, on the shared 2-core
-machine: about 190-215 us of the training thread's CPU a step, more as the machine's
+machine: about 180-210 us of the training thread's CPU a step, more as the machine's
 load grows): the three places a step reads a run-queue clock, the last gradient
 (``_on_grad``), the end of backward (``_on_backward_end``: hardly anything else) and
 the step's end (the process clock, about a third of ``_exit_step``), each paying a
