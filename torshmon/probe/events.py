@@ -78,8 +78,8 @@ class RawStep(NamedTuple):
     """A finished step as the training thread hands it to the shipper.
 
     A named tuple, which the training thread builds in one call (``tuple.__new__``,
-    fields in this order): a 17-field dataclass's ``__init__`` cost it about 10 us a
-    step on a loaded core (in-situ, ``benchmarks/probe_cost.py``'s model)."""
+    fields in this order): a 17-field dataclass's ``__init__`` cost it several us a
+    step in the training loop, where the step's compute has evicted the caches."""
 
     step: int
     start_ns: int
