@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.integration.conftest import ReceiverThread
 from torshmon.probe.api import attach
-from torshmon.probe.monitor import Monitor, NullMonitor
+from torshmon.probe.monitor import Monitor, NullMonitor, _host_loss
 
 # -- the step API on a real (one-rank, in-process) gloo group ---------------------------
 
@@ -168,3 +168,22 @@ def test_attach_before_init_process_group_in_a_rank_of_a_job_is_refused(
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="init_process_group"):
         attach(None)
+
+
+# -- the loss as the training thread hands it on ----------------------------------------
+
+
+def test_a_one_element_cpu_loss_is_read_as_a_float_and_any_other_tensor_detached() -> None:
+    weight = torch.tensor([2.0], requires_grad=True)
+    scalar = _host_loss((weight * 1.5).sum())
+    assert type(scalar) is float and scalar == 3.0
+    one = _host_loss(weight * 1.5)  # shape [1]: one element, read as its value
+    assert type(one) is float and one == 3.0
+    integer = _host_loss(torch.tensor(7))
+    assert type(integer) is float and integer == 7.0
+    many = _host_loss(weight.expand(3) * 2.0)
+    assert isinstance(many, torch.Tensor) and many.tolist() == [4.0, 4.0, 4.0]
+    assert many.grad_fn is None and not many.requires_grad
+    empty = _host_loss(torch.zeros(0))
+    assert isinstance(empty, torch.Tensor) and empty.numel() == 0
+    assert _host_loss(0.25) == 0.25 and _host_loss(None) is None

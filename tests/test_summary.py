@@ -127,7 +127,7 @@ def test_a_functional_collective_counts_the_time_its_caller_waited_not_its_whole
 
 def test_input_wait_is_reported_in_seconds_and_stays_out_of_the_step() -> None:
     raw = _raw(StepEvents())
-    raw.input_wait_ns = 250 * MS
+    raw = raw._replace(input_wait_ns=250 * MS)
     record = summarize_step(raw)
     assert record.input_wait_s == pytest.approx(0.25)
     assert record.duration_s == pytest.approx(0.1)
@@ -136,6 +136,6 @@ def test_input_wait_is_reported_in_seconds_and_stays_out_of_the_step() -> None:
 
 def test_cpu_wait_is_reported_in_seconds_and_none_where_unmeasured() -> None:
     raw = _raw(StepEvents())
-    raw.cpu_wait_ns = 30 * MS
+    raw = raw._replace(cpu_wait_ns=30 * MS)
     assert summarize_step(raw).cpu_wait_s == pytest.approx(0.03)
     assert summarize_step(_raw(StepEvents())).cpu_wait_s is None

@@ -126,9 +126,7 @@ def test_while_the_lane_is_shut_a_step_end_wakes_nothing(
 
 def _timed_step(n: int, duration_ms: float, loss: float | None = None) -> RawStep:
     step = _raw_step(n)
-    step.end_ns = step.start_ns + round(duration_ms * 1e6)
-    step.loss = loss
-    return step
+    return step._replace(end_ns=step.start_ns + round(duration_ms * 1e6), loss=loss)
 
 
 @pytest.mark.parametrize(("duration_ms", "loss"), [(50.0, 1.0), (10.0, 9.0), (10.0, float("nan"))])

@@ -6,6 +6,7 @@ records happens on the shipper thread (see ``summary.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -73,9 +74,12 @@ class StepEvents:
     marks: Any = None
 
 
-@dataclass(slots=True)
-class RawStep:
-    """A finished step as the training thread hands it to the shipper."""
+class RawStep(NamedTuple):
+    """A finished step as the training thread hands it to the shipper.
+
+    A named tuple, which the training thread builds in one call (``tuple.__new__``,
+    fields in this order): a 17-field dataclass's ``__init__`` cost it several us a
+    step in the training loop, where the step's compute has evicted the caches."""
 
     step: int
     start_ns: int
@@ -97,6 +101,7 @@ class RawStep:
     process_cpu_wait_ns: int | None = None
     config_version: int = 0
     applied_config: AppliedConfig | None = None
-    config_rejections: list[ConfigRejection] = field(default_factory=list)
+    #: a tuple where none (the summary makes its record's list)
+    config_rejections: Sequence[ConfigRejection] = ()
     #: (allocated, reserved, peak) CUDA bytes at the step's end; None off CUDA
     gpu_memory: tuple[int, int, int] | None = None

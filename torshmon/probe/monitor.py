@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from multiprocessing import util as mp_util
 from typing import Any
 
@@ -62,6 +62,8 @@ _GRAD_CALIBRATION_STEPS = 3
 #: the next start (torshmon's end-of-step work and at most this long) moves to the next
 #: step; none is lost.
 _REUSE_END_READINGS_NS = 200_000
+
+_new_tuple = tuple.__new__
 
 
 class Monitor:
@@ -542,12 +544,13 @@ class Monitor:
             thread_now = self._runqueue.read_ns()
         self._runqueue_end_ns = thread_now
         started = self._runqueue_start_ns
+        # Cumulative clocks, so never negative; no max() call: each call costs in-situ.
         cpu_wait_ns = None
         if started is not None and thread_now is not None:
-            cpu_wait_ns = max(0, thread_now - started)
+            cpu_wait_ns = thread_now - started if thread_now > started else 0
         process_wait_ns = None
         if process_started is not None and process_now is not None:
-            process_wait_ns = max(0, process_now - process_started)
+            process_wait_ns = process_now - process_started if process_now > process_started else 0
         self._in_step = False
         events = self._events
         if self._step_clock is not None and events.marks is not None:
@@ -568,7 +571,7 @@ class Monitor:
             ddp_logging = _torch_compat.ddp_logging_data(self._module)
         reconfig = self._reconfig
         applied: AppliedConfig | None = None
-        rejections: list[ConfigRejection] = []
+        rejections: Sequence[ConfigRejection] = ()
         if reconfig is None:
             config_version = 0
         else:
@@ -579,25 +582,29 @@ class Monitor:
         if self._hook is not None:
             self._hook.measure_error = (step + 1) % self._error_sample_every == 0
         try:
+            # RawStep's fields in order, in one call (its docstring says why).
             self._outbox.put(
-                RawStep(
-                    step=step,
-                    start_ns=self._step_start_ns,
-                    end_ns=end_ns,
-                    end_unix_ns=time.time_ns(),
-                    batch_size=scope.batch_size,
-                    loss=_host_loss(scope.loss),
-                    events=events,
-                    ddp_logging=ddp_logging,
-                    input_wait_ns=self._input_wait_ns,
-                    eval_ns=self._eval_ns,
-                    between_steps_comm_ns=self._between_comm_ns,
-                    cpu_wait_ns=cpu_wait_ns,
-                    process_cpu_wait_ns=process_wait_ns,
-                    config_version=config_version,
-                    applied_config=applied,
-                    config_rejections=rejections,
-                    gpu_memory=cuda_memory(),
+                _new_tuple(
+                    RawStep,
+                    (
+                        step,
+                        self._step_start_ns,
+                        end_ns,
+                        time.time_ns(),
+                        scope.batch_size,
+                        _host_loss(scope.loss),
+                        events,
+                        ddp_logging,
+                        self._input_wait_ns,
+                        self._eval_ns,
+                        self._between_comm_ns,
+                        cpu_wait_ns,
+                        process_wait_ns,
+                        config_version,
+                        applied,
+                        rejections,
+                        cuda_memory(),
+                    ),
                 )
             )
         except Exception:
@@ -633,8 +640,14 @@ def _host_loss(loss: object) -> object:
     thread later so training never waits on a device; a DTensor is never read here
     (its value may take a collective)."""
     if isinstance(loss, torch.Tensor):
-        if type(loss) is torch.Tensor and loss.is_cpu and loss.numel() == 1:
-            return float(loss.item())
+        if type(loss) is torch.Tensor and loss.is_cpu:
+            # item() refuses a tensor of more (or fewer) than one element, which is
+            # then detached: one call fewer in the common case than asking numel().
+            try:
+                value = loss.item()
+            except RuntimeError:
+                return loss.detach()
+            return value if type(value) is float else float(value)
         return loss.detach()
     detach = getattr(loss, "detach", None)
     return detach() if detach is not None else loss

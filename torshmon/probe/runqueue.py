@@ -143,18 +143,22 @@ class ProcessRunQueue:
             self._since_refresh = 0
             self._refresh()
         else:
+            # The training thread reads this at each step's end, with cold caches: the
+            # loop makes as few calls as it can (every active thread has a last reading:
+            # the refresh that made it active took one).
             last = self._last
             total = self._total
             watched = self._watched
+            pread = os.pread
             for tid, fd in self._active:
                 try:
-                    delay = int(os.pread(fd, 96, 0).split()[1])
+                    delay = int(pread(fd, 96, 0).split()[1])
                 except (OSError, IndexError, ValueError):
                     continue  # ended: the next refresh forgets it
-                before = last.get(tid)
-                if before is not None and delay > before:
+                before = last[tid]
+                if delay > before:
                     total += delay - before
-                last[tid] = delay
+                    last[tid] = delay
                 if tid == watched:
                     self.watched_ns = delay
             self._total = total
