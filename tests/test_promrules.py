@@ -361,8 +361,8 @@ LABEL_VALUES = {
 }
 #: The metric each finding kind's rule reads in Prometheus.
 FINDING_METRICS = {
-    "anomaly": catalogue.ANOMALY_ACTIVE,
-    "straggler": catalogue.STRAGGLER_ACTIVE,
+    "anomaly": catalogue.ANOMALY_PAGING,
+    "straggler": catalogue.STRAGGLER_PAGING,
     "hang": catalogue.HUNG_COLLECTIVE_AGE_SECONDS,
     "slow_link": catalogue.SLOW_LINK_BANDWIDTH_BYTES_PER_SECOND,
     "bottleneck": catalogue.BOTTLENECK_ACTIVE,
