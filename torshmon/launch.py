@@ -255,8 +255,22 @@ def _rank_main(
         )
         try:
             value = target(rank, world_size, *args)
-        finally:
+        except BaseException:
             dist.destroy_process_group()
-        results.put((rank, True, value))
+            raise
     except BaseException:
         results.put((rank, False, f"rank {rank} failed:\n{traceback.format_exc()}"))
+        return
+    # The result first, flushed to the parent, then the group's teardown: gloo's can
+    # abort the process once in a while (std::system_error "Resource deadlock avoided",
+    # a group's last reference dropped on one of its own threads; seen once in a CI run
+    # of a 4-rank job: ranks 1 and 3 died with no result while 0 and 2, whose last
+    # collectives needed them, returned theirs), and a rank that finished its work must
+    # not lose it to torch's teardown. run_ranks still waits for every rank to exit.
+    results.put((rank, True, value))
+    results.close()
+    results.join_thread()
+    try:
+        dist.destroy_process_group()
+    except Exception:  # the work is delivered; say what went wrong, on stderr
+        traceback.print_exc()
