@@ -24,6 +24,17 @@ Usage::
     python benchmarks/probe_cost.py                  # small model, ~1 min
     python benchmarks/probe_cost.py --model mlp --steps 300     # ~1 min
     python benchmarks/probe_cost.py --quick --entry-points-only  # no nested timers
+    # the default probe, its run-queue clocks off, and the timers' own cost beside them
+    python benchmarks/probe_cost.py --entry-points-only --arms lane no_runqueue --calibrate
+
+Arms (``--arms``): ``lane`` (the default probe), ``lane_shut`` (``fast_lane=False``),
+``no_runqueue`` (``cpu_wait=False``: no run-queue clock read). ``--calibrate`` adds
+``timers``: the default probe, each entry point run untimed right after a timed no-op in
+its place. Its figure is what the timers themselves cost in the training loop, where
+the step's compute has evicted their path from the caches (about 30 us a step on the
+shared 2-core box, against 1.7 us a call in a tight loop), and each arm's figure less it
+is printed beside it: the probe's own cost, as near as this method gets (the entry
+point's first system call, warm after the timer's, is the part it may understate).
 
 The parts' timers sit inside the entry points' and their four clock reads a call (two
 of them system calls: the thread's CPU clock) count in the entry points' CPU time, 5
@@ -72,7 +83,17 @@ from torshmon.probe import monitor as monitor_module
 from torshmon.probe import runqueue
 from torshmon.wire import Batch, ProbeMessage
 
-ARMS = ("lane", "lane_shut")
+#: Each arm's ``attach`` options: the default probe, its lane forced shut, its run-queue
+#: clocks off (``cpu_wait=False``), and ``timers``: the default probe with each entry point
+#: run untimed right after a timed no-op in its place, so the timers' own cost in the
+#: training loop (cold caches included) is measured where the other arms pay it.
+ARM_OPTIONS: dict[str, dict[str, bool]] = {
+    "lane": {"fast_lane": True, "cpu_wait": True},
+    "lane_shut": {"fast_lane": False, "cpu_wait": True},
+    "no_runqueue": {"fast_lane": True, "cpu_wait": False},
+    "timers": {"fast_lane": True, "cpu_wait": True},
+}
+DEFAULT_ARMS = ("lane", "lane_shut")
 
 #: The probe's entry points on the training thread: what a step pays in all.
 ENTRY_POINTS = (
@@ -114,11 +135,28 @@ def wrapper_cost_us(calls: int = 20_000) -> float:
     return cost
 
 
+#: Whether the entry points run untimed after a timed no-op (the ``timers`` arm).
+_NOOP_TIMED = [False]
+
+
+def _timed_or_noop(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    timed, noop = _timed(name, function), _timed(name, lambda: None)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _NOOP_TIMED[0]:
+            noop()
+            return function(*args, **kwargs)
+        return timed(*args, **kwargs)
+
+    return wrapper
+
+
 def _instrument(*, parts: bool) -> None:
     """Wrap the probe's entry points, and with ``parts`` the parts inside them (before
     ``attach``, which binds the hooks)."""
     for name in ENTRY_POINTS:
-        setattr(monitor_module.Monitor, name, _timed(name, getattr(monitor_module.Monitor, name)))
+        original = getattr(monitor_module.Monitor, name)
+        setattr(monitor_module.Monitor, name, _timed_or_noop(name, original))
     if not parts:
         return
     name = "_sync_config"
@@ -139,6 +177,7 @@ class Plan:
     rounds: int
     agent_socket: str
     parts: bool = True
+    arms: tuple[str, ...] = DEFAULT_ARMS
 
 
 def _shipper_cpu_s() -> float:
@@ -148,9 +187,9 @@ def _shipper_cpu_s() -> float:
     raise RuntimeError("no shipper thread")
 
 
-def _rotated(round_index: int) -> Iterator[str]:
-    shift = round_index % len(ARMS)
-    yield from ARMS[shift:] + ARMS[:shift]
+def _rotated(arms: tuple[str, ...], round_index: int) -> Iterator[str]:
+    shift = round_index % len(arms)
+    yield from arms[shift:] + arms[:shift]
 
 
 def rank_main(rank: int, world_size: int, plan: Plan) -> dict[str, Any]:
@@ -160,18 +199,15 @@ def rank_main(rank: int, world_size: int, plan: Plan) -> dict[str, Any]:
     spec = overhead.MODELS[plan.model]
     x, y = overhead._batch(spec, seed=1 + rank)
     out: dict[str, Any] = {
-        arm: {"calls": collections.defaultdict(list), "shipper_s": []} for arm in ARMS
+        arm: {"calls": collections.defaultdict(list), "shipper_s": []} for arm in plan.arms
     }
     for round_index in range(plan.rounds):
-        for arm in _rotated(round_index):
+        for arm in _rotated(plan.arms, round_index):
             ddp, optimizer = overhead._build(spec, seed=0)
             dist.barrier()
+            _NOOP_TIMED[0] = arm == "timers"
             mon = torshmon.attach(
-                ddp,
-                job=f"cost-{arm}",
-                agent_socket=plan.agent_socket,
-                fast_lane=arm == "lane",
-                cpu_wait=True,
+                ddp, job=f"cost-{arm}", agent_socket=plan.agent_socket, **ARM_OPTIONS[arm]
             )
             step = overhead._train_step(ddp, optimizer, x, y)
             for index in range(20 + plan.steps):
@@ -185,7 +221,7 @@ def rank_main(rank: int, world_size: int, plan: Plan) -> dict[str, Any]:
             for name, timed in _CALLS.items():
                 out[arm]["calls"][name].extend(timed)
             mon.close()
-    for arm in ARMS:
+    for arm in plan.arms:
         out[arm]["calls"] = dict(out[arm]["calls"])
     return out
 
@@ -213,8 +249,9 @@ def summarize(results: list[dict[str, Any]], plan: Plan, counter: UrgentCounter)
         "rounds": plan.rounds,
         "parts_timed": plan.parts,
         "wrapper_cost_us": wrapper_cost_us(),
+        "arms": list(plan.arms),
     }
-    for arm in ARMS:
+    for arm in plan.arms:
         ranks = []
         for result in results:
             calls = result[arm]["calls"]
@@ -242,12 +279,20 @@ def summarize(results: list[dict[str, Any]], plan: Plan, counter: UrgentCounter)
             if counter.steps[job]
             else None,
         }
+    if "timers" in plan.arms:
+        # Each arm's figure less what the timers cost where it paid them, per rank.
+        timers = summary["timers"]["ranks"]
+        for arm in plan.arms:
+            for rank, own in zip(summary[arm]["ranks"], timers, strict=True):
+                rank["less_timers_cpu_us_per_step"] = (
+                    rank["training_thread_cpu_us_per_step"] - own["training_thread_cpu_us_per_step"]
+                )
     return summary
 
 
 def print_summary(summary: dict[str, Any]) -> None:
     names = (*ENTRY_POINTS, *PARTS) if summary["parts_timed"] else ENTRY_POINTS
-    for arm in ARMS:
+    for arm in summary["arms"]:
         rows = [(name, [r["parts"][name] for r in summary[arm]["ranks"]]) for name in names]
         print(
             f"\n{arm} ({summary['model']}, {summary['steps']} steps x {summary['rounds']}"
@@ -278,6 +323,11 @@ def print_summary(summary: dict[str, Any]) -> None:
             + " | ".join(f"{r['shipper_cpu_us_per_step']:.1f}" for r in ranks)
             + f"; steps sent urgent: {summary[arm]['urgent_share']:.2f}"
         )
+        if "less_timers_cpu_us_per_step" in ranks[0] and arm != "timers":
+            print(
+                "the same less the timers' own cost (the timers arm), us/step: "
+                + " | ".join(f"{r['less_timers_cpu_us_per_step']:.1f}" for r in ranks)
+            )
     print(
         "\nthe timing wrapper's own cost, in a tight loop: "
         f"{summary['wrapper_cost_us']:.2f} us a call"
@@ -296,7 +346,22 @@ def main(argv: list[str] | None = None) -> int:
         help="time the entry points alone: the parts' timers, nested in them, add their own "
         "clock reads to the entry points' CPU time",
     )
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        choices=sorted(ARM_OPTIONS),
+        default=list(DEFAULT_ARMS),
+        help="the arms to alternate (default: lane lane_shut)",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="add the timers arm and print each arm's figure less the timers' own cost",
+    )
     args = parser.parse_args(argv)
+    arms = tuple(dict.fromkeys([*args.arms, *(["timers"] if args.calibrate else [])]))
+    if args.calibrate and args.entry_points_only is False:
+        parser.error("--calibrate needs --entry-points-only (the parts' timers are not calibrated)")
     args.steps = args.steps or (200 if args.quick else 1000)
     args.rounds = args.rounds or (1 if args.quick else 2)
     if args.steps < 1 or args.rounds < 1:
@@ -309,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             args.rounds,
             str(Path(tmp) / "agent.sock"),
             parts=not args.entry_points_only,
+            arms=arms,
         )
         with ThreadedReceiver(plan.agent_socket, on_message=counter):
             results = run_ranks(rank_main, overhead.WORLD_SIZE, plan, timeout_s=3600)

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.benchmark_loader import BENCHMARKS
 
 
@@ -52,6 +54,11 @@ def test_entry_points_only_times_no_part_inside_them() -> None:
             "--rounds",
             "1",
             "--entry-points-only",
+            "--arms",
+            "lane",
+            "lane_shut",
+            "no_runqueue",
+            "--calibrate",
         ],
         capture_output=True,
         text=True,
@@ -60,10 +67,18 @@ def test_entry_points_only_times_no_part_inside_them() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["parts_timed"] is False
-    for arm in ("lane", "lane_shut"):
-        for rank in summary[arm]["ranks"]:
+    assert summary["arms"] == ["lane", "lane_shut", "no_runqueue", "timers"]
+    timers = summary["timers"]["ranks"]
+    for arm in summary["arms"]:
+        for rank, own in zip(summary[arm]["ranks"], timers, strict=True):
             parts = rank["parts"]
             assert parts["_exit_step"]["calls_per_step"] == 1.0
             assert parts["thread run-queue clock"]["calls_per_step"] == 0.0
             assert parts["_sync_config"]["calls_per_step"] == 0.0
+            # Each arm's figure less the timers arm's, rank by rank.
+            assert rank["less_timers_cpu_us_per_step"] == pytest.approx(
+                rank["training_thread_cpu_us_per_step"] - own["training_thread_cpu_us_per_step"]
+            )
     assert "run-queue clock" not in done.stdout.split("{")[0]
+    table = done.stdout.split("{")[0]
+    assert table.count("the same less the timers' own cost") == 3  # not for timers itself
