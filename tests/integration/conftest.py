@@ -61,7 +61,16 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _ranks_from_a_forkserver() -> None:
+def _ranks_from_a_forkserver() -> Iterator[None]:
     """Tests launch ranks about ninety times: fork them from one server that imported
-    torch, about a second each instead of 25-30 s of fresh imports (torshmon.launch)."""
-    use_forkserver()
+    torch, about a second each instead of 25-30 s of fresh imports (torshmon.launch).
+
+    The session's ranks run one torch thread each (``OMP_NUM_THREADS=1``, as the server
+    imports torch): the tests whose ranks ask for it (a framework's, the Flight
+    Recorder's, the load tests') then fork too, where a value that differed from the
+    server's would make their every launch a fresh interpreter; and two or more ranks
+    on two cores gain nothing from more."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        use_forkserver()
+        yield
