@@ -31,8 +31,8 @@ Arms (``--arms``): ``lane`` (the default probe), ``lane_shut`` (``fast_lane=Fals
 ``no_runqueue`` (``cpu_wait=False``: no run-queue clock read). ``--calibrate`` adds
 ``timers``: the default probe, each entry point run untimed right after a timed no-op in
 its place. Its figure is what the timers themselves cost in the training loop, where
-the step's compute has evicted their path from the caches (about 30 us a step on the
-shared 2-core box, against 1.7 us a call in a tight loop), and each arm's figure less it
+the step's compute has evicted their path from the caches (30-37 us a step on the
+shared 2-core box, against 1.7-2.5 us a call in a tight loop), and each arm's figure less it
 is printed beside it: the probe's own cost, as near as this method gets (the entry
 point's first system call, warm after the timer's, is the part it may understate).
 
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     arms = tuple(dict.fromkeys([*args.arms, *(["timers"] if args.calibrate else [])]))
-    if args.calibrate and args.entry_points_only is False:
+    if args.calibrate and not args.entry_points_only:
         parser.error("--calibrate needs --entry-points-only (the parts' timers are not calibrated)")
     args.steps = args.steps or (200 if args.quick else 1000)
     args.rounds = args.rounds or (1 if args.quick else 2)
