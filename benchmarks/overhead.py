@@ -9,14 +9,13 @@ One run interleaves four configurations in every rank process:
   through torshmon's Python comm hook);
 - ``profiler``: DDP inside ``torch.profiler.profile(activities=[CPU])``.
 
-With ``--ablate``, three more, the ``probe`` config less some of its parts through
+With ``--ablate``, two more, the ``probe`` config with one part changed through
 ``attach``'s options, so a run says what each part costs in step time (the probe's CPU
 time per part, which says less about step time than one would think, is
 ``probe_cost.py``'s):
 
 - ``probe_lane_shut``: ``fast_lane=False`` (steps go only at each flush);
-- ``probe_no_runqueue``: ``cpu_wait=False`` (no reads of schedstat files);
-- ``probe_lean``: both.
+- ``probe_runqueue``: ``cpu_wait=True`` (the run-queue clocks read: schedstat files).
 
 on two models: ``small`` (many small parameters, 40 DDP buckets per step, the
 worst case for per-collective cost) and ``mlp`` (~7.3 M float32 parameters,
@@ -73,12 +72,12 @@ from torshmon.wire import Batch, ProbeMessage
 CONFIGS: tuple[str, ...] = ("bare", "probe", "probe_buckets", "profiler")
 #: ``probe``'s options: attach's defaults, passed so $TORSHMON_FAST_LANE / $TORSHMON_CPU_WAIT
 #: in the environment cannot turn the measured probe into a leaner one.
-PROBE_OPTIONS: dict[str, bool] = {"fast_lane": True, "cpu_wait": True}
-#: ``--ablate``'s configs: ``probe`` less some parts, by ``attach``'s options (module docstring).
+PROBE_OPTIONS: dict[str, bool] = {"fast_lane": True, "cpu_wait": False}
+#: ``--ablate``'s configs: ``probe`` with one part changed by ``attach``'s options (module
+#: docstring).
 ABLATIONS: dict[str, dict[str, bool]] = {
     "probe_lane_shut": {"fast_lane": False},
-    "probe_no_runqueue": {"cpu_wait": False},
-    "probe_lean": {"fast_lane": False, "cpu_wait": False},
+    "probe_runqueue": {"cpu_wait": True},
 }
 WORLD_SIZE = 2
 #: ``--pin``: ``rank``, each rank's threads to core ``rank`` (the probe's threads with

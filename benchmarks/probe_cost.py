@@ -24,11 +24,11 @@ Usage::
     python benchmarks/probe_cost.py                  # small model, ~1 min
     python benchmarks/probe_cost.py --model mlp --steps 300     # ~1 min
     python benchmarks/probe_cost.py --quick --entry-points-only  # no nested timers
-    # the default probe, its run-queue clocks off, and the timers' own cost beside them
-    python benchmarks/probe_cost.py --entry-points-only --arms lane no_runqueue --calibrate
+    # the default probe, its run-queue clocks on, and the timers' own cost beside them
+    python benchmarks/probe_cost.py --entry-points-only --arms lane runqueue --calibrate
 
 Arms (``--arms``): ``lane`` (the default probe), ``lane_shut`` (``fast_lane=False``),
-``no_runqueue`` (``cpu_wait=False``: no run-queue clock read). ``--calibrate`` adds
+``runqueue`` (``cpu_wait=True``: the run-queue clocks read). ``--calibrate`` adds
 ``timers``: the default probe, each entry point run untimed right after a timed no-op in
 its place. Its figure is what the timers themselves cost in the training loop, where
 the step's compute has evicted their path from the caches (30-37 us a step on the
@@ -83,17 +83,18 @@ from torshmon.probe import monitor as monitor_module
 from torshmon.probe import runqueue
 from torshmon.wire import Batch, ProbeMessage
 
-#: Each arm's ``attach`` options: the default probe, its lane forced shut, its run-queue
-#: clocks off (``cpu_wait=False``), and ``timers``: the default probe with each entry point
-#: run untimed right after a timed no-op in its place, so the timers' own cost in the
-#: training loop (cold caches included) is measured where the other arms pay it.
+#: Each arm's ``attach`` options: the default probe, its lane forced shut, the default
+#: with its run-queue clocks on (``cpu_wait=True``), and ``timers``: the default probe with
+#: each entry point run untimed right after a timed no-op in its place, so the timers' own
+#: cost in the training loop (cold caches included) is measured where the other arms pay
+#: it. All passed in full, so $TORSHMON_FAST_LANE / $TORSHMON_CPU_WAIT cannot change an arm.
 ARM_OPTIONS: dict[str, dict[str, bool]] = {
-    "lane": {"fast_lane": True, "cpu_wait": True},
-    "lane_shut": {"fast_lane": False, "cpu_wait": True},
-    "no_runqueue": {"fast_lane": True, "cpu_wait": False},
-    "timers": {"fast_lane": True, "cpu_wait": True},
+    "lane": {"fast_lane": True, "cpu_wait": False},
+    "lane_shut": {"fast_lane": False, "cpu_wait": False},
+    "runqueue": {"fast_lane": True, "cpu_wait": True},
+    "timers": {"fast_lane": True, "cpu_wait": False},
 }
-DEFAULT_ARMS = ("lane", "lane_shut")
+DEFAULT_ARMS = ("lane", "lane_shut", "runqueue")
 
 #: The probe's entry points on the training thread: what a step pays in all.
 ENTRY_POINTS = (
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=sorted(ARM_OPTIONS),
         default=list(DEFAULT_ARMS),
-        help="the arms to alternate (default: lane lane_shut)",
+        help="the arms to alternate (default: lane lane_shut runqueue)",
     )
     parser.add_argument(
         "--calibrate",

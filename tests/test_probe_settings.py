@@ -42,7 +42,7 @@ SAMPLES: dict[str, tuple[str, object, object]] = {
     "error_sample_every": ("11", 11, 13),
     "bucket_timing": ("yes", True, False),
     "fast_lane": ("off", False, True),
-    "cpu_wait": ("0", False, True),
+    "cpu_wait": ("1", True, False),
 }
 
 

@@ -297,7 +297,7 @@ os.sched_setaffinity(0, {0})
 HOG = "import os\\nos.sched_setaffinity(0, {0})\\nwhile True: pass"
 hog = subprocess.Popen([sys.executable, "-c", HOG])
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-mon = torshmon.attach(None, job="rq", agent_socket=sys.argv[1])
+mon = torshmon.attach(None, job="rq", agent_socket=sys.argv[1], cpu_wait=True)
 raws = []
 values = []  # every reading of the probe's process clock, in order
 ends = []  # how many readings there were at each step's end (both clocks read by then)

@@ -1,7 +1,8 @@
-"""``attach(fast_lane=False, cpu_wait=False)`` in real 2-rank gloo DDP jobs: what each
+"""``attach(fast_lane=..., cpu_wait=...)`` in real 2-rank gloo DDP jobs: what each
 option leaves out is gone (no urgent send, no run-queue reading, no schedstat file
-open), and the rest of every record is there; by default both are there. The same
-from ``$TORSHMON_FAST_LANE`` / ``$TORSHMON_CPU_WAIT`` where the script passes neither."""
+open), and the rest of every record is there; by default the lane is open and the
+run-queue clocks are off. The same from ``$TORSHMON_FAST_LANE`` / ``$TORSHMON_CPU_WAIT``
+where the script passes neither."""
 
 from __future__ import annotations
 
@@ -58,22 +59,23 @@ def _train(rank: int, world: int, sock: str, job: str, options: dict[str, bool])
     return open_files
 
 
-OFF_BY_ENV = {"TORSHMON_FAST_LANE": "off", "TORSHMON_CPU_WAIT": "0"}
+#: An operator's word for every rank, the opposite of both defaults.
+FLIPPED_BY_ENV = {"TORSHMON_FAST_LANE": "off", "TORSHMON_CPU_WAIT": "1"}
 
 
 @pytest.mark.parametrize(
     ("options", "env", "lane", "cpu_wait"),
     [
-        ({}, {}, True, True),
-        ({"fast_lane": False}, {}, False, True),
-        ({"cpu_wait": False}, {}, True, False),
-        ({"fast_lane": False, "cpu_wait": False}, {}, False, False),
+        ({}, {}, True, False),
+        ({"fast_lane": False}, {}, False, False),
+        ({"cpu_wait": True}, {}, True, True),
+        ({"fast_lane": False, "cpu_wait": True}, {}, False, True),
         # An operator's word under torchrun, the script unchanged...
-        ({}, OFF_BY_ENV, False, False),
+        ({}, FLIPPED_BY_ENV, False, True),
         # ...which the script's own word overrides.
-        ({"fast_lane": True}, OFF_BY_ENV, True, False),
+        ({"fast_lane": True, "cpu_wait": False}, FLIPPED_BY_ENV, True, False),
     ],
-    ids=["default", "no-lane", "no-cpu-wait", "lean", "lean-by-env", "lane-by-code"],
+    ids=["default", "no-lane", "cpu-wait", "no-lane-cpu-wait", "flipped-by-env", "code-wins"],
 )
 def test_each_option_takes_out_its_part_and_nothing_else(
     receiver: ReceiverThread,
@@ -83,7 +85,7 @@ def test_each_option_takes_out_its_part_and_nothing_else(
     lane: bool,
     cpu_wait: bool,
 ) -> None:
-    for name in OFF_BY_ENV:
+    for name in FLIPPED_BY_ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)  # the ranks inherit it
