@@ -9,12 +9,12 @@ Each rank (one per GPU, NCCL, ``TORCH_NCCL_ENABLE_TIMING=1``) runs two workloads
   ``torch.profiler`` (CPU + CUDA) with the probe attached: the sum of torshmon's
   collective durations for those steps is compared with the sum of the NCCL kernels'
   durations the profiler recorded (target: within 10%).
-- ``ddp``: a DDP MLP, rounds of ``bare``, ``probe`` and ``probe_lean`` (``attach``'s
-  ``fast_lane=False, cpu_wait=False``) interleaved (rotated), timed with
-  ``torch.cuda.synchronize()`` at each round's end: the probe's overhead ratio, and the
-  lean probe's. On two shared CPU cores the two options cost 1-4 % of a 10 ms step
-  (``overhead.py --ablate``); where each rank has cores to spare they should cost
-  next to nothing, which this says.
+- ``ddp``: a DDP MLP, rounds of ``bare``, ``probe`` (``attach``'s defaults: the run-queue
+  clocks off) and ``probe_lean`` (``fast_lane=False`` too) interleaved (rotated), timed
+  with ``torch.cuda.synchronize()`` at each round's end: the probe's overhead ratio, and
+  the lean probe's. On two shared CPU cores the fast lane costs 0-2.4 % of a 10 ms step
+  (``overhead.py --ablate``); where each rank has cores to spare it should cost next to
+  nothing, which this says.
 
 The probe ships its records to a real ``ProbeReceiver`` in this process. The last
 line of stdout is one JSON object. ``--backend gloo --device cpu`` runs the same
@@ -163,7 +163,8 @@ def _collectives_window(
 #: The ``ddp`` workload's arms, and each probe arm's ``attach`` options.
 ARMS: dict[str, dict[str, bool] | None] = {
     "bare": None,
-    "probe": {"fast_lane": True, "cpu_wait": True},  # whatever the environment says
+    # attach's defaults, passed in full: the environment cannot change an arm
+    "probe": {"fast_lane": True, "cpu_wait": False},
     "probe_lean": {"fast_lane": False, "cpu_wait": False},
 }
 

@@ -1,8 +1,9 @@
 """Where the probe's cost goes on a real 2-rank gloo DDP job, part by part.
 
 ``overhead.py`` says how much slower a step is with the probe; this script says what
-the probe spends, per step and rank, on each of its paths, with the fast lane as it is
-and forced shut, alternated in one run on the same job (``overhead.py``'s models and
+the probe spends, per step and rank, on each of its paths, as it is by default, with its
+fast lane forced shut and with its run-queue clocks on, alternated in one run on the same
+job (``overhead.py``'s models and
 steps, one core per rank):
 
 - the training thread: each of the probe's entry points (step enter and exit, the
@@ -43,17 +44,18 @@ not printed); the default keeps them, so its figure compares with earlier runs. 
 shared 2-core machine the difference is within the noise of loaded runs (two runs:
 about 50 us a step; 12 alternated pairs later, under heavier load: none resolved).
 
-Where a step's cost goes (``--entry-points-only``, the lane arm, on the shared 2-core
-machine: about 180-210 us of the training thread's CPU a step, more as the machine's
-load grows): the three places a step reads a run-queue clock, the last gradient
-(``_on_grad``), the end of backward (``_on_backward_end``: hardly anything else) and
-the step's end (the process clock, about a third of ``_exit_step``), each paying a
-system call on caches the step's compute has evicted (``runqueue.py``); the default
-mode's parts rows show them. The rest is Python, which in the training loop costs
-several times what it does in a tight loop: every call and object counts (reading the
-loss, building the step's record, the in-flight entry and backward-end callback that
-the last gradient queues). The timers' own thread-CPU reads (a system call each, two a
-call) count too: the forward hooks' few us a step are mostly theirs.
+Where a step's cost goes (``--entry-points-only``, on the shared 2-core machine, less the
+timers): the default probe about 85 us of the training thread's CPU a step, more as the
+machine's load grows; the ``runqueue`` arm 150-170: the three places a step reads a
+run-queue clock, the last gradient (``_on_grad``), the end of backward
+(``_on_backward_end``: hardly anything else) and the step's end (the process clock,
+about a third of ``_exit_step``), each paying a system call on caches the step's compute
+has evicted (``runqueue.py``); the default mode's parts rows show them. The rest is
+Python, which in the training loop costs several times what it does in a tight loop:
+every call and object counts (reading the loss, building the step's record, the
+in-flight entry and backward-end callback that the last gradient queues). The timers'
+own thread-CPU reads (a system call each, two a call) count too: the forward hooks' few
+us a step are mostly theirs.
 """
 
 from __future__ import annotations
