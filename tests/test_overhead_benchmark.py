@@ -94,12 +94,12 @@ def _quick_small_round(
     return done, json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_ablations_run_the_probe_less_their_part(bench: ModuleType) -> None:
+def test_the_ablations_run_the_probe_with_their_part_changed(bench: ModuleType) -> None:
     """``--ablate``: a real 2-rank round of every config, the ablations among them:
     the shut lane's records all come at a flush, the run-queue ones carry a run-queue
-    reading, and the probe's own are sent urgent when out of line and carry none, as
-    attach's defaults say (even with the environment saying otherwise: the benchmark
-    measures the defaults); none of their records is lost."""
+    reading, and the probe's own carry none, as attach's default says (even with the
+    environment saying otherwise: the benchmark measures the defaults); none of their
+    records is lost."""
     assert bench.parse_args(["--ablate"]).ablate and not bench.parse_args([]).ablate
     configs = (*bench.CONFIGS, *bench.ABLATIONS)
     assert sorted(bench.rotation(1, configs)) == sorted(configs)

@@ -13,7 +13,7 @@ import pytest
 from tests.benchmark_loader import BENCHMARKS
 
 
-def test_a_short_run_reports_every_part_of_both_arms() -> None:
+def test_a_short_run_reports_every_part_of_every_arm() -> None:
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "probe_cost.py"), "--steps", "20", "--rounds", "1"],
         capture_output=True,
